@@ -1,0 +1,19 @@
+"""regiontrace: trace tensor conversion code as an exact, compact index mapping.
+
+Run conversion code on :class:`RegionTensor` stand-ins for checkpoint tensors; the result records where
+every output element comes from and compiles, for any box of the output, into :class:`RemapBlock` copies.
+"""
+
+from .blocks import RemapBlock, compile_blocks
+from .errors import TraceMismatch, Untraceable
+from .execute import execute_blocks, materialize
+from .explain import explain, to_networkx
+from .region import PIECE_BUDGET, Region
+from .tensor import RegionTensor
+from .trace import trace
+
+__all__ = [
+    "PIECE_BUDGET", "Region", "RegionTensor", "RemapBlock", "TraceMismatch", "Untraceable", "compile_blocks",
+    "execute_blocks", "explain", "materialize", "to_networkx", "trace",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,72 @@
+"""Executing RemapBlocks: strided copies from real source tensors into an output box."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from .blocks import RemapBlock
+
+
+def source_view(block: RemapBlock, source: torch.Tensor) -> torch.Tensor:
+    """The strided view of ``source`` (C-contiguous, the block's source shape) that ``block`` reads."""
+    if tuple(source.shape) != block.source_shape:
+        raise ValueError(
+            f"source {block.source!r} has shape {tuple(source.shape)}, the block expects {block.source_shape}"
+        )
+    src = source.contiguous()
+    flips = [j for j, s in enumerate(block.src_strides) if s < 0]
+    offset = block.src_offset + sum((block.shape[j] - 1) * block.src_strides[j] for j in flips)
+    view = torch.as_strided(src, block.shape, [abs(s) for s in block.src_strides], src.storage_offset() + offset)
+    return view.flip(flips) if flips else view
+
+
+def dest_view(block: RemapBlock, out: torch.Tensor) -> torch.Tensor:
+    """The strided view of the box-shaped ``out`` that ``block`` writes."""
+    strides = [step * out.stride(d) for d, step in zip(block.dst_dims, block.dst_steps)]
+    offset = out.storage_offset() + sum(o * s for o, s in zip(block.dst_offset, out.stride()))
+    return torch.as_strided(out, block.shape, strides, offset)
+
+
+def apply_casts(view: torch.Tensor, casts: Iterable[torch.dtype]) -> torch.Tensor:
+    for dtype in casts:
+        view = view.to(dtype)
+    return view
+
+
+def execute_blocks(blocks: Iterable[RemapBlock], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (the compiled box's shape, box-local) from real source tensors.
+
+    Args:
+        blocks: blocks compiled for one box.
+        sources: real tensors by source name, in the shapes the blocks expect.
+        out: destination tensor of the box's shape (any strides).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        KeyError: a source is missing. ValueError: a source has the wrong shape.
+    """
+    for block in blocks:
+        if block.source not in sources:
+            raise KeyError(f"no tensor given for source {block.source!r}")
+        view = apply_casts(source_view(block, sources[block.source]), block.casts)
+        dest_view(block, out).copy_(view)
+    return out
+
+
+def materialize(tensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:  # noqa: ANN001
+    """Build the real tensor a RegionTensor stands for, from real sources.
+
+    Args:
+        tensor: a RegionTensor.
+        sources: real tensors by source name.
+
+    Returns:
+        A new contiguous CPU tensor equal to running the traced code on ``sources``.
+    """
+    device = next((s.device for s in sources.values()), torch.device("cpu"))
+    out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
+    return execute_blocks(tensor.remap_blocks(), sources, out)

@@ -1,0 +1,615 @@
+"""The index map behind a RegionTensor: a partition of the output into pieces of factored affine maps.
+
+Vocabulary (used identically in code, docstrings and docs):
+
+- **source**: a named checkpoint tensor, read as C-contiguous; a *source offset* is a flat element index.
+- **factor** ``(radix, lo, hi, stride)``: one digit of a mixed-radix decomposition. A coordinate's digit
+  must lie in ``[lo, hi)`` (the *coverage*) and contributes ``(digit - lo) * stride`` to the source offset.
+- **axis** ``(start, factors)``: one output dim of a piece. It spans the interval
+  ``[start, start + prod(radix))`` of the output dim; ``y - start`` is decomposed exactly over the radices
+  (major first). Coverage per factor lets a piece cover an *interleaved* set (e.g. every other row).
+- **piece**: a source, a *base* source offset (every digit at its ``lo``), one axis per output dim, and a
+  chain of value casts. The pieces of a region partition its output.
+- **box**: half-open ``(start, stop)`` per output dim.
+
+Every op below is a short pure function ``Region -> Region``; :func:`normalize_axis` is the one normal
+form applied after every op. Pieces only split where an exact affine description demands it, and never
+beyond :data:`PIECE_BUDGET`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .errors import Untraceable
+
+#: Upper bound on the pieces a single op may produce; beyond it tracing raises :class:`Untraceable`.
+PIECE_BUDGET = 1 << 16
+
+
+class Source(NamedTuple):
+    """A named checkpoint tensor that pieces read from (C-contiguous)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Factor(NamedTuple):
+    """One mixed-radix digit: coverage ``[lo, hi)`` of ``[0, radix)``, source ``stride`` per digit."""
+
+    radix: int
+    lo: int
+    hi: int
+    stride: int
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """One output dim of a piece: the interval ``[start, start + length)`` and its factors (major first)."""
+
+    start: int
+    factors: tuple[Factor, ...]
+
+    @property
+    def length(self) -> int:
+        return math.prod(f.radix for f in self.factors)
+
+    @property
+    def radices(self) -> tuple[int, ...]:
+        return tuple(f.radix for f in self.factors)
+
+    def shifted(self, by: int) -> Axis:
+        return Axis(self.start + by, self.factors)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A box-like part of the output read from one source through a factored affine map."""
+
+    source: Source
+    base: int
+    axes: tuple[Axis, ...]
+    casts: tuple[torch.dtype, ...] = ()
+
+    def with_axes(self, axes: Sequence[Axis], delta: int = 0) -> Piece:
+        return Piece(self.source, self.base + delta, tuple(axes), self.casts)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """The whole index map: output shape and the pieces that partition it."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @staticmethod
+    def leaf(source: Source) -> Region:
+        shape = tuple(source.shape)
+        if math.prod(shape) == 0:
+            return Region(shape, ())
+        strides = _contiguous_strides(shape)
+        axes = tuple(normalize_axis(Axis(0, (Factor(n, 0, n, s),))) for n, s in zip(shape, strides))
+        return Region(shape, (Piece(source, 0, axes),))
+
+
+# ---------------------------------------------------------------------------------------------------
+# normal form
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _merge_pair(a: Factor, b: Factor) -> Factor | None:
+    """Merge major factor ``a`` with minor factor ``b`` when the pair is one affine digit."""
+    if b.lo == 0 and b.hi == b.radix and a.stride == b.stride * b.radix:
+        return Factor(a.radix * b.radix, a.lo * b.radix, a.hi * b.radix, b.stride)
+    if a.hi - a.lo == 1:
+        return Factor(a.radix * b.radix, a.lo * b.radix + b.lo, a.lo * b.radix + b.hi, b.stride)
+    return None
+
+
+def normalize_axis(axis: Axis) -> Axis | None:
+    """The normal form of an axis, or None when it covers nothing.
+
+    Drops radix-1 factors, merges adjacent factors that form one affine digit, and shrinks the interval
+    so the leading factor is fully covered. A single-digit coverage gets stride 0 (its stride is unused).
+    """
+    stack: list[Factor] = []
+    for f in axis.factors:
+        if f.hi <= f.lo:
+            return None
+        if f.radix == 1:
+            continue
+        while stack:
+            merged = _merge_pair(stack[-1], f)
+            if merged is None:
+                break
+            stack.pop()
+            f = merged
+        stack.append(Factor(f.radix, f.lo, f.hi, 0) if f.hi - f.lo == 1 else f)
+    start = axis.start
+    while stack and (stack[0].lo != 0 or stack[0].hi != stack[0].radix):
+        f = stack[0]
+        start += f.lo * math.prod(g.radix for g in stack[1:])
+        if f.hi - f.lo == 1:
+            stack.pop(0)
+        else:
+            stack[0] = Factor(f.hi - f.lo, 0, f.hi - f.lo, f.stride)
+    if stack and stack[0].radix == 1:
+        stack.pop(0)
+    return Axis(start, tuple(stack))
+
+
+def _piece(piece: Piece, axes: Sequence[Axis], delta: int = 0) -> Piece | None:
+    normal = []
+    for ax in axes:
+        n = normalize_axis(ax)
+        if n is None:
+            return None
+        normal.append(n)
+    return piece.with_axes(normal, delta)
+
+
+def _budget(count: int, what: str) -> None:
+    if count > PIECE_BUDGET:
+        raise Untraceable(
+            f"{what} needs {count} pieces, more than the budget of {PIECE_BUDGET}: the index map has no "
+            "compact exact form"
+        )
+
+
+def _finish(shape: Sequence[int], pieces: Sequence[Piece], what: str) -> Region:
+    shape = tuple(shape)
+    if math.prod(shape) == 0:
+        return Region(shape, ())
+    _budget(len(pieces), what)
+    return Region(shape, merge_pieces(pieces))
+
+
+def merge_pieces(pieces: Sequence[Piece]) -> tuple[Piece, ...]:
+    """Merge pieces of one source that continue each other along one dim (e.g. ``cat(x.chunk(2))``)."""
+    if len(pieces) < 2:
+        return tuple(pieces)
+    ndim = len(pieces[0].axes)
+    current = list(pieces)
+    for d in range(ndim):
+        groups: dict[tuple, list[Piece]] = {}
+        order: list[tuple] = []
+        for p in current:
+            ax = p.axes[d]
+            single = len(ax.factors) == 1
+            key = (p.source, p.casts, p.axes[:d], p.axes[d + 1 :], ax.factors[0].stride if single else None)
+            if not single:
+                key = key + (id(p),)
+            if key not in groups:
+                groups[key] = []
+                order.append(key)
+            groups[key].append(p)
+        merged: list[Piece] = []
+        for key in order:
+            group = groups[key]
+            if len(group) == 1:
+                merged.extend(group)
+                continue
+            group.sort(key=lambda p: p.axes[d].start)
+            run = group[0]
+            for p in group[1:]:
+                a, b = run.axes[d], p.axes[d]
+                stride = a.factors[0].stride
+                if b.start == a.start + a.length and p.base == run.base + a.length * stride:
+                    n = a.length + b.length
+                    axes = list(run.axes)
+                    axes[d] = Axis(a.start, (Factor(n, 0, n, stride),))
+                    run = run.with_axes(axes)
+                else:
+                    merged.append(run)
+                    run = p
+            merged.append(run)
+        current = merged
+    return tuple(current)
+
+
+# ---------------------------------------------------------------------------------------------------
+# mixed-radix intervals
+
+
+def interval_boxes(a0: int, a1: int, radices: Sequence[int]) -> list[tuple[tuple[int, ...], int, int]]:
+    """Decompose the interval ``[a0, a1)`` of a mixed-radix space into at most ``2m - 1`` boxes.
+
+    Returns:
+        ``(prefix, lo, hi)`` triples: the leading digits are fixed to ``prefix``, the next digit ranges
+        over ``[lo, hi)`` and every later digit is full.
+    """
+    out: list[tuple[tuple[int, ...], int, int]] = []
+    _interval_boxes(a0, a1, tuple(radices), (), out)
+    return out
+
+
+def _interval_boxes(a0: int, a1: int, radices: tuple[int, ...], prefix: tuple, out: list) -> None:
+    if a0 >= a1:
+        return
+    w = math.prod(radices[1:])
+    if a0 % w == 0 and a1 % w == 0:
+        out.append((prefix, a0 // w, a1 // w))
+        return
+    d0, d1 = a0 // w, (a1 - 1) // w
+    if d0 == d1:
+        _interval_boxes(a0 - d0 * w, a1 - d0 * w, radices[1:], prefix + (d0,), out)
+        return
+    lo = d0
+    if a0 % w:
+        _interval_boxes(a0 % w, w, radices[1:], prefix + (d0,), out)
+        lo = d0 + 1
+    hi = d1 + 1 if a1 % w == 0 else d1
+    if hi > lo:
+        out.append((prefix, lo, hi))
+    if a1 % w:
+        _interval_boxes(0, a1 % w, radices[1:], prefix + (d1,), out)
+
+
+def box_ranges(factors: Sequence[Factor], prefix: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]] | None:
+    """Digit ranges of an :func:`interval_boxes` box intersected with the factors' coverage (None: empty)."""
+    ranges = []
+    k = len(prefix)
+    for j, f in enumerate(factors):
+        if j < k:
+            a, b = prefix[j], prefix[j] + 1
+        elif j == k:
+            a, b = lo, hi
+        else:
+            a, b = 0, f.radix
+        a, b = max(a, f.lo), min(b, f.hi)
+        if a >= b:
+            return None
+        ranges.append((a, b))
+    return ranges
+
+
+def restrict_axis(axis: Axis, a0: int, a1: int) -> list[tuple[int, Axis]]:
+    """Split ``axis`` restricted to the axis-local interval ``[a0, a1)`` into exact sub-axes.
+
+    Returns:
+        ``(delta, axis)`` pairs: the sub-axis (same coordinates as ``axis``) and its base-offset change.
+    """
+    if a0 <= 0 and a1 >= axis.length:
+        return [(0, axis)]
+    if not axis.factors:
+        return [(0, axis)] if a0 <= 0 < a1 else []
+    out = []
+    fs = axis.factors
+    weights = _weights(fs)
+    for prefix, lo, hi in interval_boxes(max(a0, 0), min(a1, axis.length), axis.radices):
+        ranges = box_ranges(fs, prefix, lo, hi)
+        if ranges is None:
+            continue
+        k = len(prefix)
+        delta = sum((ranges[j][0] - fs[j].lo) * fs[j].stride for j in range(k + 1))
+        offset = sum(prefix[j] * weights[j] for j in range(k)) + lo * weights[k]
+        a, b = ranges[k]
+        head = Factor(hi - lo, a - lo, b - lo, fs[k].stride)
+        out.append((delta, Axis(axis.start + offset, (head,) + fs[k + 1 :])))
+    return out
+
+
+def _weights(factors: Sequence[Factor]) -> list[int]:
+    weights, acc = [], 1
+    for f in reversed(factors):
+        weights.append(acc)
+        acc *= f.radix
+    return weights[::-1]
+
+
+def split_leading(axis: Axis) -> Iterator[tuple[int, Axis]]:
+    """Enumerate the covered leading digits of a multi-factor axis, one sub-axis each."""
+    f0, rest = axis.factors[0], axis.factors[1:]
+    w = math.prod(f.radix for f in rest)
+    for d in range(f0.lo, f0.hi):
+        yield (d - f0.lo) * f0.stride, Axis(axis.start + d * w, rest)
+
+
+# ---------------------------------------------------------------------------------------------------
+# movement ops: each a short pure function Region -> Region
+
+
+def permute(region: Region, dims: Sequence[int]) -> Region:
+    shape = tuple(region.shape[d] for d in dims)
+    pieces = [p.with_axes([p.axes[d] for d in dims]) for p in region.pieces]
+    return Region(shape, tuple(pieces))
+
+
+def unsqueeze(region: Region, dim: int) -> Region:
+    shape = region.shape[:dim] + (1,) + region.shape[dim:]
+    pieces = [p.with_axes(p.axes[:dim] + (Axis(0, ()),) + p.axes[dim:]) for p in region.pieces]
+    return Region(shape, tuple(pieces))
+
+
+def squeeze(region: Region, dims: Sequence[int]) -> Region:
+    drop = {d for d in dims if region.shape[d] == 1}
+    shape = tuple(n for d, n in enumerate(region.shape) if d not in drop)
+    pieces = [p.with_axes([a for d, a in enumerate(p.axes) if d not in drop]) for p in region.pieces]
+    return Region(shape, tuple(pieces))
+
+
+def expand(region: Region, shape: Sequence[int]) -> Region:
+    """Broadcast size-1 dims (and new leading dims) to ``shape``; broadcast factors have stride 0."""
+    shape = tuple(shape)
+    lead = len(shape) - len(region.shape)
+    if math.prod(shape) == 0:
+        return Region(shape, ())
+
+    def bcast(n: int) -> Axis:
+        return normalize_axis(Axis(0, (Factor(n, 0, n, 0),)))
+
+    pieces = []
+    for p in region.pieces:
+        axes = [bcast(n) for n in shape[:lead]]
+        for d, a in enumerate(p.axes):
+            n = shape[lead + d]
+            axes.append(bcast(n) if region.shape[d] == 1 and n != 1 else a)
+        pieces.append(p.with_axes(axes))
+    return Region(shape, tuple(pieces))
+
+
+def flip(region: Region, dims: Sequence[int]) -> Region:
+    pieces = []
+    for p in region.pieces:
+        axes, delta = list(p.axes), 0
+        for d in dims:
+            a = axes[d]
+            factors = []
+            for f in a.factors:
+                delta += (f.hi - f.lo - 1) * f.stride
+                factors.append(Factor(f.radix, f.radix - f.hi, f.radix - f.lo, -f.stride))
+            axes[d] = normalize_axis(Axis(region.shape[d] - a.start - a.length, tuple(factors)))
+        pieces.append(p.with_axes(axes, delta))
+    return Region(region.shape, tuple(pieces))
+
+
+def narrow(region: Region, dim: int, start: int, stop: int, step: int = 1) -> Region:
+    """Slice ``[start:stop:step]`` of ``dim`` (bounds already clamped like ATen, ``step >= 1``)."""
+    stop = max(stop, start)
+    size = -(-(stop - start) // step)
+    shape = region.shape[:dim] + (size,) + region.shape[dim + 1 :]
+    pieces: list[Piece] = []
+    for p in region.pieces:
+        ax = p.axes[dim]
+        for delta, sub in restrict_axis(ax, start - ax.start, stop - ax.start):
+            sub = normalize_axis(sub.shifted(-start))
+            if sub is None:
+                continue
+            for delta2, sub2 in _step_axis(sub, step):
+                axes = list(p.axes)
+                axes[dim] = sub2
+                new = _piece(p, axes, delta + delta2)
+                if new is not None:
+                    pieces.append(new)
+        _budget(len(pieces), f"slicing dim {dim}")
+    return _finish(shape, pieces, f"slicing dim {dim}")
+
+
+def _step_axis(axis: Axis, step: int) -> list[tuple[int, Axis]]:
+    """Keep coordinates ``y`` with ``y % step == 0`` and renumber them ``y // step``."""
+    if step == 1:
+        return [(0, axis)]
+    if len(axis.factors) > 1:
+        out = []
+        for delta, sub in split_leading(axis):
+            sub = normalize_axis(sub)
+            if sub is not None:
+                out.extend((delta + d2, a) for d2, a in _step_axis(sub, step))
+        return out
+    s, length = axis.start, axis.length
+    y0, y1 = -(-s // step), -(-(s + length) // step)
+    if y0 >= y1:
+        return []
+    stride = axis.factors[0].stride if axis.factors else 0
+    n = y1 - y0
+    return [((y0 * step - s) * stride, Axis(y0, (Factor(n, 0, n, stride * step),)))]
+
+
+def cat(regions: Sequence[Region], dim: int, shape: Sequence[int]) -> Region:
+    pieces: list[Piece] = []
+    offset = 0
+    for r in regions:
+        for p in r.pieces:
+            axes = list(p.axes)
+            axes[dim] = axes[dim].shifted(offset)
+            pieces.append(p.with_axes(axes))
+        offset += r.shape[dim]
+    return _finish(shape, pieces, "cat")
+
+
+def cast(region: Region, dtype: torch.dtype) -> Region:
+    """Record a value cast to ``dtype`` on every piece (applied on copy)."""
+    pieces = [Piece(p.source, p.base, p.axes, _append_cast(p.source.dtype, p.casts, dtype)) for p in region.pieces]
+    return Region(region.shape, merge_pieces(pieces) if len(pieces) > 1 else tuple(pieces))
+
+
+_EXACT_WIDENINGS = {
+    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float64), (torch.float16, torch.float32),
+    (torch.float16, torch.float64), (torch.float32, torch.float64),
+    (torch.int8, torch.int16), (torch.int8, torch.int32), (torch.int8, torch.int64),
+    (torch.int16, torch.int32), (torch.int16, torch.int64), (torch.int32, torch.int64),
+    (torch.uint8, torch.int16), (torch.uint8, torch.int32), (torch.uint8, torch.int64),
+}
+
+
+def _append_cast(src: torch.dtype, casts: tuple[torch.dtype, ...], dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    chain = (src,) + casts
+    if chain[-1] == dtype:
+        return casts
+    # a previous cast that widened exactly loses nothing: cast straight from the dtype before it
+    while len(chain) > 1 and (chain[-2], chain[-1]) in _EXACT_WIDENINGS:
+        chain = chain[:-1]
+    if chain[-1] != dtype:
+        chain = chain + (dtype,)
+    return chain[1:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# reshape
+
+
+def view_groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair groups of dims of ``old`` and ``new`` (size-1 dims excluded) with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        gi, gj = [i], [j]
+        pi, pj = old[i], new[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(i)
+                pi *= old[i]
+                i += 1
+            else:
+                gj.append(j)
+                pj *= new[j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def reshape(region: Region, shape: Sequence[int]) -> Region:
+    shape = tuple(shape)
+    if shape == region.shape:
+        return region
+    if math.prod(shape) == 0:
+        return Region(shape, ())
+    keep_in = [d for d, n in enumerate(region.shape) if n != 1]
+    keep_out = [d for d, n in enumerate(shape) if n != 1]
+    groups = view_groups([region.shape[d] for d in keep_in], [shape[d] for d in keep_out])
+    pieces: list[Piece] = []
+    for p in region.pieces:
+        options = []
+        for gi, gj in groups:
+            axes = [p.axes[keep_in[i]] for i in gi]
+            options.append(_reshape_group(axes, [region.shape[keep_in[i]] for i in gi], [shape[keep_out[j]] for j in gj]))
+        _budget(len(pieces) + math.prod(len(o) for o in options), f"reshape {region.shape} -> {shape}")
+        for combo in itertools.product(*options):
+            out_axes = [Axis(0, ())] * len(shape)
+            delta = 0
+            for (gi, gj), (d, axes) in zip(groups, combo):
+                delta += d
+                for j, a in zip(gj, axes):
+                    out_axes[keep_out[j]] = a
+            new = _piece(p, out_axes, delta)
+            if new is not None:
+                pieces.append(new)
+    return _finish(shape, pieces, f"reshape {region.shape} -> {shape}")
+
+
+def _reshape_group(axes: list[Axis], sizes: list[int], out_sizes: list[int]) -> list[tuple[int, tuple[Axis, ...]]]:
+    if len(sizes) == 1 and len(out_sizes) == 1:
+        return [(0, (axes[0],))]
+    out = []
+    for parts in itertools.product(*(_extend_full(a, n) for a, n in zip(axes, sizes))):
+        delta = sum(d for d, _ in parts)
+        flat = normalize_axis(Axis(0, tuple(f for _, fs in parts for f in fs)))
+        if flat is None:
+            continue
+        out.extend((delta + d2, axs) for d2, axs in _split_axis(flat, out_sizes))
+        _budget(len(out), "reshape")
+    return out
+
+
+def _extend_full(axis: Axis, n: int) -> list[tuple[int, tuple[Factor, ...]]]:
+    """Re-express ``axis`` over the full dim ``[0, n)``, splitting it where no exact form exists."""
+    s, fs = axis.start, axis.factors
+    length = axis.length
+    if length == n:
+        return [(0, fs)]
+    if not fs:
+        return [(0, (Factor(n, s, s + 1, 0),))]
+    f0 = fs[0]
+    w = length // f0.radix
+    if s % w == 0 and n % w == 0:
+        return [(0, (Factor(n // w, s // w + f0.lo, s // w + f0.hi, f0.stride),) + fs[1:])]
+    out = []
+    for delta, sub in split_leading(axis):
+        out.extend((delta + d2, f) for d2, f in _extend_full(sub, n))
+    return out
+
+
+def _split_axis(axis: Axis, out_sizes: list[int]) -> list[tuple[int, tuple[Axis, ...]]]:
+    """Split one flat axis into axes over ``out_sizes`` (row-major), exactly."""
+    if len(out_sizes) == 1:
+        return [(0, (axis,))]
+    m = math.prod(out_sizes[1:])
+    s, fs, length = axis.start, axis.factors, axis.length
+    out: list[tuple[int, tuple[Axis, ...]]] = []
+    if s % m == 0 and length % m == 0:
+        cuts = _cut(fs, m)
+        if cuts is not None:
+            for delta, major, minor in cuts:
+                head, tail = normalize_axis(Axis(s // m, major)), normalize_axis(Axis(0, minor))
+                if head is None or tail is None:
+                    continue
+                out.extend((delta + d2, (head,) + rest) for d2, rest in _split_axis(tail, out_sizes[1:]))
+            return out
+    if s // m == (s + length - 1) // m:
+        inner = Axis(s % m, fs)
+        return [(d2, (Axis(s // m, ()),) + rest) for d2, rest in _split_axis(inner, out_sizes[1:])]
+    if len(fs) > 1:
+        for delta, sub in split_leading(axis):
+            sub = normalize_axis(sub)
+            if sub is not None:
+                out.extend((delta + d2, axs) for d2, axs in _split_axis(sub, out_sizes))
+            _budget(len(out), "reshape")
+        return out
+    stride = fs[0].stride
+    weights = [math.prod(out_sizes[k + 1 :]) for k in range(len(out_sizes))]
+    for prefix, lo, hi in interval_boxes(s, s + length, out_sizes):
+        k = len(prefix)
+        axes = [Axis(p, ()) for p in prefix]
+        axes.append(Axis(lo, (Factor(hi - lo, 0, hi - lo, stride * weights[k]),)))
+        axes += [Axis(0, (Factor(n, 0, n, stride * weights[j]),)) for j, n in enumerate(out_sizes) if j > k]
+        flat = sum(p * w for p, w in zip(prefix, weights)) + lo * weights[k]
+        out.append(((flat - s) * stride, tuple(normalize_axis(a) for a in axes)))
+    return out
+
+
+def _cut(fs: tuple[Factor, ...], m: int) -> list[tuple[int, tuple[Factor, ...], tuple[Factor, ...]]] | None:
+    """Cut factors so the minor part has exactly ``m`` positions; refine one factor if needed."""
+    t = 1
+    for k in range(len(fs) - 1, -1, -1):
+        if t == m:
+            return [(0, fs[: k + 1], fs[k + 1 :])]
+        f = fs[k]
+        if t < m < t * f.radix:
+            if m % t or (t * f.radix) % m:
+                return None
+            a = m // t
+            b = f.radix // a
+            if f.lo % a == 0 and f.hi % a == 0:
+                parts = [(Factor(b, f.lo // a, f.hi // a, a * f.stride), Factor(a, 0, a, f.stride))]
+            elif f.lo // a == (f.hi - 1) // a:
+                parts = [(Factor(b, f.lo // a, f.lo // a + 1, 0), Factor(a, f.lo % a, (f.hi - 1) % a + 1, f.stride))]
+            else:
+                parts = []
+                for prefix, lo, hi in interval_boxes(f.lo, f.hi, (b, a)):
+                    if prefix:
+                        parts.append((Factor(b, prefix[0], prefix[0] + 1, 0), Factor(a, lo, hi, f.stride)))
+                    else:
+                        parts.append((Factor(b, lo, hi, a * f.stride), Factor(a, 0, a, f.stride)))
+            out = []
+            for major, minor in parts:
+                first = major.lo * a + minor.lo
+                out.append(((first - f.lo) * f.stride, fs[:k] + (major,), (minor,) + fs[k + 1 :]))
+            return out
+        t *= f.radix
+    if t == m:
+        return [(0, (), fs)]
+    return None

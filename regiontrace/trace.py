@@ -1,0 +1,51 @@
+"""``trace``: run a conversion function on RegionTensors and check it against a meta-tensor run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from .errors import TraceMismatch, Untraceable
+from .tensor import RegionTensor
+
+
+def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` on RegionTensors and verify every output against the same call on meta tensors.
+
+    Args:
+        fn: any function written against the torch API.
+        *args, **kwargs: its arguments; RegionTensors may sit anywhere in nested lists, tuples and dicts.
+
+    Returns:
+        ``fn``'s output structure, with RegionTensors as its tensors.
+
+    Raises:
+        Untraceable: ``fn`` used an op that is not a pure index mapping, or returned a tensor not derived
+            from the inputs.
+        TraceMismatch: an output's structure, shape or dtype differs from the meta run.
+    """
+    out = fn(*args, **kwargs)
+    meta_args, meta_kwargs = tree_map_only(
+        RegionTensor,
+        lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta"),
+        (args, kwargs),
+    )
+    meta_out = fn(*meta_args, **meta_kwargs)
+    flat, spec = tree_flatten(out)
+    meta_flat, meta_spec = tree_flatten(meta_out)
+    if spec != meta_spec:
+        raise TraceMismatch(f"output structure {spec} differs from the meta run's {meta_spec}")
+    for i, (a, m) in enumerate(zip(flat, meta_flat)):
+        if isinstance(a, RegionTensor):
+            if not isinstance(m, torch.Tensor):
+                raise TraceMismatch(f"output {i}: traced a tensor, the meta run returned {type(m).__name__}")
+            if tuple(a.shape) != tuple(m.shape) or a.dtype != m.dtype:
+                raise TraceMismatch(
+                    f"output {i}: traced {tuple(a.shape)} {a.dtype}, meta run {tuple(m.shape)} {m.dtype}"
+                )
+        elif isinstance(a, torch.Tensor):
+            raise Untraceable(f"output {i} is a real tensor not derived from the inputs (shape {tuple(a.shape)})")
+    return out
