@@ -1,0 +1,112 @@
+"""``load_hf_checkpoint``: load a Hugging Face safetensors checkpoint into a built model, in place."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .checkpoint import FileReader, SafetensorsCheckpoint
+from .execute import BlockExecutor, run_deferred
+from .plan import describe
+from .planner import HFLoadPlanner, LoadReport
+
+log = logging.getLogger("loader")
+
+
+def _progress_bar(enabled: bool | None, total: int):  # noqa: ANN202
+    if enabled is False or (enabled is None and not sys.stderr.isatty()):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False)
+
+
+def load_hf_checkpoint(
+    model: torch.nn.Module,
+    path: str,
+    *,
+    weights_mapping: Sequence[Any] | None = None,
+    extra_weights_mapping: Sequence[Any] = (),
+    key_mapping: Mapping[str, str] | None = None,
+    strict: bool = True,
+    planner: HFLoadPlanner | None = None,
+    progress: bool | None = None,
+    rollback: bool = False,
+    broadcast_replicated_tensors: bool = False,
+) -> LoadReport:
+    """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
+
+    Args:
+        model: an already-built module (tensors materialised, possibly DTensors).
+        path: a ``.safetensors`` file, or a folder with ``model.safetensors`` or shards + index.json.
+        weights_mapping: rules replacing the default ones (transformers' conversion mapping for a
+            ``PreTrainedModel``, none otherwise): ``WeightRenaming``/``WeightConverter``, ``Rename``/``Convert``.
+        extra_weights_mapping: rules tried before all others.
+        key_mapping: ``{regex: replacement}`` renames, like ``from_pretrained(key_mapping=...)``.
+        strict: raise, before anything is read, when a model tensor is loaded by nothing.
+        planner: a (customised) :class:`HFLoadPlanner`; the rule arguments above are then ignored.
+        progress: tqdm progress bar; default on when stderr is a terminal.
+        rollback: keep a copy of every tensor written and restore it if a read fails mid-load.
+        broadcast_replicated_tensors: in a distributed run, read each replicated region once and broadcast.
+
+    Returns:
+        A :class:`LoadReport` for this rank.
+
+    Raises:
+        CheckpointError: a bad checkpoint file (names the file and tensor); nothing was written.
+        ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``).
+    """
+    from .distributed import load_distributed, rank_and_world
+
+    planner = planner or HFLoadPlanner(
+        model, weights_mapping=weights_mapping, extra_weights_mapping=extra_weights_mapping,
+        key_mapping=key_mapping, strict=strict, broadcast_replicated_tensors=broadcast_replicated_tensors,
+    )
+    rank, world = rank_and_world()
+    if world > 1:
+        return load_distributed(planner, path, progress=progress, rollback=rollback)
+    checkpoint = SafetensorsCheckpoint.open(path)
+    plan = planner.build_plan(checkpoint)
+    log.info(describe(plan, checkpoint))
+    with FileReader() as reader:
+        execute_plan(planner, reader, progress=progress, rollback=rollback)
+        bytes_read = reader.bytes_read
+    planner.keyplan.record_on_model(model)
+    report = planner.report(bytes_read, rank, world)
+    log.info("loaded %d tensors, read %d bytes", len(report.loaded_keys), bytes_read)
+    return report
+
+
+def execute_plan(planner: HFLoadPlanner, reader: FileReader, *, progress: bool | None = None,
+                 rollback: bool = False, reads=None, deferred=None) -> None:  # noqa: ANN001
+    """Run the planner's plan (or the given subsets of it) against the checkpoint files."""
+    plan, checkpoint, slots = planner.plan, planner.checkpoint, planner.slots
+    reads = plan.reads if reads is None else reads
+    deferred = plan.deferred if deferred is None else deferred
+    saved = _snapshot(plan, slots) if rollback else None
+    bar = _progress_bar(progress, plan.planned_bytes(checkpoint))
+    try:
+        BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None).run(reads)
+        for d in deferred:
+            if d.boxes:
+                run_deferred(d, checkpoint, slots, reader)
+                if bar:
+                    bar.update(sum(checkpoint[k].nbytes for k in d.conversion.sources))
+    except BaseException:
+        if saved is not None:
+            with torch.no_grad():
+                for name, value in saved.items():
+                    slots[name].local.copy_(value)
+        raise
+    finally:
+        if bar:
+            bar.close()
+
+
+def _snapshot(plan, slots) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    names = set(plan.traced) | set(plan.deferred_targets)
+    return {n: slots[n].local.detach().clone() for n in names if slots[n].local is not None}

@@ -1,0 +1,176 @@
+"""Executing a rank's plan: read exactly the byte ranges its blocks need, copy them into model tensors.
+
+Region reads are grouped per file in source order and read with ``os.pread`` into bounded staging buffers
+(at most ``STAGING_BYTES`` at a time), or straight into the model tensor when the block is one contiguous
+run of the same dtype into a contiguous destination. Deferred conversions read their sources whole, run,
+and copy the owned boxes of their outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+import regiontrace as rt
+from regiontrace.execute import apply_casts, dest_view
+
+from .checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, read_ranges, read_tensor
+from .plan import BlockRead, DeferredRead
+from .targets import TargetSlot, box_view
+
+STAGING_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ReadLayout:
+    """How a block's source elements sit in a packed staging buffer.
+
+    ``runs`` are the flat element offsets of equal-length contiguous runs (``run`` elements each), read one
+    after another; ``strides`` view the packed buffer in block index order (before ``flips``).
+    """
+
+    runs: tuple[int, ...]
+    run: int
+    strides: tuple[int, ...]
+    flips: tuple[int, ...]
+
+
+def read_layout(block: rt.RemapBlock) -> ReadLayout:
+    """The packed read layout of ``block``: outer dims enumerated, inner contiguous dims kept as runs."""
+    shape, strides = block.shape, block.src_strides
+    flips = tuple(j for j, s in enumerate(strides) if s < 0 and shape[j] > 1)
+    base = block.src_offset + sum((shape[j] - 1) * strides[j] for j in flips)
+    dims = sorted((j for j in range(len(shape)) if strides[j] != 0 and shape[j] > 1), key=lambda j: -abs(strides[j]))
+    packed = [0] * len(shape)
+    run = 1
+    while dims and abs(strides[dims[-1]]) == run:
+        j = dims.pop()
+        packed[j] = run
+        run *= shape[j]
+    weight = run
+    for j in reversed(dims):
+        packed[j] = weight
+        weight *= shape[j]
+    starts = [base]
+    for j in dims:
+        s = abs(strides[j])
+        starts = [b + i * s for b in starts for i in range(shape[j])]
+    return ReadLayout(tuple(starts), run, tuple(packed), flips)
+
+
+def split_block(block: rt.RemapBlock, max_elems: int) -> list[rt.RemapBlock]:
+    """Split ``block`` along its outermost source dim so each part reads at most ``max_elems`` elements."""
+    if block.read_numel <= max_elems:
+        return [block]
+    dims = sorted((j for j in range(len(block.shape)) if block.shape[j] > 1), key=lambda j: -abs(block.src_strides[j]))
+    j = dims[0]
+    inner = block.numel // block.shape[j]
+    step = max(1, max_elems // max(inner, 1))
+    parts = []
+    for a in range(0, block.shape[j], step):
+        n = min(step, block.shape[j] - a)
+        shape = block.shape[:j] + (n,) + block.shape[j + 1 :]
+        dst = list(block.dst_offset)
+        dst[block.dst_dims[j]] += a * block.dst_steps[j]
+        part = replace(block, shape=shape, src_offset=block.src_offset + a * block.src_strides[j], dst_offset=tuple(dst))
+        parts.extend(split_block(part, max_elems) if n == 1 and len(dims) > 1 else [part])
+    return parts
+
+
+def _direct_target(block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout) -> torch.Tensor | None:
+    """The destination view when the block can be pread straight into model memory, else None."""
+    if block.casts or dest.dtype != block.source_dtype or len(layout.runs) != 1 or layout.flips:
+        return None
+    if dest.device.type != "cpu":
+        return None
+    view = dest_view(block, dest)
+    if not view.is_contiguous():
+        return None
+    want = [0] * len(block.shape)
+    acc = 1
+    for j in range(len(block.shape) - 1, -1, -1):
+        want[j] = acc if block.shape[j] > 1 else 0
+        acc *= block.shape[j]
+    packed = [p if block.shape[j] > 1 else 0 for j, p in enumerate(layout.strides)]
+    if packed != want or any(s == 0 and n > 1 for s, n in zip(block.src_strides, block.shape)):
+        return None
+    return view
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class BlockExecutor:
+    """Runs BlockReads against checkpoint files, tracking bytes read."""
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot], reader: FileReader,
+                 *, staging_bytes: int = STAGING_BYTES, progress: Callable[[int], None] | None = None) -> None:
+        self.checkpoint, self.slots, self.reader = checkpoint, slots, reader
+        self.staging_bytes = staging_bytes
+        self.progress = progress or (lambda n: None)
+
+    def run(self, reads: Iterable[BlockRead]) -> None:
+        by_file: dict[str, list[tuple[BlockRead, TensorInfo]]] = {}
+        for r in reads:
+            info = self.checkpoint[r.block.source]
+            for block in split_block(r.block, max(1, self.staging_bytes // info.itemsize)):
+                by_file.setdefault(info.file, []).append((BlockRead(r.target, r.local_box, block), info))
+        for file, items in by_file.items():
+            items.sort(key=lambda it: it[1].data_start + it[0].block.source_span()[0] * it[1].itemsize)
+            batch, size = [], 0
+            for r, info in items:
+                dest = box_view(self.slots[r.target].local, r.local_box)
+                layout = read_layout(r.block)
+                direct = _direct_target(r.block, dest, layout)
+                if direct is not None:
+                    start = info.data_start + layout.runs[0] * info.itemsize
+                    self.reader.pread_into(file, start, _bytes_view(direct))
+                    self.progress(direct.numel() * info.itemsize)
+                    continue
+                batch.append((r, info, dest, layout))
+                size += len(layout.runs) * layout.run * info.itemsize
+                if size >= self.staging_bytes:
+                    self._staged(file, batch)
+                    batch, size = [], 0
+            if batch:
+                self._staged(file, batch)
+
+    def _staged(self, file: str, batch: list) -> None:
+        ranges = []
+        for r, info, _, layout in batch:
+            nbytes = layout.run * info.itemsize
+            ranges.extend((info.data_start + s * info.itemsize, info.data_start + s * info.itemsize + nbytes)
+                          for s in layout.runs)
+        views = read_ranges(file, ranges, max_gap=0, max_overread=1.0, reader=self.reader)
+        pos = 0
+        for r, info, dest, layout in batch:
+            n = len(layout.runs)
+            raw = bytearray(b"".join(views[pos : pos + n])) if n != 1 else bytearray(views[pos])
+            pos += n
+            packed = torch.frombuffer(raw, dtype=torch.uint8).view(info.dtype) if raw else torch.empty(0, dtype=info.dtype)
+            src = torch.as_strided(packed, r.block.shape, layout.strides) if packed.numel() else \
+                torch.empty(r.block.shape, dtype=info.dtype)
+            if layout.flips:
+                src = src.flip(layout.flips)
+            dest_view(r.block, dest).copy_(apply_casts(src, r.block.casts))
+            self.progress(len(raw))
+
+
+def run_deferred(deferred: DeferredRead, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot],
+                 reader: FileReader) -> None:
+    """Read the conversion's sources whole, run it for real, copy the owned boxes of its outputs."""
+    tensors = {k: read_tensor(checkpoint[k], reader) for k in deferred.conversion.sources}
+    outs = deferred.conversion.run(tensors)
+    for target, g, lb in deferred.boxes:
+        src = outs[target]
+        for d, (a, b) in enumerate(g):
+            src = src.narrow(d, a, b - a)
+        box_view(slots[target].local, lb).copy_(src)
+
+
+def bytes_of(reads: Iterable[BlockRead], checkpoint: SafetensorsCheckpoint) -> int:
+    return sum(math.prod(r.block.shape) and r.block.read_numel * checkpoint[r.block.source].itemsize for r in reads)

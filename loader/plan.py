@@ -1,0 +1,228 @@
+"""Planning a load on one rank: trace each conversion, compile RemapBlocks for the boxes the rank owns.
+
+Phases: rules (``plan_keys``) → trace (one trace per distinct conversion shape signature, cached) →
+validate (shapes, meta targets, strictness; all before any byte is read) → compile (blocks per owned box).
+A conversion that raises :class:`~regiontrace.Untraceable` or :class:`~regiontrace.TraceMismatch`, or that a
+hook rejects, becomes a :class:`DeferredRead`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import regiontrace as rt
+
+from .checkpoint import SafetensorsCheckpoint
+from .rules import Conversion, KeyPlan
+from .targets import Box, TargetSlot
+
+
+@dataclass(frozen=True)
+class BlockRead:
+    """Execute ``block`` (compiled for ``global_box`` of ``target``) into ``local_box`` of its local tensor."""
+
+    target: str
+    local_box: Box
+    block: rt.RemapBlock
+
+
+@dataclass(frozen=True)
+class DeferredRead:
+    """Read ``conversion``'s sources whole, run it for real, copy the owned boxes of its outputs."""
+
+    conversion: Conversion
+    reason: str
+    boxes: tuple[tuple[str, Box, Box], ...]  # (target, global box, local box)
+
+
+@dataclass
+class RankPlan:
+    """Everything one rank does to load: region reads, deferred conversions, and the key report."""
+
+    reads: list[BlockRead] = field(default_factory=list)
+    deferred: list[DeferredRead] = field(default_factory=list)
+    loaded_keys: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    traced: list[str] = field(default_factory=list)
+    deferred_targets: list[str] = field(default_factory=list)
+    conversions: list[Conversion] = field(default_factory=list)
+
+    def planned_bytes(self, checkpoint: SafetensorsCheckpoint) -> int:
+        """Bytes of checkpoint data this plan reads (region reads by element, deferred sources whole)."""
+        total = sum(r.block.read_numel * checkpoint[r.block.source].itemsize for r in self.reads)
+        keys = {k for d in self.deferred for k in d.conversion.sources}
+        return total + sum(checkpoint[k].nbytes for k in keys)
+
+
+class TraceCache:
+    """Traces by shape signature: one trace serves every layer whose conversion has the same structure."""
+
+    def __init__(self) -> None:
+        self._traces: dict[tuple, dict[int, rt.RegionTensor] | str] = {}
+        self._blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def signature(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> tuple:
+        rule = conv.rule
+        rule_id = (id(getattr(rule, "fn", None)) if getattr(rule, "fn", None) is not None else type(rule).__name__,
+                   repr(getattr(rule, "operations", None)))
+        groups = tuple((p, len(keys)) for p, keys in conv.groups)
+        srcs = tuple((tuple(checkpoint[k].shape), checkpoint[k].dtype) for k in conv.sources)
+        return (conv.is_rename, rule_id, conv.description, groups, srcs, len(conv.targets))
+
+    def trace(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> tuple[dict[str, rt.RegionTensor] | str, tuple]:
+        """Trace ``conv`` on canonical leaves ``#0, #1, …``; returns ``{target: RegionTensor}`` or the reason."""
+        sig = self.signature(conv, checkpoint)
+        cached = self._traces.get(sig)
+        if cached is None:
+            self.misses += 1
+            cached = self._trace(conv, checkpoint)
+            self._traces[sig] = cached
+        else:
+            self.hits += 1
+        if isinstance(cached, str):
+            return cached, sig
+        return {conv.targets[i]: t for i, t in cached.items()}, sig
+
+    def _trace(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> dict[int, rt.RegionTensor] | str:
+        leaves = {k: rt.RegionTensor.leaf(f"#{i}", checkpoint[k].shape, checkpoint[k].dtype)
+                  for i, k in enumerate(conv.sources)}
+        try:
+            out = rt.trace(conv.run, leaves)
+        except (rt.Untraceable, rt.TraceMismatch) as e:
+            return f"{type(e).__name__}: {e}"
+        if not isinstance(out, Mapping) or set(out) - set(conv.targets):
+            return f"conversion returned {sorted(out) if isinstance(out, Mapping) else type(out).__name__}"
+        result = {}
+        for name, t in out.items():
+            if not isinstance(t, rt.RegionTensor):
+                return f"output {name!r} is not derived from the checkpoint tensors"
+            result[conv.targets.index(name)] = t
+        return result
+
+    def blocks(self, sig: tuple, target_index: int, traced: rt.RegionTensor, box: Box,
+               names: tuple[str, ...]) -> tuple[rt.RemapBlock, ...]:
+        """Blocks for ``box``, compiled once per signature and renamed to this conversion's sources."""
+        key = (sig, target_index, box)
+        blocks = self._blocks.get(key)
+        if blocks is None:
+            blocks = traced.remap_blocks(box)
+            self._blocks[key] = blocks
+        return tuple(_rename(b, names) for b in blocks)
+
+
+def _rename(block: rt.RemapBlock, names: tuple[str, ...]) -> rt.RemapBlock:
+    return rt.RemapBlock(names[int(block.source[1:])], block.shape, block.src_offset, block.src_strides,
+                         block.dst_offset, block.dst_dims, block.dst_steps, block.source_shape,
+                         block.source_dtype, block.casts)
+
+
+def _shape_error(target: str, got: tuple[int, ...], want: tuple[int, ...], conv: Conversion) -> ValueError:
+    return ValueError(
+        f"shape mismatch for {target!r}: checkpoint {tuple(got)} vs target {tuple(want)} "
+        f"(from {', '.join(conv.sources[:4])}{' …' if len(conv.sources) > 4 else ''} via {conv.description})"
+    )
+
+
+def meta_outputs(conv: Conversion, checkpoint: SafetensorsCheckpoint) -> dict[str, torch.Tensor]:
+    """Run ``conv`` on meta tensors: the output shapes and dtypes of a deferred conversion, without data."""
+    tensors = {k: torch.empty(checkpoint[k].shape, dtype=checkpoint[k].dtype, device="meta") for k in conv.sources}
+    return conv.run(tensors)
+
+
+def plan_rank(
+    keyplan: KeyPlan,
+    checkpoint: SafetensorsCheckpoint,
+    slots: Mapping[str, TargetSlot],
+    *,
+    strict: bool = True,
+    supports_symbolic: Callable[[Conversion], bool] = lambda conv: True,
+    cache: TraceCache | None = None,
+    check_devices: bool = True,
+) -> RankPlan:
+    """Plan this rank's part of a load.
+
+    Args:
+        keyplan: which checkpoint keys feed which model tensors (from :func:`loader.rules.plan_keys`).
+        checkpoint: the validated checkpoint headers.
+        slots: model tensors as this rank sees them, by name.
+        strict: raise when a model tensor is loaded by nothing.
+        supports_symbolic: hook; False sends a conversion to a deferred read.
+        cache: trace cache shared across plans (e.g. simulated ranks).
+        check_devices: refuse targets still on the meta device.
+
+    Returns:
+        The rank's plan. Nothing has been read or written.
+
+    Raises:
+        ValueError: a shape mismatch, an unknown target, a meta-device target, or (strict) missing tensors;
+            the message names the tensor.
+    """
+    cache = cache or TraceCache()
+    plan = RankPlan(unexpected_keys=list(keyplan.unexpected_keys), conversions=list(keyplan.conversions))
+    loaded: set[str] = set()
+    for conv in keyplan.conversions:
+        for t in conv.targets:
+            if t not in slots:
+                raise ValueError(f"conversion {conv.description} produces {t!r}, which is not a model tensor")
+        traced, sig = cache.trace(conv, checkpoint) if supports_symbolic(conv) else ("rejected by supports_symbolic", None)
+        if isinstance(traced, str):
+            outs = meta_outputs(conv, checkpoint)
+            for t in conv.targets:
+                if t not in outs:
+                    raise ValueError(f"conversion {conv.description} did not produce {t!r}")
+                if tuple(outs[t].shape) != slots[t].shape:
+                    raise _shape_error(t, tuple(outs[t].shape), slots[t].shape, conv)
+            boxes = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
+            plan.deferred.append(DeferredRead(conv, traced, boxes))
+            plan.deferred_targets.extend(conv.targets)
+        else:
+            for t in conv.targets:
+                if t not in traced:
+                    raise ValueError(f"conversion {conv.description} did not produce {t!r}")
+                out = traced[t]
+                if tuple(out.shape) != slots[t].shape:
+                    raise _shape_error(t, tuple(out.shape), slots[t].shape, conv)
+                for g, lb in slots[t].boxes:
+                    if not _nonempty(g):
+                        continue
+                    for block in cache.blocks(sig, conv.targets.index(t), out, g, conv.sources):
+                        plan.reads.append(BlockRead(t, lb, block))
+            plan.traced.extend(conv.targets)
+        loaded.update(conv.targets)
+    if check_devices:
+        for name in sorted(loaded):
+            local = slots[name].local
+            if local is not None and local.device.type == "meta":
+                raise ValueError(f"model tensor {name!r} is on the meta device: materialize the model first "
+                                 "(e.g. model.to_empty(device='cpu'))")
+    aliases = {a for a, c in keyplan.tied.items() if c in loaded}
+    plan.loaded_keys = sorted(loaded | aliases)
+    plan.missing_keys = [k for k in keyplan.missing_keys if k not in loaded and k not in aliases]
+    if strict and plan.missing_keys:
+        shown = ", ".join(plan.missing_keys[:8]) + (" …" if len(plan.missing_keys) > 8 else "")
+        raise ValueError(f"{len(plan.missing_keys)} model tensor(s) are not in the checkpoint: {shown} "
+                         "(pass strict=False to load the rest)")
+    return plan
+
+
+def _nonempty(box: Box) -> bool:
+    return math.prod(b - a for a, b in box) > 0
+
+
+def describe(plan: RankPlan, checkpoint: SafetensorsCheckpoint) -> str:
+    """The one-line phase summary."""
+    convs = {id(d.conversion) for d in plan.deferred}
+    return (f"planned {len(set(plan.traced))} tensors as region reads, {len(set(plan.deferred_targets))} through "
+            f"{len(convs)} deferred conversions, {plan.planned_bytes(checkpoint)} bytes")
+
+
+def unused(*_: Any) -> None:
+    return None
