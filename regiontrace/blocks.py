@@ -108,7 +108,8 @@ class RemapBlock:
             if s <= 0 or s not in strides:
                 return None
             d = strides.index(s)
-            while d + 1 < len(strides) and strides[d + 1] == s:  # skip size-1 dims sharing the stride
+            # dims sharing a stride are one dim of any size followed by size-1 dims: walk the sized one
+            while d + 1 < len(strides) and strides[d + 1] == s and self.source_shape[d] == 1:
                 d += 1
             if lengths[d] != 1 or offsets[d] + n > self.source_shape[d] or d in dims:
                 return None

@@ -109,12 +109,18 @@ def assert_converter_exact(fn: Callable[..., Any], *, boxes: int = 8, seed: int 
     traced = trace(fn, **leaves)
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    datasets = [{n: random_tensor(s, d, gen) for n, (s, d) in inputs.items()}]
-    if not _has_casts(traced):
-        datasets.append(code_tensors(inputs))
-    for data in datasets:
+    runs = [(traced, {n: random_tensor(s, d, gen) for n, (s, d) in inputs.items()})]
+    # the code oracle needs int64 sources end to end: trace again with int64 leaves (the codes do not fit
+    # the original dtypes) and use it only where that trace records no value cast
+    code_specs = {n: (s, torch.int64) for n, (s, _) in inputs.items()}
+    code_traced = trace(fn, **{n: RegionTensor.leaf(n, s, d) for n, (s, d) in code_specs.items()})
+    if not _has_casts(code_traced):
+        runs.append((code_traced, code_tensors(code_specs)))
+    for traced_run, data in runs:
         real = fn(**{n: t.clone() for n, t in data.items()})
-        for i, (t, r) in enumerate(zip(_tensors(traced), _tensors(real))):
+        outs, reals = _tensors(traced_run), _tensors(real)
+        assert len(outs) == len(reals), f"traced {len(outs)} output tensors, the real run {len(reals)}"
+        for i, (t, r) in enumerate(zip(outs, reals)):
             assert tuple(t.shape) == tuple(r.shape) and t.dtype == r.dtype, f"output {i}: shape/dtype differ"
             got = materialize(t, data)
             assert torch.equal(got, r), f"output {i}: materialize differs from the real result"

@@ -27,12 +27,13 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             from the inputs.
         TraceMismatch: an output's structure, shape or dtype differs from the meta run.
     """
-    out = fn(*args, **kwargs)
+    # build the meta arguments first: fn may consume its containers (transformers' ops pop input dicts)
     meta_args, meta_kwargs = tree_map_only(
         RegionTensor,
         lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta"),
         (args, kwargs),
     )
+    out = fn(*args, **kwargs)
     meta_out = fn(*meta_args, **meta_kwargs)
     flat, spec = tree_flatten(out)
     meta_flat, meta_spec = tree_flatten(meta_out)

@@ -1,0 +1,543 @@
+"""The public API contract of regiontrace (issue 2), the hard cases, and the compilation guarantees."""
+
+import math
+import random
+
+import networkx as nx
+import pytest
+import sympy
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import regiontrace as rt
+import regiontrace.region as R
+from regiontrace.testing import assert_converter_exact, boxes, code_tensors
+
+BF16, F32 = torch.bfloat16, torch.float32
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def leaf(name, shape, dtype=F32):
+    return rt.RegionTensor.leaf(name, shape, dtype)
+
+
+def pieces(t):
+    return len(t.region.pieces)
+
+
+def box_numel(box):
+    return math.prod(b - a for a, b in box)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the API contract
+
+
+def test_leaf_and_tensor_attributes():
+    q = leaf("q", (8, 4), BF16)
+    k = leaf("k", (8, 4), BF16)
+    fused = torch.cat([q, k], dim=0)
+    assert isinstance(fused, rt.RegionTensor) and isinstance(fused, torch.Tensor)
+    assert fused.shape == torch.Size([16, 4])
+    assert fused.dtype == BF16
+    assert fused.ndim == 2 and fused.dim() == 2
+    assert fused.size() == torch.Size([16, 4]) and fused.size(0) == 16 and fused.size(-1) == 4
+    assert fused.numel() == 64
+    assert fused.sources() == frozenset({"q", "k"})
+    assert q.sources() == frozenset({"q"})
+    assert "RegionTensor" in repr(fused)
+
+
+def test_leaf_rejects_negative_sizes():
+    with pytest.raises(ValueError, match="negative"):
+        leaf("x", (2, -1))
+
+
+def test_remap_blocks_whole_and_box():
+    q, k = leaf("q", (8, 4), BF16), leaf("k", (8, 4), BF16)
+    fused = torch.cat([q, k], dim=0)
+    blocks = fused.remap_blocks()
+    assert isinstance(blocks, tuple) and all(isinstance(b, rt.RemapBlock) for b in blocks)
+    assert sorted(b.source for b in blocks) == ["k", "q"]
+    assert sum(b.numel for b in blocks) == 64
+    blocks = fused.remap_blocks(box=((2, 10), (0, 4)))
+    assert [(b.source, b.numel) for b in blocks] == [("q", 24), ("k", 8)]
+    q_block = blocks[0]
+    assert q_block.source_shape == (8, 4) and q_block.source_dtype == BF16 and q_block.casts == ()
+    assert q_block.src_offset == 8  # row 2 of q
+    assert q_block.dst_offset == (0, 0)
+    assert blocks[1].src_offset == 0 and blocks[1].dst_offset == (6, 0)
+
+
+def test_execute_blocks_and_materialize():
+    q, k = leaf("q", (8, 4), BF16), leaf("k", (8, 4), BF16)
+    fused = torch.cat([q, k], dim=0)
+    q_real, k_real = torch.randn(8, 4).to(BF16), torch.randn(8, 4).to(BF16)
+    real = torch.cat([q_real, k_real])
+    box = ((2, 10), (1, 3))
+    out = torch.empty(8, 2, dtype=BF16)
+    returned = rt.execute_blocks(fused.remap_blocks(box=box), {"q": q_real, "k": k_real}, out)
+    assert returned is out
+    assert torch.equal(out, real[2:10, 1:3])
+    assert torch.equal(rt.materialize(fused, {"q": q_real, "k": k_real}), real)
+    # any strides for `out`
+    out_t = torch.empty(2, 8, dtype=BF16).t()
+    rt.execute_blocks(fused.remap_blocks(box=box), {"q": q_real, "k": k_real}, out_t)
+    assert torch.equal(out_t, real[2:10, 1:3])
+
+
+def test_execute_blocks_errors():
+    q = leaf("q", (8, 4))
+    with pytest.raises(KeyError, match="q"):
+        rt.execute_blocks(q.remap_blocks(), {}, torch.empty(8, 4))
+    with pytest.raises(ValueError, match="shape"):
+        rt.execute_blocks(q.remap_blocks(), {"q": torch.zeros(4, 8)}, torch.empty(8, 4))
+
+
+@pytest.mark.parametrize("box", [((0, 9), (0, 4)), ((-1, 2), (0, 4)), ((3, 2), (0, 4)), ((0, 8),),
+                                 ((0, 8), (0, 4), (0, 1)), ((0, 8), (4, 5))])
+def test_remap_blocks_rejects_boxes_outside_the_shape(box):
+    with pytest.raises(ValueError):
+        leaf("q", (8, 4)).remap_blocks(box=box)
+
+
+def test_empty_box_gives_no_blocks():
+    assert leaf("q", (8, 4)).remap_blocks(box=((3, 3), (0, 4))) == ()
+
+
+# ---------------------------------------------------------------------------------------------------
+# trace
+
+
+def test_trace_nested_outputs_and_arguments():
+    q, k = leaf("q", (8, 4), BF16), leaf("k", (8, 4), BF16)
+
+    def fn(d, *, scale_rows):
+        return {
+            "qk": torch.cat([d["q"], d["k"]]),
+            "parts": [d["q"].t(), (d["k"][0], d["k"][-1])],
+            "rows": scale_rows,
+            "none": None,
+        }
+
+    out = rt.trace(fn, {"q": q, "k": k}, scale_rows=3)
+    assert set(out) == {"qk", "parts", "rows", "none"}
+    assert out["rows"] == 3 and out["none"] is None
+    assert isinstance(out["parts"], list) and isinstance(out["parts"][1], tuple)
+    assert out["qk"].shape == (16, 4) and out["parts"][0].shape == (4, 8) and out["parts"][1][1].shape == (4,)
+    data = {"q": torch.randn(8, 4).to(BF16), "k": torch.randn(8, 4).to(BF16)}
+    assert torch.equal(rt.materialize(out["parts"][1][1], data), data["k"][-1])
+
+
+def test_trace_lets_fn_consume_its_input_containers():
+    """Regression: trace built the meta arguments after the traced run, so a function that pops its input
+    dict (as transformers' Concatenate and MergeModulelist do) saw an empty dict in the meta run."""
+
+    def consume(d):
+        return torch.cat([d.pop("q"), d.pop("k")])
+
+    out = rt.trace(consume, {"q": leaf("q", (2, 3)), "k": leaf("k", (1, 3))})
+    assert out.shape == (3, 3) and out.sources() == {"q", "k"}
+
+
+def test_trace_rejects_real_tensor_outputs():
+    with pytest.raises(rt.Untraceable, match="real tensor"):
+        rt.trace(lambda x: (x, torch.zeros(2)), leaf("x", (2,)))
+
+
+def test_trace_mismatch_on_isinstance_branch():
+    def shape_branch(x):
+        return x.t() if isinstance(x, rt.RegionTensor) else x
+
+    with pytest.raises(rt.TraceMismatch, match="shape|traced"):
+        rt.trace(shape_branch, leaf("x", (2, 3)))
+
+    def dtype_branch(x):
+        return x.float() if type(x) is not torch.Tensor else x
+
+    with pytest.raises(rt.TraceMismatch, match="bfloat16"):
+        rt.trace(dtype_branch, leaf("x", (2, 3), BF16))
+
+    def structure_branch(x):
+        return [x, x] if isinstance(x, rt.RegionTensor) else [x]
+
+    with pytest.raises(rt.TraceMismatch, match="structure"):
+        rt.trace(structure_branch, leaf("x", (2, 3)))
+
+    def tensor_vs_value(x):
+        return x if isinstance(x, rt.RegionTensor) else 0
+
+    with pytest.raises(rt.TraceMismatch):
+        rt.trace(tensor_vs_value, leaf("x", (2, 3)))
+
+
+def test_device_branch_is_caught_by_the_real_run():
+    """RegionTensors and trace's meta tensors both report device ``meta``: a branch on ``device.type`` takes
+    the same path in both runs (no TraceMismatch), but differs from a real CPU run, which
+    ``assert_converter_exact`` checks."""
+
+    def device_branch(x):
+        return x.reshape(-1) if x.device.type == "meta" else x
+
+    traced = rt.trace(device_branch, leaf("x", (2, 3)))
+    assert traced.device.type == "meta" and traced.shape == (6,)
+    with pytest.raises(AssertionError, match="shape/dtype differ"):
+        assert_converter_exact(device_branch, x=((2, 3), F32))
+
+    def device_values(x):
+        return x if x.device.type == "cpu" else x.flip(0)
+
+    with pytest.raises(AssertionError, match="materialize differs"):
+        assert_converter_exact(device_values, x=((3, 2), F32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# never silently wrong: Untraceable names the op
+
+REAL = torch.ones(4, 3)
+UNTRACEABLE = {
+    "mul-scalar": (lambda x: x * 2, "mul"),
+    "add-self": (lambda x: x + x, "add"),
+    "sub": (lambda x: x - 1, "sub"),
+    "neg": (lambda x: -x, "neg"),
+    "sum": (lambda x: x.sum(), "sum"),
+    "mean": (lambda x: x.mean(0), "mean"),
+    "max": (lambda x: x.max(), "max"),
+    "matmul": (lambda x: x @ x.t(), "mm"),
+    "torch.matmul-3d": (lambda x: torch.matmul(x[None], x.t()[None]), "bmm"),
+    "gt": (lambda x: x > 0, "gt"),
+    "eq": (lambda x: x == x, "eq"),
+    "bool-index": (lambda x: x[torch.tensor([True, False, True, False])], "index"),
+    "tensor-index": (lambda x: x[torch.tensor([0, 2])], "index"),
+    "list-index": (lambda x: x[[0, 2]], "index"),
+    "index_select": (lambda x: x.index_select(0, torch.tensor([1])), "index_select"),
+    "mul_": (lambda x: x.mul_(2), "mul_"),
+    "setitem": (lambda x: x.__setitem__(0, 1), "copy_"),
+    "copy_-real": (lambda x: x.copy_(REAL), "copy_"),
+    "copy_-region": (lambda x: x.copy_(x.flip(0)), "copy_"),
+    "zero_": (lambda x: x.zero_(), "zero_"),
+    "data_ptr": (lambda x: x.data_ptr(), "data_ptr"),
+    "item": (lambda x: x[0, 0].item(), "item"),
+    "numpy": (lambda x: x.numpy(), "numpy"),
+    "tolist": (lambda x: x.tolist(), "tolist"),
+    "bool": (lambda x: bool(x[0, 0]), "__bool__"),
+    "cat-with-real": (lambda x: torch.cat([x, REAL]), "cat"),
+    "stack-with-real": (lambda x: torch.stack([REAL, x]), "stack"),
+    "roll": (lambda x: x.roll(1, 0), "roll"),
+    "new_zeros": (lambda x: x.new_zeros(2), "new_zeros"),
+    "view-dtype": (lambda x: x.view(torch.int32), "view"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNTRACEABLE))
+def test_untraceable_names_the_op(name):
+    fn, op = UNTRACEABLE[name]
+    x = leaf("x", (4, 3))
+    with pytest.raises(rt.Untraceable) as err:
+        fn(x)
+    assert f"`{op}`" in str(err.value)
+    with pytest.raises(rt.Untraceable):  # the same through trace
+        rt.trace(fn, leaf("x", (4, 3)))
+
+
+def test_failed_in_place_write_leaves_the_tensor_intact():
+    x = leaf("x", (4, 3))
+    with pytest.raises(rt.Untraceable):
+        x[0] = 1
+    assert pieces(x) == 1 and torch.equal(rt.materialize(x, {"x": REAL}), REAL)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the hard cases: exact, and compact where they should be
+
+
+def test_transpose_then_flatten():
+    out = assert_converter_exact(lambda x: x.t().reshape(-1), x=((4, 3), F32))
+    assert pieces(out) == 1
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (4, 3), (2, 6), (6, 2), (12,)])
+def test_transposed_4x3_reshaped(shape):
+    out = assert_converter_exact(lambda x: x.t().reshape(shape), x=((4, 3), F32))
+    assert out.shape == shape
+    assert pieces(out) <= 6  # exact; never one piece per element (12)
+
+
+def test_flatten_across_a_cat():
+    out = assert_converter_exact(lambda a, b: torch.cat([a, b]).flatten(), a=((2, 3), F32), b=((3, 3), F32))
+    assert pieces(out) == 2
+    out = assert_converter_exact(lambda a, b: torch.cat([a, b], 1).flatten(), a=((2, 3), F32), b=((2, 5), F32))
+    assert pieces(out) == 2
+
+
+def test_chunk_of_a_cat():
+    outs = assert_converter_exact(lambda a, b: torch.cat([a, b]).chunk(3), a=((4, 3), F32), b=((2, 3), F32))
+    assert [pieces(o) for o in outs] == [1, 1, 1]
+    outs = assert_converter_exact(lambda a, b: torch.cat([a, b]).chunk(2), a=((3, 3), F32), b=((3, 3), F32))
+    assert [o.sources() for o in outs] == [{"a"}, {"b"}]
+
+
+def test_cat_of_chunks_of_a_transposed_tensor():
+    out = assert_converter_exact(lambda a: torch.cat(a.t().chunk(3)[::-1]), a=((4, 6), F32))
+    assert pieces(out) == 3
+    out = assert_converter_exact(lambda a: torch.cat(a.t().chunk(2)), a=((4, 6), F32))
+    assert pieces(out) == 1  # the chunks continue each other: merged back
+    out = assert_converter_exact(lambda a, b: torch.cat([*a.t().chunk(2), *b.t().chunk(3)]),
+                                 a=((4, 6), F32), b=((4, 6), F32))
+    assert pieces(out) == 2
+
+
+@pytest.mark.parametrize("h,d,n", [(4, 32, 16), (2, 8, 3), (1, 4, 5), (8, 128, 7)])
+def test_permute_for_rope_is_one_piece(h, d, n):
+    def rope(w):
+        return w.view(h, d // h // 2, 2, n).transpose(1, 2).reshape(d, n)
+
+    out = assert_converter_exact(rope, w=((d, n), BF16))
+    assert pieces(out) == 1
+    inverse = assert_converter_exact(lambda w: w.view(h, 2, d // h // 2, n).transpose(1, 2).reshape(d, n),
+                                     w=((d, n), BF16))
+    assert pieces(inverse) == 1
+
+
+def test_interleave_via_stack_flatten_is_two_pieces():
+    out = assert_converter_exact(lambda a, b: torch.stack([a, b], -1).flatten(), a=((6,), F32), b=((6,), F32))
+    assert pieces(out) == 2
+    out = assert_converter_exact(lambda a, b: torch.stack([a, b], -1).flatten(-2), a=((3, 6), F32),
+                                 b=((3, 6), F32))
+    assert pieces(out) == 2
+
+
+def test_explain_text_and_sympy_are_exact():
+    h, d, n = 2, 8, 3
+    w = leaf("w", (d, n))
+    out = w.view(h, d // h // 2, 2, n).transpose(1, 2).reshape(d, n)
+    text = rt.explain(out)
+    assert text.splitlines()[0] == "RegionTensor (8, 3) torch.float32: 1 piece(s) from 1 source(s)"
+    assert "<- w[" in text
+    # the sympy form gives every output element's flat source index: check it against the code oracle
+    a = leaf("a", (2, 3))
+    fused = torch.stack([a, out[:2]], -1).flatten(-2)
+    exprs = rt.explain(fused, as_sympy=True)
+    assert set(exprs) == {"a", "w"} and all(isinstance(e, sympy.Piecewise) for e in exprs.values())
+    codes = code_tensors({"a": ((2, 3), torch.int64), "w": ((d, n), torch.int64)})
+    real = torch.stack([codes["a"], codes["w"].view(h, 2, 2, n).transpose(1, 2).reshape(d, n)[:2]], -1).flatten(-2)
+    i0, i1 = sympy.symbols("i0 i1", integer=True, nonnegative=True)
+    for i in range(real.shape[0]):
+        for j in range(real.shape[1]):
+            hits = [(name, int(e.subs({i0: i, i1: j}))) for name, e in exprs.items()]
+            hits = [(name, v) for name, v in hits if v != -1]
+            assert len(hits) == 1
+            name, flat = hits[0]
+            assert codes[name].flatten()[flat] == real[i, j]
+
+
+def test_explain_shows_casts():
+    out = torch.cat([leaf("a", (2, 2), BF16), leaf("b", (1, 2), F32)])
+    text = rt.explain(out)
+    assert "a[i0, i1] as float32" in text
+    assert text.endswith("out[2:3, 0:2] <- b[0, i1]")
+
+
+def test_to_networkx_graph():
+    q, k = leaf("q", (8, 4), BF16), leaf("k", (8, 4), BF16)
+    out = torch.cat([q, k.flip(0)]).t()
+    g = rt.to_networkx(out)
+    assert isinstance(g, nx.DiGraph) and nx.is_directed_acyclic_graph(g)
+    assert g.nodes["q"] == {"op": "leaf", "shape": (8, 4), "dtype": "torch.bfloat16", "params": {"name": "q"}}
+    ops = {data["op"] for _, data in g.nodes(data=True)}
+    assert {"leaf", "cat", "flip", "t"} <= ops
+    sink = [v for v in g if g.out_degree(v) == 0]
+    assert len(sink) == 1 and g.nodes[sink[0]]["op"] == "t" and g.nodes[sink[0]]["shape"] == (4, 16)
+    cat = next(v for v, data in g.nodes(data=True) if data["op"] == "cat")
+    assert g.nodes[cat]["params"]["dim"] == 0
+    assert g.edges["q", cat]["arg"] == 0
+    flip = next(v for v, data in g.nodes(data=True) if data["op"] == "flip")
+    assert g.edges[flip, cat]["arg"] == 1 and g.has_edge("k", flip)
+    assert {v for v in g if g.in_degree(v) == 0} == {"q", "k"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# compilation guarantees
+
+
+@SETTINGS
+@given(st.data())
+def test_cat_compiles_to_at_most_one_block_per_source(data):
+    q, k = leaf("q", (8, 4), BF16), leaf("k", (5, 4), BF16)
+    fused = torch.cat([q, k])
+    box = data.draw(boxes(fused.shape))
+    blocks = fused.remap_blocks(box)
+    assert sum(b.numel for b in blocks) == box_numel(box)
+    per_source = [b.source for b in blocks]
+    assert len(per_source) == len(set(per_source))
+
+
+@SETTINGS
+@given(st.data())
+def test_merged_experts_compile_to_one_block_per_expert(data):
+    E, I, H = 6, 5, 7
+    experts = [leaf(f"e{i}", (I, H), BF16) for i in range(E)]
+    merged = torch.stack(experts)
+    (a, b), (c, d) = data.draw(boxes((I, H)).filter(lambda bx: all(lo < hi for lo, hi in bx)))
+    blocks = merged.remap_blocks(((0, E), (a, b), (c, d)))
+    assert len(blocks) == E
+    assert sorted(bl.source for bl in blocks) == sorted(f"e{i}" for i in range(E))
+    assert all(bl.source_box() is not None for bl in blocks)
+    e0, e1 = data.draw(st.integers(0, E - 1)), data.draw(st.integers(1, E))
+    if e0 < e1:
+        assert len(merged.remap_blocks(((e0, e1), (a, b), (c, d)))) == e1 - e0
+
+
+def test_merge_then_concatenate_gate_up_blocks():
+    E, I, H = 4, 6, 5
+    gate = torch.stack([leaf(f"g{i}", (I, H)) for i in range(E)])
+    up = torch.stack([leaf(f"u{i}", (I, H)) for i in range(E)])
+    gate_up = torch.cat([gate, up], dim=1)
+    assert pieces(gate_up) == 2 * E
+    assert len(gate_up.remap_blocks(((0, E), (0, 2 * I), (0, H)))) == 2 * E
+    assert len(gate_up.remap_blocks(((0, E), (1, 4), (0, H)))) == E  # gate rows only
+    assert len(gate_up.remap_blocks(((1, 3), (4, 9), (2, 3)))) == 4  # 2 experts x (gate, up)
+
+
+def test_compile_cost_follows_pieces_not_elements():
+    """A [256, 4096, 7168] stack of 256 leaves: blocks for a random box = experts touched (no element loop)."""
+    E, I, H = 256, 4096, 7168
+    merged = torch.stack([leaf(f"experts.{i}", (I, H), BF16) for i in range(E)])
+    assert pieces(merged) == E
+    rng = random.Random(0)
+    for _ in range(4):
+        box = []
+        for n in (E, I, H):
+            a = rng.randrange(n)
+            box.append((a, rng.randint(a + 1, n)))
+        blocks = merged.remap_blocks(tuple(box))
+        assert len(blocks) == box[0][1] - box[0][0]
+        assert sum(b.numel for b in blocks) == box_numel(box)
+        assert {b.source for b in blocks} == {f"experts.{i}" for i in range(*box[0])}
+
+
+def test_piece_budget_raises_untraceable(monkeypatch):
+    x = leaf("x", (4, 3))
+    assert pieces(x.t().reshape(4, 3)) == 6
+    monkeypatch.setattr(R, "PIECE_BUDGET", 4)
+    with pytest.raises(rt.Untraceable, match="budget of 4"):
+        x.t().reshape(4, 3)
+    with pytest.raises(rt.Untraceable, match="budget"):
+        rt.trace(lambda y: y.t().reshape(4, 3), leaf("y", (4, 3)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# RemapBlock: what a reader needs
+
+
+def test_block_source_runs_span_box_for_a_row_box():
+    x = leaf("x", (6, 5), BF16)
+    (b,) = x.remap_blocks(((1, 3), (0, 5)))
+    assert b.source_runs() == [(5, 10)]  # rows 1-2: one contiguous run
+    assert b.source_span() == (5, 15)
+    assert b.source_box() == ((1, 0), (2, 5), (0, 1))
+    (b,) = x.remap_blocks(((1, 3), (2, 4)))
+    assert b.source_runs() == [(7, 2), (12, 2)]
+    assert b.source_span() == (7, 14)
+    assert b.source_box() == ((1, 2), (2, 2), (0, 1))
+
+
+def test_block_source_box_of_a_transpose():
+    (b,) = leaf("x", (4, 3)).t().remap_blocks(((0, 2), (1, 3)))
+    assert b.src_strides == (1, 3)
+    assert b.source_box() == ((1, 0), (2, 2), (1, 0))  # block dim 0 walks source dim 1
+    assert b.source_runs() == [(3, 2), (6, 2)]
+
+
+def test_block_source_runs_of_flip_broadcast_and_step():
+    (b,) = leaf("x", (4, 3)).flip(0).remap_blocks()
+    assert b.src_strides[0] < 0 and b.source_box() is None
+    assert b.source_runs() == [(0, 12)] and b.source_span() == (0, 12)
+    (b,) = leaf("x", (1, 4)).expand(3, 4).remap_blocks()
+    assert b.src_strides == (0, 1) and b.read_numel == 4 and b.numel == 12
+    assert b.source_runs() == [(0, 4)] and b.source_box() is None
+    (b,) = leaf("x", (4, 6))[:, ::2].remap_blocks(((0, 2), (0, 3)))
+    assert b.source_runs() == [(0, 1), (2, 1), (4, 1), (6, 1), (8, 1), (10, 1)]
+    assert b.source_span() == (0, 11) and b.source_box() is None
+
+
+@pytest.mark.parametrize("shape,fn,expected", [
+    ((4, 1, 3), lambda x: x.squeeze(1), ((0, 0, 0), (4, 1, 3), (0, 2))),
+    ((4, 1, 3), lambda x: x.squeeze(1).t(), ((0, 0, 0), (4, 1, 3), (2, 0))),
+    ((4, 1, 3), lambda x: x[1:3], ((1, 0, 0), (2, 1, 3), (0, 2))),
+    ((4, 3, 1), lambda x: x[1:3, 1:], ((1, 1, 0), (2, 2, 1), (0, 1))),
+    ((1, 1, 5), lambda x: x, ((0, 0, 0), (1, 1, 5), (2,))),
+])
+def test_block_source_box_with_size_one_source_dims(shape, fn, expected):
+    """Regression: source_box picked the size-1 dim among dims sharing a stride, so every source with a
+    size-1 dim gave None."""
+    (b,) = fn(leaf("x", shape)).remap_blocks()
+    assert b.source_box() == expected
+
+
+# ---------------------------------------------------------------------------------------------------
+# size-0 and size-1 dims, casts
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0), (2, 0, 4), (1,), (1, 1), (1, 5, 1), ()])
+def test_size_zero_and_one_dims(shape):
+    def fn(x):
+        y = x.unsqueeze(0).flatten()
+        return y, x.unsqueeze(-1).transpose(0, -1) if x.ndim else x.reshape(1, 1)
+
+    outs = assert_converter_exact(fn, x=(shape, F32))
+    if math.prod(shape) == 0:
+        assert all(pieces(o) == 0 and o.remap_blocks() == () for o in outs)
+    else:
+        assert all(pieces(o) == 1 for o in outs)
+
+
+def test_size_one_expand_and_squeeze():
+    out = assert_converter_exact(lambda x: x.unsqueeze(0).expand(3, 1, 4).squeeze(1), x=((1, 4), F32))
+    (b,) = out.remap_blocks()
+    assert b.read_numel == 4 and b.numel == 12
+
+
+def test_cat_with_empty_parts():
+    out = assert_converter_exact(lambda a, b: torch.cat([a, b, a[:0]]), a=((2, 3), F32), b=((0, 3), F32))
+    assert out.sources() == {"a"}
+
+
+@pytest.mark.parametrize("fn,src,dtype,casts", [
+    (lambda x: x.float().bfloat16(), BF16, BF16, ()),  # exact round trip: no cast at all
+    (lambda x: x.half().float(), F32, F32, (torch.float16, torch.float32)),  # lossy: both kept
+    (lambda x: x.half().float(), BF16, F32, (torch.float16, torch.float32)),
+    (lambda x: x.float().half(), BF16, torch.float16, (torch.float16,)),  # exact widening dropped
+    (lambda x: x.to(torch.float64).to(F32), F32, F32, ()),
+    (lambda x: x.type_as(torch.empty(0, dtype=torch.float16, device=x.device)), F32, torch.float16,
+     (torch.float16,)),
+])
+def test_cast_chains(fn, src, dtype, casts):
+    out = assert_converter_exact(fn, x=((3, 4), src))
+    assert out.dtype == dtype
+    assert [p.casts for p in out.region.pieces] == [casts]
+    assert all(b.casts == casts for b in out.remap_blocks())
+
+
+def test_cat_type_promotion():
+    out = assert_converter_exact(lambda a, b: torch.cat([a, b]), a=((3, 4), BF16), b=((2, 4), F32))
+    assert out.dtype == F32
+    assert [p.casts for p in out.region.pieces] == [(F32,), ()]
+    out = assert_converter_exact(lambda a, b: torch.stack([a, b]), a=((3, 4), torch.int32), b=((3, 4), BF16))
+    assert out.dtype == BF16
+
+
+def test_assert_converter_exact_with_float_sources():
+    """Regression: the code oracle ran int64 codes through a trace made for float leaves, so every
+    converter with non-int64 inputs failed the dtype check."""
+    out = assert_converter_exact(lambda q, k: torch.cat([q, k]), q=((8, 4), BF16), k=((8, 4), BF16))
+    assert out.dtype == BF16
+
+
+def test_assert_converter_exact_catches_a_wrong_map():
+    def sneaky(x):  # a real run that differs from the trace without changing shapes
+        return x.flip(0) if x.device.type == "cpu" else x
+
+    with pytest.raises(AssertionError):
+        assert_converter_exact(sneaky, x=((3, 2), torch.int64))
