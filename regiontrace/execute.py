@@ -18,7 +18,8 @@ def source_view(block: RemapBlock, source: torch.Tensor) -> torch.Tensor:
     src = source.contiguous()
     flips = [j for j, s in enumerate(block.src_strides) if s < 0]
     offset = block.src_offset + sum((block.shape[j] - 1) * block.src_strides[j] for j in flips)
-    view = torch.as_strided(src, block.shape, [abs(s) for s in block.src_strides], src.storage_offset() + offset)
+    strides = [abs(s) for s in block.src_strides]
+    view = torch.as_strided(src, block.shape, strides, src.storage_offset() + offset)
     return view.flip(flips) if flips else view
 
 
@@ -35,7 +36,9 @@ def apply_casts(view: torch.Tensor, casts: Iterable[torch.dtype]) -> torch.Tenso
     return view
 
 
-def execute_blocks(blocks: Iterable[RemapBlock], sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+def execute_blocks(
+    blocks: Iterable[RemapBlock], sources: Mapping[str, torch.Tensor], out: torch.Tensor
+) -> torch.Tensor:
     """Fill ``out`` (the compiled box's shape, box-local) from real source tensors.
 
     Args:

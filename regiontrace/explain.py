@@ -58,7 +58,8 @@ def source_index(piece: Piece) -> list[sympy.Expr]:
                 continue
             z = i - axis.start
             digit = z if w == 1 and f.radix == axis.length else sympy.Mod(sympy.floor(z / w), f.radix)
-            dims = [j for j, (st, n) in enumerate(zip(strides, shape)) if f.stride % st == 0 and abs(f.stride) < st * n]
+            dims = [j for j, (st, n) in enumerate(zip(strides, shape))
+                    if f.stride % st == 0 and abs(f.stride) < st * n]
             if not dims:
                 return _flat_index(piece)
             j = dims[0]
@@ -117,8 +118,8 @@ def to_networkx(tensor: RegionTensor) -> nx.DiGraph:
     """The index-mapping graph that produced ``tensor``.
 
     Returns:
-        A DiGraph whose nodes carry ``op``, ``shape``, ``dtype`` and ``params`` (leaves: ``name``), with an edge
-        ``parent -> child`` labelled ``arg`` (argument position).
+        A DiGraph whose nodes carry ``op``, ``shape``, ``dtype`` and ``params`` (leaves: ``name``), with an
+        edge ``parent -> child`` labelled ``arg`` (argument position).
     """
     g = nx.DiGraph()
     seen: dict[int, str] = {}

@@ -259,7 +259,9 @@ def _interval_boxes(a0: int, a1: int, radices: tuple[int, ...], prefix: tuple, o
         _interval_boxes(0, a1 % w, radices[1:], prefix + (d1,), out)
 
 
-def box_ranges(factors: Sequence[Factor], prefix: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]] | None:
+def box_ranges(
+    factors: Sequence[Factor], prefix: Sequence[int], lo: int, hi: int
+) -> list[tuple[int, int]] | None:
     """Digit ranges of an :func:`interval_boxes` box intersected with the factors' coverage (None: empty)."""
     ranges = []
     k = len(prefix)
@@ -433,7 +435,9 @@ def cat(regions: Sequence[Region], dim: int, shape: Sequence[int]) -> Region:
 
 def cast(region: Region, dtype: torch.dtype) -> Region:
     """Record a value cast to ``dtype`` on every piece (applied on copy)."""
-    pieces = [Piece(p.source, p.base, p.axes, _append_cast(p.source.dtype, p.casts, dtype)) for p in region.pieces]
+    pieces = [
+        Piece(p.source, p.base, p.axes, _append_cast(p.source.dtype, p.casts, dtype)) for p in region.pieces
+    ]
     return Region(region.shape, merge_pieces(pieces) if len(pieces) > 1 else tuple(pieces))
 
 
@@ -446,7 +450,9 @@ _EXACT_WIDENINGS = {
 }
 
 
-def _append_cast(src: torch.dtype, casts: tuple[torch.dtype, ...], dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+def _append_cast(
+    src: torch.dtype, casts: tuple[torch.dtype, ...], dtype: torch.dtype
+) -> tuple[torch.dtype, ...]:
     chain = (src,) + casts
     if chain[-1] == dtype:
         return casts
@@ -496,12 +502,13 @@ def reshape(region: Region, shape: Sequence[int]) -> Region:
         options = []
         for gi, gj in groups:
             axes = [p.axes[keep_in[i]] for i in gi]
-            options.append(_reshape_group(axes, [region.shape[keep_in[i]] for i in gi], [shape[keep_out[j]] for j in gj]))
+            sizes_in, sizes_out = [region.shape[keep_in[i]] for i in gi], [shape[keep_out[j]] for j in gj]
+            options.append(_reshape_group(axes, sizes_in, sizes_out))
         _budget(len(pieces) + math.prod(len(o) for o in options), f"reshape {region.shape} -> {shape}")
         for combo in itertools.product(*options):
             out_axes = [Axis(0, ())] * len(shape)
             delta = 0
-            for (gi, gj), (d, axes) in zip(groups, combo):
+            for (_, gj), (d, axes) in zip(groups, combo):
                 delta += d
                 for j, a in zip(gj, axes):
                     out_axes[keep_out[j]] = a
@@ -511,7 +518,9 @@ def reshape(region: Region, shape: Sequence[int]) -> Region:
     return _finish(shape, pieces, f"reshape {region.shape} -> {shape}")
 
 
-def _reshape_group(axes: list[Axis], sizes: list[int], out_sizes: list[int]) -> list[tuple[int, tuple[Axis, ...]]]:
+def _reshape_group(
+    axes: list[Axis], sizes: list[int], out_sizes: list[int]
+) -> list[tuple[int, tuple[Axis, ...]]]:
     if len(sizes) == 1 and len(out_sizes) == 1:
         return [(0, (axes[0],))]
     out = []
@@ -596,7 +605,8 @@ def _cut(fs: tuple[Factor, ...], m: int) -> list[tuple[int, tuple[Factor, ...], 
             if f.lo % a == 0 and f.hi % a == 0:
                 parts = [(Factor(b, f.lo // a, f.hi // a, a * f.stride), Factor(a, 0, a, f.stride))]
             elif f.lo // a == (f.hi - 1) // a:
-                parts = [(Factor(b, f.lo // a, f.lo // a + 1, 0), Factor(a, f.lo % a, (f.hi - 1) % a + 1, f.stride))]
+                major = Factor(b, f.lo // a, f.lo // a + 1, 0)
+                parts = [(major, Factor(a, f.lo % a, (f.hi - 1) % a + 1, f.stride))]
             else:
                 parts = []
                 for prefix, lo, hi in interval_boxes(f.lo, f.hi, (b, a)):

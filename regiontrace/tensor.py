@@ -102,8 +102,8 @@ class RegionTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         names = ", ".join(sorted(self.sources()))
-        return (f"RegionTensor(shape={tuple(self.shape)}, dtype={self.dtype}, pieces={len(self._region.pieces)}, "
-                f"sources=[{names}])")
+        return (f"RegionTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"pieces={len(self._region.pieces)}, sources=[{names}])")
 
     # -- value access is never an index mapping --------------------------------------------------------
 
@@ -154,7 +154,8 @@ class RegionTensor(torch.Tensor):
         if isinstance(out_meta, torch.Tensor):
             return _wrap(out_meta, regions, name, parents, params)
         return type(out_meta)(
-            _wrap(m, r, name, parents, dict(params, output=i)) for i, (m, r) in enumerate(zip(out_meta, regions))
+            _wrap(m, r, name, parents, dict(params, output=i))
+            for i, (m, r) in enumerate(zip(out_meta, regions))
         )
 
 
@@ -211,7 +212,8 @@ def _view(b: dict, out: torch.Tensor) -> R.Region:
 
 
 @_handles(aten.alias.default, aten.detach.default, aten.clone.default, aten.lift_fresh.default,
-          aten._to_copy.default, aten.contiguous.default if hasattr(aten, "contiguous") else aten.alias.default)
+          aten._to_copy.default,
+          aten.contiguous.default if hasattr(aten, "contiguous") else aten.alias.default)
 def _identity(b: dict, out: torch.Tensor) -> R.Region:
     return _reg(b["self"], out.dtype)
 

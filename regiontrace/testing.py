@@ -5,7 +5,8 @@ runs it for real, and checks ``materialize`` and random-box RemapBlocks against 
 unique integer codes per source element (the *code oracle*) wherever the function has no value casts::
 
     from regiontrace.testing import assert_converter_exact
-    assert_converter_exact(lambda q, k: torch.cat([q, k]), q=((8, 4), torch.bfloat16), k=((8, 4), torch.bfloat16))
+    bf16 = torch.bfloat16
+    assert_converter_exact(lambda q, k: torch.cat([q, k]), q=((8, 4), bf16), k=((8, 4), bf16))
 
 The strategies (:func:`programs`, :func:`boxes`) generate random movement-op programs for property tests.
 """
@@ -69,16 +70,18 @@ def random_box(shape: Sequence[int], rng: random.Random) -> tuple[tuple[int, int
     return tuple(box)
 
 
-def check_blocks(blocks: Sequence[RemapBlock], box: Sequence[tuple[int, int]], sources: Mapping[str, torch.Tensor],
-                 expected: torch.Tensor) -> None:
-    """Assert that ``blocks`` partition ``box`` exactly, read no more than the box needs, and give ``expected``.
+def check_blocks(blocks: Sequence[RemapBlock], box: Sequence[tuple[int, int]],
+                 sources: Mapping[str, torch.Tensor], expected: torch.Tensor) -> None:
+    """Assert that ``blocks`` partition ``box`` exactly, read no more than the box needs, and give
+    ``expected``.
 
     Raises:
         AssertionError: with a description of the first violation.
     """
     shape = tuple(b - a for a, b in box)
     numel = math.prod(shape)
-    assert sum(b.numel for b in blocks) == numel, f"blocks write {sum(b.numel for b in blocks)} of {numel} elements"
+    written = sum(b.numel for b in blocks)
+    assert written == numel, f"blocks write {written} of {numel} elements"
     hits = torch.zeros(shape, dtype=torch.int32)
     for b in blocks:
         dest_view(b, hits).add_(1)
@@ -177,7 +180,9 @@ def _factorizations(n: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _unary_ops(draw: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, Callable, tuple[int, ...], Any]:
+def _unary_ops(
+    draw: Any, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[str, Callable, tuple[int, ...], Any]:
     """Draw one unary movement op valid for ``shape``: (description, fn, new shape, new dtype)."""
     nd = len(shape)
     kinds = ["reshape", "unsqueeze", "flip", "contiguous", "cast", "getitem", "chunk", "repeat"]
@@ -230,12 +235,13 @@ def _unary_ops(draw: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[s
     if kind == "cast":
         to = draw(st.sampled_from(DTYPES))
         spelled = draw(st.sampled_from(["to", "method", "type_as"]))
-        method = {torch.float32: "float", torch.bfloat16: "bfloat16", torch.float16: "half", torch.float64: "double",
-                  torch.int32: "int", torch.int64: "long"}[to]
+        method = {torch.float32: "float", torch.bfloat16: "bfloat16", torch.float16: "half",
+                  torch.float64: "double", torch.int32: "int", torch.int64: "long"}[to]
         if spelled == "to":
             return result(f"to({to})", lambda x, to=to: x.to(to))
         if spelled == "type_as":
-            return result(f"type_as({to})", lambda x, to=to: x.type_as(torch.empty(0, dtype=to, device=x.device)))
+            return result(f"type_as({to})",
+                          lambda x, to=to: x.type_as(torch.empty(0, dtype=to, device=x.device)))
         return result(f".{method}()", lambda x, m=method: getattr(x, m)())
     if kind == "getitem":
         idx: list[Any] = []
@@ -346,7 +352,9 @@ def _unary_ops(draw: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[s
 
 
 @st.composite
-def programs(draw: Any, max_leaves: int = 4, max_depth: int = 8, max_dims: int = 4, max_size: int = 6) -> Program:
+def programs(
+    draw: Any, max_leaves: int = 4, max_depth: int = 8, max_dims: int = 4, max_size: int = 6
+) -> Program:
     """Random programs: 1-``max_leaves`` leaves and up to ``max_depth`` movement ops, incl. cat/stack."""
     nleaves = draw(st.integers(1, max_leaves))
     shape = tuple(draw(st.lists(st.integers(1, max_size),
@@ -354,7 +362,8 @@ def programs(draw: Any, max_leaves: int = 4, max_depth: int = 8, max_dims: int =
     if draw(st.integers(0, 9)) == 0:
         shape = shape[:-1] + (0,)
     leaves = tuple(
-        (f"s{i}", shape, draw(st.sampled_from(DTYPES[:4]) if i else st.sampled_from(DTYPES))) for i in range(nleaves)
+        (f"s{i}", shape, draw(st.sampled_from(DTYPES[:4]) if i else st.sampled_from(DTYPES)))
+        for i in range(nleaves)
     )
     pool = [(s, d) for _, s, d in leaves]
     ops: list[Op] = []
@@ -364,20 +373,23 @@ def programs(draw: Any, max_leaves: int = 4, max_depth: int = 8, max_dims: int =
         partners = [i for i, (s, _) in enumerate(pool) if len(s) == len(shape_c)]
         if len(pool) > 1 and draw(st.integers(0, 3)) == 0 and len(shape_c) > 0:
             d = draw(st.integers(0, len(shape_c) - 1))
-            cand = [i for i in partners if all(a == b for j, (a, b) in enumerate(zip(pool[i][0], shape_c)) if j != d)]
+            cand = [i for i in partners
+                    if all(a == b for j, (a, b) in enumerate(zip(pool[i][0], shape_c)) if j != d)]
             other = draw(st.sampled_from(cand))
             first = draw(st.booleans())
             args = (cur, other) if first else (other, cur)
             if draw(st.booleans()):
                 name = draw(st.sampled_from(["cat", "concat", "concatenate"]))
-                fn = (lambda a, b, d=d, n=name: getattr(torch, n)([a, b], dim=d))
+                def fn(a, b, d=d, n=name):
+                    return getattr(torch, n)([a, b], dim=d)
                 desc = f"{name}(dim={d})"
             else:
                 same = [i for i in partners if pool[i][0] == shape_c]
                 other = draw(st.sampled_from(same))
                 args = (cur, other)
                 sd = draw(st.integers(-len(shape_c) - 1, len(shape_c)))
-                fn = (lambda a, b, d=sd: torch.stack((a, b), d))
+                def fn(a, b, d=sd):
+                    return torch.stack((a, b), d)
                 desc = f"stack({sd})"
             metas = [torch.empty(pool[i][0], dtype=pool[i][1], device="meta") for i in args]
             out = fn(*metas)

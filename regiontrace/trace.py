@@ -48,5 +48,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                     f"output {i}: traced {tuple(a.shape)} {a.dtype}, meta run {tuple(m.shape)} {m.dtype}"
                 )
         elif isinstance(a, torch.Tensor):
-            raise Untraceable(f"output {i} is a real tensor not derived from the inputs (shape {tuple(a.shape)})")
+            raise Untraceable(
+                f"output {i} is a real tensor not derived from the inputs (shape {tuple(a.shape)})"
+            )
     return out

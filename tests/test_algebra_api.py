@@ -267,7 +267,8 @@ def test_transposed_4x3_reshaped(shape):
 def test_flatten_across_a_cat():
     out = assert_converter_exact(lambda a, b: torch.cat([a, b]).flatten(), a=((2, 3), F32), b=((3, 3), F32))
     assert pieces(out) == 2
-    out = assert_converter_exact(lambda a, b: torch.cat([a, b], 1).flatten(), a=((2, 3), F32), b=((2, 5), F32))
+    out = assert_converter_exact(lambda a, b: torch.cat([a, b], 1).flatten(), a=((2, 3), F32),
+                                 b=((2, 5), F32))
     assert pieces(out) == 2
 
 
@@ -321,7 +322,8 @@ def test_explain_text_and_sympy_are_exact():
     exprs = rt.explain(fused, as_sympy=True)
     assert set(exprs) == {"a", "w"} and all(isinstance(e, sympy.Piecewise) for e in exprs.values())
     codes = code_tensors({"a": ((2, 3), torch.int64), "w": ((d, n), torch.int64)})
-    real = torch.stack([codes["a"], codes["w"].view(h, 2, 2, n).transpose(1, 2).reshape(d, n)[:2]], -1).flatten(-2)
+    roped = codes["w"].view(h, 2, 2, n).transpose(1, 2).reshape(d, n)
+    real = torch.stack([codes["a"], roped[:2]], -1).flatten(-2)
     i0, i1 = sympy.symbols("i0 i1", integer=True, nonnegative=True)
     for i in range(real.shape[0]):
         for j in range(real.shape[1]):
@@ -401,7 +403,7 @@ def test_merge_then_concatenate_gate_up_blocks():
 
 
 def test_compile_cost_follows_pieces_not_elements():
-    """A [256, 4096, 7168] stack of 256 leaves: blocks for a random box = experts touched (no element loop)."""
+    """A [256, 4096, 7168] stack of 256 leaves: blocks for a random box = experts touched."""
     E, I, H = 256, 4096, 7168
     merged = torch.stack([leaf(f"experts.{i}", (I, H), BF16) for i in range(E)])
     assert pieces(merged) == E
