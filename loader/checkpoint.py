@@ -385,17 +385,21 @@ def _index_files(root: str, index_path: str, allow_external_symlinks: bool) -> d
         raise _err(index_path, "index must be a JSON object with a 'weight_map' object")
     real_root = os.path.realpath(root)
     by_file: dict[str, list[str]] = {}
+    checked: dict[str, str] = {}  # file name -> path: each distinct name is validated once
     for key, name in weight_map.items():
-        if not isinstance(name, str) or not name:
-            raise _err(index_path, f"weight_map value must be a file name, got {name!r}", key)
-        norm = os.path.normpath(name)
-        if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
-            raise _err(index_path, f"file {name!r} escapes the checkpoint folder {root}", key)
-        path = os.path.join(root, norm)
-        if not allow_external_symlinks:
-            real = os.path.realpath(path)
-            if os.path.commonpath([real, real_root]) != real_root:
-                raise _err(index_path, f"file {name!r} resolves to {real}, outside {real_root}", key)
+        path = checked.get(name) if isinstance(name, str) else None
+        if path is None:
+            if not isinstance(name, str) or not name:
+                raise _err(index_path, f"weight_map value must be a file name, got {name!r}", key)
+            norm = os.path.normpath(name)
+            if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
+                raise _err(index_path, f"file {name!r} escapes the checkpoint folder {root}", key)
+            path = os.path.join(root, norm)
+            if not allow_external_symlinks:
+                real = os.path.realpath(path)
+                if os.path.commonpath([real, real_root]) != real_root:
+                    raise _err(index_path, f"file {name!r} resolves to {real}, outside {real_root}", key)
+            checked[name] = path
         by_file.setdefault(path, []).append(key)
     for path in by_file:
         if not os.path.isfile(path):

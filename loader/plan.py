@@ -55,9 +55,46 @@ class RankPlan:
 
     def planned_bytes(self, checkpoint: SafetensorsCheckpoint) -> int:
         """Bytes of checkpoint data this plan reads (region reads by element, deferred sources whole)."""
-        total = sum(r.block.read_numel * checkpoint[r.block.source].itemsize for r in self.reads)
-        keys = {k for d in self.deferred for k in d.conversion.sources}
+        total = unique_read_bytes([r.block for r in self.reads], checkpoint)
+        keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
         return total + sum(checkpoint[k].nbytes for k in keys)
+
+
+def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckpoint) -> int:
+    """Bytes of the union of source elements the blocks read (overlapping reads are read once)."""
+    by_source: dict[str, list[rt.RemapBlock]] = {}
+    for b in blocks:
+        by_source.setdefault(b.source, []).append(b)
+    total = 0
+    for source, group in by_source.items():
+        itemsize = checkpoint[source].itemsize
+        group.sort(key=lambda b: b.source_span())
+        cluster: list[rt.RemapBlock] = []
+        end = -1
+        for b in group + [None]:
+            lo, hi = b.source_span() if b is not None else (None, None)
+            if b is None or lo >= end:
+                if len(cluster) == 1:
+                    total += cluster[0].read_numel * itemsize
+                elif cluster:
+                    total += _union_numel(cluster) * itemsize
+                cluster, end = [], -1
+            if b is not None:
+                cluster.append(b)
+                end = max(end, hi)
+    return total
+
+
+def _union_numel(blocks: list[rt.RemapBlock]) -> int:
+    runs = sorted(r for b in blocks for r in b.source_runs())
+    total, cur_a, cur_b = 0, None, None
+    for a, n in runs:
+        if cur_b is None or a > cur_b:
+            total += (cur_b - cur_a) if cur_b is not None else 0
+            cur_a, cur_b = a, a + n
+        else:
+            cur_b = max(cur_b, a + n)
+    return total + ((cur_b - cur_a) if cur_b is not None else 0)
 
 
 class TraceCache:
@@ -73,7 +110,8 @@ class TraceCache:
         rule = conv.rule
         rule_id = (id(getattr(rule, "fn", None)) if getattr(rule, "fn", None) is not None else type(rule).__name__,
                    repr(getattr(rule, "operations", None)))
-        groups = tuple((p, len(keys)) for p, keys in conv.groups)
+        # a rename's only "pattern" is its key: leave it out, so that every rename of one shape shares a trace
+        groups = () if conv.is_rename else tuple((p, len(keys)) for p, keys in conv.groups)
         srcs = tuple((tuple(checkpoint[k].shape), checkpoint[k].dtype) for k in conv.sources)
         return (conv.is_rename, rule_id, conv.description, groups, srcs, len(conv.targets))
 
@@ -223,6 +261,3 @@ def describe(plan: RankPlan, checkpoint: SafetensorsCheckpoint) -> str:
     return (f"planned {len(set(plan.traced))} tensors as region reads, {len(set(plan.deferred_targets))} through "
             f"{len(convs)} deferred conversions, {plan.planned_bytes(checkpoint)} bytes")
 
-
-def unused(*_: Any) -> None:
-    return None

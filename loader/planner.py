@@ -90,6 +90,7 @@ class HFLoadPlanner(LoadPlanner):
         self.checkpoint: SafetensorsCheckpoint | None = None
         self.slots: dict[str, TargetSlot] = {}
         self.keyplan = None
+        self._keyplan_for = None
         self.bytes_read = 0
         self._items: dict[str, tuple] = {}
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
@@ -121,10 +122,22 @@ class HFLoadPlanner(LoadPlanner):
 
         return slot_for(name, tensor)
 
-    def build_plan(self, checkpoint: SafetensorsCheckpoint) -> RankPlan:
-        """Plan this rank's load of ``checkpoint``; validates everything, reads nothing."""
+    def build_plan(self, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot] | None = None,
+                   *, check_devices: bool = True) -> RankPlan:
+        """Plan this rank's load of ``checkpoint``; validates everything, reads nothing.
+
+        Args:
+            checkpoint: validated checkpoint headers.
+            slots: the model tensors as some rank sees them (default: this rank, from the model).
+            check_devices: refuse targets on the meta device (off for simulations).
+        """
         self.checkpoint = checkpoint
-        self.slots = model_slots(self.model, self.target_slot)
+        self.slots = dict(slots) if slots is not None else model_slots(self.model, self.target_slot)
+        if self.keyplan is not None and self._keyplan_for is checkpoint:
+            self.plan = plan_rank(self.keyplan, checkpoint, self.slots, strict=self.strict,
+                                  supports_symbolic=self.supports_symbolic, cache=self.cache,
+                                  check_devices=check_devices)
+            return self.plan
         mapping = self.weights_mapping if self.weights_mapping is not None else self.default_weights_mapping(self.model)
         shapes = {k: checkpoint[k].shape for k in checkpoint.keys()}
         mapper = None if type(self).map_checkpoint_key is HFLoadPlanner.map_checkpoint_key else self.map_checkpoint_key
@@ -132,8 +145,10 @@ class HFLoadPlanner(LoadPlanner):
         self.keyplan = plan_keys(self.model, shapes, weights_mapping=mapping,
                                  extra_weights_mapping=self.extra_weights_mapping, key_mapping=self.key_mapping,
                                  map_checkpoint_key=mapper, select_converter=selector)
+        self._keyplan_for = checkpoint
         self.plan = plan_rank(self.keyplan, checkpoint, self.slots, strict=self.strict,
-                              supports_symbolic=self.supports_symbolic, cache=self.cache)
+                              supports_symbolic=self.supports_symbolic, cache=self.cache,
+                              check_devices=check_devices)
         return self.plan
 
     def report(self, bytes_read: int, rank: int = 0, world_size: int = 1) -> LoadReport:
@@ -222,7 +237,8 @@ class HFLoadPlanner(LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         entry = self._items[read_item.dest_index.fqn]
-        self.bytes_read += tensor.numel() * tensor.element_size()
+        # checkpoint bytes (the tensor handed back may already be in the model's dtype)
+        self.bytes_read += tensor.numel() * self.checkpoint[read_item.storage_index.fqn].itemsize
         if entry[0] == "block":
             r = entry[1]
             b = r.block
