@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -204,7 +203,12 @@ def plan_rank(
             the message names the tensor.
     """
     cache = cache or TraceCache()
-    plan = RankPlan(unexpected_keys=list(keyplan.unexpected_keys), conversions=list(keyplan.conversions))
+    # like from_pretrained, leave out what the model says to ignore (``_keys_to_ignore_on_load_*``, stale
+    # ``rotary_emb.inv_freq`` / ``position_ids``): not reported, and not an error with ``strict``
+    ignored_unexpected = set(keyplan.ignored_unexpected_keys)
+    ignored_missing = set(keyplan.ignored_missing_keys)
+    plan = RankPlan(unexpected_keys=[k for k in keyplan.unexpected_keys if k not in ignored_unexpected],
+                    conversions=list(keyplan.conversions))
     loaded: set[str] = set()
     for conv in keyplan.conversions:
         for t in conv.targets:
@@ -243,7 +247,8 @@ def plan_rank(
                                  "(e.g. model.to_empty(device='cpu'))")
     aliases = {a for a, c in keyplan.tied.items() if c in loaded}
     plan.loaded_keys = sorted(loaded | aliases)
-    plan.missing_keys = [k for k in keyplan.missing_keys if k not in loaded and k not in aliases]
+    plan.missing_keys = [k for k in keyplan.missing_keys
+                         if k not in loaded and k not in aliases and k not in ignored_missing]
     if strict and plan.missing_keys:
         shown = ", ".join(plan.missing_keys[:8]) + (" …" if len(plan.missing_keys) > 8 else "")
         raise ValueError(f"{len(plan.missing_keys)} model tensor(s) are not in the checkpoint: {shown} "

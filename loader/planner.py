@@ -196,7 +196,7 @@ class HFLoadPlanner(LoadPlanner):
                 zeros = torch.Size([0] * len(info.shape))
                 items.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, zeros), zeros,
                                       _storage_index(key, len(info.shape)), zeros, torch.Size(info.shape)))
-        return LoadPlan(items, planner_data=self)
+        return LoadPlan(items)
 
     def _block_item(self, fqn: str, r) -> ReadItem:  # noqa: ANN001
         b = r.block

@@ -1,0 +1,123 @@
+"""Simulating the load plan of any rank of a large mesh in one process, without reading anything.
+
+The model may live on the meta device; its tensors' placements come from DTensors (e.g. a model
+parallelised under torch's fake process group for one rank) or from an explicit ``placements`` mapping.
+Each simulated rank's slots are computed with DTensor's own sharding arithmetic, and traces are shared
+across ranks (one trace per conversion shape signature).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .checkpoint import SafetensorsCheckpoint
+from .distributed import _is_dtensor, shard_boxes
+from .planner import HFLoadPlanner
+from .targets import TargetSlot, full_box, iter_model_tensors
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """The plan of one simulated rank.
+
+    Attributes:
+        rank: global rank; coordinate: its mesh coordinate.
+        blocks: RemapBlocks it executes.
+        bytes_read: checkpoint bytes its plan reads (region reads by element, deferred sources whole).
+        shard_bytes: bytes of its local shards, in checkpoint dtype (the least any loader must read).
+        whole_tensor_bytes: bytes it would read loading every source tensor it touches whole.
+        traced: model tensors it loads by region reads; deferred: through deferred conversions.
+        deferred_conversions: number of deferred conversions it runs.
+    """
+
+    rank: int
+    coordinate: tuple[int, ...]
+    blocks: int
+    bytes_read: int
+    shard_bytes: int
+    whole_tensor_bytes: int
+    traced: int
+    deferred: int
+    deferred_conversions: int
+
+
+def coordinate_of(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    coord = []
+    for n in reversed(mesh_shape):
+        coord.append(rank % n)
+        rank //= n
+    return tuple(reversed(coord))
+
+
+def model_placements(model: torch.nn.Module) -> tuple[tuple[int, ...] | None, dict[str, Any]]:
+    """Mesh shape and placements of a model's DTensors (plain tensors are replicated)."""
+    mesh_shape, placements = None, {}
+    for name, t in iter_model_tensors(model):
+        data = t.data if isinstance(t, torch.nn.Parameter) else t
+        if _is_dtensor(data):
+            mesh_shape = tuple(data.device_mesh.shape)
+            placements[name] = tuple(data.placements)
+    return mesh_shape, placements
+
+
+def simulate_load(
+    model: torch.nn.Module,
+    checkpoint: str | SafetensorsCheckpoint,
+    *,
+    mesh_shape: Sequence[int] | None = None,
+    placements: Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]] | None = None,
+    ranks: Sequence[int] | None = None,
+    planner: HFLoadPlanner | None = None,
+    **planner_kwargs: Any,
+) -> list[RankFigures]:
+    """Plan ranks of a mesh without loading anything.
+
+    Args:
+        model: the model (any device, meta included).
+        checkpoint: a checkpoint path, or header-only :class:`SafetensorsCheckpoint` (``from_infos``).
+        mesh_shape: the mesh (default: the model's DTensors' mesh).
+        placements: per model tensor name, placements over the mesh (a mapping or a function of name and
+            shape); names absent are replicated. Default: the model's DTensor placements.
+        ranks: ranks to simulate (default: all).
+        planner: a configured :class:`HFLoadPlanner` (default: one built from ``planner_kwargs``).
+
+    Returns:
+        One :class:`RankFigures` per simulated rank.
+    """
+    if isinstance(checkpoint, str):
+        checkpoint = SafetensorsCheckpoint.open(checkpoint)
+    found_mesh, found = model_placements(model)
+    mesh_shape = tuple(mesh_shape or found_mesh or (1,))
+    if placements is None:
+        placements = found
+    planner = planner or HFLoadPlanner(model, **planner_kwargs)
+    tensors = dict(iter_model_tensors(model))
+    world = math.prod(mesh_shape)
+    figures = []
+    for rank in ranks if ranks is not None else range(world):
+        coord = coordinate_of(rank, mesh_shape)
+        slots = {}
+        for name, t in tensors.items():
+            shape = tuple(t.shape)
+            pl = placements(name, shape) if callable(placements) else placements.get(name)
+            boxes = shard_boxes(shape, mesh_shape, coord, pl) if pl else ((full_box(shape), full_box(shape)),)
+            slots[name] = TargetSlot(name, shape, t.dtype, None, boxes)
+        plan = planner.build_plan(checkpoint, slots, check_devices=False)
+        shard_bytes = 0
+        for conv in plan.conversions:
+            item = max(checkpoint[k].itemsize for k in conv.sources)
+            shard_bytes += sum(slots[t].local_numel for t in conv.targets) * item
+        touched = {r.block.source for r in plan.reads} | {k for d in plan.deferred if d.boxes
+                                                          for k in d.conversion.sources}
+        figures.append(RankFigures(
+            rank=rank, coordinate=coord, blocks=len(plan.reads), bytes_read=plan.planned_bytes(checkpoint),
+            shard_bytes=shard_bytes, whole_tensor_bytes=sum(checkpoint[k].nbytes for k in touched),
+            traced=len(set(plan.traced)), deferred=len(set(plan.deferred_targets)),
+            deferred_conversions=sum(1 for d in plan.deferred if d.boxes),
+        ))
+    return figures
