@@ -94,6 +94,7 @@ class HFLoadPlanner(LoadPlanner):
         self.bytes_read = 0
         self._items: dict[str, tuple] = {}
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._boxes_only = False
 
     # -- hooks ---------------------------------------------------------------------------------------------
 
@@ -176,11 +177,19 @@ class HFLoadPlanner(LoadPlanner):
         self._items.clear()
         self._pending.clear()
         self.bytes_read = 0
+        # metadata without our TensorInfo records comes from another reader (torch's HF reader): it reads
+        # plain boxes only, which create_local_plan checks before anything is read
+        storage = getattr(metadata, "storage_data", None) or {}
+        self._boxes_only = not any(isinstance(i, TensorInfo) for i in storage.values())
         self.build_plan(checkpoint_from_metadata(metadata))
 
     def create_local_plan(self) -> LoadPlan:
         assert self.plan is not None and self.checkpoint is not None
         items = []
+        if self._boxes_only:
+            for r in self.plan.reads:
+                if r.block.source_box() is None:
+                    raise _strided_error(r)
         for i, r in enumerate(self.plan.reads):
             fqn = f"__block__/{i}"
             self._items[fqn] = ("block", r)
@@ -227,10 +236,7 @@ class HFLoadPlanner(LoadPlanner):
         b = r.block
         box = b.source_box()
         if box is None:
-            raise ValueError(
-                f"{r.target!r} reads {b.source!r} through a strided (non-box) region; torch's "
-                "HuggingFaceStorageReader reads boxes only: use loader.SafetensorsReader"
-            )
+            raise _strided_error(r)
         if b.casts:
             return torch.empty(tuple(read_item.lengths), dtype=b.source_dtype)
         return _box_shaped(dest_view(b, box_view(self.slots[r.target].local, r.local_box)), box)
@@ -271,6 +277,13 @@ def _run_deferred_on(d, tensors: Mapping[str, torch.Tensor], slots: Mapping[str,
         for dim, (a, b) in enumerate(g):
             src = src.narrow(dim, a, b - a)
         box_view(slots[target].local, lb).copy_(src)
+
+
+def _strided_error(r) -> ValueError:  # noqa: ANN001
+    return ValueError(
+        f"{r.target!r} reads {r.block.source!r} through a strided (non-box) region; torch's "
+        "HuggingFaceStorageReader reads boxes only: use loader.SafetensorsReader"
+    )
 
 
 def _storage_index(key: str, ndim: int) -> MetadataIndex:
