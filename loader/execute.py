@@ -104,6 +104,20 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _alone(items: list[tuple[BlockRead, TensorInfo]]) -> list[bool]:
+    """For items sorted by first byte: whether each one's byte span overlaps no other item's span."""
+    cluster, sizes, end = [], [], -1  # clusters of overlapping spans
+    for r, info in items:
+        lo, hi = r.block.source_span()
+        a, b = info.data_start + lo * info.itemsize, info.data_start + hi * info.itemsize
+        if a >= end:
+            sizes.append(0)
+        sizes[-1] += 1
+        cluster.append(len(sizes) - 1)
+        end = max(end, b)
+    return [sizes[c] == 1 for c in cluster]
+
+
 class BlockExecutor:
     """Runs BlockReads against checkpoint files, tracking bytes read."""
 
@@ -122,10 +136,11 @@ class BlockExecutor:
         for file, items in by_file.items():
             items.sort(key=lambda it: it[1].data_start + it[0].block.source_span()[0] * it[1].itemsize)
             batch, size = [], 0
-            for r, info in items:
+            for (r, info), alone in zip(items, _alone(items)):
                 dest = box_view(self.slots[r.target].local, r.local_box)
                 layout = read_layout(r.block)
-                direct = _direct_target(r.block, dest, layout)
+                # a block whose bytes may overlap another's is staged, where overlapping ranges are read once
+                direct = _direct_target(r.block, dest, layout) if alone else None
                 if direct is not None:
                     start = info.data_start + layout.runs[0] * info.itemsize
                     self.reader.pread_into(file, start, _bytes_view(direct))
