@@ -249,6 +249,76 @@ def test_failed_in_place_write_leaves_the_tensor_intact():
 
 
 # ---------------------------------------------------------------------------------------------------
+# spellings: keyword and positional forms, negative dims, aliases (all exact against torch)
+
+SPELLINGS = {
+    "split-sizes-neg-dim": lambda x: torch.split(x, [1, 3, 2], dim=-2),
+    "split-kw": lambda x: x.split(split_size=4, dim=1),
+    "unsafe_chunk": lambda x: x.unsafe_chunk(2, 1),
+    "chunk-kw": lambda x: torch.chunk(x, chunks=3, dim=-1),
+    "tensor_split-indices": lambda x: x.tensor_split([1, 3], dim=1),
+    "hsplit": lambda x: torch.hsplit(x, 3),
+    "vsplit": lambda x: torch.vsplit(x, [1, 3]),
+    "dsplit": lambda x: torch.dsplit(x, [2]),
+    "unbind-neg": lambda x: torch.unbind(x, -1),
+    "view-minus-one": lambda x: x.view(-1, 5),
+    "view_as": lambda x: x.view(4, 30).view_as(x),
+    "reshape_as": lambda x: x.flatten().reshape_as(x),
+    "ravel-of-transpose": lambda x: x.transpose(0, 2).ravel(),
+    "flatten-neg": lambda x: x.flatten(-2),
+    "unflatten-minus-one": lambda x: x.unflatten(-2, (2, -1)),
+    "narrow-neg-start": lambda x: x.narrow(-1, -3, 2),
+    "select-neg": lambda x: x.select(-1, -1),
+    "getitem-mixed": lambda x: x[1:-1:2, None, ..., ::3],
+    "getitem-int-none": lambda x: x[-1, :, None, 2:],
+    "getitem-ellipsis": lambda x: x[..., -2],
+    "getitem-out-of-range": lambda x: x[10:20],
+    "getitem-clamped": lambda x: x[-100:2, -3:-100],
+    "expand-minus-one": lambda x: x[:, :1].expand(-1, 4, -1),
+    "expand-new-dims": lambda x: x[:, :1].expand(2, 4, 3, 5),
+    "expand_as": lambda x: x[:1].expand_as(x),
+    "broadcast_to": lambda x: torch.broadcast_to(x[:, :1], (4, 6, 5)),
+    "squeeze-tuple": lambda x: x[:1, :, :1].squeeze((0, 2)),
+    "squeeze-noop": lambda x: x.squeeze(0),
+    "unsqueeze-neg": lambda x: x.unsqueeze(-1),
+    "swapdims": lambda x: torch.swapdims(x, 0, -1),
+    "swapaxes": lambda x: x.swapaxes(-1, 1),
+    "moveaxis-lists": lambda x: x.moveaxis([0, 1], [1, 0]),
+    "movedim": lambda x: torch.movedim(x, 0, -1),
+    "permute-list": lambda x: x.permute([2, 0, 1]),
+    "permute-neg": lambda x: x.permute(-1, 0, 1),
+    "transpose-neg": lambda x: x.transpose(-1, -2),
+    "mT": lambda x: x.mT,
+    "T-2d": lambda x: x[0].T,
+    "t-1d": lambda x: x[0, 0].t(),
+    "concatenate-axis": lambda x: torch.concatenate([x, x], axis=1),
+    "concat": lambda x: torch.concat([x, x.flip(1)], -3),
+    "cat-kw": lambda x: torch.cat(tensors=[x, x.flip(0)], dim=-1),
+    "stack-neg": lambda x: torch.stack([x, x], dim=-1),
+    "hstack": lambda x: torch.hstack([x, x]),
+    "vstack": lambda x: torch.vstack([x, x]),
+    "flip-neg": lambda x: x.flip(-1),
+    "fliplr": lambda x: x.fliplr(),
+    "flipud": lambda x: x.flipud(),
+    "repeat": lambda x: x.repeat(2, 1, 1, 2),
+    "tile": lambda x: torch.tile(x, (2, 1, 1)),
+    "repeat_interleave-int": lambda x: x.repeat_interleave(2, dim=1),
+    "contiguous-of-transpose": lambda x: x.transpose(0, 1).contiguous(),
+    "clone-detach": lambda x: x.clone(memory_format=torch.contiguous_format).detach(),
+    "to-kw": lambda x: x.to(dtype=torch.float16),
+    "to-copy": lambda x: x.to(torch.float16, copy=True),
+    "double": lambda x: x.double(),
+    "type": lambda x: x.type(torch.float64),
+    "type_as-region": lambda x: x.type_as(x.to(torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spellings_trace_exactly(name):
+    assert_converter_exact(SPELLINGS[name], boxes=3, x=((4, 6, 5), F32))
+
+
+# ---------------------------------------------------------------------------------------------------
 # the hard cases: exact, and compact where they should be
 
 
