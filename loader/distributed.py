@@ -8,6 +8,7 @@ same boxes is read by one of them and broadcast to the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -62,21 +63,39 @@ def shard_runs(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinat
         if d not in offsets:
             runs.append([(0, n, 0)] if n else [])
             continue
-        idx = offsets[d].tolist()
-        dim_runs: list[tuple[int, int, int]] = []
-        for pos, g in enumerate(idx):
-            if dim_runs and dim_runs[-1][1] == g:
-                a, _, lpos = dim_runs[-1]
-                dim_runs[-1] = (a, g + 1, lpos)
-            else:
-                dim_runs.append((g, g + 1, pos))
-        runs.append(dim_runs)
+        # maximal runs of consecutive global indices, found vectorised (a dim may hold ~10^5 indices)
+        idx = offsets[d]
+        if not idx.numel():
+            runs.append([])
+            continue
+        breaks = (torch.nonzero(idx[1:] != idx[:-1] + 1).flatten() + 1).tolist()
+        starts, ends = [0] + breaks, breaks + [idx.numel()]
+        firsts, lasts = idx[starts].tolist(), idx[[e - 1 for e in ends]].tolist()
+        runs.append([(a, b + 1, pos) for a, b, pos in zip(firsts, lasts, starts)])
     return runs
 
 
 def shard_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
                 placements: Sequence[Any]) -> tuple[tuple[Box, Box], ...]:
-    """``(global box, local box)`` pairs of the local shard at ``coordinate`` (a union of boxes)."""
+    """``(global box, local box)`` pairs of the local shard at ``coordinate`` (a union of boxes).
+
+    Cached per (shape, mesh, coordinate, placements): every layer of a model repeats the same few.
+    """
+    key = (tuple(global_shape), tuple(mesh_shape), tuple(coordinate), tuple((type(p), p) for p in placements))
+    try:
+        return _shard_boxes_cached(*key)
+    except TypeError:  # an unhashable placement: compute it uncached
+        return _shard_boxes(global_shape, mesh_shape, coordinate, placements)
+
+
+@functools.lru_cache(maxsize=65536)
+def _shard_boxes_cached(global_shape: tuple, mesh_shape: tuple, coordinate: tuple,
+                        typed_placements: tuple) -> tuple[tuple[Box, Box], ...]:
+    return _shard_boxes(global_shape, mesh_shape, coordinate, [p for _, p in typed_placements])
+
+
+def _shard_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+                 placements: Sequence[Any]) -> tuple[tuple[Box, Box], ...]:
     import itertools
 
     runs = shard_runs(global_shape, mesh_shape, coordinate, placements)
