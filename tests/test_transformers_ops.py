@@ -36,8 +36,13 @@ from transformers.core_model_loading import (  # noqa: E402
     Split,
     SplitModulelist,
     Transpose,
+    VisionFuseAndPermuteForRope,
+    VisionUnfuseAndPermuteForRope,
     WeightConverter,
 )
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.set_verbosity_error()  # the deprecated Vision*PermuteForRope ops warn on construction
 
 BF16 = torch.bfloat16
 
@@ -260,6 +265,32 @@ def test_chunk_then_permute_for_rope_on_the_vision_config():
         config=config,
     )
     assert [pieces(t) for t in out.values()] == [1, 1, 1]
+
+
+def test_deprecated_vision_unfuse_and_fuse_permute_for_rope():
+    config = PretrainedConfig(vision_config=PretrainedConfig(num_attention_heads=2))
+    unfuse = WeightConverter(
+        "qkv",
+        ["q_proj", "k_proj", "v_proj"],
+        [VisionUnfuseAndPermuteForRope(dim=0, permute_layer_names=["q_proj", "k_proj"])],
+    )
+    out = check(
+        unfuse,
+        "blocks.0.attn.q_proj.weight",
+        [("blocks.0.attn.qkv.weight", 0)],
+        {"blocks.0.attn.qkv.weight": ((24, 5), BF16)},
+        config=config,
+    )
+    assert [pieces(t) for t in out.values()] == [1, 1, 1]
+    fuse = WeightConverter(
+        ["q_proj", "k_proj", "v_proj"],
+        "qkv",
+        [VisionFuseAndPermuteForRope(dim=0, permute_layer_names=["q_proj", "k_proj"])],
+    )
+    keys = [("attn.q_proj.weight", 0), ("attn.k_proj.weight", 1), ("attn.v_proj.weight", 2)]
+    out = check(fuse, "attn.qkv.weight", keys, {k: ((8, 5), BF16) for k, _ in keys}, config=config)
+    (fused,) = out.values()
+    assert fused.shape == (24, 5) and pieces(fused) == 3
 
 
 @pytest.mark.parametrize("inverse", [False, True])
