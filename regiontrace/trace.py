@@ -6,10 +6,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .errors import TraceMismatch, Untraceable
 from .tensor import RegionTensor
+
+
+class _StayOnMeta(TorchDispatchMode):
+    """During the meta run, device moves (``.cpu()``, ``.to("cuda")``) keep tensors on meta, as RegionTensors do."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and "device" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
+        return func(*args, **kwargs)
 
 
 def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -34,7 +45,8 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         (args, kwargs),
     )
     out = fn(*args, **kwargs)
-    meta_out = fn(*meta_args, **meta_kwargs)
+    with _StayOnMeta():
+        meta_out = fn(*meta_args, **meta_kwargs)
     flat, spec = tree_flatten(out)
     meta_flat, meta_spec = tree_flatten(meta_out)
     if spec != meta_spec:

@@ -613,3 +613,11 @@ def test_assert_converter_exact_catches_a_wrong_map():
 
     with pytest.raises(AssertionError):
         assert_converter_exact(sneaky, x=((3, 2), torch.int64))
+
+
+def test_device_moves_inside_a_converter_trace():
+    """``.cpu()`` / ``.to(device, dtype)`` are identity index maps; the meta check keeps them on meta."""
+    x = rt.RegionTensor.leaf("x", (4, 3))
+    y = rt.trace(lambda a: a.cpu().t().to("cpu", torch.bfloat16), x)
+    real = torch.arange(12.0).reshape(4, 3)
+    assert torch.equal(rt.materialize(y, {"x": real}), real.t().bfloat16())
