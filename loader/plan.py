@@ -67,20 +67,25 @@ def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckp
     total = 0
     for source, group in by_source.items():
         itemsize = checkpoint[source].itemsize
-        group.sort(key=lambda b: b.source_span())
+        if len(group) == 1:
+            total += group[0].read_numel * itemsize
+            continue
+        # blocks whose spans overlap form a cluster, whose union is counted run by run
+        spans = sorted(((b.source_span(), i) for i, b in enumerate(group)))
+        numel = 0
         cluster: list[rt.RemapBlock] = []
         end = -1
-        for b in group + [None]:
-            lo, hi = b.source_span() if b is not None else (None, None)
-            if b is None or lo >= end:
+        for (lo, hi), i in spans:
+            if lo >= end:
                 if len(cluster) == 1:
-                    total += cluster[0].read_numel * itemsize
+                    numel += cluster[0].read_numel
                 elif cluster:
-                    total += _union_numel(cluster) * itemsize
-                cluster, end = [], -1
-            if b is not None:
-                cluster.append(b)
-                end = max(end, hi)
+                    numel += _union_numel(cluster)
+                cluster = []
+            cluster.append(group[i])
+            end = max(end, hi) if cluster[1:] else hi
+        numel += cluster[0].read_numel if len(cluster) == 1 else _union_numel(cluster)
+        total += numel * itemsize
     return total
 
 
@@ -100,10 +105,26 @@ class TraceCache:
     """Traces by shape signature: one trace serves every layer whose conversion has the same structure."""
 
     def __init__(self) -> None:
-        self._traces: dict[tuple, dict[int, rt.RegionTensor] | str] = {}
+        self._traces: dict[int, dict[int, rt.RegionTensor] | str] = {}
         self._blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = {}
+        self._keys: dict[tuple[int, int], tuple] = {}
+        self._interned: dict[tuple, int] = {}
         self.hits = 0
         self.misses = 0
+
+    def _key(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> int:
+        """A small int standing for ``conv``'s signature (equal signatures, equal ints).
+
+        Memoised per (conversion, checkpoint) object: simulated ranks share both, and an expert merge's
+        signature holds hundreds of source shapes, too costly to rebuild and hash per rank and per box. The
+        entry keeps both objects alive, so their ids cannot be reused.
+        """
+        entry = self._keys.get((id(conv), id(checkpoint)))
+        if entry is not None and entry[0] is conv and entry[1] is checkpoint:
+            return entry[2]
+        key = self._interned.setdefault(self.signature(conv, checkpoint), len(self._interned))
+        self._keys[(id(conv), id(checkpoint))] = (conv, checkpoint, key)
+        return key
 
     def signature(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> tuple:
         rule = conv.rule
@@ -114,9 +135,11 @@ class TraceCache:
         srcs = tuple((tuple(checkpoint[k].shape), checkpoint[k].dtype) for k in conv.sources)
         return (conv.is_rename, rule_id, conv.description, groups, srcs, len(conv.targets))
 
-    def trace(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> tuple[dict[str, rt.RegionTensor] | str, tuple]:
-        """Trace ``conv`` on canonical leaves ``#0, #1, …``; returns ``{target: RegionTensor}`` or the reason."""
-        sig = self.signature(conv, checkpoint)
+    def trace(self, conv: Conversion,
+              checkpoint: SafetensorsCheckpoint) -> tuple[dict[str, rt.RegionTensor] | str, int]:
+        """Trace ``conv`` on canonical leaves ``#0, #1, …``; returns ``{target: RegionTensor}`` or the reason,
+        and the signature's key for :meth:`blocks`."""
+        sig = self._key(conv, checkpoint)
         cached = self._traces.get(sig)
         if cached is None:
             self.misses += 1
@@ -144,7 +167,7 @@ class TraceCache:
             result[conv.targets.index(name)] = t
         return result
 
-    def blocks(self, sig: tuple, target_index: int, traced: rt.RegionTensor, box: Box,
+    def blocks(self, sig: int, target_index: int, traced: rt.RegionTensor, box: Box,
                names: tuple[str, ...]) -> tuple[rt.RemapBlock, ...]:
         """Blocks for ``box``, compiled once per signature and renamed to this conversion's sources."""
         key = (sig, target_index, box)

@@ -99,6 +99,7 @@ def simulate_load(
     tensors = dict(iter_model_tensors(model))
     world = math.prod(mesh_shape)
     figures = []
+    itemsizes: dict[int, tuple[Any, int]] = {}
     for rank in ranks if ranks is not None else range(world):
         coord = coordinate_of(rank, mesh_shape)
         slots = {}
@@ -110,8 +111,10 @@ def simulate_load(
         plan = planner.build_plan(checkpoint, slots, check_devices=False)
         shard_bytes = 0
         for conv in plan.conversions:
-            item = max(checkpoint[k].itemsize for k in conv.sources)
-            shard_bytes += sum(slots[t].local_numel for t in conv.targets) * item
+            item = itemsizes.get(id(conv))
+            if item is None or item[0] is not conv:  # once per conversion, not per rank
+                item = itemsizes[id(conv)] = (conv, max(checkpoint[k].itemsize for k in conv.sources))
+            shard_bytes += sum(slots[t].local_numel for t in conv.targets) * item[1]
         touched = {r.block.source for r in plan.reads} | {k for d in plan.deferred if d.boxes
                                                           for k in d.conversion.sources}
         figures.append(RankFigures(
