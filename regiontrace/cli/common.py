@@ -1,0 +1,187 @@
+"""Shared pieces of the command line: argument parsing helpers, user-function import, number formatting."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line on stderr, exit status 2 (or ``status``)."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# ---------------------------------------------------------------------------------------------------
+# dtypes, shapes, boxes, meshes
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "f16": torch.float16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "f32": torch.float32, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "f64": torch.float64, "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+    "i8": torch.int8, "int8": torch.int8, "u8": torch.uint8, "uint8": torch.uint8,
+    "i16": torch.int16, "int16": torch.int16, "i32": torch.int32, "int32": torch.int32, "int": torch.int32,
+    "i64": torch.int64, "int64": torch.int64, "long": torch.int64, "bool": torch.bool,
+    "f8e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+    "f8e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    key = text.strip().lower().removeprefix("torch.")
+    if key in DTYPES:
+        return DTYPES[key]
+    raise CLIError(f"unknown dtype {text!r} (use e.g. bf16, float32, int64)")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``8x4`` (also ``8,4``); an empty string or ``()`` is a scalar."""
+    text = text.strip()
+    if text in ("", "()", "scalar"):
+        return ()
+    parts = re.split(r"[x,×]", text.lower())
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise CLIError(f"bad shape {text!r}: write sizes separated by 'x', e.g. 8x4") from None
+    if any(n < 0 for n in shape):
+        raise CLIError(f"bad shape {text!r}: negative size")
+    return shape
+
+
+def parse_inputs(specs: Sequence[str]) -> dict[str, Any]:
+    """``NAME=SHAPE[:DTYPE]`` (or ``NAME[N]=SHAPE[:DTYPE]`` for a list of N tensors) → ``{name: spec}``.
+
+    A spec is ``(shape, dtype)``, or a list of them for the list form; list elements are named ``NAME.i``.
+    """
+    out: dict[str, Any] = {}
+    for spec in specs:
+        m = re.fullmatch(r"\s*([A-Za-z_]\w*)(?:\[(\d+)\])?\s*=\s*([^:]*)(?::(.+))?", spec)
+        if not m:
+            raise CLIError(f"bad --input {spec!r}: write NAME=SHAPE[:DTYPE], e.g. w=8x4:bf16 or ws[4]=8x4")
+        name, count, shape, dtype = m.groups()
+        if name in out:
+            raise CLIError(f"--input {name!r} given twice")
+        one = (parse_shape(shape), parse_dtype(dtype) if dtype else torch.float32)
+        out[name] = [one] * int(count) if count is not None else one
+    if not out:
+        raise CLIError("give the function's tensors with --input NAME=SHAPE[:DTYPE] (one per argument)")
+    return out
+
+
+def flat_specs(inputs: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every source tensor of ``inputs`` by source name (list elements are ``NAME.i``)."""
+    out = {}
+    for name, spec in inputs.items():
+        if isinstance(spec, list):
+            out.update({f"{name}.{i}": s for i, s in enumerate(spec)})
+        else:
+            out[name] = spec
+    return out
+
+
+def regroup(inputs: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for the user's function from tensors named like :func:`flat_specs`."""
+    return {name: [tensors[f"{name}.{i}"] for i in range(len(spec))] if isinstance(spec, list) else tensors[name]
+            for name, spec in inputs.items()}
+
+
+def parse_box(text: str) -> tuple[tuple[int, int], ...]:
+    """``0:4,0:8`` → ``((0, 4), (0, 8))``."""
+    box = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", part)
+        if not m:
+            raise CLIError(f"bad --box {text!r}: write START:STOP per dim, comma separated, e.g. 0:4,0:8")
+        box.append((int(m.group(1)), int(m.group(2))))
+    return tuple(box)
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``2x4`` → ``(2, 4)``."""
+    shape = parse_shape(text)
+    if not shape or any(n < 1 for n in shape):
+        raise CLIError(f"bad --mesh {text!r}: write sizes separated by 'x', e.g. 4 or 2x4")
+    return shape
+
+
+def format_box(box: Sequence[tuple[int, int]]) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
+
+
+# ---------------------------------------------------------------------------------------------------
+# importing the user's function
+
+
+def load_function(ref: str) -> Callable[..., Any]:
+    """``MODULE:FUNCTION`` where MODULE is a dotted module name or a path to a ``.py`` file."""
+    module_ref, sep, attr = ref.rpartition(":")
+    if not sep or not module_ref or not attr:
+        raise CLIError(f"bad function {ref!r}: write MODULE:FUNCTION, e.g. convert.py:gate_up or pkg.mod:fn")
+    if module_ref.endswith(".py") or os.sep in module_ref or "/" in module_ref:
+        path = os.path.abspath(module_ref)
+        if not os.path.isfile(path):
+            raise CLIError(f"no such file: {module_ref}")
+        name = "_regiontrace_user_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        sys.path.insert(0, os.path.dirname(path))
+        spec.loader.exec_module(module)
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_ref)
+        except ModuleNotFoundError as e:
+            if e.name and module_ref.startswith(e.name):
+                raise CLIError(f"cannot import module {module_ref!r}: {e}") from e
+            raise
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise CLIError(f"{module_ref} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CLIError(f"{ref} is not callable")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------
+# numbers and tables
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[bool] | None = None) -> str:
+    """A plain-text table with aligned columns (numbers right-aligned by default)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[j]) for r in cells) for j in range(len(header))]
+    if right is None:
+        right = [j > 0 for j in range(len(header))]
+    lines = []
+    for i, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if rt else c.ljust(w) for c, w, rt in zip(r, widths, right)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""``regiontrace demo``: the main job end to end on an embedded tiny MoE checkpoint.
+
+1. write a small MoE checkpoint in the original Hugging Face layout (per-expert tensors, separate gate/up);
+2. load it on N gloo ranks on localhost into tensor- and expert-parallel DTensor shards, and in this process
+   into a plain model (the reference, itself checked against the saved model); check every shard;
+3. print a per-rank table and write the plan picture. Exit status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+from .common import CLIError, human_bytes, parse_mesh, table
+
+HELP = "load an embedded tiny MoE checkpoint on N gloo ranks, check every shard, draw the plan"
+DESCRIPTION = """\
+Generate a tiny MoE checkpoint in the original Hugging Face layout (per-expert tensors, separate gate and
+up projections: a qwen3_moe model written by save_pretrained, or a built-in model without transformers),
+load it with WORLD gloo ranks on localhost into tensor- and expert-parallel DTensor shards and once in this
+process as the reference, check every shard against the reference, then print a per-rank table and write
+the plan picture (plan.svg) into the output folder. Exit status 1 if any check fails. No network."""
+EPILOG = """\
+examples:
+  regiontrace demo
+  regiontrace demo --world-size 2 --out /tmp/demo
+  regiontrace demo --mesh 2x2          # experts over mesh dim 0, tensor parallel over mesh dim 1"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("demo", help=HELP, description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", "-w", type=int, metavar="N", help="ranks to spawn (default 4, or the mesh's)")
+    p.add_argument("--mesh", metavar="AxB", help="mesh shape (default: 1-D of the world size)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: a new temporary folder, kept)")
+    p.add_argument("--model", choices=("auto", "transformers", "builtin"), default="auto",
+                   help="checkpoint kind (default: transformers when installed, else builtin)")
+    p.add_argument("--timeout", type=float, default=120, metavar="S", help="give up after S seconds")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as mp
+
+    from .demo_models import have_transformers
+
+    t0 = time.time()
+    _start_fork_server()
+    mesh_shape = parse_mesh(args.mesh) if args.mesh else (args.world_size or 4,)
+    world = math.prod(mesh_shape)
+    if args.world_size and args.world_size != world:
+        raise CLIError(f"--world-size {args.world_size} differs from the mesh {args.mesh} ({world} ranks)")
+    if world < 1 or world > 64:
+        raise CLIError("use between 1 and 64 ranks")
+    kind = args.model
+    if kind == "auto":
+        kind = "transformers" if have_transformers() else "builtin"
+    elif kind == "transformers" and not have_transformers():
+        raise CLIError("--model transformers needs transformers: pip install 'transformers>=5'")
+    out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="regiontrace-demo-"))
+    os.makedirs(out, exist_ok=True)
+    work = os.path.join(out, ".work")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    checkpoint = os.path.join(out, "checkpoint")
+
+    # 1. the checkpoint, and the state a correct load produces
+    from .demo_models import build_model, loader_kwargs, write_checkpoint
+    from .sharding import placement_text, plan_placements
+
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    expected = write_checkpoint(kind, checkpoint)
+    meta_model = build_model(kind, checkpoint)
+    placements, _ = plan_placements(meta_model, mesh_shape, experts="ep")
+    print(f"checkpoint: {checkpoint} ({_describe_checkpoint(checkpoint)})")
+    print(f"loading on {world} gloo rank(s), mesh {'x'.join(map(str, mesh_shape))}; "
+          f"{len(placements)} sharded tensors, e.g.")
+    for name in _examples(placements):
+        print(f"  {name}  {placement_text(placements[name])}")
+
+    # 2. start the ranks, then load the reference here while they start up
+    ctx = {"mesh_shape": list(mesh_shape), "placements": placements, "kind": kind, "checkpoint": checkpoint,
+           "store": os.path.join(work, "store"), "out": work, "reference": os.path.join(work, "reference.pt"),
+           "timeout": args.timeout}
+    from .demo_rank import run_rank
+
+    procs = mp.start_processes(run_rank, args=(ctx,), nprocs=world, join=False, start_method=START_METHOD)
+    try:
+        ref_ok, ref_msg = _reference(kind, checkpoint, expected, ctx["reference"], loader_kwargs(kind))
+        from .plan_cmd import plan_model
+
+        svg = os.path.join(out, "plan.svg")
+        sim = plan_model(meta_model, checkpoint, mesh_shape, ranks=list(range(world)), placements=placements,
+                         svg=svg, title="regiontrace demo: load plan", model_type=_model_type(kind),
+                         planner_kwargs=loader_kwargs(kind))
+        _join(procs, args.timeout)
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+    results = []
+    for r in range(world):
+        path = os.path.join(work, f"rank{r}.json")
+        if not os.path.exists(path):
+            raise CLIError(f"rank {r} wrote no result (crashed?)", status=1)
+        with open(path) as f:
+            results.append(json.load(f))
+
+    # 3. the table and the verdict
+    return _report(results, sim["figures"], ref_ok, ref_msg, svg, out, time.time() - t0)
+
+
+START_METHOD = "forkserver"
+
+
+def _start_fork_server() -> None:
+    """Start the fork server now, importing torch, the loader and transformers once while this process
+    writes the checkpoint; each rank is then a cheap fork of it (a clean process: no threads, no state)."""
+    import multiprocessing
+
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(["regiontrace.cli.demo_preload"])
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+def _describe_checkpoint(path: str) -> str:
+    from loader import SafetensorsCheckpoint
+
+    ck = SafetensorsCheckpoint.open(path)
+    experts = sum(1 for k in ck.keys() if ".experts." in k)
+    return f"{len(ck)} tensors, {experts} of them per-expert, {human_bytes(ck.total_bytes)}"
+
+
+def _examples(placements: dict) -> list[str]:
+    seen, out = set(), []
+    for name in placements:
+        key = name.rsplit(".", 2)[-2:][0] + "." + name.rsplit(".", 1)[-1]
+        if ".layers.0." in name or ".layers." not in name:
+            if key not in seen:
+                seen.add(key)
+                out.append(name)
+    return out[:8]
+
+
+def _model_type(kind: str) -> str:
+    return "qwen3_moe (tiny, save_pretrained)" if kind == "transformers" else "built-in tiny MoE"
+
+
+def _reference(kind: str, checkpoint: str, expected: dict, out_path: str, kwargs: dict) -> tuple[bool, str]:
+    """Single-process load into a plain model; checked against the saved model; written for the ranks."""
+    import torch
+
+    from loader import load_hf_checkpoint
+
+    from .demo_models import build_model
+
+    try:
+        model = build_model(kind, checkpoint).to_empty(device="cpu")
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                t.fill_(float("nan"))
+        load_hf_checkpoint(model, checkpoint, progress=False, **kwargs)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        bad = [k for k, v in expected.items() if k not in state or not torch.equal(state[k], v.to(state[k].dtype))]
+        torch.save(state, out_path + ".tmp")
+        os.replace(out_path + ".tmp", out_path)
+    except Exception as e:
+        open(out_path + ".failed", "w").close()
+        return False, f"single-process reference load failed: {type(e).__name__}: {e}"
+    if bad:
+        return False, f"single-process load differs from the saved model in {len(bad)} tensors: {bad[:3]}"
+    return True, f"single-process load equals the saved model ({len(expected)} tensors)"
+
+
+def _join(procs: Any, timeout: float) -> None:
+    deadline = time.time() + timeout
+    try:
+        while not procs.join(timeout=0.5):
+            if time.time() > deadline:
+                raise CLIError(f"ranks still running after {timeout:.0f} s (--timeout)", status=1)
+    except Exception as e:
+        if isinstance(e, CLIError):
+            raise
+        raise CLIError(f"a rank failed: {str(e).strip().splitlines()[-1]}", status=1) from e
+
+
+def _report(results: list[dict], figures: list, ref_ok: bool, ref_msg: str, svg: str, out: str,
+            seconds: float) -> int:
+    sim = {f.rank: f for f in figures}
+    rows, failures = [], []
+    if not ref_ok:
+        failures.append(ref_msg)
+    for res in results:
+        r = res["rank"]
+        if "error" in res:
+            failures.append(f"rank {r}: {res['error']}")
+            rows.append([r, "-", "-", "-", "-", "-", "-", "-", "ERROR"])
+            continue
+        f = sim[r]
+        verdict = "ok" if res["ok"] else f"{len(res['bad']) + len(res['uncovered'])} differ"
+        if not res["ok"]:
+            failures.append(f"rank {r}: shards differ from the reference: {(res['bad'] + res['uncovered'])[:3]}")
+        if (f.blocks, f.bytes_read) != (res["blocks"], res["bytes_read"]):
+            failures.append(f"rank {r}: simulated plan ({f.blocks} blocks, {f.bytes_read} B) differs from the "
+                            f"real load ({res['blocks']} blocks, {res['bytes_read']} B)")
+            verdict += " (sim differs)"
+        rows.append([r, "(" + ",".join(map(str, res["coordinate"])) + ")", res["checked"], res["blocks"],
+                     human_bytes(res["bytes_read"]), human_bytes(f.shard_bytes), human_bytes(f.whole_tensor_bytes),
+                     f"{res['bytes_read'] / f.shard_bytes:.2f}" if f.shard_bytes else "-",
+                     f"{verdict} ({res['checked']} tensors)" if res["ok"] else verdict])
+    print()
+    print(table(["rank", "coord", "tensors", "blocks", "bytes read", "shard bytes", "whole tensors", "read/shard",
+                 "check vs reference"], rows))
+    print()
+    print(f"reference: {ref_msg}")
+    total_read = sum(res.get("bytes_read", 0) for res in results)
+    total_whole = sum(f.whole_tensor_bytes for f in figures)
+    print(f"all ranks read {human_bytes(total_read)}; reading whole tensors would read {human_bytes(total_whole)}")
+    print(f"plan picture: {svg}")
+    print(f"output: {out}   ({seconds:.1f} s)")
+    if failures:
+        print()
+        for msg in failures:
+            print(f"FAILED: {msg}")
+        return 1
+    print("OK: every shard on every rank equals the single-process load")
+    return 0

@@ -1,0 +1,108 @@
+"""One rank of ``regiontrace demo``: load the checkpoint into DTensor shards, check each against the reference.
+
+Spawned by :mod:`regiontrace.cli.demo` (gloo, file store). Results go to ``rank<R>.json``; no tensors cross
+processes except the reference the main process writes (``reference.pt``), which each rank waits for after
+its own load (so the single-process reference load runs while the ranks start up).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+def run_rank(rank: int, ctx: dict[str, Any]) -> None:
+    """Entry point of a spawned rank (``torch.multiprocessing`` passes the rank first)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    t0 = time.time()
+    world = math.prod(ctx["mesh_shape"])
+    result: dict[str, Any] = {"rank": rank, "ok": False}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=ctx.get("timeout", 120)))
+        result.update(_load_and_check(rank, ctx))
+        result["ok"] = not result["bad"] and not result["uncovered"]
+    except BaseException as e:  # noqa: BLE001 — reported by the main process
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    finally:
+        result["seconds"] = time.time() - t0
+        tmp = os.path.join(ctx["out"], f".rank{rank}.json")
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, os.path.join(ctx["out"], f"rank{rank}.json"))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _load_and_check(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from loader import load_hf_checkpoint
+    from loader.distributed import shard_boxes
+
+    from .demo_models import build_model, loader_kwargs
+    from .sharding import shard_module
+
+    mesh_shape = tuple(ctx["mesh_shape"])
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = ctx["placements"]
+    model = shard_module(build_model(ctx["kind"], ctx["checkpoint"]), mesh, placements)
+    t_load = time.time()
+    report = load_hf_checkpoint(model, ctx["checkpoint"], progress=False, **loader_kwargs(ctx["kind"]))
+    load_seconds = time.time() - t_load
+    reference = _wait_for_reference(ctx)
+    coord = tuple(mesh.get_coordinate())
+    bad, uncovered, checked, shard_bytes, elements = [], [], 0, 0, 0
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name not in reference:
+            continue
+        data = t.data if isinstance(t, torch.nn.Parameter) else t
+        ref = reference[name]
+        if name in placements:
+            local = data.to_local()
+            pairs = shard_boxes(tuple(ref.shape), mesh_shape, coord, placements[name])
+        else:
+            local = data
+            full = tuple((0, n) for n in ref.shape)
+            pairs = ((full, full),)
+        covered = 0
+        for g, lb in pairs:
+            got = local[tuple(slice(a, b) for a, b in lb)]
+            want = ref[tuple(slice(a, b) for a, b in g)]
+            covered += got.numel()
+            if not torch.equal(got, want.to(got.dtype)):
+                bad.append(name)
+                break
+        if covered != local.numel():
+            uncovered.append(name)
+        checked += 1
+        elements += local.numel()
+        shard_bytes += local.numel() * ref.element_size()
+    return {
+        "coordinate": list(coord), "checked": checked, "bad": bad, "uncovered": uncovered,
+        "elements": elements, "shard_bytes": shard_bytes, "bytes_read": report.bytes_read,
+        "planned_bytes": report.planned_bytes, "blocks": report.blocks, "traced": len(report.traced),
+        "deferred": len(report.deferred), "load_seconds": load_seconds,
+    }
+
+
+def _wait_for_reference(ctx: dict[str, Any]) -> dict[str, torch.Tensor]:
+    path = ctx["reference"]
+    deadline = time.time() + ctx.get("timeout", 120)
+    while not os.path.exists(path):
+        if os.path.exists(ctx["reference"] + ".failed"):
+            raise RuntimeError("the single-process reference load failed (see the main process)")
+        if time.time() > deadline:
+            raise TimeoutError(f"no reference at {path} after {ctx.get('timeout', 120)} s")
+        time.sleep(0.05)
+    return torch.load(path)

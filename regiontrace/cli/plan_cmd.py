@@ -1,0 +1,169 @@
+"""``regiontrace plan CHECKPOINT --mesh 2x4``: per-rank load plan of a checkpoint, simulated in one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from .common import CLIError, human_bytes, parse_mesh, table
+
+HELP = "per-rank load plan of a Hugging Face checkpoint on a device mesh (no processes, no data read)"
+DESCRIPTION = """\
+Build the checkpoint's transformers model on the meta device (from its config.json, --config or
+--model-type), shard it by the config's tensor-parallel plan over the mesh, and plan every rank's load with
+loader.simulate.simulate_load: blocks, bytes read, bytes of its shards, what reading whole tensors would cost,
+traced and deferred conversions. Nothing is read but headers, and no process group is started.
+
+Sharding: TP styles on the LAST mesh dim (colwise → Shard(0) of a Linear weight, rowwise → Shard(1),
+packed_colwise → strided Shard of the fused gate_up dim, embedding_rowwise → Shard(0), others replicated);
+expert tensors (grouped_gemm) Shard(0) over experts on the FIRST dim of a 2-D mesh (--experts)."""
+EPILOG = """\
+examples:
+  regiontrace plan ./Qwen3-30B-A3B --mesh 2x4
+  regiontrace plan ./ckpt --mesh 8 --rank 3 --json
+  regiontrace plan ./ckpt --mesh 2x2 --svg plan.svg --tensor '*layers.0.mlp.experts*'"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help=HELP, description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="a checkpoint folder (model.safetensors or shards + index) or a .safetensors file")
+    p.add_argument("--mesh", required=True, metavar="AxB", help="device mesh shape, e.g. 8 or 2x4 (EP x TP)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--rank", type=int, action="append", metavar="R", help="only rank R (repeatable)")
+    who.add_argument("--all-ranks", action="store_true", help="every rank of the mesh (the default)")
+    cfg = p.add_mutually_exclusive_group()
+    cfg.add_argument("--config", metavar="FILE", help="config.json to build the model from")
+    p.add_argument("--model-type", metavar="TYPE", help="model type (e.g. qwen3_moe) for the config")
+    p.add_argument("--experts", choices=("ep", "tp"), help="expert tensors: expert- or tensor-parallel "
+                   "(default: ep on a 2-D mesh, tp on a 1-D mesh)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--svg", metavar="FILE", help="write the plan picture")
+    p.add_argument("--tensor", action="append", metavar="NAME",
+                   help="model tensors to draw (glob or substring; default: the first layer and the rest)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    mesh_shape = parse_mesh(args.mesh)
+    if not os.path.exists(args.checkpoint):
+        raise CLIError(f"no such checkpoint: {args.checkpoint}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise CLIError("`plan` builds the model with transformers: pip install 'transformers>=5'") from None
+    from .sharding import build_meta_model, read_config
+
+    _quiet_transformers()
+    config = read_config(args.checkpoint, args.config, args.model_type)
+    model = build_meta_model(config)
+    result = plan_model(model, args.checkpoint, mesh_shape, ranks=_ranks(args, mesh_shape),
+                        experts=args.experts, svg=args.svg, tensors=args.tensor,
+                        title=f"Load plan: {os.path.basename(os.path.abspath(args.checkpoint))}",
+                        model_type=config.model_type)
+    if args.json:
+        print(json.dumps(result["json"], indent=1))
+    else:
+        print(result["text"])
+    return 0
+
+
+def _ranks(args: argparse.Namespace, mesh_shape: Sequence[int]) -> list[int]:
+    import math
+
+    world = math.prod(mesh_shape)
+    if not args.rank:
+        return list(range(world))
+    for r in args.rank:
+        if not 0 <= r < world:
+            raise CLIError(f"--rank {r} is outside the mesh {'x'.join(map(str, mesh_shape))} (0..{world - 1})")
+    return sorted(set(args.rank))
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def plan_model(model: Any, checkpoint_path: str, mesh_shape: Sequence[int], *, ranks: Sequence[int],
+               experts: str | None = None, placements: dict | None = None, svg: str | None = None,
+               tensors: Sequence[str] | None = None, title: str = "Load plan", model_type: str = "",
+               planner_kwargs: dict | None = None) -> dict[str, Any]:
+    """Simulate the load of ``model`` (placements from its TP plan unless given); text, JSON and picture."""
+    from loader import HFLoadPlanner, SafetensorsCheckpoint
+    from loader.simulate import coordinate_of, simulate_load
+
+    from .sharding import generic_name, placement_text, plan_placements
+
+    checkpoint = SafetensorsCheckpoint.open(checkpoint_path)
+    why: dict[str, str] = {}
+    if placements is None:
+        placements, why = plan_placements(model, mesh_shape, experts=experts)
+    planner = HFLoadPlanner(model, **(planner_kwargs or {}))
+    figures = simulate_load(model, checkpoint, mesh_shape=mesh_shape, placements=placements, ranks=ranks,
+                            planner=planner)
+    plan = planner.plan
+    deferred = {", ".join(d.conversion.targets): d.reason for d in plan.deferred} if plan else {}
+    rules: dict[str, tuple[str, str]] = {}
+    for name, pl in placements.items():
+        rules.setdefault(generic_name(name), (placement_text(pl), why.get(name, "")))
+    mesh_text = "x".join(map(str, mesh_shape))
+    data_bytes = checkpoint.total_bytes
+    head = (f"{checkpoint_path}: {len(checkpoint)} checkpoint tensors, {human_bytes(data_bytes)}"
+            + (f", model type {model_type}" if model_type else "") + f"; mesh {mesh_text}")
+    rows = [[f.rank, "(" + ",".join(map(str, f.coordinate)) + ")", f.traced + f.deferred, f.blocks,
+             human_bytes(f.bytes_read), human_bytes(f.shard_bytes), human_bytes(f.whole_tensor_bytes),
+             f"{f.bytes_read / f.shard_bytes:.2f}" if f.shard_bytes else "-", f.deferred_conversions]
+            for f in figures]
+    text = [head, "", "sharding (all other tensors replicated):"]
+    text += [f"  {name}  {pl}" + (f"  <- {style}" if style else "") for name, (pl, style) in sorted(rules.items())]
+    text += ["", table(["rank", "coord", "tensors", "blocks", "bytes read", "shard bytes", "whole tensors",
+                        "read/shard", "deferred"], rows)]
+    if deferred:
+        text += ["", "deferred conversions (read whole, run for real):"]
+        text += [f"  {t}: {reason}" for t, reason in deferred.items()]
+    out_json = {
+        "checkpoint": checkpoint_path, "mesh": list(mesh_shape), "model_type": model_type,
+        "checkpoint_bytes": data_bytes,
+        "placements": {n: placement_text(p) for n, p in placements.items()},
+        "ranks": [asdict(f) | {"coordinate": list(f.coordinate)} for f in figures],
+        "deferred": deferred,
+    }
+    if svg:
+        from . import geometry
+        from .svg import render
+
+        model_tensors = dict(model.state_dict(keep_vars=True))
+        chosen = geometry.select_tensors(list(model_tensors), tensors)
+        if tensors and not chosen:
+            some = ", ".join(list(model_tensors)[:6])
+            raise CLIError(f"--tensor {' '.join(tensors)} matches no model tensor (e.g. {some})")
+        views = geometry.collect(planner, checkpoint, model_tensors, mesh_shape, placements, ranks, chosen,
+                                 placement_text)
+        view = geometry.PlanView(
+            title=title,
+            subtitle=(f"{model_type + ' · ' if model_type else ''}mesh {mesh_text} "
+                      f"({len(ranks)} of {len(list(range(_prod(mesh_shape))))} ranks drawn) · "
+                      f"checkpoint {human_bytes(data_bytes)} in {len(checkpoint)} tensors"),
+            mesh_shape=tuple(mesh_shape), ranks=list(ranks),
+            coords={r: coordinate_of(r, mesh_shape) for r in ranks}, figures=figures, tensors=views,
+            hidden=len(model_tensors) - len(chosen))
+        with open(svg, "w") as f:
+            f.write(render(view))
+        text += ["", f"wrote {svg}"]
+        out_json["svg"] = svg
+    return {"figures": figures, "text": "\n".join(text), "json": out_json, "placements": placements}
+
+
+def _prod(shape: Sequence[int]) -> int:
+    import math
+
+    return math.prod(shape)
