@@ -1,0 +1,166 @@
+"""The `regiontrace` command line, run for real as subprocesses (`python -m regiontrace ...`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CONVERTERS = textwrap.dedent('''
+    import torch
+
+    def gate_up(gate, up):
+        return torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
+
+    def split_qkv(qkv):
+        q, k, v = qkv.chunk(3, dim=0)
+        return {"q": q, "k": k.t(), "v": v.float()}
+
+    def scaled(w):
+        return w * 2
+
+    def sneaky(w):
+        # tracing runs on the meta device and sees this branch; a real run flips the rows
+        return w if w.device.type == "meta" else w.flip(0)
+''')
+
+
+def regiontrace(*args: str, cwd: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "regiontrace", *args], cwd=cwd or ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture()
+def converters(tmp_path):
+    (tmp_path / "conv.py").write_text(CONVERTERS)
+    return tmp_path
+
+
+def test_trace_prints_map_blocks_and_dot(converters):
+    dot = converters / "graph.dot"
+    r = regiontrace("trace", "conv.py:gate_up", "--input", "gate[2]=4x3:bf16", "--input", "up[2]=4x3:bf16",
+                    "--dot", str(dot), cwd=str(converters))
+    assert r.returncode == 0, r.stderr
+    assert "out[0:1, 4:8, 0:3] <- up.0[i1 - 4, i2]" in r.stdout  # rt.explain
+    assert "4 block(s) for out[0:2, 0:8, 0:3]" in r.stdout
+    assert "up.1[0:4, 0:3]  ->  out[1:2, 4:8, 0:3]" in r.stdout
+    text = dot.read_text()
+    assert text.startswith("digraph") and text.count("->") == 6 and "cat(dim=1)" in text
+
+    r = regiontrace("trace", f"{converters / 'conv.py'}:split_qkv", "--input", "qkv=12x4:bf16", "--box", "1:3,0:4")
+    assert r.returncode == 0, r.stderr
+    assert "out['k']" in r.stdout and "walked in dim order (1, 0)" in r.stdout and "as float32" in r.stdout
+
+
+def test_trace_untraceable_names_the_op(converters):
+    r = regiontrace("trace", "conv.py:scaled", "--input", "w=4x4", cwd=str(converters))
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Untraceable" in lines[0] and "aten.mul.Tensor" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_check_finds_and_minimises_a_counterexample(converters):
+    r = regiontrace("check", "conv.py:sneaky", "--input", "w=6x4", "--examples", "20", cwd=str(converters))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Falsifying example" in r.stdout and "seed=0" in r.stdout  # shrunk to the smallest seed
+    assert "materialize differs from the real result" in r.stdout
+    assert "the trace reads w[0, 0], the real run holds w[5, 0]" in r.stdout
+    assert not (converters / ".hypothesis").exists()
+
+
+def test_check_passes_a_correct_converter(converters):
+    r = regiontrace("check", "conv.py:split_qkv", "--input", "qkv=6x4:bf16", "--examples", "15",
+                    cwd=str(converters))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: 15 example(s) passed" in r.stdout
+
+
+def test_errors_are_one_line_and_verbose_shows_the_traceback(tmp_path):
+    r = regiontrace("plan", str(tmp_path / "missing"), "--mesh", "2x2")
+    assert r.returncode != 0 and r.stderr.strip() == f"regiontrace plan: error: no such checkpoint: {tmp_path / 'missing'}"
+    r = regiontrace("trace", "nosuchmodule_xyz:f", "--input", "w=2x2")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    r = regiontrace("-v", "trace", "nosuchmodule_xyz:f", "--input", "w=2x2")
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_every_command_has_help():
+    script = textwrap.dedent("""
+        import contextlib, io
+        from regiontrace.cli import main
+        for argv in ([], ["demo"], ["trace"], ["check"], ["plan"]):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    main(argv + ["--help"])
+                except SystemExit as e:
+                    assert e.code == 0, (argv, e.code)
+            assert "usage: regiontrace" in out.getvalue(), argv
+            print("ok", argv)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok") == 5
+
+
+def test_demo_two_ranks_then_plan_its_checkpoint(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "demo"
+    r = regiontrace("demo", "--world-size", "2", "--out", str(out), timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: every shard on every rank equals the single-process load" in r.stdout
+    assert r.stdout.count("ok (25 tensors)") == 2
+    ET.parse(out / "plan.svg")
+
+    svg = tmp_path / "plan.svg"
+    r = regiontrace("plan", str(out / "checkpoint"), "--mesh", "2x2", "--json", "--svg", str(svg))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["mesh"] == [2, 2] and plan["model_type"] == "qwen3_moe" and not plan["deferred"]
+    ranks = plan["ranks"]
+    assert [f["rank"] for f in ranks] == [0, 1, 2, 3]
+    assert [f["coordinate"] for f in ranks] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    for f in ranks:
+        assert f["traced"] == 25 and f["blocks"] > 0
+        assert f["shard_bytes"] <= f["bytes_read"] <= 1.02 * f["shard_bytes"], f
+        assert f["bytes_read"] < f["whole_tensor_bytes"] <= plan["checkpoint_bytes"], f
+    assert plan["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == "[S(0), S(1, strided x2)]"
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg") and len(root) > 100
+    _render_check(svg, tmp_path / "plan.png")
+
+
+def _render_check(svg, png) -> None:
+    """With Chromium installed, render the SVG headless and check a non-blank PNG came out."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        return
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--disable-component-update", "--no-first-run", "--disable-sync", f"--screenshot={png}",
+                    "--window-size=1280,900", f"file://{svg}"], capture_output=True, timeout=60)
+    assert png.exists() and png.stat().st_size > 20_000, "chromium rendered nothing"
+
+
+def test_builtin_demo_model_loads_exactly(tmp_path):
+    """The demo's model for machines without transformers: its checkpoint and rules load exactly."""
+    import torch
+
+    from loader import load_hf_checkpoint
+    from regiontrace.cli.demo_models import build_model, loader_kwargs, write_checkpoint
+
+    expected = write_checkpoint("builtin", str(tmp_path / "ckpt"))
+    model = build_model("builtin", str(tmp_path / "ckpt")).to_empty(device="cpu")
+    report = load_hf_checkpoint(model, str(tmp_path / "ckpt"), progress=False, **loader_kwargs("builtin"))
+    state = model.state_dict()
+    assert set(state) == set(expected) and not report.deferred
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
