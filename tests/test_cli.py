@@ -87,7 +87,8 @@ def test_check_passes_a_correct_converter(converters):
 
 def test_errors_are_one_line_and_verbose_shows_the_traceback(tmp_path):
     r = regiontrace("plan", str(tmp_path / "missing"), "--mesh", "2x2")
-    assert r.returncode != 0 and r.stderr.strip() == f"regiontrace plan: error: no such checkpoint: {tmp_path / 'missing'}"
+    missing = tmp_path / "missing"
+    assert r.returncode != 0 and r.stderr.strip() == f"regiontrace plan: error: no such checkpoint: {missing}"
     r = regiontrace("trace", "nosuchmodule_xyz:f", "--input", "w=2x2")
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     r = regiontrace("-v", "trace", "nosuchmodule_xyz:f", "--input", "w=2x2")

@@ -217,7 +217,7 @@ def _report(results: list[dict], figures: list, ref_ok: bool, ref_msg: str, svg:
                      f"{verdict} ({res['checked']} tensors)" if res["ok"] else verdict])
     print()
     print(table(["rank", "coord", "tensors", "blocks", "bytes read", "shard bytes", "whole tensors", "read/shard",
-                 "check vs reference"], rows))
+                 "check vs reference"], rows, right=[True] * 8 + [False]))
     print()
     print(f"reference: {ref_msg}")
     total_read = sum(res.get("bytes_read", 0) for res in results)

@@ -126,7 +126,7 @@ def plan_model(model: Any, checkpoint_path: str, mesh_shape: Sequence[int], *, r
     text = [head, "", "sharding (all other tensors replicated):"]
     text += [f"  {name}  {pl}" + (f"  <- {style}" if style else "") for name, (pl, style) in sorted(rules.items())]
     text += ["", table(["rank", "coord", "tensors", "blocks", "bytes read", "shard bytes", "whole tensors",
-                        "read/shard", "deferred"], rows)]
+                        "read/shard", "deferred"], rows, right=[True] * 9)]
     if deferred:
         text += ["", "deferred conversions (read whole, run for real):"]
         text += [f"  {t}: {reason}" for t, reason in deferred.items()]

@@ -28,7 +28,7 @@ TARGET_W, TARGET_H = 220, 110
 SOURCES_X = TARGET_X + TARGET_W + 56
 CELL_W, CELL_H = 112, 84
 CELL_LABEL = 28
-MAX_SOURCES = 12
+MAX_SOURCES = 10
 MAX_SLABS = 16
 FONT = 'font-family="Helvetica, Arial, sans-serif"'
 
@@ -94,22 +94,28 @@ def _compress(a: float) -> float:
 
 @dataclass(frozen=True)
 class _Frame:
-    """A tensor's 2-D view on screen: ``slabs`` panels side by side, each ``rows x cols`` elements."""
+    """A tensor's 2-D view on screen: ``slabs`` panels of ``rows x cols`` elements in a grid ``grid`` wide."""
 
     slabs: int
     rows: int
     cols: int
     pw: float
     ph: float
+    grid: int = 1
     gap: float = 4.0
 
     @property
     def w(self) -> float:
-        return self.slabs * self.pw + (self.slabs - 1) * self.gap
+        n = min(self.slabs, self.grid)
+        return n * self.pw + (n - 1) * self.gap
 
     @property
     def h(self) -> float:
-        return self.ph
+        n = -(-self.slabs // self.grid)
+        return n * self.ph + (n - 1) * self.gap
+
+    def origin(self, k: int) -> tuple[float, float]:
+        return (k % self.grid) * (self.pw + self.gap), (k // self.grid) * (self.ph + self.gap)
 
     def pieces(self, rect: Rect) -> list[tuple[float, float, float, float]]:
         """Pixel rectangles ``(x, y, w, h)`` (relative to the frame) of a 2-D-view rectangle."""
@@ -117,33 +123,40 @@ class _Frame:
         out = []
         for k in range(r0 // self.rows, (r1 - 1) // self.rows + 1):
             a, b = max(r0, k * self.rows) - k * self.rows, min(r1, (k + 1) * self.rows) - k * self.rows
-            x0 = k * (self.pw + self.gap) + c0 / self.cols * self.pw
-            x1 = k * (self.pw + self.gap) + c1 / self.cols * self.pw
-            y0, y1 = a / self.rows * self.ph, b / self.rows * self.ph
+            ox, oy = self.origin(k)
+            x0, x1 = ox + c0 / self.cols * self.pw, ox + c1 / self.cols * self.pw
+            y0, y1 = oy + a / self.rows * self.ph, oy + b / self.rows * self.ph
             out.append((x0, y0, max(x1 - x0, 1.0), max(y1 - y0, 1.0)))
         return out
 
 
 def _frame(shape: Sequence[int], max_w: float, max_h: float, like: _Frame | None = None,
            like_shape: Sequence[int] | None = None) -> _Frame:
+    """A panel per slab of the last two dims (up to 256, in the grid that draws them largest), else one."""
     rows, cols = view_shape(shape)
     slabs = math.prod(shape[:-2]) if len(shape) >= 3 else 1
-    if not 2 <= slabs <= MAX_SLABS:
+    if not 2 <= slabs <= MAX_SLABS * MAX_SLABS:
         slabs = 1
     rows //= slabs
-    if like is not None and like_shape is not None:  # the same scale as another frame, when it fits
-        lr, lc = like.rows, like.cols
-        pw, ph = cols * like.pw / lc, rows * like.ph / lr
-        if 8 <= pw and 8 <= ph and slabs * pw + (slabs - 1) * 4 <= max_w and ph <= max_h:
-            return _Frame(slabs, rows, cols, pw, ph)
-    gap = 4.0
     a = _compress(rows / max(cols, 1))
-    avail = (max_w - (slabs - 1) * gap) / slabs
-    pw = min(avail, max_h / a)
-    ph = pw * a
-    if len(shape) <= 1:
-        ph = min(max_h, 14.0)
-    return _Frame(slabs, rows, cols, max(pw, 6.0), max(ph, 6.0))
+    if like is not None and like_shape is not None and slabs <= MAX_SLABS and like.slabs <= MAX_SLABS:
+        pw, ph = cols * like.pw / like.cols, rows * like.ph / like.rows
+        if 8 <= pw and 8 <= ph and slabs * pw + (slabs - 1) * 4 <= max_w and ph <= max_h:
+            return _Frame(slabs, rows, cols, pw, ph, slabs, 4.0)
+    if slabs <= MAX_SLABS:
+        gap = 4.0
+        pw = min((max_w - (slabs - 1) * gap) / slabs, max_h / a)
+        ph = pw * a if len(shape) > 1 else min(max_h, 14.0)
+        return _Frame(slabs, rows, cols, max(pw, 6.0), max(ph, 6.0), slabs, gap)
+    gap, tall = 2.0, max_h * 1.6
+    best = None
+    for grid in range(1, min(slabs, 32) + 1):
+        n = -(-slabs // grid)
+        pw = min((max_w - (grid - 1) * gap) / grid, (tall - (n - 1) * gap) / n / a)
+        if pw > 0 and (best is None or pw > best[1]):
+            best = (grid, pw)
+    grid, pw = best
+    return _Frame(slabs, rows, cols, max(pw, 3.0), max(pw * a, 3.0), grid, gap)
 
 
 def _cells(owners: dict[int, list[Rect]], order: Sequence[int]) -> list[tuple[Rect, tuple[int, ...]]]:
@@ -186,16 +199,17 @@ def _draw(cv: _Canvas, x: float, y: float, fr: _Frame, owners: dict[int, list[Re
           title: str) -> None:
     cv.add(f"<g><title>{escape(title)}</title>")
     for k in range(fr.slabs):
-        px = x + k * (fr.pw + fr.gap)
-        cv.add(f'<rect x="{px:.1f}" y="{y:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="#f1f3f5"/>')
+        ox, oy = fr.origin(k)
+        cv.add(f'<rect x="{x + ox:.1f}" y="{y + oy:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="#f1f3f5"/>')
     for rect, ranks in _cells(owners, order):
         fill = cv.fill(ranks)
         for px, py, pw, ph in fr.pieces(rect):
             cv.add(f'<rect x="{x + px:.2f}" y="{y + py:.2f}" width="{pw:.2f}" height="{ph:.2f}" fill="{fill}"/>')
-    for k in range(fr.slabs):
-        px = x + k * (fr.pw + fr.gap)
-        cv.add(f'<rect x="{px:.1f}" y="{y:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="none" '
-               f'stroke="#495057" stroke-width="1"/>')
+    stroke = 1.0 if fr.pw > 8 and fr.ph > 8 else 0
+    for k in range(fr.slabs if stroke else 0):
+        ox, oy = fr.origin(k)
+        cv.add(f'<rect x="{x + ox:.1f}" y="{y + oy:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="none" '
+               f'stroke="#495057" stroke-width="{stroke}"/>')
     cv.add("</g>")
 
 
@@ -284,7 +298,8 @@ def _tensor_row(cv: _Canvas, group: list[TensorView], y: float, order: Sequence[
 
     fr = _frame(view.shape, TARGET_W, TARGET_H)
     _draw(cv, TARGET_X, y + 6, fr, view.owners, order, f"{view.name} {shape_text}: parts by owning rank")
-    slabs = f", {fr.slabs} slabs of dim{'s' if len(view.shape) > 3 else ''} 0" if fr.slabs > 1 else ""
+    dims = "dim 0" if len(view.shape) == 3 else f"dims 0-{len(view.shape) - 3}"
+    slabs = f"; a panel per index of {dims}" if fr.slabs > 1 else ""
     cv.add(_t(TARGET_X, y + fr.h + 20, f"model tensor by owner{slabs}", 10, "#868e96"))
 
     shown = view.sources[:MAX_SOURCES]
