@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import shutil
 import tempfile
 import traceback
@@ -78,11 +79,14 @@ def run(args: argparse.Namespace) -> int:
             check_blocks(t.remap_blocks(box), box, sources, r[tuple(slice(a, b) for a, b in box)])
 
     home = tempfile.mkdtemp(prefix="regiontrace-hypothesis-")  # leave no .hypothesis/ in the user's folder
+    previous, set_home = None, None
     try:
-        from hypothesis.configuration import set_hypothesis_home_dir
+        from hypothesis import configuration
 
-        set_hypothesis_home_dir(home)
-    except ImportError:
+        set_home = configuration.set_hypothesis_home_dir
+        previous = vars(configuration).get("__hypothesis_home_directory")
+        set_home(home)
+    except (ImportError, AttributeError):
         pass
     try:
         converter_is_exact()
@@ -93,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  first difference: {where}")
         return 1
     finally:
+        if set_home is not None:
+            set_home(previous)
         shutil.rmtree(home, ignore_errors=True)
     print(f"OK: {args.examples} example(s) passed — the traced map equals the real run")
     return 0
@@ -113,9 +119,13 @@ def _report_counterexample(e: BaseException) -> None:
 
 def _user_frame(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for f in reversed(frames):
         if "hypothesis" not in f.filename:
-            return f"{f.filename}:{f.lineno} ({f.name})"
+            name = f.filename
+            if os.path.abspath(name).startswith(package + os.sep):
+                name = os.path.relpath(name, package)
+            return f"{name}:{f.lineno} ({f.name})"
     return ""
 
 

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                         title=f"Load plan: {os.path.basename(os.path.abspath(args.checkpoint))}",
                         model_type=config.model_type)
     if args.json:
-        print(json.dumps(result["json"], indent=1))
+        print(json.dumps(result["json"], indent=2))
     else:
         print(result["text"])
     return 0

@@ -92,7 +92,7 @@ def _source_side(b: Any) -> str:
         return f"{b.source}{format_box(box)}{order}{casts}"
     runs = b.source_runs()
     return (f"{b.source} strided: offset {b.src_offset}, shape {_x(b.shape)}, strides {tuple(b.src_strides)} "
-            f"({len(runs)} run(s)){casts}")
+            f"({len(runs)} contiguous run{'s' if len(runs) != 1 else ''}){casts}")
 
 
 def _dest_side(name: str, b: Any, box: tuple) -> str:
