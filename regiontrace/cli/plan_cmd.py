@@ -51,6 +51,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     mesh_shape = parse_mesh(args.mesh)
+    if len(mesh_shape) > 2:
+        raise CLIError(f"--mesh {args.mesh}: use a 1-D (TP) or 2-D (EP x TP) mesh")
     if not os.path.exists(args.checkpoint):
         raise CLIError(f"no such checkpoint: {args.checkpoint}")
     try:

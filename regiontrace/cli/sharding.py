@@ -175,8 +175,9 @@ def read_config(checkpoint: str, config_file: str | None, model_type: str | None
     data = {k: v for k, v in data.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **data)
-    except ValueError as e:
-        raise CLIError(f"unknown model type {model_type!r}: {str(e).splitlines()[0]}") from e
+    except (ValueError, KeyError) as e:
+        raise CLIError(f"unknown model type {model_type!r} (transformers knows e.g. llama, mixtral, qwen3_moe, "
+                       "deepseek_v3)") from e
 
 
 def model_class(config: Any) -> Any:
