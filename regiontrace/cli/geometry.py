@@ -136,6 +136,42 @@ def merge_rects(rects: list[Rect]) -> list[Rect]:
     return merged
 
 
+def partition(owners: dict[int, list[Rect]], order: Sequence[int]) -> list[tuple[Rect, tuple[int, ...]]]:
+    """Partition the union of everyone's rectangles into rectangles owned by one set of ranks."""
+    rows = sorted({v for rects in owners.values() for r in rects for v in r[:2]})
+    cols = sorted({v for rects in owners.values() for r in rects for v in r[2:]})
+    if len(rows) * len(cols) > 250_000 or len(order) > 62:  # too fine to partition: draw as they come
+        return [(r, (k,)) for k in order for r in owners.get(k, [])]
+    ri = {v: i for i, v in enumerate(rows)}
+    ci = {v: i for i, v in enumerate(cols)}
+    grid = [[0] * max(len(cols) - 1, 0) for _ in range(max(len(rows) - 1, 0))]
+    for bit, k in enumerate(order):
+        for r0, r1, c0, c1 in owners.get(k, []):
+            for i in range(ri[r0], ri[r1]):
+                row = grid[i]
+                for j in range(ci[c0], ci[c1]):
+                    row[j] |= 1 << bit
+    open_: dict[tuple[int, int, int], list[int]] = {}
+    out: list[tuple[Rect, int]] = []
+    for i, row in enumerate(grid):
+        j = 0
+        while j < len(row):
+            m, k = row[j], j
+            while k + 1 < len(row) and row[k + 1] == m:
+                k += 1
+            if m:
+                key = (cols[j], cols[k + 1], m)
+                if key in open_ and open_[key][1] == rows[i]:
+                    open_[key][1] = rows[i + 1]  # grow downwards
+                else:
+                    if key in open_:
+                        out.append((tuple(open_[key]), m))
+                    open_[key] = [rows[i], rows[i + 1], cols[j], cols[k + 1]]
+            j = k + 1
+    out += [(tuple(v), key[2]) for key, v in open_.items()]
+    return [(rect, tuple(k for b, k in enumerate(order) if m >> b & 1)) for rect, m in out]
+
+
 def block_rects(block: Any) -> list[Rect]:
     """The source regions a RemapBlock reads, as rectangles of the source's 2-D view."""
     sb = block.source_box()

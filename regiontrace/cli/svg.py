@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
 from .common import human_bytes
-from .geometry import PlanView, Rect, SourceView, TensorView, view_shape
+from .geometry import PlanView, Rect, SourceView, TensorView, partition, view_shape
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#86bcb6"]
@@ -159,49 +159,13 @@ def _frame(shape: Sequence[int], max_w: float, max_h: float, like: _Frame | None
     return _Frame(slabs, rows, cols, max(pw, 3.0), max(pw * a, 3.0), grid, gap)
 
 
-def _cells(owners: dict[int, list[Rect]], order: Sequence[int]) -> list[tuple[Rect, tuple[int, ...]]]:
-    """Partition the union of everyone's rectangles into rectangles owned by one set of ranks."""
-    rows = sorted({v for rects in owners.values() for r in rects for v in r[:2]})
-    cols = sorted({v for rects in owners.values() for r in rects for v in r[2:]})
-    if len(rows) * len(cols) > 250_000 or len(order) > 62:  # too fine to partition: draw as they come
-        return [(r, (k,)) for k in order for r in owners.get(k, [])]
-    ri = {v: i for i, v in enumerate(rows)}
-    ci = {v: i for i, v in enumerate(cols)}
-    grid = [[0] * max(len(cols) - 1, 0) for _ in range(max(len(rows) - 1, 0))]
-    for bit, k in enumerate(order):
-        for r0, r1, c0, c1 in owners.get(k, []):
-            for i in range(ri[r0], ri[r1]):
-                row = grid[i]
-                for j in range(ci[c0], ci[c1]):
-                    row[j] |= 1 << bit
-    open_: dict[tuple[int, int, int], list[int]] = {}
-    out: list[tuple[Rect, int]] = []
-    for i, row in enumerate(grid):
-        j = 0
-        while j < len(row):
-            m, k = row[j], j
-            while k + 1 < len(row) and row[k + 1] == m:
-                k += 1
-            if m:
-                key = (cols[j], cols[k + 1], m)
-                if key in open_ and open_[key][1] == rows[i]:
-                    open_[key][1] = rows[i + 1]  # grow downwards
-                else:
-                    if key in open_:
-                        out.append((tuple(open_[key]), m))
-                    open_[key] = [rows[i], rows[i + 1], cols[j], cols[k + 1]]
-            j = k + 1
-    out += [(tuple(v), key[2]) for key, v in open_.items()]
-    return [(rect, tuple(k for b, k in enumerate(order) if m >> b & 1)) for rect, m in out]
-
-
 def _draw(cv: _Canvas, x: float, y: float, fr: _Frame, owners: dict[int, list[Rect]], order: Sequence[int],
           title: str) -> None:
     cv.add(f"<g><title>{escape(title)}</title>")
     for k in range(fr.slabs):
         ox, oy = fr.origin(k)
         cv.add(f'<rect x="{x + ox:.1f}" y="{y + oy:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="#f1f3f5"/>')
-    for rect, ranks in _cells(owners, order):
+    for rect, ranks in partition(owners, order):
         fill = cv.fill(ranks)
         for px, py, pw, ph in fr.pieces(rect):
             cv.add(f'<rect x="{x + px:.2f}" y="{y + py:.2f}" width="{pw:.2f}" height="{ph:.2f}" fill="{fill}"/>')
