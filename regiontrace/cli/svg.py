@@ -250,7 +250,9 @@ def _tensor_row(cv: _Canvas, group: list[TensorView], y: float, order: Sequence[
     cv.add(_t(MARGIN, ty + 33, f"placement {view.placement}", 12, "#495057"))
     ty += 38
     if view.deferred:
-        cv.add(_t(MARGIN, ty + 13, _short(f"deferred: {view.deferred}", 48), 11, "#c92a2a", title=view.deferred))
+        text = f"deferred: {view.deferred.removeprefix('Untraceable: ')}"
+        cv.add(_t(MARGIN, ty + 13, text if len(text) <= 50 else text[:49] + "…", 11, "#c92a2a",
+                  title=view.deferred))
         ty += 16
     per_rank: dict[int, int] = {}
     for s in view.sources:
