@@ -15,14 +15,7 @@ from .common import CLIError
 
 DESCRIPTION = """\
 regiontrace: trace checkpoint conversions as exact index mappings; load only the bytes each rank needs."""
-EPILOG = """\
-commands:
-  demo    generate a small MoE checkpoint, load it sharded on N gloo ranks, check every shard, draw the plan
-  trace   trace a conversion function: its index map and RemapBlocks, or why it is not traceable
-  check   property-test a conversion function against real runs (hypothesis)
-  plan    per-rank load plan of a Hugging Face checkpoint on a device mesh, without loading (table, JSON, SVG)
-
-`regiontrace COMMAND --help` for each; docs: docs/cli.md"""
+EPILOG = "`regiontrace COMMAND --help` for each command; docs: docs/cli.md"
 
 
 def build_parser() -> argparse.ArgumentParser:

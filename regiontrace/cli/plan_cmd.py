@@ -37,8 +37,7 @@ def add_parser(sub: Any) -> None:
     who = p.add_mutually_exclusive_group()
     who.add_argument("--rank", type=int, action="append", metavar="R", help="only rank R (repeatable)")
     who.add_argument("--all-ranks", action="store_true", help="every rank of the mesh (the default)")
-    cfg = p.add_mutually_exclusive_group()
-    cfg.add_argument("--config", metavar="FILE", help="config.json to build the model from")
+    p.add_argument("--config", metavar="FILE", help="config.json to build the model from")
     p.add_argument("--model-type", metavar="TYPE", help="model type (e.g. qwen3_moe) for the config")
     p.add_argument("--experts", choices=("ep", "tp"), help="expert tensors: expert- or tensor-parallel "
                    "(default: ep on a 2-D mesh, tp on a 1-D mesh)")
