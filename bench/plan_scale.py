@@ -1,0 +1,260 @@
+"""Benchmark: simulate planning one rank of DeepSeek-V3 (671B) on an EP8 x TP8 mesh, from headers only.
+
+    taskset -c 0 python bench/plan_scale.py [--layers 61] [--rank 0] [--compare 10] [--profile]
+
+The model is transformers' ``DeepseekV3ForCausalLM`` with the real sizes (61 layers, the first 3 dense,
+256 routed experts + 1 shared, hidden 7168, moe_intermediate 2048, intermediate 18432, vocab 129280,
+q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128, 128 heads), built on the meta
+device and sharded into DTensor parameters under torch's fake process group (64 ranks, this process is one
+of them): routed experts EP over mesh dim 0 (``Shard(0)`` of the merged expert tensors) and TP over mesh
+dim 1 on their inner dims (fused ``gate_up_proj`` as ``_StridedShard(1, split_factor=2)``, so that each TP
+rank holds matching gate and up rows; ``down_proj`` ``Shard(2)``); attention, dense MLP and shared-expert
+projections column-/row-parallel over mesh dim 1; vocab-parallel embedding and head; norms, router and
+the low-rank ``q_a``/``kv_a`` projections replicated.
+
+The checkpoint is header-only (:meth:`loader.SafetensorsCheckpoint.from_infos`, no data files): the
+keys, shapes and bf16 dtype of the Hugging Face checkpoint layout (per-expert tensors
+``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` …), obtained from transformers' own
+``revert_weight_conversion`` — what ``save_pretrained`` writes — applied to the meta model's state dict,
+spread over 5 GB shard files in key order like the hub checkpoint. (The hub checkpoint is FP8 with
+``weight_scale_inv`` tensors and has the multi-token-prediction layer 61; a bf16 conversion has neither.)
+
+Timed: ``simulate_load(model, checkpoint, ranks=[rank])`` — rules, traces, validation and block
+compilation for every model tensor of that rank, in a fresh planner (nothing cached across runs). Building
+the model and the header list is reported separately. ``--compare N`` also times an N-layer model with the
+same sizes, to show that planning cost follows the distinct conversion shapes, not the layer count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+DEEPSEEK_V3 = dict(
+    num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1, hidden_size=7168,
+    moe_intermediate_size=2048, intermediate_size=18432, vocab_size=129280, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=128, num_key_value_heads=128,
+    num_experts_per_tok=8, n_group=8, topk_group=4, tie_word_embeddings=False,
+)
+MESH = (8, 8)  # (ep, tp)
+SHARD_BYTES = 5 * 10**9
+GIB = 1 << 30
+
+
+def build_model(layers: int):  # noqa: ANN201
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cfg = AutoConfig.for_model("deepseek_v3", **dict(DEEPSEEK_V3, num_hidden_layers=layers))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+def header_only_checkpoint(model):  # noqa: ANN001, ANN201
+    """The HF checkpoint's keys/shapes/dtypes (what save_pretrained writes) as a header-only checkpoint."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from loader import SafetensorsCheckpoint
+    from loader.checkpoint import TensorInfo
+    from loader.rules import dot_natural_key
+
+    saved = revert_weight_conversion(model, dict(model.state_dict()))
+    keys = sorted(saved, key=dot_natural_key)
+    infos, offset, file_index = {}, 0, 0
+    for key in keys:
+        t = saved[key]
+        size = math.prod(t.shape) * t.dtype.itemsize
+        if offset + size > SHARD_BYTES and offset:
+            file_index, offset = file_index + 1, 0
+        name = f"/nonexistent/deepseek-v3/model-{file_index + 1:05d}.safetensors"
+        infos[key] = TensorInfo(key, name, t.dtype, tuple(t.shape), 8 + offset, 8 + offset + size)
+        offset += size
+    return SafetensorsCheckpoint.from_infos(infos, root="/nonexistent/deepseek-v3")
+
+
+def placements_for(model) -> dict:  # noqa: ANN001
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    R = Replicate()
+    out = {}
+    for name, _ in model.named_parameters():
+        if name.endswith("experts.gate_up_proj"):
+            out[name] = [Shard(0), _StridedShard(1, split_factor=2)]  # EP x TP, matching gate/up rows
+        elif name.endswith("experts.down_proj"):
+            out[name] = [Shard(0), Shard(2)]
+        elif name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight",
+                            "embed_tokens.weight", "lm_head.weight")):
+            out[name] = [R, Shard(0)]  # column-parallel / vocab-parallel
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = [R, Shard(1)]  # row-parallel
+    return out  # everything else (norms, router, q_a / kv_a projections) is replicated
+
+
+def shard_meta(model, mesh, placements: dict) -> None:  # noqa: ANN001
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for name, pl in placements.items():
+        mod_name, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        p = getattr(mod, leaf)
+        local_shape, _ = compute_local_shape_and_global_offset(tuple(p.shape), mesh, pl)
+        local = torch.empty(local_shape, dtype=p.dtype, device="meta")
+        dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape, stride=p.stride())
+        setattr(mod, leaf, nn.Parameter(dt, requires_grad=False))
+
+
+class PhaseTimers:
+    """CPU seconds spent in the planning phases, by wrapping the loader functions simulate_load calls:
+    ``plan_keys`` (checkpoint keys -> conversions, the rules layer), ``shard_boxes`` (each tensor's local
+    boxes) and ``plan_rank`` (trace once per shape signature, validate, compile blocks). The rest of
+    ``simulate_load`` is the per-rank figures (bytes by element, whole-tensor bytes)."""
+
+    def __init__(self) -> None:
+        import loader.planner
+        import loader.simulate
+
+        self.seconds: dict[str, float] = {}
+        self._saved = []
+        for module, name in [(loader.planner, "plan_keys"), (loader.planner, "plan_rank"),
+                             (loader.simulate, "shard_boxes")]:
+            self._wrap(module, name)
+
+    def _wrap(self, module, name: str) -> None:  # noqa: ANN001
+        fn = getattr(module, name)
+        self._saved.append((module, name, fn))
+
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            t = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.process_time() - t
+
+        setattr(module, name, timed)
+
+    def close(self) -> None:
+        for module, name, fn in self._saved:
+            setattr(module, name, fn)
+
+
+def run(layers: int, rank: int, mesh, profile: bool = False, all_ranks: bool = False) -> dict:  # noqa: ANN001
+    from loader import HFLoadPlanner
+    from loader.simulate import simulate_load
+
+    t0 = time.perf_counter()
+    model = build_model(layers)
+    shard_meta(model, mesh, placements_for(model))
+    t1 = time.perf_counter()
+    checkpoint = header_only_checkpoint(model)
+    t2 = time.perf_counter()
+    planner = HFLoadPlanner(model)
+    from loader.distributed import _shard_boxes_cached
+
+    _shard_boxes_cached.cache_clear()  # nothing carried over from an earlier run
+    timers = PhaseTimers()
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    w, c = time.perf_counter(), time.process_time()
+    try:
+        (fig,) = simulate_load(model, checkpoint, ranks=[rank], planner=planner)
+    finally:
+        timers.close()
+    wall, cpu = time.perf_counter() - w, time.process_time() - c
+    if profile:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    out = dict(layers=layers, fig=fig, seconds=wall, cpu=cpu, phases=dict(timers.seconds), build=t1 - t0,
+               headers=t2 - t1, keys=len(checkpoint), checkpoint_bytes=checkpoint.total_bytes,
+               targets=len(planner.slots), conversions=len(planner.plan.conversions), hits=planner.cache.hits,
+               misses=planner.cache.misses, block_cache=len(planner.cache._blocks))
+    if all_ranks:
+        # every rank of the mesh with the same planner: the key plan and the traces are reused
+        w = time.perf_counter()
+        figures = simulate_load(model, checkpoint, planner=planner)
+        out["all"] = dict(seconds=time.perf_counter() - w, ranks=len(figures),
+                          max_ratio=max(f.bytes_read / f.shard_bytes for f in figures),
+                          total=sum(f.bytes_read for f in figures), misses=planner.cache.misses)
+    return out
+
+
+def report(r: dict) -> None:
+    f, ph = r["fig"], r["phases"]
+    print(f"{r['layers']} layers: {r['keys']} checkpoint keys ({r['checkpoint_bytes'] / GIB:.1f} GiB bf16) -> "
+          f"{r['targets']} model tensors via {r['conversions']} conversions "
+          f"(model on meta + DTensors {r['build']:.1f} s, headers {r['headers']:.1f} s, not timed)")
+    print(f"  rank {f.rank} {f.coordinate}: planned in {r['seconds']:.2f} s wall, {r['cpu']:.2f} s CPU: "
+          f"rules (plan_keys) {ph.get('plan_keys', 0):.2f} s, shard boxes {ph.get('shard_boxes', 0):.2f} s, "
+          f"trace + compile (plan_rank) {ph.get('plan_rank', 0):.2f} s")
+    print(f"  {f.blocks} blocks, {f.bytes_read / GIB:.3f} GiB to read = {f.bytes_read / f.shard_bytes:.4f} x its "
+          f"shard bytes ({f.shard_bytes / GIB:.3f} GiB); whole source tensors would be "
+          f"{f.whole_tensor_bytes / GIB:.2f} GiB; {f.traced} tensors traced, {f.deferred} deferred")
+    print(f"  trace cache: {r['misses']} misses (traces), {r['hits']} hits; {r['block_cache']} compiled "
+          "(signature, box) entries")
+    if "all" in r:
+        a = r["all"]
+        print(f"  all {a['ranks']} ranks: {a['seconds']:.2f} s wall (key plan and traces reused; traces now "
+              f"{a['misses']}); max bytes/shard ratio {a['max_ratio']:.4f}; summed over ranks "
+              f"{a['total'] / GIB:.1f} GiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--compare", type=int, default=10, help="also time this many layers (0: skip)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the timed planning")
+    parser.add_argument("--all-ranks", action="store_true", help="then simulate all 64 ranks too")
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    print(f"DeepSeek-V3 layout, EP{MESH[0]} x TP{MESH[1]} mesh, simulated rank {args.rank}; "
+          f"CPUs available to this process: {cpus} (torch threads 1)")
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=math.prod(MESH))
+    try:
+        mesh = init_device_mesh("cpu", MESH)
+        results = []
+        for layers in ([args.compare] if args.compare else []) + [args.layers]:
+            last = layers == args.layers
+            r = run(layers, args.rank, mesh, profile=args.profile and last, all_ranks=args.all_ranks and last)
+            report(r)
+            results.append(r)
+        if len(results) == 2:
+            a, b = results
+            pa, pb = a["phases"].get("plan_rank", 0), b["phases"].get("plan_rank", 0)
+            ka, kb = a["phases"].get("plan_keys", 0), b["phases"].get("plan_keys", 0)
+            print(f"{b['layers']} vs {a['layers']} layers ({b['keys'] / a['keys']:.1f} x the keys, "
+                  f"{b['conversions'] / a['conversions']:.1f} x the conversions, "
+                  f"{b['fig'].blocks / a['fig'].blocks:.1f} x the blocks, traces {a['misses']} vs {b['misses']}): "
+                  f"trace + compile {pa:.2f} -> {pb:.2f} s "
+                  f"({pb / pa:.2f} x); rules {ka:.2f} -> {kb:.2f} s ({kb / ka:.2f} x); total CPU "
+                  f"{a['cpu']:.2f} -> {b['cpu']:.2f} s")
+        target = results[-1]["seconds"]
+        print(f"target <= 5 s for one rank on one core: {'met' if target <= 5 else 'NOT met'} ({target:.2f} s)")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
