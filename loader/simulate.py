@@ -55,14 +55,51 @@ def coordinate_of(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def model_placements(model: torch.nn.Module) -> tuple[tuple[int, ...] | None, dict[str, Any]]:
-    """Mesh shape and placements of a model's DTensors (plain tensors are replicated)."""
+    """Mesh shape and placements of a model's DTensors (plain tensors are replicated).
+
+    A DTensor on a submesh (``mesh["tp"]``, as ``parallelize_module`` is often given) is expressed over its
+    root mesh: each placement goes to the root dim of the same name, ``Replicate`` elsewhere.
+
+    Raises:
+        ValueError: DTensors on different root meshes, a root mesh whose ranks are not ``0 … n-1`` in
+            row-major order, or a submesh whose dims cannot be mapped to its root's (pass ``mesh_shape`` and
+            ``placements`` to :func:`simulate_load` instead).
+    """
     mesh_shape, placements = None, {}
     for name, t in iter_model_tensors(model):
         data = t.data if isinstance(t, torch.nn.Parameter) else t
-        if _is_dtensor(data):
-            mesh_shape = tuple(data.device_mesh.shape)
-            placements[name] = tuple(data.placements)
+        if not _is_dtensor(data):
+            continue
+        mesh = data.device_mesh
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        shape = tuple(root.shape)
+        if mesh_shape is not None and shape != mesh_shape:
+            raise ValueError(f"model tensor {name!r} is on a mesh of shape {shape}, others on {mesh_shape}: "
+                             "pass mesh_shape and placements")
+        if root.mesh.flatten().tolist() != list(range(math.prod(shape))):
+            raise ValueError(f"model tensor {name!r}: its mesh does not hold ranks 0 … n-1 in row-major order: "
+                             "pass mesh_shape and placements")
+        mesh_shape = shape
+        pl = tuple(data.placements)
+        placements[name] = pl if root is mesh else _on_root(name, pl, mesh, root)
     return mesh_shape, placements
+
+
+def _on_root(name: str, placements: tuple, mesh: Any, root: Any) -> tuple:
+    from torch.distributed.tensor import Replicate
+
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or any(n not in root_names for n in names):
+        raise ValueError(f"model tensor {name!r} is on a submesh {names} whose dims are not dims of its root mesh "
+                         f"{root_names}: pass mesh_shape and placements")
+    dims = [root_names.index(n) for n in names]
+    if dims != sorted(dims) and sum(1 for p in placements if not isinstance(p, Replicate)) > 1:
+        raise ValueError(f"model tensor {name!r}: submesh {names} reorders its root's dims {root_names}: "
+                         "pass mesh_shape and placements")
+    out: list[Any] = [Replicate()] * len(root_names)
+    for d, p in zip(dims, placements):
+        out[d] = p
+    return tuple(out)
 
 
 def simulate_load(

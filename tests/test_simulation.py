@@ -324,6 +324,54 @@ def test_subset_of_ranks_matches_full_run(fake_mesh, moe_ckpt):
     assert len(plan.reads) == full[0].blocks
 
 
+def test_dtensors_on_a_submesh_are_placed_on_the_root_mesh(fake_mesh, moe_ckpt):
+    """Attention parallelised on ``mesh["tp"]`` (a submesh, as parallelize_module is usually given), experts
+    on the whole 8 x 8 mesh: the simulation places the attention shards by the tp coordinate (mesh dim 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import AutoModelForCausalLM
+
+    path, cfg, _ = moe_ckpt
+    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("ep", "tp"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        parallelize_module(layer.self_attn, mesh["tp"], {
+            "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
+            "o_proj": RowwiseParallel(),
+        })
+        experts = layer.mlp.experts
+        for name, inner in [("gate_up_proj", Shard(1)), ("down_proj", Shard(2))]:
+            dt = distribute_tensor(getattr(experts, name), mesh, [Shard(0), inner], src_data_rank=None)
+            setattr(experts, name, nn.Parameter(dt, requires_grad=False))
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert tuple(q.data.device_mesh.shape) == (8,)  # on the submesh
+
+    def explicit(name: str, shape: tuple[int, ...]):  # noqa: ANN202
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            return [Replicate(), Shard(0)]
+        if name.endswith("o_proj.weight"):
+            return [Replicate(), Shard(1)]
+        if name.endswith("experts.gate_up_proj"):
+            return [Shard(0), Shard(1)]
+        if name.endswith("experts.down_proj"):
+            return [Shard(0), Shard(2)]
+        return None
+
+    found = RecordingPlanner(model)
+    given = RecordingPlanner(model)
+    a = simulate_load(model, path, planner=found)
+    b = simulate_load(model, path, mesh_shape=MESH, placements=explicit, planner=given)
+    assert a == b
+    for (slots_a, _), (slots_b, _) in zip(found.recorded, given.recorded):
+        assert {n: s.boxes for n, s in slots_a.items()} == {n: s.boxes for n, s in slots_b.items()}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    rows = q.shape[0] // 8
+    assert found.recorded[3][0][name].boxes[0][0][0] == (3 * rows, 4 * rows)  # rank 3 = (ep 0, tp 3)
+    assert found.recorded[11][0][name].boxes == found.recorded[3][0][name].boxes  # (ep 1, tp 3)
+
+
 # ---------------------------------------------------------------------------------------------------
 # (b) a header-only checkpoint: no data files
 
