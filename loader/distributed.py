@@ -54,6 +54,9 @@ def shard_runs(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinat
             raise ValueError(f"placement {p} is Partial: a checkpoint cannot be loaded into a pending reduction")
         if not isinstance(p, (Shard, _StridedShard)):
             continue
+        if p.dim < 0:  # DTensor normalises negative dims; explicit placements may not be
+            dim = p.dim + len(global_shape)
+            p = _StridedShard(dim, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(dim)
         size, idx = _get_shard_size_and_offsets(local[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim], p,
                                                 offsets.get(p.dim), global_shape[p.dim], False)
         local[p.dim] = size

@@ -542,3 +542,12 @@ def test_random_placements_against_dtensor():
         strided += any(isinstance(p, _StridedShard) for p in placements)
         _check(shape, mesh_shape, placements)
     assert strided > 100
+
+
+def test_negative_shard_dims_are_normalised():
+    from torch.distributed.tensor import Shard
+
+    from loader.distributed import shard_boxes
+
+    assert shard_boxes((4, 8), (2,), (1,), [Shard(-1)]) == shard_boxes((4, 8), (2,), (1,), [Shard(1)])
+    assert shard_boxes((4, 8), (2,), (1,), [Shard(-1)]) == ((((0, 4), (4, 8)), ((0, 4), (0, 4))),)
