@@ -5,7 +5,7 @@
 
 A Qwen3-MoE-shaped checkpoint (~400 MB bf16: hidden 1024, 4 layers, 32 experts, moe_intermediate 512) is
 written once to ``DIR`` in two layouts: ``hf/`` as ``save_pretrained`` writes it (per-expert tensors
-``…experts.{e}.gate_proj.weight``, 3 shards + index) and ``flat/`` in the model's own layout (merged expert
+``…experts.{e}.gate_proj.weight``, 4 shards + index) and ``flat/`` in the model's own layout (merged expert
 tensors under the model's names, 3 shards + index: a rename-only layout). Four ranks (spawned, gloo) each
 build the model on the meta device and materialise only their shards as DTensors on a 1-D mesh of 4:
 
