@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import threading
@@ -97,6 +98,7 @@ class FileReader:
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
@@ -111,8 +113,37 @@ class FileReader:
         """Close every open descriptor. The reader may be reused afterwards (files reopen lazily)."""
         with self._lock:
             fds, self._fds = self._fds, {}
+            maps, self._maps = self._maps, {}
+        for m in maps.values():
+            m.close()
         for fd in fds.values():
             os.close(fd)
+
+    def mapping(self, file: str, end: int) -> mmap.mmap:
+        """A read-only memory map of ``file`` that must hold at least ``end`` bytes.
+
+        Used for reads of many small strided runs, copied in one vectorised step. The size is checked first
+        (a mapping of a file truncated underneath would fault instead of raising).
+
+        Raises:
+            CheckpointError: the file is now shorter than ``end``.
+        """
+        fd = self.fd(file)
+        size = os.fstat(fd).st_size
+        if size < end:
+            raise _err(file, f"file is {size} bytes, the load needs {end}; file changed underneath?")
+        with self._lock:
+            m = self._maps.get(file)
+            if m is None or len(m) < end:
+                m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                self._maps[file] = m
+        return m
+
+    def count(self, nbytes: int) -> None:
+        """Account ``nbytes`` read by a caller through :meth:`mapping`."""
+        with self._lock:
+            self.bytes_read += nbytes
+            self.reads += 1
 
     def fd(self, file: str) -> int:
         """Return an open descriptor for ``file``, opening it on first use."""

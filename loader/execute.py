@@ -9,19 +9,22 @@ and copy the owned boxes of their outputs.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
 import regiontrace as rt
-from regiontrace.execute import apply_casts, dest_view
+from regiontrace.execute import apply_casts, dest_view, source_view
 
 from .checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, read_ranges, read_tensor
 from .plan import BlockRead, DeferredRead
 from .targets import TargetSlot, box_view
 
 STAGING_BYTES = 64 << 20
+#: blocks reading more contiguous runs than this are copied from a memory map in one strided copy
+MAPPED_RUNS = 32
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,9 @@ class BlockExecutor:
                     self.reader.pread_into(file, start, _bytes_view(direct))
                     self.progress(direct.numel() * info.itemsize)
                     continue
+                if alone and len(layout.runs) > MAPPED_RUNS and info.data_start % info.itemsize == 0:
+                    self._mapped(file, r, info, dest)
+                    continue
                 batch.append((r, info, dest, layout))
                 size += len(layout.runs) * layout.run * info.itemsize
                 if size >= self.staging_bytes:
@@ -153,6 +159,18 @@ class BlockExecutor:
                     batch, size = [], 0
             if batch:
                 self._staged(file, batch)
+
+    def _mapped(self, file: str, r: BlockRead, info: TensorInfo, dest: torch.Tensor) -> None:
+        """Copy a block of many small runs straight out of a memory map (one strided copy, no per-run calls)."""
+        mapping = self.reader.mapping(file, info.data_end)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the map is read-only; it is only ever read
+            whole = torch.frombuffer(mapping, dtype=torch.uint8, offset=info.data_start, count=info.nbytes)
+        src = source_view(r.block, whole.view(info.dtype).view(info.shape))
+        dest_view(r.block, dest).copy_(apply_casts(src, r.block.casts))
+        nbytes = r.block.read_numel * info.itemsize
+        self.reader.count(nbytes)
+        self.progress(nbytes)
 
     def _staged(self, file: str, batch: list) -> None:
         ranges = []

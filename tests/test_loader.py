@@ -592,3 +592,34 @@ def test_progress_bar_and_log_lines(plain_dir, capfd, caplog):
     load_hf_checkpoint(fresh_plain(), directory, weights_mapping=PLAIN_RULES)
     assert "loading" not in capfd.readouterr().err
 
+
+
+def test_many_run_blocks_are_copied_from_a_memory_map(tmp_path):
+    """Column slices and step slices read hundreds of short runs: exact values, exact bytes."""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from loader import Convert, load_hf_checkpoint
+    from loader.execute import MAPPED_RUNS, read_layout
+
+    g = torch.Generator().manual_seed(0)
+    src = {"w": torch.randn(300, 8, generator=g).to(torch.bfloat16), "u": torch.randn(200, 6, generator=g)}
+    save_file(src, str(tmp_path / "model.safetensors"))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cols = nn.Parameter(torch.zeros(300, 3))
+            self.every_other = nn.Parameter(torch.zeros(200, 3, dtype=torch.float64))
+
+    rules = [Convert("w", "cols", lambda w: w[:, 2:5]), Convert("u", "every_other", lambda u: u[:, ::2].double())]
+    net = Net()
+    report = load_hf_checkpoint(net, str(tmp_path), weights_mapping=rules, progress=False)
+    assert torch.equal(net.cols.data, src["w"][:, 2:5].float())
+    assert torch.equal(net.every_other.data, src["u"][:, ::2].double())
+    assert report.deferred == ()
+    assert report.bytes_read == 300 * 3 * 2 + 200 * 3 * 4  # exactly the elements the model needs
+    import regiontrace as rt
+
+    x = rt.RegionTensor.leaf("w", (300, 8), torch.bfloat16)
+    assert len(read_layout(x[:, 2:5].remap_blocks()[0]).runs) > MAPPED_RUNS
