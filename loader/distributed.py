@@ -241,13 +241,70 @@ def _all_groups(planner: Any, owners: dict) -> list[tuple[int, ...]]:
 # the distributed load
 
 
+def owned_subset(planner: Any, reads: list, deferred: list) -> tuple[list, list, dict]:
+    """With ``broadcast_replicated_tensors``: the reads and deferred conversions this rank owns, and the owners.
+
+    Collective (all ranks call it, after planning succeeded everywhere).
+    """
+    rank, world = rank_and_world()
+    if not planner.broadcast_replicated_tensors or world < 2:
+        return reads, deferred, {}
+    owners = assign_owners(planner)
+    skip = {n for n, (owner, _) in owners.items() if owner != rank}
+    for g in _all_groups(planner, owners):
+        _group_for(g, world)
+    reads = [r for r in reads if r.target not in skip]
+    deferred = [d for d in deferred if not set(d.conversion.targets) <= skip]
+    return reads, deferred, owners
+
+
+def broadcast_owned(planner: Any, owners: dict) -> None:
+    """Broadcast each shared target from its owner (names in one global order: no cross-group deadlock)."""
+    _, world = rank_and_world()
+    for name in sorted(owners):
+        owner, ranks = owners[name]
+        local = planner.slots[name].local
+        buf = local if local.is_contiguous() else local.contiguous()
+        dist.broadcast(buf, src=owner, group=_group_for(ranks, world))
+        if buf is not local:
+            local.copy_(buf)
+
+
+def read_together(planner: Any, reader: Any, reads: list, deferred: list, *, progress: bool | None = None,
+                  rollback: bool = False) -> None:
+    """Execute this rank's share, agree on the outcome, then broadcast shared targets.
+
+    Raises:
+        the same error on every rank when a read failed on any rank (with ``rollback``, every rank first
+        restores the tensors it wrote).
+    """
+    from .api import _snapshot, execute_plan
+
+    reads, deferred, owners = owned_subset(planner, reads, deferred)
+    saved = _snapshot(planner.plan, planner.slots) if rollback else None
+    error = None
+    try:
+        execute_plan(planner, reader, progress=progress, reads=reads, deferred=deferred)
+    except Exception as e:
+        error = e
+    try:
+        _gather_outcome(error, "Reading the checkpoint")
+    except BaseException:
+        if saved is not None:
+            with torch.no_grad():
+                for name, value in saved.items():
+                    planner.slots[name].local.copy_(value)
+        raise
+    broadcast_owned(planner, owners)
+
+
 def load_distributed(planner: Any, path: str, *, progress: bool | None = None, rollback: bool = False) -> Any:
     """Plan on every rank, agree on the outcome, then read each rank's own byte ranges.
 
     Raises:
-        ValueError/CheckpointError/RuntimeError on every rank when planning failed on any rank.
+        ValueError/CheckpointError/RuntimeError on every rank when planning (or reading) failed on any rank;
+        no rank hangs and, when planning failed, no model is touched.
     """
-    from .api import execute_plan
     from .checkpoint import FileReader, SafetensorsCheckpoint
     from .plan import describe
 
@@ -260,29 +317,8 @@ def load_distributed(planner: Any, path: str, *, progress: bool | None = None, r
         error = e
     _gather_outcome(error, "Planning the load")
     log.info("rank %d: %s", rank, describe(plan, checkpoint))
-    reads, deferred, owners = plan.reads, plan.deferred, {}
-    if planner.broadcast_replicated_tensors:
-        owners = assign_owners(planner)
-        skip = {n for n, (owner, _) in owners.items() if owner != rank}
-        reads = [r for r in plan.reads if r.target not in skip]
-        deferred = [d for d in plan.deferred if not set(d.conversion.targets) <= skip]
-        groups = _all_groups(planner, owners)
-        for g in groups:
-            _group_for(g, world)
-    error = None
     with FileReader() as reader:
-        try:
-            execute_plan(planner, reader, progress=progress, rollback=rollback, reads=reads, deferred=deferred)
-        except Exception as e:
-            error = e
-        _gather_outcome(error, "Reading the checkpoint")
+        read_together(planner, reader, plan.reads, plan.deferred, progress=progress, rollback=rollback)
         bytes_read = reader.bytes_read
-    for name in sorted(owners):
-        owner, ranks = owners[name]
-        local = planner.slots[name].local
-        buf = local if local.is_contiguous() else local.contiguous()
-        dist.broadcast(buf, src=owner, group=_group_for(ranks, world))
-        if buf is not local:
-            local.copy_(buf)
     planner.keyplan.record_on_model(planner.model)
     return planner.report(bytes_read, rank, world)

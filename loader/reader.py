@@ -95,7 +95,8 @@ class SafetensorsReader(StorageReader):
         return fut
 
     def _read_for_hf_planner(self, plan: LoadPlan, planner: Any, reader: FileReader) -> None:
-        from .execute import run_deferred
+        from .api import execute_plan
+        from .distributed import rank_and_world, read_together
 
         block_reads, deferred = [], set()
         for item in plan.items:
@@ -105,9 +106,11 @@ class SafetensorsReader(StorageReader):
             else:
                 deferred.add(entry[1])
         before = reader.bytes_read
-        BlockExecutor(self.checkpoint, planner.slots, reader).run(block_reads)
-        for j in sorted(deferred):
-            run_deferred(planner.plan.deferred[j], self.checkpoint, planner.slots, reader)
+        deferred_reads = [planner.plan.deferred[j] for j in sorted(deferred)]
+        if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
+            read_together(planner, reader, block_reads, deferred_reads)
+        else:
+            execute_plan(planner, reader, reads=block_reads, deferred=deferred_reads)
         planner.bytes_read += reader.bytes_read - before
 
     def _read_boxes(self, plan: LoadPlan, planner: LoadPlanner, reader: FileReader) -> None:

@@ -179,14 +179,22 @@ def scenario_fail_on_rank2(ctx: dict) -> dict:
     return {"outcome": outcome, "seconds": time.time() - t0, "unchanged": unchanged}
 
 
-def scenario_broadcast(ctx: dict) -> dict:
+def scenario_broadcast(ctx: dict, use_dcp: bool = False) -> dict:
     import dist_models as dm
 
-    from loader import load_hf_checkpoint
+    from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     model = dm.Layout()
-    report = load_hf_checkpoint(model, ctx["layout_path"], weights_mapping=dm.RULES, progress=False,
-                                broadcast_replicated_tensors=True)
+    if use_dcp:
+        import torch.distributed.checkpoint as dcp
+
+        planner = HFLoadPlanner(model, weights_mapping=dm.RULES, broadcast_replicated_tensors=True)
+        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(ctx["layout_path"]),
+                 planner=planner)
+        report = planner.finish(ctx["layout_path"])
+    else:
+        report = load_hf_checkpoint(model, ctx["layout_path"], weights_mapping=dm.RULES, progress=False,
+                                    broadcast_replicated_tensors=True)
     expected = torch.load(ctx["layout_ref"])
     bad = [n for n, t in model.state_dict().items() if not torch.equal(t, expected[n])]
     totals = [None] * dist.get_world_size()
@@ -219,6 +227,7 @@ SCENARIOS = [
     ("moe_dcp_1d", lambda ctx: scenario_moe(ctx, (4,), use_dcp=True)),
     ("fail_on_rank2", scenario_fail_on_rank2),
     ("broadcast", scenario_broadcast),
+    ("broadcast_dcp", lambda ctx: scenario_broadcast(ctx, use_dcp=True)),
     ("simulation_2d", lambda ctx: scenario_simulation(ctx, (2, 2))),
 ]
 

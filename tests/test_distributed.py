@@ -79,8 +79,9 @@ def test_planning_failure_on_one_rank_fails_every_rank(results):
         assert res["unchanged"], f"rank {r} modified its model"
 
 
-def test_broadcast_replicated_reads_checkpoint_once(results):
-    per_rank = _ok(results, "broadcast")
+@pytest.mark.parametrize("name", ["broadcast", "broadcast_dcp"])
+def test_broadcast_replicated_reads_checkpoint_once(results, name):
+    per_rank = _ok(results, name)
     for res in per_rank:
         assert res["bad"] == []
     data_bytes = _checkpoint_data_bytes()
