@@ -136,6 +136,8 @@ class FileReader:
             m = self._maps.get(file)
             if m is None or len(m) < end:
                 m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                if hasattr(m, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+                    m.madvise(mmap.MADV_RANDOM)  # strided reads: no readahead past the runs asked for
                 self._maps[file] = m
         return m
 

@@ -19,7 +19,7 @@ import regiontrace as rt
 from regiontrace.execute import apply_casts, dest_view, source_view
 
 from .checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, read_ranges, read_tensor
-from .plan import BlockRead, DeferredRead
+from .plan import BlockRead, DeferredRead, deferred_inputs
 from .targets import TargetSlot, box_view
 
 STAGING_BYTES = 64 << 20
@@ -197,7 +197,7 @@ def run_deferred(deferred: DeferredRead, checkpoint: SafetensorsCheckpoint, slot
                  reader: FileReader) -> None:
     """Read the conversion's sources whole, run it for real, copy the owned boxes of its outputs."""
     tensors = {k: read_tensor(checkpoint[k], reader) for k in deferred.conversion.sources}
-    outs = deferred.conversion.run(tensors)
+    outs = deferred.conversion.run(deferred_inputs(deferred.conversion, tensors, slots))
     for target, g, lb in deferred.boxes:
         src = outs[target]
         for d, (a, b) in enumerate(g):

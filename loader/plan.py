@@ -191,6 +191,20 @@ def _shape_error(target: str, got: tuple[int, ...], want: tuple[int, ...], conv:
     )
 
 
+def deferred_inputs(conv: Conversion, tensors: Mapping[str, torch.Tensor],
+                    slots: Mapping[str, TargetSlot]) -> dict[str, torch.Tensor]:
+    """Source tensors for running a deferred conversion for real.
+
+    transformers casts every source to the dtype of the group's first target before its ops run; for its
+    rules we do the same, so non-index ops round exactly as ``from_pretrained``. Our ``Convert`` functions get
+    the checkpoint dtype.
+    """
+    if not type(conv.rule).__module__.startswith("transformers"):
+        return dict(tensors)
+    dtype = slots[conv.targets[0]].dtype
+    return {k: t.to(dtype) if t.is_floating_point() and dtype.is_floating_point else t for k, t in tensors.items()}
+
+
 def meta_outputs(conv: Conversion, checkpoint: SafetensorsCheckpoint) -> dict[str, torch.Tensor]:
     """Run ``conv`` on meta tensors: the output shapes and dtypes of a deferred conversion, without data."""
     tensors = {k: torch.empty(checkpoint[k].shape, dtype=checkpoint[k].dtype, device="meta") for k in conv.sources}

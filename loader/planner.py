@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from regiontrace.execute import apply_casts, dest_view
 
 from .checkpoint import SafetensorsCheckpoint, TensorInfo
-from .plan import RankPlan, TraceCache, plan_rank
+from .plan import RankPlan, TraceCache, deferred_inputs, plan_rank
 from .rules import Conversion, plan_keys
 from .targets import TargetSlot, box_view, model_slots
 
@@ -271,7 +271,7 @@ class HFLoadPlanner(LoadPlanner):
 
 
 def _run_deferred_on(d, tensors: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]) -> None:  # noqa: ANN001
-    outs = d.conversion.run(dict(tensors))
+    outs = d.conversion.run(deferred_inputs(d.conversion, tensors, slots))
     for target, g, lb in d.boxes:
         src = outs[target]
         for dim, (a, b) in enumerate(g):

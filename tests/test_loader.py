@@ -623,3 +623,33 @@ def test_many_run_blocks_are_copied_from_a_memory_map(tmp_path):
 
     x = rt.RegionTensor.leaf("w", (300, 8), torch.bfloat16)
     assert len(read_layout(x[:, 2:5].remap_blocks()[0]).runs) > MAPPED_RUNS
+
+
+def test_deferred_transformers_conversions_cast_sources_like_from_pretrained(tmp_path):
+    """Deferred WeightConverters get sources cast to the target dtype first (transformers' order)."""
+    import hf_models
+
+    from loader import HFLoadPlanner, load_hf_checkpoint
+    from loader.plan import deferred_inputs
+
+    _, saved = hf_models.build("mixtral", seed=0)
+    hf_models.save(saved, tmp_path, dtype=torch.bfloat16)
+
+    class NoTracing(HFLoadPlanner):
+        def supports_symbolic(self, transform):
+            return transform.is_rename
+
+    _, traced_model = hf_models.build("mixtral", seed=1)
+    _, deferred_model = hf_models.build("mixtral", seed=2)
+    load_hf_checkpoint(traced_model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(deferred_model, str(tmp_path), planner=NoTracing(deferred_model), progress=False)
+    assert report.deferred and "rejected by supports_symbolic" in " ".join(report.deferred_reasons.values())
+    for name, t in traced_model.state_dict().items():
+        assert torch.equal(t, deferred_model.state_dict()[name]), name
+    planner = NoTracing(deferred_model)
+    from loader.checkpoint import SafetensorsCheckpoint
+
+    plan = planner.build_plan(SafetensorsCheckpoint.open(str(tmp_path)))
+    conv = plan.deferred[0].conversion
+    inputs = deferred_inputs(conv, {k: torch.zeros(2, dtype=torch.bfloat16) for k in conv.sources}, planner.slots)
+    assert {t.dtype for t in inputs.values()} == {torch.float32}
