@@ -8,7 +8,6 @@ and copy the owned boxes of their outputs.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -78,7 +77,8 @@ def split_block(block: rt.RemapBlock, max_elems: int) -> list[rt.RemapBlock]:
         shape = block.shape[:j] + (n,) + block.shape[j + 1 :]
         dst = list(block.dst_offset)
         dst[block.dst_dims[j]] += a * block.dst_steps[j]
-        part = replace(block, shape=shape, src_offset=block.src_offset + a * block.src_strides[j], dst_offset=tuple(dst))
+        offset = block.src_offset + a * block.src_strides[j]
+        part = replace(block, shape=shape, src_offset=offset, dst_offset=tuple(dst))
         parts.extend(split_block(part, max_elems) if n == 1 and len(dims) > 1 else [part])
     return parts
 
@@ -174,7 +174,7 @@ class BlockExecutor:
 
     def _staged(self, file: str, batch: list) -> None:
         ranges = []
-        for r, info, _, layout in batch:
+        for _, info, _, layout in batch:
             nbytes = layout.run * info.itemsize
             ranges.extend((info.data_start + s * info.itemsize, info.data_start + s * info.itemsize + nbytes)
                           for s in layout.runs)
@@ -184,9 +184,11 @@ class BlockExecutor:
             n = len(layout.runs)
             raw = bytearray(b"".join(views[pos : pos + n])) if n != 1 else bytearray(views[pos])
             pos += n
-            packed = torch.frombuffer(raw, dtype=torch.uint8).view(info.dtype) if raw else torch.empty(0, dtype=info.dtype)
-            src = torch.as_strided(packed, r.block.shape, layout.strides) if packed.numel() else \
-                torch.empty(r.block.shape, dtype=info.dtype)
+            if raw:
+                packed = torch.frombuffer(raw, dtype=torch.uint8).view(info.dtype)
+                src = torch.as_strided(packed, r.block.shape, layout.strides)
+            else:
+                src = torch.empty(r.block.shape, dtype=info.dtype)
             if layout.flips:
                 src = src.flip(layout.flips)
             dest_view(r.block, dest).copy_(apply_casts(src, r.block.casts))
@@ -197,13 +199,15 @@ def run_deferred(deferred: DeferredRead, checkpoint: SafetensorsCheckpoint, slot
                  reader: FileReader) -> None:
     """Read the conversion's sources whole, run it for real, copy the owned boxes of its outputs."""
     tensors = {k: read_tensor(checkpoint[k], reader) for k in deferred.conversion.sources}
+    apply_deferred(deferred, tensors, slots)
+
+
+def apply_deferred(deferred: DeferredRead, tensors: Mapping[str, torch.Tensor],
+                   slots: Mapping[str, TargetSlot]) -> None:
+    """Run a deferred conversion on its real source tensors and copy the owned boxes of its outputs."""
     outs = deferred.conversion.run(deferred_inputs(deferred.conversion, tensors, slots))
     for target, g, lb in deferred.boxes:
         src = outs[target]
         for d, (a, b) in enumerate(g):
             src = src.narrow(d, a, b - a)
         box_view(slots[target].local, lb).copy_(src)
-
-
-def bytes_of(reads: Iterable[BlockRead], checkpoint: SafetensorsCheckpoint) -> int:
-    return sum(math.prod(r.block.shape) and r.block.read_numel * checkpoint[r.block.source].itemsize for r in reads)

@@ -251,7 +251,10 @@ def plan_rank(
         for t in conv.targets:
             if t not in slots:
                 raise ValueError(f"conversion {conv.description} produces {t!r}, which is not a model tensor")
-        traced, sig = cache.trace(conv, checkpoint) if supports_symbolic(conv) else ("rejected by supports_symbolic", None)
+        if supports_symbolic(conv):
+            traced, sig = cache.trace(conv, checkpoint)
+        else:
+            traced, sig = "rejected by supports_symbolic", None
         if isinstance(traced, str):
             outs = meta_outputs(conv, checkpoint)
             for t in conv.targets:

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from regiontrace.execute import apply_casts, dest_view
 
 from .checkpoint import SafetensorsCheckpoint, TensorInfo
-from .plan import RankPlan, TraceCache, deferred_inputs, plan_rank
+from .execute import apply_deferred
+from .plan import RankPlan, TraceCache, plan_rank
 from .rules import Conversion, plan_keys
 from .targets import TargetSlot, box_view, model_slots
 
@@ -257,7 +258,7 @@ class HFLoadPlanner(LoadPlanner):
         pending[key] = staged
         d = self.plan.deferred[j]
         if len(pending) == len(d.conversion.sources):
-            _run_deferred_on(d, pending, self.slots)
+            apply_deferred(d, pending, self.slots)
             del self._pending[j]
 
     def finish(self, path: str = "") -> LoadReport:
@@ -268,15 +269,6 @@ class HFLoadPlanner(LoadPlanner):
             self.keyplan.record_on_model(self.model)
         rank, world = rank_and_world()
         return self.report(self.bytes_read, rank, world)
-
-
-def _run_deferred_on(d, tensors: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]) -> None:  # noqa: ANN001
-    outs = d.conversion.run(deferred_inputs(d.conversion, tensors, slots))
-    for target, g, lb in d.boxes:
-        src = outs[target]
-        for dim, (a, b) in enumerate(g):
-            src = src.narrow(dim, a, b - a)
-        box_view(slots[target].local, lb).copy_(src)
 
 
 def _strided_error(r) -> ValueError:  # noqa: ANN001

@@ -50,7 +50,8 @@ def gate_up(w1s, w3s):  # noqa: ANN001, ANN201
 RULES = [
     Convert(["q", "k", "v"], "qkv.weight", lambda q, k, v: torch.cat([rope_permute(q), rope_permute(k), v])),
     Convert("o_t", "o_proj.weight", lambda w: w.t()),
-    Convert(["experts.*.w1", "experts.*.w3"], ["gate_up", "gate_up_strided"], lambda a, b: (gate_up(a, b), gate_up(a, b))),
+    Convert(["experts.*.w1", "experts.*.w3"], ["gate_up", "gate_up_strided"],
+            lambda a, b: (gate_up(a, b), gate_up(a, b))),
     Convert("experts.*.w2", "down", lambda ws: torch.stack(ws)),
     Rename("uneven_src", "uneven"),
     Rename("norm_src", "norm"),

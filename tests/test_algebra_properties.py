@@ -2,7 +2,6 @@
 
 import random
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
