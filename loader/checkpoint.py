@@ -136,8 +136,8 @@ class FileReader:
             m = self._maps.get(file)
             if m is None or len(m) < end:
                 m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-                if hasattr(m, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-                    m.madvise(mmap.MADV_RANDOM)  # strided reads: no readahead past the runs asked for
+                # kernel readahead stays on: MADV_RANDOM brought physical reads down to the 4 KiB page bound
+                # but made cold tensor-parallel loads 7x slower (docs/benchmarks.md, "Distributed")
                 self._maps[file] = m
         return m
 
