@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from . import region as R
 from .blocks import RemapBlock, compile_blocks
 from .errors import TraceMismatch, Untraceable
+from .reshape import reshape
 
 aten = torch.ops.aten
 
@@ -208,7 +209,7 @@ def _dim(d: int, ndim: int) -> int:
 
 @_handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
 def _view(b: dict, out: torch.Tensor) -> R.Region:
-    return R.reshape(_reg(b["self"]), tuple(out.shape))
+    return reshape(_reg(b["self"]), tuple(out.shape))
 
 
 @_handles(aten.alias.default, aten.detach.default, aten.clone.default, aten.lift_fresh.default,
@@ -340,10 +341,10 @@ def _flip(b: dict, out: torch.Tensor) -> R.Region:
 def _repeat(b: dict, out: torch.Tensor) -> R.Region:
     x, reps = b["self"], list(b["repeats"])
     shape = (1,) * (len(reps) - x.ndim) + tuple(x.shape)
-    region = R.reshape(_reg(x), shape)
+    region = reshape(_reg(x), shape)
     for i in range(len(reps)):
         region = R.unsqueeze(region, 2 * i)
     tiled = []
     for rep, n in zip(reps, shape):
         tiled += [rep, n]
-    return R.reshape(R.expand(region, tiled), tuple(out.shape))
+    return reshape(R.expand(region, tiled), tuple(out.shape))
