@@ -141,6 +141,11 @@ class FileReader:
                 self._maps[file] = m
         return m
 
+    def advise_sparse(self, file: str) -> None:
+        """Tell the kernel this file is read sparsely: no readahead beyond the ranges asked for."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd(file), 0, 0, os.POSIX_FADV_RANDOM)
+
     def count(self, nbytes: int) -> None:
         """Account ``nbytes`` read by a caller through :meth:`mapping`."""
         with self._lock:

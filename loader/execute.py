@@ -8,6 +8,7 @@ and copy the owned boxes of their outputs.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -24,6 +25,8 @@ from .targets import TargetSlot, box_view
 STAGING_BYTES = 64 << 20
 #: blocks reading more contiguous runs than this are copied from a memory map in one strided copy
 MAPPED_RUNS = 32
+#: a file this rank reads less than this fraction of is advised POSIX_FADV_RANDOM (readahead off for preads)
+SPARSE_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,9 @@ class BlockExecutor:
                 by_file.setdefault(info.file, []).append((BlockRead(r.target, r.local_box, block), info))
         for file, items in by_file.items():
             items.sort(key=lambda it: it[1].data_start + it[0].block.source_span()[0] * it[1].itemsize)
+            wanted = sum(r.block.read_numel * info.itemsize for r, info in items)
+            if wanted < SPARSE_FRACTION * os.path.getsize(file):
+                self.reader.advise_sparse(file)  # readahead would read what other ranks need
             batch, size = [], 0
             for (r, info), alone in zip(items, _alone(items)):
                 dest = box_view(self.slots[r.target].local, r.local_box)
