@@ -136,10 +136,19 @@ class FileReader:
             m = self._maps.get(file)
             if m is None or len(m) < end:
                 m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-                # kernel readahead stays on: MADV_RANDOM brought physical reads down to the 4 KiB page bound
-                # but made cold tensor-parallel loads 7x slower (docs/benchmarks.md, "Distributed")
+                if hasattr(mmap, "MADV_RANDOM"):  # no readahead past what prefetch() asks for
+                    m.madvise(mmap.MADV_RANDOM)
                 self._maps[file] = m
         return m
+
+    def prefetch(self, file: str, start: int, end: int) -> None:
+        """Ask the kernel to read bytes ``[start, end)`` of a mapped file now, in large requests."""
+        m = self._maps.get(file)
+        if m is None or not hasattr(mmap, "MADV_WILLNEED") or end <= start:
+            return
+        page = mmap.PAGESIZE
+        lo = start - start % page
+        m.madvise(mmap.MADV_WILLNEED, lo, min(end, len(m)) - lo)
 
     def advise_sparse(self, file: str) -> None:
         """Tell the kernel this file is read sparsely: no readahead beyond the ranges asked for."""
@@ -377,6 +386,8 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         OSError: The file cannot be opened.
     """
     fd = os.open(path, _OPEN_FLAGS)
+    if hasattr(os, "posix_fadvise"):  # a header read must not pull the data after it into the page cache
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     try:
         file_size = os.fstat(fd).st_size
         if file_size < 8:

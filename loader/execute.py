@@ -169,6 +169,8 @@ class BlockExecutor:
     def _mapped(self, file: str, r: BlockRead, info: TensorInfo, dest: torch.Tensor) -> None:
         """Copy a block of many small runs straight out of a memory map (one strided copy, no per-run calls)."""
         mapping = self.reader.mapping(file, info.data_end)
+        lo, hi = r.block.source_span()
+        self.reader.prefetch(file, info.data_start + lo * info.itemsize, info.data_start + hi * info.itemsize)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the map is read-only; it is only ever read
             whole = torch.frombuffer(mapping, dtype=torch.uint8, offset=info.data_start, count=info.nbytes)
