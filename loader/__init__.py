@@ -6,8 +6,9 @@ from .errors import CheckpointError
 from .planner import HFLoadPlanner, LoadReport
 from .reader import SafetensorsReader
 from .rules import Convert, Rename
+from .simulate import RankFigures, simulate_load
 
 __all__ = [
-    "CheckpointError", "Convert", "HFLoadPlanner", "LoadReport", "Rename", "SafetensorsCheckpoint",
-    "SafetensorsReader", "load_hf_checkpoint",
+    "CheckpointError", "Convert", "HFLoadPlanner", "LoadReport", "RankFigures", "Rename", "SafetensorsCheckpoint",
+    "SafetensorsReader", "load_hf_checkpoint", "simulate_load",
 ]
