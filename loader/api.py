@@ -98,13 +98,18 @@ def execute_plan(planner: HFLoadPlanner, reader: FileReader, *, progress: bool |
                     bar.update(sum(checkpoint[k].nbytes for k in d.conversion.sources))
     except BaseException:
         if saved is not None:
-            with torch.no_grad():
-                for name, value in saved.items():
-                    slots[name].local.copy_(value)
+            restore(saved, slots)
         raise
     finally:
         if bar:
             bar.close()
+
+
+def restore(saved: dict[str, torch.Tensor], slots) -> None:  # noqa: ANN001
+    """Put back the values :func:`_snapshot` took (rollback)."""
+    with torch.no_grad():
+        for name, value in saved.items():
+            slots[name].local.copy_(value)
 
 
 def _snapshot(plan, slots) -> dict[str, torch.Tensor]:  # noqa: ANN001

@@ -278,7 +278,7 @@ def read_together(planner: Any, reader: Any, reads: list, deferred: list, *, pro
         the same error on every rank when a read failed on any rank (with ``rollback``, every rank first
         restores the tensors it wrote).
     """
-    from .api import _snapshot, execute_plan
+    from .api import _snapshot, execute_plan, restore
 
     reads, deferred, owners = owned_subset(planner, reads, deferred)
     saved = _snapshot(planner.plan, planner.slots) if rollback else None
@@ -291,9 +291,7 @@ def read_together(planner: Any, reader: Any, reads: list, deferred: list, *, pro
         _gather_outcome(error, "Reading the checkpoint")
     except BaseException:
         if saved is not None:
-            with torch.no_grad():
-                for name, value in saved.items():
-                    planner.slots[name].local.copy_(value)
+            restore(saved, planner.slots)
         raise
     broadcast_owned(planner, owners)
 

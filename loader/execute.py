@@ -190,7 +190,7 @@ class BlockExecutor:
         pos = 0
         for r, info, dest, layout in batch:
             n = len(layout.runs)
-            raw = bytearray(b"".join(views[pos : pos + n])) if n != 1 else bytearray(views[pos])
+            raw = bytearray().join(views[pos : pos + n])  # one copy out of the read buffers
             pos += n
             if raw:
                 packed = torch.frombuffer(raw, dtype=torch.uint8).view(info.dtype)

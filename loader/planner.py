@@ -240,7 +240,12 @@ class HFLoadPlanner(LoadPlanner):
             raise _strided_error(r)
         if b.casts:
             return torch.empty(tuple(read_item.lengths), dtype=b.source_dtype)
-        return _box_shaped(dest_view(b, box_view(self.slots[r.target].local, r.local_box)), box)
+        return self._box_dest(r)
+
+    def _box_dest(self, r) -> torch.Tensor:  # noqa: ANN001
+        """The model memory a box-shaped block writes, arranged in the source box's dim order."""
+        view = dest_view(r.block, box_view(self.slots[r.target].local, r.local_box))
+        return _box_shaped(view, r.block.source_box())
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         entry = self._items[read_item.dest_index.fqn]
@@ -248,10 +253,8 @@ class HFLoadPlanner(LoadPlanner):
         self.bytes_read += tensor.numel() * self.checkpoint[read_item.storage_index.fqn].itemsize
         if entry[0] == "block":
             r = entry[1]
-            b = r.block
-            if b.casts:
-                dest = _box_shaped(dest_view(b, box_view(self.slots[r.target].local, r.local_box)), b.source_box())
-                dest.copy_(apply_casts(tensor, b.casts))
+            if r.block.casts:
+                self._box_dest(r).copy_(apply_casts(tensor, r.block.casts))
             return
         _, j, key, staged = entry
         pending = self._pending[j]

@@ -24,9 +24,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 import regiontrace as rt
+from regiontrace.region import contiguous_strides
 
 from .checkpoint import FileReader, SafetensorsCheckpoint
 from .execute import BlockExecutor
+from .plan import BlockRead
+from .targets import full_box, plain_slot
 
 
 class SafetensorsReader(StorageReader):
@@ -116,29 +119,15 @@ class SafetensorsReader(StorageReader):
     def _read_boxes(self, plan: LoadPlan, planner: LoadPlanner, reader: FileReader) -> None:
         for item in plan.items:
             info = self.checkpoint[item.storage_index.fqn]
-            shape = tuple(info.shape)
-            strides = [1] * len(shape)
-            for d in range(len(shape) - 2, -1, -1):
-                strides[d] = strides[d + 1] * shape[d + 1]
+            strides = contiguous_strides(info.shape)
             offset = sum(o * s for o, s in zip(item.storage_offsets, strides))
             lengths = tuple(item.lengths)
-            block = rt.RemapBlock(info.key, lengths, offset, tuple(strides), (0,) * len(lengths),
-                                  tuple(range(len(lengths))), (1,) * len(lengths), shape, info.dtype)
+            block = rt.RemapBlock(info.key, lengths, offset, strides, (0,) * len(lengths),
+                                  tuple(range(len(lengths))), (1,) * len(lengths), tuple(info.shape), info.dtype)
             staged = torch.empty(lengths, dtype=info.dtype)
-            BlockExecutor(self.checkpoint, {"": _Slot(staged)}, reader).run([_Read(block)])
+            read = BlockRead("", full_box(lengths), block)
+            BlockExecutor(self.checkpoint, {"": plain_slot("", staged)}, reader).run([read])
             target = planner.resolve_tensor(item).detach()
             target.copy_(staged)
             planner.commit_tensor(item, target)
 
-
-class _Slot:
-    def __init__(self, t: torch.Tensor) -> None:
-        self.local = t
-
-
-class _Read:
-    target = ""
-
-    def __init__(self, block: rt.RemapBlock) -> None:
-        self.block = block
-        self.local_box = tuple((0, n) for n in block.shape)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .region import Factor, Region, _weights, box_ranges, interval_boxes
+from .region import Factor, Region, _weights, box_ranges, contiguous_strides, interval_boxes
 
 Box = tuple[tuple[int, int], ...]
 
@@ -97,7 +97,7 @@ class RemapBlock:
             ``(offsets, lengths, dims)``: the source box, and for each block dim the source dim it walks
             (with unit step, increasing); None when the block is not a plain (permuted) box read.
         """
-        strides = _contiguous(self.source_shape)
+        strides = list(contiguous_strides(self.source_shape))
         offsets, rem = [], self.src_offset
         for st, n in zip(strides, self.source_shape):
             offsets.append(rem // st if n else 0)
@@ -116,14 +116,6 @@ class RemapBlock:
             lengths[d] = n
             dims.append(d)
         return tuple(offsets), tuple(lengths), tuple(dims)
-
-
-def _contiguous(shape: Sequence[int]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return strides[::-1]
 
 
 def check_box(shape: Sequence[int], box: Sequence[Sequence[int]] | None) -> Box:

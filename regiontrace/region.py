@@ -93,7 +93,7 @@ class Region:
         shape = tuple(source.shape)
         if math.prod(shape) == 0:
             return Region(shape, ())
-        strides = _contiguous_strides(shape)
+        strides = contiguous_strides(shape)
         axes = tuple(normalize_axis(Axis(0, (Factor(n, 0, n, s),))) for n, s in zip(shape, strides))
         return Region(shape, (Piece(source, 0, axes),))
 
@@ -102,7 +102,8 @@ class Region:
 # normal form
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of ``shape``."""
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)

@@ -213,8 +213,7 @@ def _view(b: dict, out: torch.Tensor) -> R.Region:
 
 
 @_handles(aten.alias.default, aten.detach.default, aten.clone.default, aten.lift_fresh.default,
-          aten._to_copy.default,
-          aten.contiguous.default if hasattr(aten, "contiguous") else aten.alias.default)
+          aten._to_copy.default, aten.contiguous.default)
 def _identity(b: dict, out: torch.Tensor) -> R.Region:
     return _reg(b["self"], out.dtype)
 
