@@ -37,7 +37,6 @@ def results(tmp_path_factory):
     model.save_pretrained(ctx["moe_path"])
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, root / "moe_ref.pt")
     ctx["moe_ref"] = str(root / "moe_ref.pt")
-    ctx["moe_tied"] = []
     mp.start_processes(dist_worker.run_rank, args=(WORLD, ctx), nprocs=WORLD, join=True, start_method="spawn")
     return [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
 

@@ -10,7 +10,7 @@ import tempfile
 import traceback
 from typing import Any
 
-from .common import CLIError, dtype_name, flat_specs, load_function, parse_inputs, regroup
+from .common import CLIError, add_function_arguments, dtype_name, flat_specs, load_function, parse_inputs, regroup
 
 HELP = "property-test a conversion function: traced map vs real runs on random data and boxes"
 DESCRIPTION = """\
@@ -27,10 +27,7 @@ examples:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("check", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("function", metavar="MODULE:FUNCTION",
-                   help="a dotted module or a path to a .py file, then ':' and the function name")
-    p.add_argument("--input", "-i", action="append", default=[], metavar="NAME=SHAPE[:DTYPE]",
-                   help="one per argument of FUNCTION, e.g. w=8x4:bf16 (NAME[N]=... for a list of N)")
+    add_function_arguments(p)
     p.add_argument("--examples", "-n", type=int, default=50, metavar="N", help="hypothesis examples (default 50)")
     p.add_argument("--boxes", type=int, default=4, metavar="K", help="random boxes per output per example")
     p.set_defaults(run=run)

@@ -185,3 +185,12 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequen
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def add_function_arguments(p: Any) -> None:
+    """The ``MODULE:FUNCTION`` and ``--input`` arguments shared by ``trace`` and ``check``."""
+    p.add_argument("function", metavar="MODULE:FUNCTION",
+                   help="a dotted module or a path to a .py file, then ':' and the function name")
+    p.add_argument("--input", "-i", action="append", default=[], metavar="NAME=SHAPE[:DTYPE]",
+                   help="one per argument of FUNCTION, e.g. w=8x4:bf16 (dtype default float32; "
+                        "NAME[N]=... for a list of N)")

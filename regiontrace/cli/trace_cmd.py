@@ -6,7 +6,17 @@ import argparse
 import math
 from typing import Any
 
-from .common import CLIError, dtype_name, flat_specs, format_box, load_function, parse_box, parse_inputs, regroup
+from .common import (
+    CLIError,
+    add_function_arguments,
+    dtype_name,
+    flat_specs,
+    format_box,
+    load_function,
+    parse_box,
+    parse_inputs,
+    regroup,
+)
 
 HELP = "trace a conversion function: its index map, its RemapBlocks, or why it is not traceable"
 DESCRIPTION = """\
@@ -24,10 +34,7 @@ examples:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("trace", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("function", metavar="MODULE:FUNCTION",
-                   help="a dotted module or a path to a .py file, then ':' and the function name")
-    p.add_argument("--input", "-i", action="append", default=[], metavar="NAME=SHAPE[:DTYPE]",
-                   help="one per argument of FUNCTION, e.g. w=8x4:bf16 (dtype default float32)")
+    add_function_arguments(p)
     p.add_argument("--box", metavar="A:B,C:D", help="compile blocks for this box of each output (default: all)")
     p.add_argument("--dot", metavar="FILE", help="write the index-mapping graph as Graphviz dot")
     p.add_argument("--max-blocks", type=int, default=40, metavar="N", help="print at most N blocks per output")
