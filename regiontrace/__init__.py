@@ -7,7 +7,6 @@ every output element comes from and compiles, for any box of the output, into :c
 from .blocks import RemapBlock, compile_blocks
 from .errors import TraceMismatch, Untraceable
 from .execute import execute_blocks, materialize
-from .explain import explain, to_networkx
 from .region import PIECE_BUDGET, Region
 from .tensor import RegionTensor
 from .trace import trace
@@ -17,3 +16,11 @@ __all__ = [
     "execute_blocks", "explain", "materialize", "to_networkx", "trace",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:  # sympy and networkx load only when explain/to_networkx are used
+    if name in ("explain", "to_networkx"):
+        from . import symbolic
+
+        return getattr(symbolic, name)
+    raise AttributeError(f"module 'regiontrace' has no attribute {name!r}")

@@ -68,7 +68,9 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         self.metadata = metadata if metadata is not None else {f: {} for f in self.files}
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, allow_external_symlinks: bool = False) -> SafetensorsCheckpoint:
+    def open(
+        cls, path: str | os.PathLike[str], *, revision: str | None = None, allow_external_symlinks: bool = False
+    ) -> SafetensorsCheckpoint:
         """Open a checkpoint, reading and validating only its headers.
 
         ``path`` may be a ``.safetensors`` file, a ``model.safetensors.index.json`` file, or a folder. In
