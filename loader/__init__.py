@@ -2,13 +2,13 @@
 
 from .api import load_hf_checkpoint
 from .checkpoint import SafetensorsCheckpoint
-from .errors import CheckpointError
+from .errors import CheckpointError, PeerFailure
 from .planner import HFLoadPlanner, LoadReport
 from .reader import SafetensorsReader
 from .rules import Convert, Rename
 from .simulate import RankFigures, simulate_load
 
 __all__ = [
-    "CheckpointError", "Convert", "HFLoadPlanner", "LoadReport", "RankFigures", "Rename", "SafetensorsCheckpoint",
-    "SafetensorsReader", "load_hf_checkpoint", "simulate_load",
+    "CheckpointError", "Convert", "HFLoadPlanner", "LoadReport", "PeerFailure", "RankFigures", "Rename",
+    "SafetensorsCheckpoint", "SafetensorsReader", "load_hf_checkpoint", "simulate_load",
 ]

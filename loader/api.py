@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,12 +38,15 @@ def load_hf_checkpoint(
     progress: bool | None = None,
     rollback: bool = False,
     broadcast_replicated_tensors: bool = False,
+    timeout: float | datetime.timedelta | None = 300.0,
+    revision: str | None = None,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
 
     Args:
         model: an already-built module (tensors materialised, possibly DTensors).
-        path: a ``.safetensors`` file, or a folder with ``model.safetensors`` or shards + index.json.
+        path: a ``.safetensors`` file, a folder with ``model.safetensors`` or shards + index.json, or a
+            Hugging Face repo id (``"org/name"``, resolved through the local hub cache).
         weights_mapping: rules replacing the default ones (transformers' conversion mapping for a
             ``PreTrainedModel``, none otherwise): ``WeightRenaming``/``WeightConverter``, ``Rename``/``Convert``.
         extra_weights_mapping: rules tried before all others.
@@ -52,6 +56,11 @@ def load_hf_checkpoint(
         progress: tqdm progress bar; default on when stderr is a terminal.
         rollback: keep a copy of every tensor written and restore it if a read fails mid-load.
         broadcast_replicated_tensors: in a distributed run, read each replicated region once and broadcast.
+        timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others at the end
+            of planning and at the end of reading; a rank that has not arrived by then (or has died) fails
+            the load on every rank with :class:`~loader.errors.PeerFailure`. None: no limit. Used instead of
+            ``planner.timeout`` when a ``planner`` is given.
+        revision: the revision (branch, tag or commit) of a repo id ``path``; None: the default branch.
 
     Returns:
         A :class:`LoadReport` for this rank.
@@ -59,17 +68,25 @@ def load_hf_checkpoint(
     Raises:
         CheckpointError: a bad checkpoint file (names the file and tensor); nothing was written.
         ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``).
+        PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
+            (with ``rollback``, this rank's tensors are restored first).
     """
-    from .distributed import load_distributed, rank_and_world
+    from .distributed import load_distributed, rank_and_world, timeout_seconds
 
+    timeout_seconds(timeout)  # a bad timeout is refused in one process too
     planner = planner or HFLoadPlanner(
-        model, weights_mapping=weights_mapping, extra_weights_mapping=extra_weights_mapping,
-        key_mapping=key_mapping, strict=strict, broadcast_replicated_tensors=broadcast_replicated_tensors,
+        model,
+        weights_mapping=weights_mapping,
+        extra_weights_mapping=extra_weights_mapping,
+        key_mapping=key_mapping,
+        strict=strict,
+        broadcast_replicated_tensors=broadcast_replicated_tensors,
+        timeout=timeout,
     )
     rank, world = rank_and_world()
     if world > 1:
-        return load_distributed(planner, path, progress=progress, rollback=rollback)
-    checkpoint = SafetensorsCheckpoint.open(path)
+        return load_distributed(planner, path, progress=progress, rollback=rollback, timeout=timeout, revision=revision)
+    checkpoint = SafetensorsCheckpoint.open(path, revision=revision)
     plan = planner.build_plan(checkpoint)
     log.info(describe(plan, checkpoint))
     with FileReader() as reader:
@@ -81,8 +98,15 @@ def load_hf_checkpoint(
     return report
 
 
-def execute_plan(planner: HFLoadPlanner, reader: FileReader, *, progress: bool | None = None,
-                 rollback: bool = False, reads=None, deferred=None) -> None:  # noqa: ANN001
+def execute_plan(
+    planner: HFLoadPlanner,
+    reader: FileReader,
+    *,
+    progress: bool | None = None,
+    rollback: bool = False,
+    reads=None,
+    deferred=None,
+) -> None:  # noqa: ANN001
     """Run the planner's plan (or the given subsets of it) against the checkpoint files."""
     plan, checkpoint, slots = planner.plan, planner.checkpoint, planner.slots
     reads = plan.reads if reads is None else reads

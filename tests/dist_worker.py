@@ -1,7 +1,9 @@
 """One rank of the shared gloo world used by tests/test_distributed.py: runs every scenario, saves results.
 
 Each scenario returns plain data (no tensors cross processes except via the results file). The test
-process writes the checkpoints and references first; every rank then runs all scenarios in the same order.
+process writes the checkpoints and references first, then starts one subprocess per rank
+(``python dist_worker.py RANK WORLD CTX_JSON``); every rank runs all scenarios in the same order, the fault
+scenarios (a rank that hangs, a rank that is killed) last.
 """
 
 from __future__ import annotations
@@ -28,12 +30,24 @@ def layout_placements(mesh_shape):  # noqa: ANN001, ANN201
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if len(mesh_shape) == 1:
-        return {"qkv.weight": [Shard(0)], "o_proj.weight": [Shard(1)], "gate_up": [Shard(0)],
-                "gate_up_strided": [_StridedShard(1, split_factor=2)], "down": [Shard(2)],
-                "uneven": [Shard(0)], "scaled": [Shard(0)]}
-    return {"qkv.weight": [Shard(0), Shard(0)], "o_proj.weight": [Replicate(), Shard(1)],
-            "gate_up": [Shard(0), Shard(1)], "gate_up_strided": [_StridedShard(1, split_factor=2), Shard(1)],
-            "down": [Shard(0), Shard(2)], "uneven": [Shard(0), Shard(0)], "scaled": [Replicate(), Shard(0)]}
+        return {
+            "qkv.weight": [Shard(0)],
+            "o_proj.weight": [Shard(1)],
+            "gate_up": [Shard(0)],
+            "gate_up_strided": [_StridedShard(1, split_factor=2)],
+            "down": [Shard(2)],
+            "uneven": [Shard(0)],
+            "scaled": [Shard(0)],
+        }
+    return {
+        "qkv.weight": [Shard(0), Shard(0)],
+        "o_proj.weight": [Replicate(), Shard(1)],
+        "gate_up": [Shard(0), Shard(1)],
+        "gate_up_strided": [_StridedShard(1, split_factor=2), Shard(1)],
+        "down": [Shard(0), Shard(2)],
+        "uneven": [Shard(0), Shard(0)],
+        "scaled": [Replicate(), Shard(0)],
+    }
 
 
 def moe_placements(model: nn.Module, mesh_shape) -> dict:  # noqa: ANN001
@@ -99,10 +113,16 @@ def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:  # no
     sd = model.state_dict(keep_vars=True)
     traced_bytes = sum(local_numel(sd[n]) * 2 for n in report.traced)
     deferred_bytes = dm.ROWS * dm.H * 2 if local_numel(sd["scaled"]) else 0
-    return {"bad": bad, "bytes_read": report.bytes_read, "traced_bytes": traced_bytes,
-            "deferred_bytes": deferred_bytes, "deferred": report.deferred, "blocks": report.blocks,
-            "planned_bytes": report.planned_bytes,
-            "traced": report.traced}
+    return {
+        "bad": bad,
+        "bytes_read": report.bytes_read,
+        "traced_bytes": traced_bytes,
+        "deferred_bytes": deferred_bytes,
+        "deferred": report.deferred,
+        "blocks": report.blocks,
+        "planned_bytes": report.planned_bytes,
+        "traced": report.traced,
+    }
 
 
 def scenario_moe(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:  # noqa: ANN001
@@ -129,8 +149,13 @@ def scenario_moe(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:  # noqa:
     bad = check_full(model, expected)
     sd = model.state_dict(keep_vars=True)
     shard_bytes = sum(local_numel(sd[n]) * 2 for n in report.loaded_keys if n in sd)
-    return {"bad": bad, "bytes_read": report.bytes_read, "shard_bytes": shard_bytes, "deferred": report.deferred,
-            "placements": len(placements)}
+    return {
+        "bad": bad,
+        "bytes_read": report.bytes_read,
+        "shard_bytes": shard_bytes,
+        "deferred": report.deferred,
+        "placements": len(placements),
+    }
 
 
 def scenario_fail_on_rank2(ctx: dict) -> dict:
@@ -170,12 +195,12 @@ def scenario_broadcast(ctx: dict, use_dcp: bool = False) -> dict:
         import torch.distributed.checkpoint as dcp
 
         planner = HFLoadPlanner(model, weights_mapping=dm.RULES, broadcast_replicated_tensors=True)
-        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(ctx["layout_path"]),
-                 planner=planner)
+        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(ctx["layout_path"]), planner=planner)
         report = planner.finish(ctx["layout_path"])
     else:
-        report = load_hf_checkpoint(model, ctx["layout_path"], weights_mapping=dm.RULES, progress=False,
-                                    broadcast_replicated_tensors=True)
+        report = load_hf_checkpoint(
+            model, ctx["layout_path"], weights_mapping=dm.RULES, progress=False, broadcast_replicated_tensors=True
+        )
     expected = torch.load(ctx["layout_ref"])
     bad = [n for n, t in model.state_dict().items() if not torch.equal(t, expected[n])]
     totals = [None] * dist.get_world_size()
@@ -195,8 +220,90 @@ def scenario_simulation(ctx: dict, mesh_shape) -> dict:  # noqa: ANN001
     figures = simulate_load(model, ctx["layout_path"], weights_mapping=dm.RULES)
     report = load_hf_checkpoint(model, ctx["layout_path"], weights_mapping=dm.RULES, progress=False)
     mine = figures[dist.get_rank()]
-    return {"sim_blocks": mine.blocks, "sim_bytes": mine.bytes_read, "blocks": report.blocks,
-            "bytes_read": report.bytes_read, "ranks": len(figures)}
+    return {
+        "sim_blocks": mine.blocks,
+        "sim_bytes": mine.bytes_read,
+        "blocks": report.blocks,
+        "bytes_read": report.bytes_read,
+        "ranks": len(figures),
+    }
+
+
+def _filled_layout(value: float = 7.0) -> nn.Module:
+    import dist_models as dm
+
+    model = dm.Layout()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def _unchanged(model: nn.Module, value: float = 7.0) -> bool:
+    return all(bool((p == value).all()) for p in model.parameters())
+
+
+def _rules_with_scaled(fn) -> list:  # noqa: ANN001
+    """dm.RULES with the deferred ``scaled`` conversion (run for real while reading) replaced by ``fn``."""
+    import dist_models as dm
+
+    from loader import Convert
+
+    return [r for r in dm.RULES if "scaled" not in repr(r)] + [Convert("scaled_src", "scaled", fn)]
+
+
+def _describe(e: BaseException) -> dict:
+    return {
+        "type": type(e).__name__,
+        "message": str(e),
+        "path": getattr(e, "path", None),
+        "key": getattr(e, "key", None),
+        "stage": getattr(e, "stage", None),
+        "ranks": getattr(e, "ranks", None),
+        "reason": getattr(e, "reason", None),
+    }
+
+
+def scenario_read_fail_rollback(ctx: dict) -> dict:
+    """A read-time failure on rank 2 with rollback=True: every rank raises, every rank's model is restored."""
+    from loader import load_hf_checkpoint
+
+    rank = dist.get_rank()
+    model = _filled_layout()
+    wrote = []
+
+    def scaled(w):  # noqa: ANN001, ANN202
+        if w.device.type == "meta":  # planning traces it; it runs for real while reading
+            return w * 2
+        wrote.append(not _unchanged(model))  # block reads have been written by now
+        if rank == 2:
+            raise RuntimeError("reads break on rank 2")
+        return w * 2
+
+    try:
+        load_hf_checkpoint(
+            model, ctx["layout_path"], weights_mapping=_rules_with_scaled(scaled), progress=False, rollback=True
+        )
+        outcome = {"type": None}
+    except BaseException as e:  # noqa: BLE001
+        outcome = _describe(e)
+    return {**outcome, "wrote": wrote, "unchanged": _unchanged(model)}
+
+
+def scenario_checkpoint_error_carried(ctx: dict) -> dict:
+    """Rank 2 loads a truncated file: every rank raises a CheckpointError with rank 2's path and key."""
+    import dist_models as dm
+
+    from loader import load_hf_checkpoint
+
+    path = ctx["bad_layout_path"] if dist.get_rank() == 2 else ctx["layout_path"]
+    model = _filled_layout()
+    try:
+        load_hf_checkpoint(model, path, weights_mapping=dm.RULES, progress=False)
+        outcome = {"type": None}
+    except BaseException as e:  # noqa: BLE001
+        outcome = _describe(e)
+    return {**outcome, "unchanged": _unchanged(model)}
 
 
 SCENARIOS = [
@@ -210,23 +317,159 @@ SCENARIOS = [
     ("broadcast", scenario_broadcast),
     ("broadcast_dcp", lambda ctx: scenario_broadcast(ctx, use_dcp=True)),
     ("simulation_2d", lambda ctx: scenario_simulation(ctx, (2, 2))),
+    ("read_fail_rollback", scenario_read_fail_rollback),
+    ("checkpoint_error_carried", scenario_checkpoint_error_carried),
+]
+
+
+# ---------------------------------------------------------------------------------------------------
+# faults: ranks that hang or die (run last: the last scenario kills rank 2, so the world ends with it)
+
+HUNG = 2
+
+
+def _caught(ctx: dict, name: str) -> None:
+    """Tell the hung rank this rank has given up on scenario ``name``."""
+    with open(os.path.join(ctx["out"], f"{name}.caught.{dist.get_rank()}"), "w"):
+        pass
+
+
+def _hang_until_others_gave_up(ctx: dict, name: str, limit: float = 60.0) -> None:
+    """Rank HUNG stops here until every other rank has given up waiting for it (at most ``limit`` seconds)."""
+    others = [r for r in range(dist.get_world_size()) if r != HUNG]
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if all(os.path.exists(os.path.join(ctx["out"], f"{name}.caught.{r}")) for r in others):
+            return
+        time.sleep(0.01)
+
+
+def scenario_hung_planning(ctx: dict) -> dict:
+    """Rank 2 hangs in a planner hook; the others raise PeerFailure naming it, then rank 2 raises too."""
+    import dist_models as dm
+
+    from loader import HFLoadPlanner, load_hf_checkpoint
+
+    rank = dist.get_rank()
+
+    class HangingPlanner(HFLoadPlanner):
+        hung = False
+
+        def map_checkpoint_key(self, key: str) -> str | None:
+            if rank == HUNG and not self.hung:
+                self.hung = True
+                _hang_until_others_gave_up(ctx, "hung_planning")
+            return key
+
+    model = _filled_layout()
+    planner = HangingPlanner(model, weights_mapping=dm.RULES)
+    try:
+        load_hf_checkpoint(model, ctx["layout_path"], planner=planner, progress=False, timeout=2.5)
+        outcome = {"type": None}
+    except BaseException as e:  # noqa: BLE001
+        outcome = _describe(e)
+    if rank != HUNG:
+        _caught(ctx, "hung_planning")
+    return {**outcome, "unchanged": _unchanged(model)}
+
+
+def scenario_hung_reading_dcp(ctx: dict) -> dict:
+    """Inside dcp.load, rank 2 hangs while reading; HFLoadPlanner(timeout=) names it on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from loader import HFLoadPlanner, SafetensorsReader
+
+    rank = dist.get_rank()
+
+    def scaled(w):  # noqa: ANN001, ANN202
+        if rank == HUNG and w.device.type != "meta":
+            _hang_until_others_gave_up(ctx, "hung_reading_dcp")
+        return w * 2
+
+    class Reader(SafetensorsReader):
+        def read_data(self, plan, planner):  # noqa: ANN001, ANN201
+            try:
+                return super().read_data(plan, planner)
+            except BaseException:
+                if rank != HUNG:
+                    _caught(ctx, "hung_reading_dcp")  # before dcp.load gathers every rank's outcome
+                raise
+
+    model = _filled_layout()
+    planner = HFLoadPlanner(model, weights_mapping=_rules_with_scaled(scaled), timeout=2.5)
+    try:
+        dcp.load(planner.state_dict_for_load(), storage_reader=Reader(ctx["layout_path"]), planner=planner)
+        outcome = {"type": None}
+    except BaseException as e:  # noqa: BLE001
+        outcome = _describe(e)
+    return outcome
+
+
+def scenario_killed_reading(ctx: dict) -> dict:
+    """Rank 2 is SIGKILLed while reading; the others raise PeerFailure ('died') and roll back."""
+    import signal
+
+    from loader import load_hf_checkpoint
+
+    rank = dist.get_rank()
+    model = _filled_layout()
+    wrote = []
+
+    def scaled(w):  # noqa: ANN001, ANN202
+        if w.device.type != "meta":
+            wrote.append(not _unchanged(model))
+            if rank == HUNG:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return w * 2
+
+    try:
+        load_hf_checkpoint(
+            model,
+            ctx["layout_path"],
+            weights_mapping=_rules_with_scaled(scaled),
+            progress=False,
+            rollback=True,
+            timeout=6,
+        )
+        outcome = {"type": None}
+    except BaseException as e:  # noqa: BLE001
+        outcome = _describe(e)
+    return {**outcome, "wrote": wrote, "unchanged": _unchanged(model)}
+
+
+FAULT_SCENARIOS = [
+    ("hung_planning", scenario_hung_planning),
+    ("hung_reading_dcp", scenario_hung_reading_dcp),
+    ("killed_reading", scenario_killed_reading),  # last: rank 2 dies
 ]
 
 
 def run_rank(rank: int, world: int, ctx: dict) -> None:
+    """One rank of the shared world: every scenario in order, results saved after each (rank 2 is killed in
+    the last one, so the others skip the final barrier and the process-group teardown)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     results = {}
-    for name, fn in SCENARIOS:
+    everything = SCENARIOS + FAULT_SCENARIOS
+    for name, fn in everything:
         t0 = time.time()
         try:
             results[name] = {"ok": True, **fn(ctx)}
         except BaseException:  # noqa: BLE001
             results[name] = {"ok": False, "error": traceback.format_exc()}
         results[name]["wall"] = time.time() - t0
-        dist.barrier()
-    torch.save(results, os.path.join(ctx["out"], f"rank{rank}.pt"))
-    dist.destroy_process_group()
+        torch.save(results, os.path.join(ctx["out"], f"rank{rank}.pt"))
+        if name != everything[-1][0]:
+            dist.barrier()
 
 
+if __name__ == "__main__":  # run by tests/test_distributed.py: dist_worker.py RANK WORLD CTX_JSON
+    import json
+    import sys
+
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the world lost a rank: skip process-group teardown

@@ -1,13 +1,20 @@
-"""Distributed loading on a real 4-rank gloo world (spawned once, shared by every test here)."""
+"""Distributed loading on a real 4-rank gloo world (started once, shared by every test here).
+
+The world runs as one subprocess per rank under a wall-clock limit, so a rank can be killed (the last
+scenario kills rank 2) and a regression that hangs fails the tests instead of blocking the suite.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -26,10 +33,20 @@ def results(tmp_path_factory):
     ctx["layout_path"] = str(root / "layout.safetensors")
     torch.save(dm.expected_state(dm.write_checkpoint(ctx["layout_path"])), root / "layout_ref.pt")
     ctx["layout_ref"] = str(root / "layout_ref.pt")
+    ctx["bad_layout_path"] = _truncated_copy(ctx["layout_path"], str(root / "bad"))
     cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        vocab_size=70, tie_word_embeddings=False,
+        "qwen3_moe",
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=70,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
@@ -37,8 +54,53 @@ def results(tmp_path_factory):
     model.save_pretrained(ctx["moe_path"])
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, root / "moe_ref.pt")
     ctx["moe_ref"] = str(root / "moe_ref.pt")
-    mp.start_processes(dist_worker.run_rank, args=(WORLD, ctx), nprocs=WORLD, join=True, start_method="spawn")
+    return _run_world(root, ctx)
+
+
+WORLD_LIMIT = 300  # seconds; the world normally finishes in well under a minute
+
+
+def _run_world(root, ctx: dict) -> list[dict]:  # noqa: ANN001
+    """Run every rank of the world as a subprocess; each rank's results (rank 2 dies in the last scenario)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    logs = [open(root / f"rank{r}.log", "w") for r in range(WORLD)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [sys.executable, dist_worker.__file__, str(r), str(WORLD), json.dumps(ctx)],
+            cwd=repo,
+            env=env,
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(WORLD)
+    ]
+    try:
+        for p in procs:
+            p.wait(timeout=WORLD_LIMIT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the 4-rank world did not finish within {WORLD_LIMIT} s: a rank hangs\n" + _logs(root))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0, -signal.SIGKILL, 0], f"exit codes {codes}\n" + _logs(root)
     return [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def _logs(root) -> str:  # noqa: ANN001
+    """Each rank's output and the errors of the scenarios it saved, for a failure message."""
+    parts = []
+    for r in range(WORLD):
+        parts.append(f"--- rank {r}\n{(root / f'rank{r}.log').read_text()[-3000:]}")
+        if (root / f"rank{r}.pt").exists():
+            saved = torch.load(root / f"rank{r}.pt")
+            parts += [f"{name}: {res['error'][-1500:]}" for name, res in saved.items() if not res["ok"]]
+    return "\n".join(parts)
 
 
 def _ok(results, name):
@@ -102,3 +164,72 @@ def test_simulation_matches_real_plans(results):
         assert res["ranks"] == WORLD
         assert res["sim_blocks"] == res["blocks"]
         assert res["sim_bytes"] == res["bytes_read"]
+
+
+def _truncated_copy(path: str, folder: str) -> str:
+    os.makedirs(folder)
+    bad = os.path.join(folder, os.path.basename(path))
+    shutil.copy(path, bad)
+    os.truncate(bad, os.path.getsize(bad) - 100)  # the last tensors' data runs past the end
+    return bad
+
+
+def test_read_failure_with_rollback_restores_every_rank(results):
+    per_rank = _ok(results, "read_fail_rollback")
+    for r, res in enumerate(per_rank):
+        assert res["type"] == "RuntimeError", (r, res)
+        assert "Reading the checkpoint failed on rank 2" in res["message"], (r, res["message"])
+        assert "reads break on rank 2" in res["message"]
+        assert res["wrote"] == [True], f"rank {r} had written nothing when the read failed: {res}"
+        assert res["unchanged"], f"rank {r} was not restored"
+
+
+def test_checkpoint_error_carries_failing_ranks_path_and_key(results):
+    from loader import CheckpointError, SafetensorsCheckpoint
+
+    per_rank = _ok(results, "checkpoint_error_carried")
+    bad = per_rank[2]["path"]
+    with pytest.raises(CheckpointError) as single:  # what one process says about that file
+        SafetensorsCheckpoint.open(bad)
+    assert single.value.path == bad and single.value.key is not None
+    for r, res in enumerate(per_rank):
+        assert res["type"] == "CheckpointError", (r, res)
+        assert "Planning the load failed on rank 2" in res["message"], (r, res["message"])
+        assert (res["path"], res["key"]) == (single.value.path, single.value.key), (r, res)
+        assert res["unchanged"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# faults: a rank that hangs, a rank that is killed
+
+
+def test_hung_rank_in_planning_is_named_on_every_rank(results):
+    per_rank = _ok(results, "hung_planning")
+    for r, res in enumerate(per_rank):
+        assert res["type"] == "PeerFailure", (r, res)
+        assert (res["stage"], res["ranks"], res["reason"]) == ("planning", (2,), "timeout"), (r, res)
+        if r == 2:  # it resumed after the others gave up: it raises too instead of waiting for them
+            assert "this rank (2) finished planning after the other ranks had stopped waiting" in res["message"]
+        else:
+            assert "rank(s) 2 did not finish planning within the 2.5 s timeout" in res["message"], res["message"]
+        assert res["unchanged"], f"rank {r} modified its model"
+
+
+def test_hung_rank_inside_dcp_load_is_named(results):
+    per_rank = _ok(results, "hung_reading_dcp")
+    for r, res in enumerate(per_rank):
+        # dcp.load gathers every rank's failure into one CheckpointException, raised on every rank
+        assert res["type"] == "CheckpointException", (r, res)
+        assert "PeerFailure" in res["message"] and "rank(s) 2 did not finish reading" in res["message"], res
+
+
+def test_killed_rank_is_reported_dead_and_survivors_roll_back(results):
+    for r in (0, 1, 3):
+        res = results[r]["killed_reading"]
+        assert res["ok"], res.get("error")
+        assert res["type"] == "PeerFailure", (r, res)
+        assert (res["stage"], res["ranks"], res["reason"]) == ("reading", (2,), "died"), (r, res)
+        assert "a peer died during reading: rank(s) 2" in res["message"], res["message"]
+        assert res["wrote"] == [True], f"rank {r} had written nothing when its peer died: {res}"
+        assert res["unchanged"], f"rank {r} was not restored"
+    assert "killed_reading" not in results[2]
