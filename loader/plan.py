@@ -17,6 +17,7 @@ import torch
 import regiontrace as rt
 
 from .checkpoint import SafetensorsCheckpoint
+from .errors import CheckpointError
 from .rules import Conversion, KeyPlan
 from .targets import Box, TargetSlot
 
@@ -51,6 +52,8 @@ class RankPlan:
     traced: list[str] = field(default_factory=list)
     deferred_targets: list[str] = field(default_factory=list)
     conversions: list[Conversion] = field(default_factory=list)
+    #: ``(model tensor, dtype its values come in, model dtype)`` for loads across value kinds (see :func:`kind_cast`)
+    casts: list[tuple[str, torch.dtype, torch.dtype]] = field(default_factory=list)
 
     def planned_bytes(self, checkpoint: SafetensorsCheckpoint) -> int:
         """Bytes of checkpoint data this plan reads (region reads by element, deferred sources whole)."""
@@ -211,6 +214,76 @@ def meta_outputs(conv: Conversion, checkpoint: SafetensorsCheckpoint) -> dict[st
     return conv.run(tensors)
 
 
+#: float8 dtypes this torch build has: their elements are codes whose value needs the checkpoint's scales
+FLOAT8 = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)
+)
+#: suffix of the block-scale tensor stored beside a float8 weight (``x.weight`` + ``x.weight_scale_inv``)
+SCALE_SUFFIX = "_scale_inv"
+
+
+def value_kind(dtype: torch.dtype) -> str:
+    """``"bool"``, ``"int"``, ``"float"`` or ``"complex"``: casts within a kind keep values, across kinds not."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "int"
+
+
+def kind_cast(name: str, produced: torch.dtype, model: torch.dtype) -> tuple[str, torch.dtype, torch.dtype] | None:
+    """The cast record of a model tensor loaded from values of dtype ``produced``, when it crosses value kinds
+    (integer <-> floating point, bool); None for casts within a kind (bf16 -> float32, int32 -> int64)."""
+    return (name, produced, model) if value_kind(produced) != value_kind(model) else None
+
+
+def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot]) -> None:
+    """Refuse, before anything is read, a plan that would load FP8 codes as values.
+
+    A float8 checkpoint tensor may load into float8 model tensors only (codes unchanged), unless its conversion
+    also takes a ``*_scale_inv`` tensor (a converter that dequantizes); and a float8 weight stored beside a
+    ``<weight>_scale_inv`` block scale may load only if that scale loads too.
+
+    Raises:
+        CheckpointError: naming the file and the float8 tensor.
+    """
+    loaded: set[str] = set()
+    for conv in keyplan.conversions:
+        loaded.update(conv.sources)
+        if any(k.endswith(SCALE_SUFFIX) for k in conv.sources):
+            continue
+        for key in conv.sources:
+            info = checkpoint[key]
+            if info.dtype not in FLOAT8:
+                continue
+            for t in conv.targets:
+                slot = slots.get(t)
+                if slot is not None and slot.dtype not in FLOAT8:
+                    raise _fp8_error(
+                        info.file, key, f"would load into {t!r} ({slot.dtype}) as the values of its {info.dtype} codes"
+                    )
+    for key in checkpoint.keys():
+        weight = key[: -len(SCALE_SUFFIX)]
+        if key.endswith(SCALE_SUFFIX) and weight in loaded and key not in loaded and checkpoint[weight].dtype in FLOAT8:
+            raise _fp8_error(
+                checkpoint[weight].file,
+                weight,
+                f"is stored with block scales {key!r}, which no model tensor loads: its codes would load as values",
+            )
+
+
+def _fp8_error(path: str, key: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: tensor {key!r}: float8 checkpoint tensor {what}; block-quantized FP8 "
+        "dequantization is not supported yet (load into float8 model tensors, or dequantize "
+        "the checkpoint first)",
+        path=path,
+        key=key,
+    )
+
+
 def plan_rank(
     keyplan: KeyPlan,
     checkpoint: SafetensorsCheckpoint,
@@ -238,8 +311,10 @@ def plan_rank(
     Raises:
         ValueError: a shape mismatch, an unknown target, a meta-device target, or (strict) missing tensors;
             the message names the tensor.
+        CheckpointError: float8 codes would load as values (see :func:`check_float8`).
     """
     cache = cache or TraceCache()
+    check_float8(keyplan, checkpoint, slots)
     # like from_pretrained, leave out what the model says to ignore (``_keys_to_ignore_on_load_*``, stale
     # ``rotary_emb.inv_freq`` / ``position_ids``): not reported, and not an error with ``strict``
     ignored_unexpected = set(keyplan.ignored_unexpected_keys)
@@ -262,6 +337,8 @@ def plan_rank(
                     raise ValueError(f"conversion {conv.description} did not produce {t!r}")
                 if tuple(outs[t].shape) != slots[t].shape:
                     raise _shape_error(t, tuple(outs[t].shape), slots[t].shape, conv)
+                if (cast := kind_cast(t, outs[t].dtype, slots[t].dtype)) is not None:
+                    plan.casts.append(cast)
             boxes = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
             plan.deferred.append(DeferredRead(conv, traced, boxes))
             plan.deferred_targets.extend(conv.targets)
@@ -272,6 +349,8 @@ def plan_rank(
                 out = traced[t]
                 if tuple(out.shape) != slots[t].shape:
                     raise _shape_error(t, tuple(out.shape), slots[t].shape, conv)
+                if (cast := kind_cast(t, out.dtype, slots[t].dtype)) is not None:
+                    plan.casts.append(cast)
                 for g, lb in slots[t].boxes:
                     if not _nonempty(g):
                         continue

@@ -8,7 +8,9 @@ checkpoint tensor can be expressed, and others raise a clear error.
 
 from __future__ import annotations
 
+import datetime
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from regiontrace.execute import apply_casts, dest_view
+from regiontrace.execute import apply_casts, dest_view, source_view
 
 from .checkpoint import SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred
@@ -40,6 +42,11 @@ class LoadReport:
         blocks: RemapBlocks executed.
         planned_bytes: bytes the plan needed.
         deferred_reasons: why each deferred conversion could not be traced.
+        rank, world_size: this process's rank and the world size.
+        cast_keys: ``(model tensor name, checkpoint dtype, model dtype)`` for each model tensor whose values were
+            converted across kinds (integer <-> floating point, bool), natural-sorted; the checkpoint dtype is
+            that of the values its conversion produced (the checkpoint tensor's, for a rename). Such a load
+            also warns once (``UserWarning``). Casts within a kind (bf16 -> float32) are normal and not listed.
     """
 
     loaded_keys: tuple[str, ...]
@@ -53,6 +60,7 @@ class LoadReport:
     deferred_reasons: Mapping[str, str] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
+    cast_keys: tuple[tuple[str, torch.dtype, torch.dtype], ...] = ()
 
 
 def natural_sorted(keys) -> tuple[str, ...]:  # noqa: ANN001
@@ -72,6 +80,9 @@ class HFLoadPlanner(LoadPlanner):
         strict: raise, before anything is read, when a model tensor is loaded by nothing.
         broadcast_replicated_tensors: in a distributed run, read regions several ranks need once and
             broadcast them.
+        timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others where
+            outcomes are agreed (inside ``dcp.load``: the end of reading); a hung or dead rank then fails the
+            load with :class:`~loader.errors.PeerFailure`. None: no limit.
 
     Override the hooks :meth:`default_weights_mapping`, :meth:`map_checkpoint_key`, :meth:`select_converter`
     and :meth:`supports_symbolic` to customise planning.
@@ -79,13 +90,15 @@ class HFLoadPlanner(LoadPlanner):
 
     def __init__(self, model: torch.nn.Module, *, weights_mapping: Sequence[Any] | None = None,
                  extra_weights_mapping: Sequence[Any] = (), key_mapping: Mapping[str, str] | None = None,
-                 strict: bool = True, broadcast_replicated_tensors: bool = False) -> None:
+                 strict: bool = True, broadcast_replicated_tensors: bool = False,
+                 timeout: float | datetime.timedelta | None = 300.0) -> None:
         self.model = model
         self.weights_mapping = weights_mapping
         self.extra_weights_mapping = tuple(extra_weights_mapping)
         self.key_mapping = key_mapping
         self.strict = strict
         self.broadcast_replicated_tensors = broadcast_replicated_tensors
+        self.timeout = timeout
         self.cache = TraceCache()
         self.plan: RankPlan | None = None
         self.checkpoint: SafetensorsCheckpoint | None = None
@@ -108,8 +121,21 @@ class HFLoadPlanner(LoadPlanner):
         """Rename a checkpoint key before any rule sees it; None skips the key."""
         return key
 
-    def select_converter(self, source_pattern: str, target_name: str, candidates: list[Any]) -> Any:
-        """Choose among several converter rules matching one key (default: the first, like transformers)."""
+    def select_converter(
+        self, source_pattern: str, target_name: str, candidates: list[Any], *, source_key: str | None = None
+    ) -> Any:
+        """Choose among several converter rules matching one checkpoint key (default: the first, like transformers).
+
+        Args:
+            source_pattern: the source pattern of the first candidate that matched the key.
+            target_name: the name that candidate renames the key to.
+            candidates: the matching rules, in precedence order.
+            source_key: the checkpoint key as stored (before ``map_checkpoint_key`` and the renamings); an
+                override may leave this keyword out of its signature.
+
+        Returns:
+            One of ``candidates``, or None for no conversion.
+        """
         return candidates[0]
 
     def supports_symbolic(self, transform: Conversion) -> bool:
@@ -154,15 +180,19 @@ class HFLoadPlanner(LoadPlanner):
         return self.plan
 
     def report(self, bytes_read: int, rank: int = 0, world_size: int = 1) -> LoadReport:
+        """This rank's :class:`LoadReport` of the load just executed; warns once when values changed kind."""
         plan = self.plan
         assert plan is not None and self.checkpoint is not None
+        casts = _sorted_casts(plan.casts)
+        if casts:
+            _warn_casts(casts)
         return LoadReport(
             loaded_keys=natural_sorted(plan.loaded_keys), missing_keys=natural_sorted(plan.missing_keys),
             unexpected_keys=natural_sorted(plan.unexpected_keys), bytes_read=bytes_read,
             traced=natural_sorted(plan.traced), deferred=natural_sorted(plan.deferred_targets),
             blocks=len(plan.reads), planned_bytes=plan.planned_bytes(self.checkpoint),
             deferred_reasons={", ".join(d.conversion.targets): d.reason for d in plan.deferred},
-            rank=rank, world_size=world_size,
+            rank=rank, world_size=world_size, cast_keys=casts,
         )
 
     # -- torch.distributed.checkpoint LoadPlanner ---------------------------------------------------------
@@ -235,15 +265,18 @@ class HFLoadPlanner(LoadPlanner):
             return entry[3]
         r = entry[1]
         b = r.block
-        box = b.source_box()
-        if box is None:
+        if b.source_box() is None:
             raise _strided_error(r)
-        if b.casts:
+        dest = self._box_dest(r)
+        if dest is None:  # staged: commit_tensor copies it into place
             return torch.empty(tuple(read_item.lengths), dtype=b.source_dtype)
-        return self._box_dest(r)
+        return dest
 
-    def _box_dest(self, r) -> torch.Tensor:  # noqa: ANN001
-        """The model memory a box-shaped block writes, arranged in the source box's dim order."""
+    def _box_dest(self, r) -> torch.Tensor | None:  # noqa: ANN001
+        """The model memory a box-shaped block writes, arranged as the source box; None when the block casts
+        values or its writes are no view of that shape (block dims splitting one source dim)."""
+        if r.block.casts:
+            return None
         view = dest_view(r.block, box_view(self.slots[r.target].local, r.local_box))
         return _box_shaped(view, r.block.source_box())
 
@@ -253,8 +286,9 @@ class HFLoadPlanner(LoadPlanner):
         self.bytes_read += tensor.numel() * self.checkpoint[read_item.storage_index.fqn].itemsize
         if entry[0] == "block":
             r = entry[1]
-            if r.block.casts:
-                self._box_dest(r).copy_(apply_casts(tensor, r.block.casts))
+            if self._box_dest(r) is None:  # a staged box: copy it through the block, relative to the box
+                dest = dest_view(r.block, box_view(self.slots[r.target].local, r.local_box))
+                dest.copy_(apply_casts(source_view(r.block.box_relative(), tensor), r.block.casts))
             return
         _, j, key, staged = entry
         pending = self._pending[j]
@@ -272,6 +306,27 @@ class HFLoadPlanner(LoadPlanner):
             self.keyplan.record_on_model(self.model)
         rank, world = rank_and_world()
         return self.report(self.bytes_read, rank, world)
+
+
+def _sorted_casts(casts) -> tuple[tuple[str, torch.dtype, torch.dtype], ...]:  # noqa: ANN001
+    from .rules import dot_natural_key
+
+    return tuple(sorted(set(casts), key=lambda c: dot_natural_key(c[0])))
+
+
+def _warn_casts(casts: tuple[tuple[str, torch.dtype, torch.dtype], ...]) -> None:
+    shown = ", ".join(f"{name} ({_dtype(a)} -> {_dtype(b)})" for name, a, b in casts[:8])
+    more = f" and {len(casts) - 8} more" if len(casts) > 8 else ""
+    warnings.warn(
+        f"{len(casts)} model tensor(s) loaded from values of another kind (integer, floating point, bool), "
+        f"converted by value: {shown}{more} (LoadReport.cast_keys lists them)",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _strided_error(r) -> ValueError:  # noqa: ANN001
@@ -294,17 +349,19 @@ def _span_box(shape: tuple[int, ...], lo: int, hi: int) -> tuple[list[int], list
     return [a] + [0] * (len(shape) - 1), [b - a] + list(shape[1:])
 
 
-def _box_shaped(view: torch.Tensor, box) -> torch.Tensor:  # noqa: ANN001
-    """Arrange a block's destination view in source-dim order with the source box's lengths."""
+def _box_shaped(view: torch.Tensor, box) -> torch.Tensor | None:  # noqa: ANN001
+    """Arrange a block's destination view in source-dim order with the source box's lengths; None when the
+    block dims do not walk one source dim each."""
     offsets, lengths, dims = box
+    if len(set(dims)) != len(dims):
+        return None
     order = sorted(range(len(dims)), key=lambda j: dims[j])
     view = view.permute(order) if order else view
     walked = sorted(dims)
     for d in range(len(lengths)):
         if d not in walked:
             view = view.unsqueeze(d)
-    assert tuple(view.shape) == tuple(lengths), (tuple(view.shape), lengths)
-    return view
+    return view if tuple(view.shape) == tuple(lengths) else None
 
 
 def checkpoint_from_metadata(metadata: Metadata | None) -> SafetensorsCheckpoint:

@@ -18,6 +18,7 @@ optional: this module imports without it, transformers-specific code lives in ``
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -336,7 +337,7 @@ def plan_keys(
     extra_weights_mapping: Sequence[Any] = (),
     key_mapping: Mapping[str, str] | None = None,
     map_checkpoint_key: Callable[[str], str | None] | None = None,
-    select_converter: Callable[[str, str, list[Any]], Any] | None = None,
+    select_converter: Callable[..., Any] | None = None,
 ) -> KeyPlan:
     """Decide which checkpoint keys load which model tensors, exactly like transformers' ``from_pretrained``.
 
@@ -351,10 +352,13 @@ def plan_keys(
             after ``extra_weights_mapping`` and before the other rules.
         map_checkpoint_key: applied to every checkpoint key first; ``None`` skips the key (it is listed in
             ``skipped_keys`` only). Rules see the mapped key; conversions name the original key.
-        select_converter: called as ``select_converter(key, target, candidates)`` when, after the
-            renamings, ``key`` matches several converter rules (``candidates``, in precedence order;
-            ``target`` is what the first would rename it to). Return one of the candidates, or ``None``
-            for no conversion. Without it the first candidate wins (transformers' behaviour).
+        select_converter: called as ``select_converter(source_pattern, target, candidates, source_key=key)``
+            when, after the renamings, ``key`` matches several converter rules (``candidates``, in precedence
+            order): ``source_pattern`` is the source pattern of the first candidate that matched the key,
+            ``target`` what that candidate renames it to, ``source_key`` the checkpoint key as stored (before
+            ``map_checkpoint_key`` and the renamings); it is passed only to callables that accept it (a
+            3-argument callable still works). Return one of the candidates, or ``None`` for no conversion.
+            Without it the first candidate wins (transformers' behaviour).
 
     Raises:
         ValueError: two checkpoint keys feed one model tensor, a conversion produces a name that is not a
@@ -388,8 +392,10 @@ def plan_keys(
             return f"{base_prefix}.{key}"
         return key
 
-    def pick_converter(key: str) -> tuple[str, str | None, _Rule | None]:
-        if select_converter is None:
+    select = _selector(select_converter)
+
+    def pick_converter(key: str, source_key: str) -> tuple[str, str | None, _Rule | None]:
+        if select is None:
             for conv in converters:
                 renamed, pattern = conv.rename(key)
                 if pattern is not None:
@@ -401,7 +407,7 @@ def plan_keys(
             return key, None, None
         chosen = candidates[0][0]
         if len(candidates) > 1:
-            choice = select_converter(key, candidates[0][1], [c[0].orig for c in candidates])
+            choice = select(candidates[0][2], candidates[0][1], [c[0].orig for c in candidates], source_key)
             if choice is None:
                 return key, None, None
             matches = [c[0] for c in candidates if c[0].orig is choice]
@@ -427,7 +433,7 @@ def plan_keys(
         renamed = mapped
         for renaming in renamings:
             renamed, _ = renaming.rename(renamed)
-        renamed, pattern, rule = pick_converter(renamed)
+        renamed, pattern, rule = pick_converter(renamed, key)
         renamed = add_or_strip_prefix(renamed)
         if renamed not in state and mapped in state:
             renamed, pattern, rule = add_or_strip_prefix(mapped), None, None
@@ -483,6 +489,19 @@ def plan_keys(
         ignored_unexpected_keys=ignored_unexpected,
         used_rules=[r.impl if r.hf else r.orig for r in rules if r.used],
     )
+
+
+def _selector(select_converter: Callable[..., Any] | None) -> Callable[[str, str, list, str], Any] | None:
+    """``select_converter`` as ``f(pattern, target, candidates, key)``, passing ``source_key=`` where accepted."""
+    if select_converter is None:
+        return None
+    try:
+        params = inspect.signature(select_converter).parameters.values()
+    except (TypeError, ValueError):  # no signature to inspect (a builtin): the documented 3-argument call
+        params = ()
+    if any(p.name == "source_key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return lambda pattern, target, candidates, key: select_converter(pattern, target, candidates, source_key=key)
+    return lambda pattern, target, candidates, key: select_converter(pattern, target, candidates)
 
 
 def _make_conversion(group: _Group, shapes, state, model, hf) -> Conversion:

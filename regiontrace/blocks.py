@@ -91,31 +91,116 @@ class RemapBlock:
         return lo, hi + 1
 
     def source_box(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
-        """Describe the read as a box of the source, when it is one.
+        """Describe the read as a box of the source, when the elements it reads are exactly one box.
 
         Returns:
-            ``(offsets, lengths, dims)``: the source box, and for each block dim the source dim it walks
-            (with unit step, increasing); None when the block is not a plain (permuted) box read.
+            ``(offsets, lengths, dims)``: the source box, and for each block dim the source dim its first step
+            moves along. In a plain (permuted) box read each block dim walks its own source dim with unit step;
+            block dims may also split one source dim (heads x rows of ``q`` interleaved into a fused ``qkv``:
+            both name that dim) or walk on across whole inner dims. None when the elements read are not one
+            box (flips, broadcasts, steps, gaps).
         """
-        strides = list(contiguous_strides(self.source_shape))
-        offsets, rem = [], self.src_offset
-        for st, n in zip(strides, self.source_shape):
-            offsets.append(rem // st if n else 0)
-            rem = rem % st if n else rem
-        lengths = [1] * len(self.source_shape)
-        dims = []
-        for n, s in zip(self.shape, self.src_strides):
-            if s <= 0 or s not in strides:
+        box = _box_read(self)
+        return None if box is None else box[:3]
+
+    def box_relative(self) -> RemapBlock | None:
+        """The same copy, reading from a tensor that holds only :meth:`source_box` (None when not a box read).
+
+        Read the box (e.g. safetensors' ``get_slice``) into a C-contiguous tensor of the box's lengths, then
+        execute the returned block on it: its ``source_shape`` is the box's lengths and its offset and strides
+        are relative to the box.
+        """
+        box = _box_read(self)
+        if box is None:
+            return None
+        _, lengths, _, strides = box
+        return replace(self, src_offset=0, src_strides=strides, source_shape=lengths)
+
+
+def _box_read(b: RemapBlock) -> tuple[tuple[int, ...], ...] | None:
+    """``(offsets, lengths, dims, strides within the box)`` when ``b`` reads exactly one box of its source."""
+    src_shape = b.source_shape
+    strides = contiguous_strides(src_shape)
+    offsets, rem = [], b.src_offset
+    for st, n in zip(strides, src_shape):
+        offsets.append(rem // st if n else 0)
+        rem = rem % st if n else rem
+    plain = _permuted_box(b, strides, offsets)
+    if plain is not None:
+        lengths, dims = plain
+        within = contiguous_strides(lengths)
+        return tuple(offsets), lengths, dims, tuple(within[d] for d in dims)
+    if b.numel == 0 or any(s <= 0 for s in b.src_strides):
+        return None
+    # runs: block dims that continue each other in the source, merged (smallest stride first)
+    runs: list[list] = []  # [base stride, length, member block dims]
+    for s, n, j in sorted((s, n, j) for j, (n, s) in enumerate(zip(b.shape, b.src_strides)) if n > 1):
+        if runs and s == runs[-1][0] * runs[-1][1]:
+            runs[-1][1] *= n
+            runs[-1][2].append(j)
+        else:
+            runs.append([s, n, [j]])
+    lengths = [1] * len(src_shape)
+    first: list[int] = []  # per run, the source dim it starts in
+    for base, n, _ in runs:
+        d = _sized_dim(strides, src_shape, base)
+        first.append(d)
+        while True:  # a run longer than its dim's room covers whole dims, then goes on in the next outer one
+            if d is None or lengths[d] != 1:  # no such dim, or one an earlier run walks
                 return None
-            d = strides.index(s)
-            # dims sharing a stride are one dim of any size followed by size-1 dims: walk the sized one
-            while d + 1 < len(strides) and strides[d + 1] == s and self.source_shape[d] == 1:
-                d += 1
-            if lengths[d] != 1 or offsets[d] + n > self.source_shape[d] or d in dims:
+            room = src_shape[d] - offsets[d]
+            if n <= room:
+                lengths[d] = n
+                break
+            if offsets[d] != 0 or n % src_shape[d]:
                 return None
-            lengths[d] = n
-            dims.append(d)
-        return tuple(offsets), tuple(lengths), tuple(dims)
+            lengths[d], n = src_shape[d], n // src_shape[d]
+            d = _sized_dim(strides, src_shape, strides[d] * src_shape[d])
+    if math.prod(lengths) != math.prod(n for n in b.shape if n > 1):
+        return None
+    within = contiguous_strides(lengths)
+    dims, box_strides = [0] * len(b.shape), [0] * len(b.shape)
+    for r, (base, _, members) in enumerate(runs):
+        for j in members:
+            k, d = b.src_strides[j] // base, first[r]
+            box_strides[j] = k * within[d]
+            while k >= lengths[d]:  # the run went on past whole dims: find the one this step lands in
+                k //= lengths[d]
+                d = _sized_dim(strides, src_shape, strides[d] * src_shape[d])
+            dims[j] = d
+    for j, (n, s) in enumerate(zip(b.shape, b.src_strides)):
+        if n == 1:  # size-1 block dims read nothing more: name the dim of their stride, as a plain read does
+            d = _sized_dim(strides, src_shape, s)
+            if d is None:
+                return None
+            dims[j], box_strides[j] = d, within[d]
+    return tuple(offsets), tuple(lengths), tuple(dims), tuple(box_strides)
+
+
+def _permuted_box(b: RemapBlock, strides: tuple[int, ...], offsets: list[int]) -> tuple[tuple, tuple] | None:
+    """``(lengths, dims)`` when each block dim walks its own source dim with unit step, else None."""
+    lengths = [1] * len(b.source_shape)
+    dims: list[int] = []
+    for n, s in zip(b.shape, b.src_strides):
+        if s <= 0 or s not in strides:
+            return None
+        d = strides.index(s)
+        # dims sharing a stride are one dim of any size followed by size-1 dims: walk the sized one
+        while d + 1 < len(strides) and strides[d + 1] == s and b.source_shape[d] == 1:
+            d += 1
+        if lengths[d] != 1 or offsets[d] + n > b.source_shape[d] or d in dims:
+            return None
+        lengths[d] = n
+        dims.append(d)
+    return tuple(lengths), tuple(dims)
+
+
+def _sized_dim(strides: tuple[int, ...], shape: tuple[int, ...], stride: int) -> int | None:
+    """The source dim of more than one element whose stride is ``stride`` (None if there is none)."""
+    for d, (s, n) in enumerate(zip(strides, shape)):
+        if s == stride and n > 1:
+            return d
+    return None
 
 
 def check_box(shape: Sequence[int], box: Sequence[Sequence[int]] | None) -> Box:

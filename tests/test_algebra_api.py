@@ -2,6 +2,7 @@
 
 import math
 import random
+from dataclasses import replace
 
 import networkx as nx
 import pytest
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 import regiontrace as rt
 import regiontrace.region as R
-from regiontrace.testing import assert_converter_exact, boxes, code_tensors
+from regiontrace.execute import source_view
+from regiontrace.testing import assert_converter_exact, boxes, code_tensors, programs
 
 BF16, F32 = torch.bfloat16, torch.float32
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -546,6 +548,84 @@ def test_block_source_box_with_size_one_source_dims(shape, fn, expected):
     size-1 dim gave None."""
     (b,) = fn(leaf("x", shape)).remap_blocks()
     assert b.source_box() == expected
+
+
+def _read_flat(block):
+    """The flat source indices ``block`` reads, in block index order."""
+    codes = torch.arange(math.prod(block.source_shape), dtype=torch.int64).reshape(block.source_shape)
+    return source_view(block, codes).reshape(-1)
+
+
+def _box_flat(shape, offsets, lengths):
+    grid = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+    return grid[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))].reshape(-1)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs(), st.data())
+def test_source_box_is_exactly_the_elements_read(program, data):
+    """Whenever source_box() gives a box, the block reads exactly its elements (each once), and box_relative()
+    reads the same values from the box alone; a block of distinct positive-stride reads that form a box is
+    always recognised."""
+    traced = rt.trace(program, **{n: leaf(n, s, d) for n, s, d in program.leaves})
+    box = data.draw(boxes(tuple(traced.shape)))
+    for block in traced.remap_blocks(box):
+        read = _read_flat(block)
+        found = block.source_box()
+        if found is None:
+            distinct = len(set(read.tolist())) == read.numel() > 0
+            if distinct and all(s > 0 for n, s in zip(block.shape, block.src_strides) if n > 1):
+                coords = torch.stack(torch.unravel_index(read, block.source_shape), dim=1)
+                lo, hi = coords.min(0).values, coords.max(0).values
+                assert math.prod((hi - lo + 1).tolist()) != read.numel(), (program, box, block)
+            assert block.box_relative() is None
+            continue
+        offsets, lengths, dims = found
+        assert len(dims) == len(block.shape) and all(0 <= d < len(lengths) for d in dims)
+        expected = _box_flat(block.source_shape, offsets, lengths)
+        assert sorted(read.tolist()) == sorted(expected.tolist()), (program, box, block)
+        local = block.box_relative()
+        assert local.source_shape == lengths and local.shape == block.shape
+        codes = torch.arange(math.prod(block.source_shape), dtype=torch.int64).reshape(block.source_shape)
+        boxed = codes[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))].contiguous()
+        assert torch.equal(source_view(local, boxed), source_view(block, codes))
+
+
+def test_interleaved_qkv_per_kv_head_reads_plain_boxes():
+    """Regression: q/k/v interleaved per KV head into a fused qkv: each block's dims walk output dim 0 in two
+    steps (heads, rows), its source is the whole q (k, v): a box, with both block dims in source dim 0."""
+    kv, group, hd, hidden = 2, 3, 4, 5
+    q, k, v = leaf("q", (kv * group * hd, hidden)), leaf("k", (kv * hd, hidden)), leaf("v", (kv * hd, hidden))
+    fused = torch.cat([q.view(kv, group * hd, hidden), k.view(kv, hd, hidden), v.view(kv, hd, hidden)], 1)
+    fused = fused.reshape(-1, hidden)
+    blocks = {b.source: b for b in fused.remap_blocks()}
+    assert blocks["q"].dst_dims == (0, 0, 1) and blocks["q"].dst_steps == ((group + 2) * hd, 1, 1)
+    assert blocks["q"].source_box() == ((0, 0), (kv * group * hd, hidden), (0, 0, 1))
+    assert blocks["k"].source_box() == ((0, 0), (kv * hd, hidden), (0, 0, 1))
+    for b in fused.remap_blocks(((0, (group + 2) * hd), (1, 3))):  # one KV head's rows, some columns
+        assert b.source_box() is not None
+    half = replace(blocks["q"], shape=(kv, group * hd // 2, hidden))  # the first half of each head's q rows
+    assert half.source_box() is None and half.box_relative() is None
+    tensors = {n: torch.randn(t.shape) for n, t in (("q", q), ("k", k), ("v", v))}
+    real = torch.cat(
+        [tensors["q"].view(kv, -1, hidden), tensors["k"].view(kv, -1, hidden), tensors["v"].view(kv, -1, hidden)], 1
+    ).reshape(-1, hidden)
+    out = torch.empty_like(real)
+    for b in blocks.values():
+        offsets, lengths, _ = b.source_box()
+        box = tensors[b.source][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+        rt.execute_blocks([b.box_relative()], {b.source: box}, out)
+    assert torch.equal(out, real)
+
+
+def test_source_box_across_whole_inner_dims():
+    """A block dim that walks on past a whole inner dim (rows 1..3 of a (4, 3) source read as one run)."""
+    b = rt.RemapBlock("x", (6,), 3, (1,), (0,), (0,), (1,), (4, 3), F32)
+    assert b.source_box() == ((1, 0), (2, 3), (1,))
+    assert b.box_relative().src_strides == (1,)
+    b = rt.RemapBlock("x", (3, 2), 3, (1, 3), (0, 0), (1, 0), (1, 1), (4, 3), F32)
+    assert b.source_box() == ((1, 0), (2, 3), (1, 0))  # the plain permuted read, as before
+    assert rt.RemapBlock("x", (4,), 4, (1,), (0,), (0,), (1,), (4, 3), F32).source_box() is None  # part rows
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -96,6 +96,54 @@ def test_errors_are_one_line_and_verbose_shows_the_traceback(tmp_path):
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
+def test_usage_errors_exit_2_on_every_command(converters, tmp_path):
+    """Exit status 1 is "the answer is no"; a wrong command line (argparse's own errors and ours) is 2."""
+    cases = [
+        ("demo", "--world-size", "0"),
+        ("demo", "--timeout", "0"),
+        ("demo", "--mesh", "2xx"),
+        ("demo", "--no-such-option"),
+        ("trace", "conv.py:gate_up", "--input", "w=4x4"),  # gate_up takes gate and up
+        ("trace", "conv.py:gate_up"),  # no --input
+        ("check", "conv.py:scaled", "--input", "w=4x4", "--boxes", "-1"),
+        ("check", "conv.py:scaled", "--input", "w=4x4", "--input", "v=2"),
+        ("check", "conv.py:scaled", "--input", "w=4x4", "--boxes", "many"),
+        ("plan", str(tmp_path), "--mesh", "0"),
+        ("plan", str(tmp_path)),  # --mesh is required
+        ("nosuchcommand",),
+    ]
+    for args in cases:
+        r = regiontrace(*args, cwd=str(converters))
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert "error" in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    (converters / "broken.py").write_text("def f(w:\n")  # an error that is no answer either
+    r = regiontrace("check", "broken.py:f", "--input", "w=4x4", cwd=str(converters))
+    assert r.returncode == 2 and "SyntaxError" in r.stderr, r.stderr
+
+
+def test_help_shows_defaults():
+    from regiontrace.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    helps = {name: " ".join(c.format_help().split()) for name, c in commands.items()}  # unwrapped
+    assert (
+        "--boxes K random boxes per output per example, besides the one hypothesis draws (default: 4)" in helps["check"]
+    )
+    assert "(default: 50)" in helps["check"] and "(default: 120)" in helps["demo"]
+    assert "(default: 40)" in helps["trace"]
+    assert not any("(default: None)" in h or "(default: False)" in h for h in helps.values())
+
+
+def test_demo_timeout_bounds_the_whole_command(tmp_path):
+    """--timeout counts from the command's start (it used to start after the reference load): a tiny one ends
+    the demo early with one clear line and status 1."""
+    r = regiontrace("demo", "--world-size", "1", "--timeout", "0.2", "--out", str(tmp_path / "demo"), timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("regiontrace demo: error: gave up after 0.2 s (--timeout) while ")
+    assert "OK:" not in r.stdout
+
+
 def test_every_command_has_help():
     script = textwrap.dedent("""
         import contextlib, io

@@ -275,6 +275,50 @@ def test_sharded_checkpoint(saved, tmp_path):
     assert report.bytes_read == SafetensorsCheckpoint.open(tmp_path).total_bytes
 
 
+class PreferTransformers(HFLoadPlanner):
+    """Picks transformers' converter over ours, recording what the hook receives."""
+
+    def __init__(self, model: nn.Module, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        self.seen: list[tuple] = []
+
+    def select_converter(self, source_pattern, target_name, candidates, *, source_key=None):
+        self.seen.append((source_pattern, target_name, source_key, candidates))
+        return candidates[-1]
+
+
+class PreferOursThreeArgs(HFLoadPlanner):
+    """An override written against the 3-argument hook (no ``source_key``)."""
+
+    def select_converter(self, source_pattern, target_name, candidates):
+        assert source_pattern == ".experts.*.w2.weight", source_pattern
+        return candidates[0]
+
+
+def test_select_converter_hook_gets_the_matched_pattern(saved):
+    """On a real MoE model, where our Convert and transformers' MergeModulelist both match each expert's w2: the
+    hook receives the matched source pattern, the target name and (by keyword) the checkpoint key."""
+    _, model, directory, _ = saved("mixtral")
+    stack = Convert(".experts.*.w2.weight", ".experts.down_proj", lambda ws: torch.stack(ws))
+    for cls, ours in ((PreferTransformers, False), (PreferOursThreeArgs, True)):
+        _, fresh = build("mixtral", seed=1)
+        planner = cls(fresh, extra_weights_mapping=[stack])
+        load_hf_checkpoint(fresh, directory, planner=planner, progress=False)
+        assert_bit_equal(fresh.state_dict(), model.state_dict())
+        downs = [c for c in planner.keyplan.conversions if c.targets[0].endswith("down_proj")]
+        assert len(downs) == 2 and all((c.rule is stack) == ours for c in downs)
+    first = PreferTransformers(build("mixtral", seed=1)[1], extra_weights_mapping=[stack])
+    load_hf_checkpoint(first.model, directory, planner=first, progress=False)
+    assert len(first.seen) == 8  # 2 layers x 4 experts
+    pattern, target, key, candidates = first.seen[0]
+    # the pattern that matched the renamed key (block_sparse_moe -> mlp), the key as the checkpoint stores it
+    assert pattern == ".experts.*.w2.weight" and target == "model.layers.0.mlp.experts.down_proj"
+    assert key == "model.layers.0.block_sparse_moe.experts.0.w2.weight"
+    assert candidates[0] is stack and type(candidates[1]).__name__ == "WeightConverter"
+    keys = {f"model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight" for i in (0, 1) for e in range(4)}
+    assert {k for _, _, k, _ in first.seen} == keys
+
+
 # ----------------------------------------------------------------------------------------------------------
 # dcp.load in one process
 # ----------------------------------------------------------------------------------------------------------
@@ -305,9 +349,10 @@ def test_dcp_single_process_safetensors_reader(family, saved):
     assert repr(fresh._weight_conversions) == repr(again._weight_conversions)
 
 
-@pytest.mark.parametrize("family", [f for f in ORACLE_FAMILIES if f != "gradium_phonon_tts"])
+@pytest.mark.parametrize("family", ORACLE_FAMILIES)
 def test_dcp_single_process_hf_storage_reader(family, saved):
-    """torch's HuggingFaceStorageReader serves every plan whose blocks read plain boxes of tensors."""
+    """torch's HuggingFaceStorageReader serves every plan whose blocks read plain boxes of tensors (gradium's
+    PermuteForRope included: it reads each whole q/k chunk, a box, in a permuted order)."""
     _, model, directory, _ = saved(family, "bf16")
     _, fresh = build(family, seed=1)
     report = dcp_load(fresh, directory, reader=dcp.HuggingFaceStorageReader(str(directory)))
@@ -316,17 +361,59 @@ def test_dcp_single_process_hf_storage_reader(family, saved):
     same_report(report, load_hf_checkpoint(again, directory, progress=False))
 
 
-def test_hf_storage_reader_refuses_strided_blocks_before_reading(saved):
-    """PermuteForRope needs strided reads: torch's reader cannot serve them, which is known before any read."""
-    _, _, directory, _ = saved("gradium_phonon_tts", "bf16")
-    _, fresh = build("gradium_phonon_tts", seed=1)
-    before = clone_state(fresh)
+class EveryOtherRow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = nn.Parameter(torch.zeros(4, 6))
+
+
+def test_hf_storage_reader_refuses_strided_blocks_before_reading(tmp_path):
+    """A step slice reads no box: torch's reader cannot serve it, which is known before any read."""
+    save_file({"w": torch.randn(8, 6)}, os.path.join(tmp_path, "model.safetensors"))
+    net = EveryOtherRow()
+    planner = HFLoadPlanner(net, weights_mapping=[Convert("w", "rows", lambda w: w[::2])])
     with pytest.raises(CheckpointException) as err:  # dcp wraps each rank's error
-        dcp_load(fresh, directory, reader=dcp.HuggingFaceStorageReader(str(directory)))
+        dcp_load(net, tmp_path, reader=dcp.HuggingFaceStorageReader(str(tmp_path)), planner=planner)
     (error, _), = err.value.failures.values()
     assert isinstance(error, ValueError)
-    assert "'layers.0.self_attn.q_proj.weight'" in str(error) and "use loader.SafetensorsReader" in str(error)
-    assert_bit_equal(fresh.state_dict(), before)
+    assert "'rows'" in str(error) and "use loader.SafetensorsReader" in str(error)
+    assert torch.equal(net.rows, torch.zeros(4, 6))
+
+
+KV, GROUP, HEAD_DIM, HIDDEN = 2, 3, 4, 8
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Separate q/k/v -> one fused qkv, interleaved per KV head (each head's q rows, then its k, then its v)."""
+    heads = [t.view(KV, -1, HIDDEN) for t in (q, k, v)]
+    return torch.cat(heads, dim=1).reshape(-1, HIDDEN)
+
+
+class FusedQKV(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, KV * (GROUP + 2) * HEAD_DIM, bias=False)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
+def test_hf_storage_reader_loads_qkv_interleaved_per_kv_head(tmp_path, model_dtype):
+    """Regression: blocks whose dims split one source dim (KV heads x rows) read plain boxes of q, k and v; torch's
+    HuggingFaceStorageReader serves them (staged, then copied through the block), with and without a cast."""
+    g = torch.Generator().manual_seed(3)
+    ckpt = {
+        f"attn.{n}.weight": torch.randn(KV * size * HEAD_DIM, HIDDEN, generator=g).to(torch.bfloat16)
+        for n, size in (("q", GROUP), ("k", 1), ("v", 1))
+    }
+    save_file(ckpt, os.path.join(tmp_path, "model.safetensors"))
+    rules = [Convert(["attn.q.weight", "attn.k.weight", "attn.v.weight"], "qkv.weight", interleave_qkv)]
+    net = FusedQKV().to(model_dtype)
+    planner = HFLoadPlanner(net, weights_mapping=rules)
+    report = dcp_load(net, tmp_path, reader=dcp.HuggingFaceStorageReader(str(tmp_path)), planner=planner)
+    expected = interleave_qkv(*(ckpt[f"attn.{n}.weight"] for n in "qkv")).to(model_dtype)
+    assert_bit_equal(net.state_dict(), {"qkv.weight": expected})
+    assert report.traced == ("qkv.weight",) and report.blocks == 3
+    assert all(r.block.source_box() is not None for r in planner.plan.reads)
+    assert report.bytes_read == sum(t.numel() * 2 for t in ckpt.values())
 
 
 # ----------------------------------------------------------------------------------------------------------

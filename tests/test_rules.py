@@ -522,14 +522,15 @@ def test_select_converter(saved):
     stack = Convert(".experts.*.w2.weight", ".experts.down_proj", lambda ws: torch.stack(ws))
     seen = []
 
-    def select(key, target, candidates):
-        seen.append((key, target, candidates))
+    def select(source_pattern, target, candidates, *, source_key):
+        seen.append((source_pattern, target, candidates, source_key))
         return candidates[-1]  # the transformers converter over ours
 
     plan = plan_keys(model, shapes_of(tensors), extra_weights_mapping=[stack], select_converter=select)
     assert len(seen) == 8
-    key, target, candidates = seen[0]
-    assert key == "model.layers.0.mlp.experts.0.w2.weight"
+    pattern, target, candidates, key = seen[0]
+    assert pattern == ".experts.*.w2.weight"  # the matched source pattern of the first candidate, not the key
+    assert key == "model.layers.0.block_sparse_moe.experts.0.w2.weight"  # as the checkpoint stores it
     assert target == "model.layers.0.mlp.experts.down_proj"
     assert candidates[0] is stack and isinstance(candidates[1], WeightConverter)
     downs = [c for c in plan.conversions if c.targets[0].endswith("down_proj")]
@@ -538,6 +539,15 @@ def test_select_converter(saved):
         model, shapes_of(tensors), extra_weights_mapping=[stack], select_converter=lambda *a: None
     )
     assert len(none.unexpected_keys) == 8 and len(none.missing_keys) == 2
+    # a 3-argument selector (the documented signature before source_key=) still works
+    three = []
+    plan_keys(
+        model,
+        shapes_of(tensors),
+        extra_weights_mapping=[stack],
+        select_converter=lambda p, t, c: three.append(p) or c[0],
+    )
+    assert three == [".experts.*.w2.weight"] * 8
 
 
 def test_map_checkpoint_key(saved):

@@ -1,7 +1,9 @@
 """The ``regiontrace`` command line: ``demo``, ``trace``, ``check`` and ``plan``.
 
 Each command lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> exit status``.
-Errors are one line on stderr and a non-zero exit status; ``-v`` shows the traceback.
+Exit status: 0 yes, 1 "the answer is no" (not traceable, a counterexample, a check that failed), 2 the command
+could not answer (a wrong command line, argparse's convention, or any other error). Errors are one line on
+stderr; ``-v`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from . import check_cmd, demo, plan_cmd, trace_cmd
-from .common import CLIError
+from .common import CLIError, HelpFormatter
 
 DESCRIPTION = """\
 regiontrace: trace checkpoint conversions as exact index mappings; load only the bytes each rank needs."""
@@ -20,12 +22,14 @@ EPILOG = "`regiontrace COMMAND --help` for each command; docs: docs/cli.md"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="regiontrace", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and library logs")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in (demo, trace_cmd, check_cmd, plan_cmd):
         module.add_parser(sub)
+    for command in sub.choices.values():  # every command's --help shows its defaults
+        command.formatter_class = HelpFormatter
     return parser
 
 
@@ -66,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"regiontrace {args.command}: error: {type(e).__name__}: {_one_line(e)} (-v for the traceback)",
               file=sys.stderr)
-        return 1
+        return 2  # an error is no answer: 1 is reserved for "no"
 
 
 def _one_line(e: BaseException) -> str:

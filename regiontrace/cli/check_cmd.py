@@ -10,14 +10,24 @@ import tempfile
 import traceback
 from typing import Any
 
-from .common import CLIError, add_function_arguments, dtype_name, flat_specs, load_function, parse_inputs, regroup
+from .common import (
+    CLIError,
+    HelpFormatter,
+    add_function_arguments,
+    dtype_name,
+    flat_specs,
+    load_function,
+    parse_inputs,
+    regroup,
+)
 
 HELP = "property-test a conversion function: traced map vs real runs on random data and boxes"
 DESCRIPTION = """\
 For N hypothesis examples (random seeds, data and output boxes): trace FUNCTION, run it for real, and
 check that the traced map reproduces the real result exactly — whole outputs (materialize), RemapBlocks of
 random boxes, random values and unique per-element codes (regiontrace.testing.assert_converter_exact).
-Exit status 1 on a counterexample, printed minimised; 1 also when the function is not traceable."""
+Exit status 1 on a counterexample, printed minimised; 1 also when the function is not traceable; 2 for a
+wrong command line (e.g. --input names that are not the function's parameters)."""
 EPILOG = """\
 examples:
   regiontrace check convert.py:gate_up --input 'gate[4]=8x16:bf16' --input 'up[4]=8x16:bf16'
@@ -25,11 +35,16 @@ examples:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("check", help=HELP, description=DESCRIPTION, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("check", help=HELP, description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     add_function_arguments(p)
-    p.add_argument("--examples", "-n", type=int, default=50, metavar="N", help="hypothesis examples (default 50)")
-    p.add_argument("--boxes", type=int, default=4, metavar="K", help="random boxes per output per example")
+    p.add_argument("--examples", "-n", type=int, default=50, metavar="N", help="hypothesis examples")
+    p.add_argument(
+        "--boxes",
+        type=int,
+        default=4,
+        metavar="K",
+        help="random boxes per output per example, besides the one hypothesis draws",
+    )
     p.set_defaults(run=run)
 
 
@@ -46,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.examples < 1:
         raise CLIError("--examples must be at least 1")
+    if args.boxes < 0:
+        raise CLIError("--boxes must be at least 0")
     inputs = parse_inputs(args.input)
     specs = flat_specs(inputs)
     fn = load_function(args.function)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -14,11 +17,22 @@ import torch
 
 
 class CLIError(Exception):
-    """A user-facing error: printed as one line on stderr, exit status 2 (or ``status``)."""
+    """A user-facing error: printed as one line on stderr, exit status 2 (or ``status``: 1 is "the answer is no")."""
 
     def __init__(self, message: str, status: int = 2) -> None:
         super().__init__(message)
         self.status = status
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions and epilogs as written; adds ``(default: X)`` to options whose help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, [], argparse.SUPPRESS)
+        if shown and action.option_strings and "default" not in text:
+            return text + " (default: %(default)s)"
+        return text
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -158,7 +172,27 @@ def load_function(ref: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise CLIError(f"{ref} is not callable")
-    return obj
+    return _checked_call(obj, ref)
+
+
+def _checked_call(fn: Callable[..., Any], ref: str) -> Callable[..., Any]:
+    """``fn``, wrapped so that arguments that do not fit its signature are a usage error (exit status 2): the
+    ``--input`` names must be its parameters. Errors raised inside ``fn`` pass through unchanged."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check against (some builtins)
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:
+            params = ", ".join(signature.parameters) or "none"
+            raise CLIError(f"--input does not match {ref}'s parameters ({params}): {e}") from None
+        return fn(*args, **kwargs)
+
+    return call
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,11 +13,13 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from typing import Any
 
-from .common import CLIError, human_bytes, parse_mesh, table
+from .common import CLIError, HelpFormatter, human_bytes, parse_mesh, table
 
 HELP = "load an embedded tiny MoE checkpoint on N gloo ranks, check every shard, draw the plan"
 DESCRIPTION = """\
@@ -25,7 +27,8 @@ Generate a tiny MoE checkpoint in the original Hugging Face layout (per-expert t
 up projections: a qwen3_moe model written by save_pretrained, or a built-in model without transformers),
 load it with WORLD gloo ranks on localhost into tensor- and expert-parallel DTensor shards and once in this
 process as the reference, check every shard against the reference, then print a per-rank table and write
-the plan picture (plan.svg) into the output folder. Exit status 1 if any check fails. No network."""
+the plan picture (plan.svg) into the output folder. Exit status 1 if any check fails, a rank fails, or the
+command runs past --timeout. No network."""
 EPILOG = """\
 examples:
   regiontrace demo
@@ -34,23 +37,82 @@ examples:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("demo", help=HELP, description=DESCRIPTION, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("demo", help=HELP, description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--world-size", "-w", type=int, metavar="N", help="ranks to spawn (default 4, or the mesh's)")
     p.add_argument("--mesh", metavar="AxB", help="mesh shape (default: 1-D of the world size)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: a new temporary folder, kept)")
     p.add_argument("--model", choices=("auto", "transformers", "builtin"), default="auto",
                    help="checkpoint kind (default: transformers when installed, else builtin)")
-    p.add_argument("--timeout", type=float, default=120, metavar="S", help="give up after S seconds")
+    p.add_argument("--timeout", type=float, default=120, metavar="S", help="give up S seconds after the command starts")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.timeout > 0:
+        raise CLIError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
+    if args.world_size is not None and args.world_size < 1:
+        raise CLIError(f"--world-size must be at least 1, not {args.world_size}")
+    deadline = Deadline(args.timeout)
+    try:
+        with deadline:
+            return _run(args, deadline)
+    except TimedOut:
+        raise CLIError(f"gave up after {args.timeout:g} s (--timeout) while {deadline.stage}", status=1) from None
+
+
+class TimedOut(BaseException):
+    """``--timeout`` expired (a BaseException, so that no ``except Exception`` on the way swallows it)."""
+
+
+class Deadline:
+    """``seconds`` from now, for the whole command: in the main thread a timer signal raises :class:`TimedOut`
+    wherever the command is (a write, a load, a wait); :meth:`stage` also checks it between stages.
+
+    Attributes:
+        stage: what the command is doing, for the message.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+        self.stage = "starting"
+        self._armed = False
+        self._previous: Any = None
+
+    def left(self) -> float:
+        """Seconds left (negative once expired)."""
+        return self.end - time.monotonic()
+
+    def enter(self, stage: str) -> None:
+        """Record the stage the command enters; raises :class:`TimedOut` when the time is already up."""
+        self.stage = stage
+        if self.left() <= 0:
+            raise TimedOut
+
+    def __enter__(self) -> Deadline:
+        self._armed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+        if self._armed:
+            self._previous = signal.signal(signal.SIGALRM, self._expire)
+            signal.setitimer(signal.ITIMER_REAL, max(self.left(), 1e-3))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._armed = False
+
+    def _expire(self, signum: int, frame: Any) -> None:
+        raise TimedOut
+
+
+def _run(args: argparse.Namespace, deadline: Deadline) -> int:
     import torch.multiprocessing as mp
 
     from .demo_models import have_transformers
 
     t0 = time.time()
+    deadline.enter("starting the fork server")
     _start_fork_server()
     mesh_shape = parse_mesh(args.mesh) if args.mesh else (args.world_size or 4,)
     world = math.prod(mesh_shape)
@@ -74,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from .demo_models import build_model, loader_kwargs, write_checkpoint
     from .sharding import placement_text, plan_placements
 
+    deadline.enter("writing the checkpoint")
     shutil.rmtree(checkpoint, ignore_errors=True)
     expected = write_checkpoint(kind, checkpoint)
     meta_model = build_model(kind, checkpoint)
@@ -85,23 +148,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name}  {placement_text(placements[name])}")
 
     # 2. start the ranks, then load the reference here while they start up
+    deadline.enter("starting the ranks")
     ctx = {"mesh_shape": list(mesh_shape), "placements": placements, "kind": kind, "checkpoint": checkpoint,
            "store": os.path.join(work, "store"), "out": work, "reference": os.path.join(work, "reference.pt"),
-           "timeout": args.timeout}
+           "deadline": time.time() + deadline.left()}
     from .demo_rank import run_rank
 
-    procs = mp.start_processes(run_rank, args=(ctx,), nprocs=world, join=False, start_method=START_METHOD)
+    procs = None
     try:
+        procs = mp.start_processes(run_rank, args=(ctx,), nprocs=world, join=False, start_method=START_METHOD)
+        deadline.enter("loading the reference")
         ref_ok, ref_msg = _reference(kind, checkpoint, expected, ctx["reference"], loader_kwargs(kind))
         from .plan_cmd import plan_model
 
+        deadline.enter("simulating the plan")
         svg = os.path.join(out, "plan.svg")
         sim = plan_model(meta_model, checkpoint, mesh_shape, ranks=list(range(world)), placements=placements,
                          svg=svg, title="regiontrace demo: load plan", model_type=_model_type(kind),
                          planner_kwargs=loader_kwargs(kind))
-        _join(procs, args.timeout)
+        deadline.enter("waiting for the ranks")
+        _join(procs, deadline)
     finally:
-        for p in procs.processes:
+        for p in procs.processes if procs is not None else ():
             if p.is_alive():
                 p.terminate()
     results = []
@@ -179,15 +247,11 @@ def _reference(kind: str, checkpoint: str, expected: dict, out_path: str, kwargs
     return True, f"single-process load equals the saved model ({len(expected)} tensors)"
 
 
-def _join(procs: Any, timeout: float) -> None:
-    deadline = time.time() + timeout
+def _join(procs: Any, deadline: Deadline) -> None:
     try:
-        while not procs.join(timeout=0.5):
-            if time.time() > deadline:
-                raise CLIError(f"ranks still running after {timeout:.0f} s (--timeout)", status=1)
+        while not procs.join(timeout=max(0.01, min(0.5, deadline.left()))):
+            deadline.enter("waiting for the ranks")
     except Exception as e:
-        if isinstance(e, CLIError):
-            raise
         raise CLIError(f"a rank failed: {str(e).strip().splitlines()[-1]}", status=1) from e
 
 
