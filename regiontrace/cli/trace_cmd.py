@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
     import regiontrace as rt
 
+    if args.max_blocks < 0:
+        raise CLIError("--max-blocks must be at least 0")
     inputs = parse_inputs(args.input)
     box = parse_box(args.box) if args.box else None
     fn = load_function(args.function)
@@ -92,12 +94,17 @@ def describe_blocks(name: str, blocks: tuple, box: tuple, limit: int) -> str:
 def _source_side(b: Any) -> str:
     casts = f" as {'->'.join(dtype_name(c) for c in b.casts)}" if b.casts else ""
     sb = b.source_box()
-    if sb is not None:
+    if sb is not None and len(set(sb[2])) == len(sb[2]):  # one box, each block dim walking its own dim
         offsets, lengths, dims = sb
         box = [(o, o + n) for o, n in zip(offsets, lengths)]
         order = "" if list(dims) == sorted(dims) else f" walked in dim order {tuple(dims)}"
         return f"{b.source}{format_box(box)}{order}{casts}"
     runs = b.source_runs()
+    if sb is not None:  # one box, block dims splitting a source dim (a permutation inside the box)
+        offsets, lengths, _ = sb
+        box = [(o, o + n) for o, n in zip(offsets, lengths)]
+        return (f"{b.source}{format_box(box)} permuted: shape {_x(b.shape)}, strides {tuple(b.src_strides)}"
+                f"{casts}")
     return (f"{b.source} strided: offset {b.src_offset}, shape {_x(b.shape)}, strides {tuple(b.src_strides)} "
             f"({len(runs)} contiguous run{'s' if len(runs) != 1 else ''}){casts}")
 
