@@ -300,9 +300,10 @@ def test_offsets_outside_data_section(tmp_path: Path):
 
 
 def test_overlapping_tensors(tmp_path: Path):
-    header = {"a": entry(offsets=[0, 8]), "b": entry(offsets=[4, 12]), "e": entry(shape=[0], offsets=[4, 4])}
+    header = {"a": entry(offsets=[0, 8]), "b": entry(offsets=[4, 12])}
     path = write_raw(tmp_path / "t.safetensors", header, b"\0" * 12)
-    expect_error(path, path, "overlaps", "'a'", "'b'")
+    err = expect_error(path, path, "overlaps", "'a'", "'b'")
+    assert err.key == "b"
 
 
 def test_adjacent_and_empty_tensors_do_not_overlap(tmp_path: Path):
@@ -358,16 +359,9 @@ def test_index_path_escapes_folder(tmp_path: Path, name: str):
     expect_error(str(root), index, "outside", "'w1'")
 
 
-def test_index_symlink_outside_folder(tmp_path: Path):
+def test_index_symlinks_are_accepted(tmp_path: Path):
+    """Symlinks to regular files are fine (more in test_hub_cache.py); the names must stay in the folder."""
     root = make_sharded(tmp_path)
-    save_file({"w1": torch.ones(1)}, str(tmp_path / "outside.safetensors"))
-    os.symlink(tmp_path / "outside.safetensors", root / "link.safetensors")
-    index = write_index(root, {"w1": "link.safetensors"})
-    expect_error(str(root), index, "link.safetensors", "'w1'")
-    # Hugging Face cache snapshots link into ../../blobs; that needs an explicit opt-in.
-    ckpt = SafetensorsCheckpoint.open(root, allow_external_symlinks=True)
-    assert ckpt["w1"].file == str(root / "link.safetensors")
-    # a symlink that stays inside the folder is fine by default
     os.symlink(root / "model-00001-of-00002.safetensors", root / "inside.safetensors")
     write_index(root, {"w1": "inside.safetensors"})
     assert SafetensorsCheckpoint.open(root)["w1"].shape == (2, 3)

@@ -1,21 +1,36 @@
-"""Checkpoint I/O: safetensors headers (:mod:`.header`), byte-range reads (:mod:`.files`) and checkpoints
-(one file or a sharded folder, :mod:`.folder`)."""
+"""Checkpoint I/O: safetensors headers (:mod:`.header`), byte-range reads (:mod:`.files`), checkpoints
+(one file or a sharded folder, :mod:`.folder`) and Hub repo ids resolved to cached snapshots (:mod:`.hub`)."""
 
 from .files import FileReader, coalesce_ranges, read_ranges, read_tensor
-from .folder import INDEX_NAME, SINGLE_NAME, SafetensorsCheckpoint
-from .header import DTYPES, MAX_HEADER_BYTES, FileIdentity, TensorInfo, read_header
+from .folder import INDEX_NAME, MAX_INDEX_BYTES, SINGLE_NAME, SafetensorsCheckpoint
+from .header import (
+    DTYPES,
+    MAX_HEADER_BYTES,
+    FileIdentity,
+    HeaderFile,
+    TensorInfo,
+    open_regular_file,
+    read_header,
+    read_header_file,
+)
+from .hub import resolve_checkpoint
 
 __all__ = [
     "DTYPES",
     "INDEX_NAME",
     "MAX_HEADER_BYTES",
+    "MAX_INDEX_BYTES",
     "SINGLE_NAME",
     "FileIdentity",
     "FileReader",
+    "HeaderFile",
     "SafetensorsCheckpoint",
     "TensorInfo",
     "coalesce_ranges",
+    "open_regular_file",
     "read_header",
+    "read_header_file",
     "read_ranges",
     "read_tensor",
+    "resolve_checkpoint",
 ]

@@ -1,50 +1,88 @@
-"""A checkpoint: one safetensors file or a sharded folder with its index, known from its headers only."""
+"""A checkpoint: one safetensors file or a sharded folder with its index, known from its headers only.
+
+One rule for single files and shards: a file may be a symlink to a regular file anywhere (the Hugging Face
+cache links ``snapshots/<rev>/*`` into ``../../blobs``; a user's symlink farm does the same), but the
+*names* an index gives must stay inside the checkpoint folder (no ``..``, no absolute path, no NUL byte).
+"""
 
 from __future__ import annotations
 
-import json
 import os
+import warnings
 from collections.abc import Iterator, KeysView, Mapping, Sequence
 
-from .header import TensorInfo, err, no_duplicate_keys, read_header
+from .header import FileIdentity, TensorInfo, read_header_file
+from .hub import resolve_checkpoint
+from .untrusted import err, loads_json, open_regular_file, pread_exact
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+#: an index larger than this is refused before it is read (real ones are well under 10 MiB)
+MAX_INDEX_BYTES = 64 << 20
 _Meta = dict[str, dict[str, str]]
 
 
-def _index_files(root: str, index_path: str, allow_external_symlinks: bool) -> dict[str, list[str]]:
-    """Parse an index file; return ``{absolute shard path: [keys]}`` in sorted shard order."""
+def read_index(index_path: str) -> object:
+    """Read and parse an index file (any JSON value; :func:`_index_files` checks its shape).
+
+    Raises:
+        CheckpointError: not a regular file, over :data:`MAX_INDEX_BYTES`, or not valid UTF-8 JSON.
+    """
+    fd, st = open_regular_file(index_path)
     try:
-        with open(index_path, "rb") as f:
-            index = json.loads(f.read().decode("utf-8"), object_pairs_hook=no_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise err(index_path, f"index is not valid UTF-8 JSON: {e}") from None
+        if st.st_size > MAX_INDEX_BYTES:
+            raise err(index_path, f"index is {st.st_size} bytes, over the {MAX_INDEX_BYTES}-byte limit")
+        raw = pread_exact(fd, index_path, st.st_size, 0)
+    finally:
+        os.close(fd)
+    return loads_json(index_path, raw, "index")
+
+
+def _shard_path(root: str, index_path: str, key: str, name: object) -> str:
+    """The path of a file the index names, refusing names that are not plain paths inside ``root``."""
+    if not isinstance(name, str) or not name:
+        raise err(index_path, f"weight_map value must be a file name, got {name!r}", key)
+    if "\0" in name:
+        raise err(index_path, f"file name {name!r} holds a NUL byte", key)
+    norm = os.path.normpath(name)
+    if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
+        raise err(index_path, f"file {name!r} escapes the checkpoint folder {root}", key)
+    return os.path.join(root, norm)
+
+
+def _index_files(root: str, index_path: str) -> dict[str, list[str]]:
+    """Parse an index file; return ``{absolute shard path: [keys]}`` in sorted shard order."""
+    index = read_index(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise err(index_path, "index must be a JSON object with a 'weight_map' object")
-    real_root = os.path.realpath(root)
     by_file: dict[str, list[str]] = {}
     checked: dict[str, str] = {}  # file name -> path: each distinct name is validated once
     for key, name in weight_map.items():
         path = checked.get(name) if isinstance(name, str) else None
         if path is None:
-            if not isinstance(name, str) or not name:
-                raise err(index_path, f"weight_map value must be a file name, got {name!r}", key)
-            norm = os.path.normpath(name)
-            if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
-                raise err(index_path, f"file {name!r} escapes the checkpoint folder {root}", key)
-            path = os.path.join(root, norm)
-            if not allow_external_symlinks:
-                real = os.path.realpath(path)
-                if os.path.commonpath([real, real_root]) != real_root:
-                    raise err(index_path, f"file {name!r} resolves to {real}, outside {real_root}", key)
-            checked[name] = path
+            path = checked[name] = _shard_path(root, index_path, key, name)
         by_file.setdefault(path, []).append(key)
-    for path in by_file:
-        if not os.path.isfile(path):
-            raise err(index_path, f"names missing file {path}", by_file[path][0])
+    for path, keys in by_file.items():
+        if not os.path.lexists(path):  # a link that exists but leads nowhere is reported when opened
+            raise err(index_path, f"names missing file {path}", keys[0])
     return {path: by_file[path] for path in sorted(by_file)}
+
+
+def _folder_files(root: str) -> list[str]:
+    """Every ``*.safetensors`` entry of a folder without index or ``model.safetensors``, sorted.
+
+    Entries that are not regular files (a directory, a symlink loop) are kept, so that opening them
+    reports what is wrong instead of the folder looking empty.
+    """
+    try:
+        names = os.listdir(root)
+    except OSError as e:
+        raise err(root, f"cannot list the folder: {e.strerror or e}") from e
+    files = sorted(os.path.join(root, n) for n in names if n.endswith(".safetensors"))
+    if not files:
+        raise err(root, "folder holds no .safetensors files")
+    return files
 
 
 class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
@@ -54,80 +92,102 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
 
     Attributes:
         root: Absolute folder of the checkpoint.
-        files: Absolute paths of the files in use, in order.
+        files: Absolute paths of the files in use, in order (symlinks are not resolved).
         tensors: ``{key: TensorInfo}``.
         metadata: ``{file: __metadata__ dict}`` for every file in ``files``.
+        identities: ``{file: FileIdentity}`` of every file in ``files`` as its header was read (from the
+            ``fstat`` of the descriptor the header was read through); empty for :meth:`from_infos`.
     """
 
     def __init__(
-        self, root: str, files: Sequence[str], tensors: dict[str, TensorInfo], metadata: _Meta | None = None
+        self,
+        root: str,
+        files: Sequence[str],
+        tensors: dict[str, TensorInfo],
+        metadata: _Meta | None = None,
+        identities: Mapping[str, FileIdentity] | None = None,
     ) -> None:
         self.root = os.path.abspath(root)
         self.files = tuple(files)
         self.tensors = tensors
         self.metadata = metadata if metadata is not None else {f: {} for f in self.files}
+        self.identities: dict[str, FileIdentity] = dict(identities or {})
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], *, revision: str | None = None, allow_external_symlinks: bool = False
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        revision: str | None = None,
+        allow_external_symlinks: bool | None = None,
     ) -> SafetensorsCheckpoint:
         """Open a checkpoint, reading and validating only its headers.
 
-        ``path`` may be a ``.safetensors`` file, a ``model.safetensors.index.json`` file, or a folder. In
-        a folder the index is used if present (exactly the files and keys it names; keys a shard has
+        ``path`` may be a ``.safetensors`` file, a ``model.safetensors.index.json`` file, a folder, or a
+        Hugging Face Hub repo id (``"org/name"``, see :func:`~loader.checkpoint.hub.resolve_checkpoint`).
+        In a folder the index is used if present (exactly the files and keys it names; keys a shard has
         beyond the index are ignored), else ``model.safetensors``, else every ``*.safetensors`` (sorted).
+        Files may be symlinks to regular files anywhere; the names an index gives must stay in the folder.
 
         Args:
-            path: File or folder.
-            allow_external_symlinks: Accept index entries that are symlinks resolving outside the folder
-                (needed for Hugging Face hub cache snapshots, whose files link into ``../../blobs``).
+            path: File, folder or repo id.
+            revision: Branch, tag or commit of a repo id; ``None``: the default branch. Only for repo ids.
+            allow_external_symlinks: Deprecated and ignored: symlinks to regular files are always accepted.
 
         Returns:
             The opened checkpoint.
 
         Raises:
-            FileNotFoundError: ``path`` does not exist.
-            CheckpointError: A file or the index is malformed, names missing files/keys, escapes the
-                folder, or two files hold the same key.
+            CheckpointNotFoundError: ``path`` is not a file, a folder or a repo id that could be resolved
+                (also a :class:`FileNotFoundError`).
+            CheckpointError: A file or the index is malformed, not a regular file, names missing files or
+                keys, escapes the folder, or two files hold the same key.
         """
-        path = os.path.abspath(os.fspath(path))
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no checkpoint at {path}")
-        if os.path.isfile(path) and os.path.basename(path) != INDEX_NAME:
-            tensors, meta = read_header(path)
-            return cls(os.path.dirname(path), (path,), tensors, {path: meta})
-        root = os.path.dirname(path) if os.path.isfile(path) else path
-        index_path = os.path.join(root, INDEX_NAME)
-        if os.path.isfile(index_path):
-            wanted: dict[str, list[str]] | None = _index_files(root, index_path, allow_external_symlinks)
-            files = list(wanted)
-        elif os.path.isfile(os.path.join(root, SINGLE_NAME)):
-            wanted, files = None, [os.path.join(root, SINGLE_NAME)]
-        else:
-            wanted = None
-            files = sorted(
-                os.path.join(root, n)
-                for n in os.listdir(root)
-                if n.endswith(".safetensors") and os.path.isfile(os.path.join(root, n))
+        if allow_external_symlinks is not None:
+            warnings.warn(
+                "SafetensorsCheckpoint.open(allow_external_symlinks=...) is deprecated and ignored: symlinks to "
+                "regular files are always accepted",
+                DeprecationWarning,
+                stacklevel=2,
             )
-            if not files:
-                raise err(root, "folder holds no .safetensors files")
+        path = resolve_checkpoint(path, revision=revision)
+        if not os.path.isdir(path) and os.path.basename(path) != INDEX_NAME:
+            header = read_header_file(path)
+            return cls(os.path.dirname(path), (path,), header.tensors, {path: header.metadata}, {path: header.identity})
+        root = os.path.dirname(path) if os.path.basename(path) == INDEX_NAME else path
+        index_path = os.path.join(root, INDEX_NAME)
+        wanted: dict[str, list[str]] | None = None
+        if os.path.lexists(index_path):
+            wanted = _index_files(root, index_path)
+            files = list(wanted)
+        elif os.path.lexists(os.path.join(root, SINGLE_NAME)):
+            files = [os.path.join(root, SINGLE_NAME)]
+        else:
+            files = _folder_files(root)
+        return cls._from_files(root, files, wanted, index_path)
+
+    @classmethod
+    def _from_files(
+        cls, root: str, files: list[str], wanted: dict[str, list[str]] | None, index_path: str
+    ) -> SafetensorsCheckpoint:
         tensors: dict[str, TensorInfo] = {}
         metadata: _Meta = {}
+        identities: dict[str, FileIdentity] = {}
         for file in files:
-            header, metadata[file] = read_header(file)
+            header = read_header_file(file)
+            metadata[file], identities[file] = header.metadata, header.identity
             if wanted is not None:
                 for key in wanted[file]:
-                    if key not in header:
+                    if key not in header.tensors:
                         raise err(index_path, f"index places it in {file}, whose header lacks it", key)
-                    tensors[key] = header[key]
+                    tensors[key] = header.tensors[key]
                 continue
-            for key, info in header.items():
+            for key, info in header.tensors.items():
                 if key in tensors:
                     other = os.path.basename(tensors[key].file)
                     raise err(file, f"key {key!r} in both {other} and {os.path.basename(file)}", key)
                 tensors[key] = info
-        return cls(root, files, tensors, metadata)
+        return cls(root, files, tensors, metadata, identities)
 
     @classmethod
     def from_infos(cls, infos: Mapping[str, TensorInfo], root: str = ".") -> SafetensorsCheckpoint:
@@ -138,7 +198,8 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
             root: Folder to report as :attr:`root`.
 
         Returns:
-            The checkpoint; ``files`` lists the infos' files in first-seen order, ``metadata`` is empty.
+            The checkpoint; ``files`` lists the infos' files in first-seen order, ``metadata`` is ``{}``
+            for each, ``identities`` is empty.
 
         Raises:
             ValueError: A mapping key differs from its info's ``key``.

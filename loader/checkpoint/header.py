@@ -4,22 +4,29 @@ Vocabulary: a *header* is the JSON object after the 8-byte length prefix; each *
 ``dtype``, ``shape`` and ``data_offsets`` relative to the *data section* that follows the header. A file's
 *identity* (device, inode, size, mtime) is recorded when its header is read, so later reads can tell the
 file changed underneath.
+
+Files are opened through :mod:`.untrusted` (regular files only, never blocking). Parsing is linear in the
+header size: entries are validated as the JSON parser builds them, so the parsed header never exists as
+dicts, the usual in-order layout is checked in the same pass, and each parsed entry is freed as soon as it
+becomes a :class:`TensorInfo` (``bench/header_bench.py`` measures time and memory).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import NamedTuple
 
 import torch
 
-from loader.errors import CheckpointError
+from .untrusted import OPEN_FLAGS as OPEN_FLAGS  # re-exported: the data reads open files with it
+from .untrusted import DuplicateKeyError, err, gc_paused, loads_json, open_regular_file, pread_exact, short, strict_dict
 
 MAX_HEADER_BYTES = 100_000_000  # same limit as the safetensors reference implementation
-OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_MAX_FAST_NDIM = 64  # longer shapes take the careful path (bounded products)
 
 _DTYPE_NAMES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -34,11 +41,7 @@ _DTYPE_NAMES = {
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, attr) for name, attr in _DTYPE_NAMES.items() if hasattr(torch, attr)
 }
-
-
-def err(path: str, message: str, key: str | None = None) -> CheckpointError:
-    where = f"{path}: tensor {key!r}: " if key is not None else f"{path}: "
-    return CheckpointError(where + message, path=path, key=key)
+_ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -99,57 +102,229 @@ class TensorInfo:
         return self.data_end - self.data_start
 
 
-def _pread_exact(fd: int, path: str, size: int, offset: int) -> bytes:
-    chunks: list[bytes] = []
-    got = 0
-    while got < size:
-        chunk = os.pread(fd, size - got, offset + got)
-        if not chunk:
-            raise err(path, f"truncated: expected {size} bytes at offset {offset}, got {got}")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+class HeaderFile(NamedTuple):
+    """One file's header, as :func:`read_header_file` read it.
+
+    Attributes:
+        tensors: ``{key: TensorInfo}`` in header order.
+        metadata: The ``__metadata__`` dict (``{}`` if absent).
+        identity: The file's identity, from the ``fstat`` of the descriptor the header was read through.
+    """
+
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    identity: FileIdentity
 
 
-def no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate JSON key {k!r}")
-        out[k] = v
-    return out
+# ----------------------------------------------------------------------------------------------- entries
+
+
+class _Object(list):
+    """A JSON object as parsed, kept as its ``(key, value)`` pairs so that duplicate keys can be found."""
+
+    __slots__ = ()
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, (_Object, dict, tuple)):
+        return "object"
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _header_hook(pairs: list[tuple[str, object]]) -> object:
+    """Turn a well-formed entry into ``(dtype, shape, begin, end)`` as soon as it is parsed.
+
+    Anything else (metadata, a malformed or unusual entry) stays an :class:`_Object` for
+    :func:`_parse_entry`, which gives the precise error or accepts it.
+    """
+    if len(pairs) == 3:
+        d = dict(pairs)
+        try:
+            name, shape, (begin, end) = d["dtype"], d["shape"], d["data_offsets"]
+            dtype = DTYPES[name]
+        except (KeyError, TypeError, ValueError):
+            return _Object(pairs)
+        if type(shape) is list and len(shape) <= _MAX_FAST_NDIM and type(begin) is int and type(end) is int:
+            numel = 1
+            for dim in shape:
+                if type(dim) is not int or dim < 0:
+                    return _Object(pairs)
+                numel *= dim
+            if 0 <= begin <= end and end - begin == numel * dtype.itemsize:
+                return (dtype, tuple(shape), begin, end)
+    return _Object(pairs)
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _parse_entry(path: str, key: str, entry: object, data_base: int, data_size: int) -> TensorInfo:
-    if not isinstance(entry, dict):
-        raise err(path, f"header entry must be a JSON object, got {type(entry).__name__}", key)
+def _nbytes_at_most(shape: list[int], itemsize: int, limit: int) -> int:
+    """``prod(shape) * itemsize``, or any value above ``limit`` once it is known to exceed it."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for dim in shape:
+        n *= dim
+        if n > limit:
+            return n
+    return n
+
+
+def _parse_entry(path: str, key: str, entry: object) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """Validate an entry the fast path did not take; return what :func:`_header_hook` would have."""
+    if not isinstance(entry, _Object):
+        raise err(path, f"header entry must be a JSON object, got {_json_type(entry)}", key)
+    try:
+        fields = strict_dict(entry)
+    except DuplicateKeyError as e:
+        raise err(path, f"header entry: {e}", key) from None
     for field in ("dtype", "shape", "data_offsets"):
-        if field not in entry:
+        if field not in fields:
             raise err(path, f"header entry is missing {field!r}", key)
-    dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype_name, str):
-        raise err(path, f"dtype must be a string, got {dtype_name!r}", key)
-    if dtype_name not in DTYPES:
-        raise err(path, f"unknown or unsupported dtype {dtype_name!r} (supported: {sorted(DTYPES)})", key)
+    name, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
+    if not isinstance(name, str):
+        raise err(path, f"dtype must be a string, got {short.repr(name)}", key)
+    if name not in DTYPES:
+        raise err(path, f"unknown or unsupported dtype {short.repr(name)} (supported: {sorted(DTYPES)})", key)
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise err(path, f"shape must be a list of non-negative ints, got {shape!r}", key)
+        raise err(path, f"shape must be a list of non-negative ints, got {short.repr(shape)}", key)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-        raise err(path, f"data_offsets must be [begin, end] ints, got {offsets!r}", key)
+        raise err(path, f"data_offsets must be [begin, end] ints, got {short.repr(offsets)}", key)
     begin, end = offsets
     if not (0 <= begin <= end):
         raise err(path, f"data_offsets must satisfy 0 <= begin <= end, got {offsets!r}", key)
-    dtype = DTYPES[dtype_name]
-    expected = math.prod(shape) * dtype.itemsize
-    if end - begin != expected:
-        msg = f"data_offsets span {end - begin} bytes but {dtype_name}{shape} needs {expected}"
-        raise err(path, msg, key)
-    if end > data_size:
-        raise err(path, f"data_offsets {offsets!r} run past the data section ({data_size} bytes)", key)
-    return TensorInfo(key, path, dtype, tuple(shape), data_base + begin, data_base + end)
+    span = end - begin
+    limit = max(span, 1 << 64)  # exact for any real size; a hostile shape cannot grow a huge product
+    needs = _nbytes_at_most(shape, _ITEMSIZES[name], limit)
+    if needs != span:
+        amount = f"more than {limit}" if needs > limit else str(needs)
+        raise err(path, f"data_offsets span {span} bytes but {name}{short.repr(shape)} needs {amount}", key)
+    return DTYPES[name], tuple(shape), begin, end
+
+
+def _metadata(path: str, value: object) -> dict[str, str]:
+    if value is None:
+        return {}
+    if isinstance(value, _Object):
+        try:
+            meta = strict_dict(value)
+        except DuplicateKeyError as e:
+            raise err(path, f"__metadata__: {e}") from None
+        bad = next((k for k, v in meta.items() if not isinstance(v, str)), None)
+        if bad is None:
+            return meta  # type: ignore[return-value]
+        got = f"{short.repr(bad)} maps to JSON {_json_type(meta[bad])}"
+    else:
+        got = f"got JSON {_json_type(value)}"
+    raise err(path, f"__metadata__ must map strings to strings; {got}")
+
+
+def _check_tiling(path: str, tensors: dict[str, TensorInfo], data_base: int, data_size: int) -> None:
+    """The tensors' byte ranges must tile the data section exactly, as the safetensors library requires.
+
+    Sorted by ``(begin, end)``, each range begins where the previous one ended, the first at 0 and the last
+    ends at the data section's end: no overlap, no gap, no trailing bytes. Empty tensors may sit at any
+    boundary.
+    """
+    pos, holder = data_base, None
+    for info in sorted(tensors.values(), key=attrgetter("data_start", "data_end")):
+        begin, end = info.data_start - data_base, info.data_end - data_base
+        if info.data_start < pos:
+            other = short.repr(holder.key if holder is not None else None)
+            what = f"byte range [{begin}, {end}) overlaps" if end > begin else f"empty tensor at {begin} lies inside"
+            raise err(path, f"{what} that of tensor {other}", info.key)
+        if info.data_start > pos:
+            msg = f"gap before it: data section bytes [{pos - data_base}, {begin}) belong to no tensor"
+            raise err(path, msg, info.key)
+        if end > begin:
+            pos, holder = info.data_end, info
+    if pos != data_base + data_size:
+        covered = pos - data_base
+        msg = f"{data_size - covered} trailing bytes: tensors cover {covered} of the {data_size}-byte data section"
+        raise err(path, msg)
+
+
+def parse_header(path: str, raw: bytes, data_base: int, data_size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a header's JSON bytes.
+
+    Args:
+        path: The file, stored in :attr:`TensorInfo.file` and named in errors.
+        raw: The header bytes (after the 8-byte length).
+        data_base: Absolute offset of the data section (``8 + len(raw)``).
+        data_size: Bytes in the data section.
+
+    Returns:
+        ``(tensors, metadata)`` as :func:`read_header`.
+
+    Raises:
+        CheckpointError: The JSON or an entry is malformed, or the entries do not tile the data section.
+    """
+    top = loads_json(path, raw, "header", hook=_header_hook)
+    if not isinstance(top, _Object):
+        raise err(path, f"header must be a JSON object, got {_json_type(top)}")
+    tensors: dict[str, TensorInfo] = {}
+    metadata: object = None
+    seen_metadata = False
+    pos = 0  # where the data covered so far ends, while the entries come in file order (they usually do)
+    with gc_paused():
+        for i, (key, value) in enumerate(top):
+            top[i] = None  # free each parsed entry as soon as it is converted: peak memory stays near one copy
+            if key in tensors or (key == "__metadata__" and seen_metadata):
+                raise err(path, f"duplicate JSON key {short.repr(key)} in the header")
+            if key == "__metadata__":
+                metadata, seen_metadata = value, True
+                continue
+            dtype, shape, begin, end = value if type(value) is tuple else _parse_entry(path, key, value)
+            if end > data_size:
+                msg = f"data_offsets [{begin}, {end}] run past the data section ({data_size} bytes)"
+                raise err(path, msg, key)
+            pos = end if begin == pos else -1
+            tensors[key] = TensorInfo(key, path, dtype, shape, data_base + begin, data_base + end)
+        if pos != data_size:  # out of order, or a gap, overlap or trailing bytes: sort to tell which
+            _check_tiling(path, tensors, data_base, data_size)
+    return tensors, _metadata(path, metadata)
+
+
+# ----------------------------------------------------------------------------------------------- files
+
+
+def _read_raw_header(fd: int, path: str, file_size: int) -> bytes:
+    if file_size < 8:
+        raise err(path, f"truncated: {file_size} bytes, too short for the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", pread_exact(fd, path, 8, 0))
+    if header_len > file_size - 8:
+        raise err(path, f"header length {header_len} runs past the end of the file ({file_size} bytes)")
+    if header_len > MAX_HEADER_BYTES:
+        raise err(path, f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    return pread_exact(fd, path, header_len, 8)
+
+
+def read_header_file(path: str) -> HeaderFile:
+    """Read and validate the header of one safetensors file (no tensor data is read), with its identity.
+
+    Args:
+        path: Path of the ``.safetensors`` file (symlinks followed); stored as given in
+            :attr:`TensorInfo.file`.
+
+    Returns:
+        The tensors, metadata and the identity of the file the header was read from.
+
+    Raises:
+        CheckpointError: The file cannot be opened or is not a regular file, is truncated, the header is
+            malformed, or its entries are inconsistent or do not tile the data section.
+    """
+    fd, st = open_regular_file(path)
+    try:
+        if hasattr(os, "posix_fadvise"):  # a header read must not pull the data after it into the page cache
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        raw = _read_raw_header(fd, path, st.st_size)
+    finally:
+        os.close(fd)
+    data_base = 8 + len(raw)
+    tensors, metadata = parse_header(path, raw, data_base, st.st_size - data_base)
+    return HeaderFile(tensors, metadata, FileIdentity.of(st))
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -162,38 +337,7 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         ``(tensors, metadata)``: tensors in header order, and the ``__metadata__`` dict (``{}`` if absent).
 
     Raises:
-        CheckpointError: The file is truncated, the header is malformed or entries are inconsistent.
-        OSError: The file cannot be opened.
+        CheckpointError: As :func:`read_header_file`.
     """
-    fd = os.open(path, OPEN_FLAGS)
-    if hasattr(os, "posix_fadvise"):  # a header read must not pull the data after it into the page cache
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    try:
-        file_size = os.fstat(fd).st_size
-        if file_size < 8:
-            raise err(path, f"truncated: {file_size} bytes, too short for the 8-byte header length")
-        (header_len,) = struct.unpack("<Q", _pread_exact(fd, path, 8, 0))
-        if header_len > file_size - 8:
-            raise err(path, f"header length {header_len} runs past the end of the file ({file_size} bytes)")
-        if header_len > MAX_HEADER_BYTES:
-            raise err(path, f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
-        raw = _pread_exact(fd, path, header_len, 8)
-    finally:
-        os.close(fd)
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise err(path, f"header is not valid UTF-8 JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise err(path, f"header must be a JSON object, got {type(header).__name__}")
-    metadata = header.pop("__metadata__", None)
-    metadata = {} if metadata is None else metadata
-    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise err(path, f"__metadata__ must map strings to strings, got {metadata!r}")
-    data_base, data_size = 8 + header_len, file_size - 8 - header_len
-    tensors = {key: _parse_entry(path, key, entry, data_base, data_size) for key, entry in header.items()}
-    spans = sorted((t.data_start, t.data_end, t.key) for t in tensors.values() if t.nbytes > 0)
-    for (_, prev_end, prev_key), (start, _, key) in zip(spans, spans[1:]):
-        if start < prev_end:
-            raise err(path, f"byte range overlaps that of tensor {prev_key!r}", key)
-    return tensors, metadata
+    header = read_header_file(path)
+    return header.tensors, header.metadata

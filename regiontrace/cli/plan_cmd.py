@@ -25,14 +25,17 @@ EPILOG = """\
 examples:
   regiontrace plan ./Qwen3-30B-A3B --mesh 2x4
   regiontrace plan ./ckpt --mesh 8 --rank 3 --json
-  regiontrace plan ./ckpt --mesh 2x2 --svg plan.svg --tensor '*layers.0.mlp.experts*'"""
+  regiontrace plan ./ckpt --mesh 2x2 --svg plan.svg --tensor '*layers.0.mlp.experts*'
+  regiontrace plan Qwen/Qwen3-30B-A3B --mesh 2x4   (cached, e.g. by `hf download Qwen/Qwen3-30B-A3B`)"""
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help=HELP, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a checkpoint folder (model.safetensors or shards + index) or a .safetensors file")
+                   help="a checkpoint folder (model.safetensors or shards + index), a .safetensors file, or a "
+                        "Hugging Face repo id (org/name) in the local cache (plan never downloads)")
+    p.add_argument("--revision", metavar="REV", help="branch, tag or commit of a repo id (default: main)")
     p.add_argument("--mesh", required=True, metavar="AxB", help="device mesh shape, e.g. 8 or 2x4 (EP x TP)")
     who = p.add_mutually_exclusive_group()
     who.add_argument("--rank", type=int, action="append", metavar="R", help="only rank R (repeatable)")
@@ -52,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
     mesh_shape = parse_mesh(args.mesh)
     if len(mesh_shape) > 2:
         raise CLIError(f"--mesh {args.mesh}: use a 1-D (TP) or 2-D (EP x TP) mesh")
-    if not os.path.exists(args.checkpoint):
-        raise CLIError(f"no such checkpoint: {args.checkpoint}")
+    checkpoint = _local_checkpoint(args.checkpoint, args.revision)
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -61,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
     from .sharding import build_meta_model, read_config
 
     _quiet_transformers()
-    config = read_config(args.checkpoint, args.config, args.model_type)
+    config = read_config(checkpoint, args.config, args.model_type)
     model = build_meta_model(config)
-    result = plan_model(model, args.checkpoint, mesh_shape, ranks=_ranks(args, mesh_shape),
+    result = plan_model(model, checkpoint, mesh_shape, ranks=_ranks(args, mesh_shape),
                         experts=args.experts, svg=args.svg, tensors=args.tensor,
                         title=f"Load plan: {os.path.basename(os.path.abspath(args.checkpoint))}",
                         model_type=config.model_type)
@@ -72,6 +74,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(result["text"])
     return 0
+
+
+def _local_checkpoint(path: str, revision: str | None) -> str:
+    """``path`` itself, or the cached snapshot folder of the Hub repo id ``path`` (never downloaded)."""
+    from loader.checkpoint.hub import looks_like_repo_id, resolve_checkpoint
+    from loader.errors import CheckpointNotFoundError
+
+    if os.path.exists(path):
+        if revision is not None:
+            raise CLIError(f"--revision is for Hub repo ids, not the local path {path}")
+        return path
+    if not looks_like_repo_id(path):
+        raise CLIError(f"no such checkpoint: {path}")
+    try:
+        return resolve_checkpoint(path, revision, download=False)
+    except CheckpointNotFoundError as e:
+        raise CLIError(f"{e} (plan reads the cache only: fetch the repo first, e.g. `hf download {path}`)") from e
 
 
 def _ranks(args: argparse.Namespace, mesh_shape: Sequence[int]) -> list[int]:

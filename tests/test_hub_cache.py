@@ -1,0 +1,273 @@
+"""Hugging Face Hub cache snapshots and repo ids as checkpoint paths, on a fake cache built on disk.
+
+The cache has the layout ``snapshot_download`` leaves: ``models--org--name/refs/<ref>`` holds a commit hash,
+``snapshots/<commit>/<file>`` are relative symlinks into ``../../blobs/<sha256>``. Every test runs offline
+(``HF_HUB_OFFLINE=1``) with ``HF_HUB_CACHE`` pointing at a temporary folder: nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save
+from torch import nn
+
+from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint
+from loader.checkpoint import FileIdentity, read_tensor, resolve_checkpoint
+from loader.checkpoint.hub import hub_cache_dir, looks_like_repo_id
+from loader.errors import CheckpointNotFoundError
+
+pytest.importorskip("huggingface_hub")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = "org/name"
+INDEX = "model.safetensors.index.json"
+MAIN = "a" * 40  # commit of refs/main: sharded checkpoint
+OLD = "b" * 40  # commit of refs/v1: single-file checkpoint
+
+
+def model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def repo_folder(cache: Path, repo_id: str) -> Path:
+    return cache / ("models--" + repo_id.replace("/", "--"))
+
+
+def add_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...] = ()) -> Path:
+    """Write ``files`` as blobs linked from ``snapshots/<commit>/`` and point ``refs`` at the commit."""
+    repo = repo_folder(cache, repo_id)
+    snapshot = repo / "snapshots" / commit
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, link.parent), link)  # ../../blobs/<sha>, as the Hub cache does
+    for ref in refs:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def sharded_files(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    first = {k: v for k, v in state.items() if k.startswith("0.")}
+    second = {k: v for k, v in state.items() if k.startswith("2.")}
+    names = {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": second}
+    weight_map = {key: name for name, part in names.items() for key in part}
+    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    config = json.dumps({"model_type": "none"}).encode()
+    return {name: save(part) for name, part in names.items()} | {
+        INDEX: index,
+        "config.json": config,
+    }
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fake Hub cache: ``org/name`` at ``main`` (sharded, model(0)) and ``v1`` (one file, model(1))."""
+    root = tmp_path / "hub"
+    add_snapshot(root, REPO, MAIN, sharded_files(model(0).state_dict()), refs=("main",))
+    add_snapshot(root, REPO, OLD, {"model.safetensors": save(model(1).state_dict())}, refs=("v1",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # "org/name" is no folder here
+    return root
+
+
+def assert_loaded(net: nn.Module, seed: int) -> None:
+    for key, value in model(seed).state_dict().items():
+        assert torch.equal(net.state_dict()[key], value), key
+
+
+# ----------------------------------------------------------------------------------------------- snapshots
+
+
+def test_sharded_snapshot_of_blob_symlinks_opens(cache: Path):
+    snapshot = repo_folder(cache, REPO) / "snapshots" / MAIN
+    ckpt = SafetensorsCheckpoint.open(snapshot)
+    assert ckpt.root == str(snapshot)
+    assert ckpt.files == tuple(str(snapshot / f"model-0000{i}-of-00002.safetensors") for i in (1, 2))
+    assert set(ckpt.keys()) == set(model(0).state_dict())
+    for file in ckpt.files:  # the identity is the blob's, read through the link
+        assert os.path.islink(file) and "blobs" in os.path.realpath(file)
+        assert ckpt.identities[file] == FileIdentity.of(os.stat(file))
+    for key, value in model(0).state_dict().items():
+        assert torch.equal(read_tensor(ckpt[key]), value), key
+
+
+def test_symlinks_to_files_anywhere_one_rule_for_single_and_sharded(tmp_path: Path):
+    """A symlink farm: shards and single files may link anywhere, as long as the target is a regular file."""
+    store = tmp_path / "store"
+    store.mkdir()
+    state = model(0).state_dict()
+    for name, data in sharded_files(state).items():
+        (store / name).write_bytes(data)
+    (store / "single.safetensors").write_bytes(save(model(1).state_dict()))
+    farm = tmp_path / "farm"
+    farm.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX):
+        os.symlink(store / name, farm / name)  # absolute links out of the folder
+    ckpt = SafetensorsCheckpoint.open(farm)
+    assert ckpt.files == tuple(str(farm / f"model-0000{i}-of-00002.safetensors") for i in (1, 2))
+    assert all(torch.equal(read_tensor(ckpt[k]), v) for k, v in state.items())
+    single = tmp_path / "single"
+    single.mkdir()
+    os.symlink(store / "single.safetensors", single / "model.safetensors")
+    for path in (single, single / "model.safetensors"):
+        ckpt = SafetensorsCheckpoint.open(path)
+        assert ckpt.files == (str(single / "model.safetensors"),)
+        assert ckpt.identities == {ckpt.files[0]: FileIdentity.of(os.stat(store / "single.safetensors"))}
+
+
+def test_allow_external_symlinks_is_a_deprecated_no_op(cache: Path):
+    snapshot = repo_folder(cache, REPO) / "snapshots" / MAIN
+    for value in (True, False):
+        with pytest.warns(DeprecationWarning, match="allow_external_symlinks"):
+            assert len(SafetensorsCheckpoint.open(snapshot, allow_external_symlinks=value)) == 4
+
+
+def test_repo_id_opens_the_cached_main_snapshot(cache: Path):
+    ckpt = SafetensorsCheckpoint.open(REPO)
+    assert ckpt.root == str(repo_folder(cache, REPO) / "snapshots" / MAIN)
+    assert len(ckpt.files) == 2 and set(ckpt.identities) == set(ckpt.files)
+    assert resolve_checkpoint(REPO) == ckpt.root
+
+
+@pytest.mark.parametrize("revision", [OLD, "v1"])
+def test_repo_id_at_a_revision(cache: Path, revision: str):
+    ckpt = SafetensorsCheckpoint.open(REPO, revision=revision)
+    snapshot = repo_folder(cache, REPO) / "snapshots" / OLD
+    assert ckpt.files == (str(snapshot / "model.safetensors"),)
+    assert torch.equal(read_tensor(ckpt["0.weight"]), model(1).state_dict()["0.weight"])
+
+
+@pytest.mark.parametrize(("revision", "seed"), [(None, 0), ("v1", 1)])
+def test_load_hf_checkpoint_from_repo_id(cache: Path, revision: str | None, seed: int):
+    net = model(7)
+    report = load_hf_checkpoint(net, REPO, revision=revision, progress=False)
+    assert_loaded(net, seed)
+    assert report.bytes_read == sum(t.numel() * t.element_size() for t in model(seed).state_dict().values())
+
+
+def test_local_folder_wins_over_a_repo_id(cache: Path, tmp_path: Path):
+    local = tmp_path / "org" / "name"
+    local.mkdir(parents=True)
+    (local / "model.safetensors").write_bytes(save(model(2).state_dict()))
+    net = model(7)
+    load_hf_checkpoint(net, REPO, progress=False)
+    assert_loaded(net, 2)
+    with pytest.raises(CheckpointError, match="revision='v1' is for Hub repo ids") as info:
+        SafetensorsCheckpoint.open(REPO, revision="v1")
+    assert info.value.path == str(local)
+
+
+# ----------------------------------------------------------------------------------------------- not found
+
+
+def test_repo_not_cached_offline_names_what_was_tried(cache: Path, tmp_path: Path):
+    with pytest.raises(CheckpointNotFoundError) as info:
+        SafetensorsCheckpoint.open("org/missing")
+    err = info.value
+    assert isinstance(err, FileNotFoundError) and isinstance(err, CheckpointError)
+    message = str(err)
+    for part in ("'org/missing'", str(tmp_path / "org" / "missing"), str(cache), "offline", "'main'"):
+        assert part in message, (part, message)
+    assert err.path == "org/missing"
+
+
+def test_unknown_revision_offline(cache: Path):
+    with pytest.raises(CheckpointNotFoundError, match="revision 'v9'.*not in the cache"):
+        SafetensorsCheckpoint.open(REPO, revision="v9")
+
+
+def test_cached_snapshot_without_weights_is_not_a_checkpoint(cache: Path):
+    add_snapshot(cache, "org/config-only", MAIN, {"config.json": b"{}"}, refs=("main",))
+    with pytest.raises(CheckpointNotFoundError, match="holds no .safetensors files"):
+        SafetensorsCheckpoint.open("org/config-only")
+    with pytest.raises(CheckpointNotFoundError, match="cache.*; not downloaded"):
+        resolve_checkpoint("org/config-only", download=False)
+
+
+@pytest.mark.parametrize("path", ["/no/such/folder", "./nope", "a/b/c", "has space", "x/../y", "org--name"])
+def test_missing_path_that_is_no_repo_id(cache: Path, path: str):
+    with pytest.raises(CheckpointNotFoundError) as info:
+        SafetensorsCheckpoint.open(path)
+    assert "no such file or folder" in str(info.value) and "Hub" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("org/name", True), ("gpt2", True), ("Qwen/Qwen3-30B-A3B", True), ("a_b.c-d/e.f", True),
+     ("/abs/path", False), ("./rel", False), ("a/b/c", False), ("org/", False), ("org--x/name", False),
+     ("a..b", False), ("-x", False), ("x" * 97, False), ("", False)],
+)  # fmt: skip
+def test_looks_like_repo_id(text: str, expected: bool):
+    assert looks_like_repo_id(text) is expected
+
+
+def test_cache_dir_is_read_from_the_environment_at_each_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hub_cache_dir() == str(tmp_path / "home" / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert hub_cache_dir() == str(tmp_path / "elsewhere")
+
+
+def test_without_huggingface_hub_a_repo_id_is_a_clear_error(tmp_path: Path):
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["huggingface_hub"] = None  # as if not installed: importing it raises ImportError
+        from loader import SafetensorsCheckpoint
+        try:
+            SafetensorsCheckpoint.open("org/name")
+        except FileNotFoundError as e:
+            print(type(e).__name__, e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("CheckpointNotFoundError") and "pip install huggingface_hub" in r.stdout
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def test_plan_cli_takes_a_cached_repo_id(tmp_path: Path):
+    """``regiontrace plan org/name`` plans the cached snapshot exactly as its folder; a missing one fails."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from hf_models import build
+
+    _, hf_model = build("qwen3_moe")
+    saved = tmp_path / "saved"
+    hf_model.save_pretrained(saved, max_shard_size="20KB")
+    cache = tmp_path / "hub"
+    files = {n: (saved / n).read_bytes() for n in os.listdir(saved)}
+    snapshot = add_snapshot(cache, "org/tiny-moe", MAIN, files, refs=("main",))
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+
+    def plan(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "regiontrace", "plan", *args, "--mesh", "2x2", "--json"]
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    by_id, by_folder = plan("org/tiny-moe", "--revision", "main"), plan(str(snapshot))
+    assert by_id.returncode == 0, by_id.stderr
+    assert by_folder.returncode == 0, by_folder.stderr
+    assert json.loads(by_id.stdout)["ranks"] == json.loads(by_folder.stdout)["ranks"]
+    assert json.loads(by_id.stdout)["checkpoint"] == str(snapshot)
+    missing = plan("org/tiny-moe", "--revision", "v9")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "'org/tiny-moe'" in missing.stderr and "revision 'v9'" in missing.stderr and str(cache) in missing.stderr
+    assert "hf download org/tiny-moe" in missing.stderr
