@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -152,7 +153,11 @@ DEFAULT_TIMEOUT = 300.0
 HEARTBEAT_LIMIT = 30.0
 """At most this many seconds without a heartbeat and a rank that had started the load is reported dead."""
 
-_STAGES = {"planning": "Planning the load", "reading": "Reading the checkpoint"}
+_STAGES = {
+    "resolving": "Resolving the checkpoint",
+    "planning": "Planning the load",
+    "reading": "Reading the checkpoint",
+}
 _LOAD_IDS = itertools.count()
 
 
@@ -245,12 +250,14 @@ class LoadSession:
 
     # -- agreement --------------------------------------------------------------------------------------
 
-    def agree(self, error: BaseException | None, stage: str) -> None:
+    def agree(self, error: BaseException | None, stage: str, *, bounded: bool = True) -> None:
         """Post this rank's outcome of ``stage``, wait for every rank's, and raise on every rank if any failed.
 
         Args:
             error: this rank's failure, or None.
-            stage: ``"planning"`` or ``"reading"``.
+            stage: ``"resolving"``, ``"planning"`` or ``"reading"``.
+            bounded: wait at most the session's timeout (False: wait without limit, e.g. for a download;
+                dead ranks are still detected).
 
         Raises:
             CheckpointError | ValueError | RuntimeError: some rank failed (the lowest failed rank's error type,
@@ -259,7 +266,7 @@ class LoadSession:
                 others gave up waiting for it.
         """
         with peer_errors(stage, "agreeing on the outcome through the store"):  # e.g. the store's host died
-            verdict, failed = self._exchange(error, stage)
+            verdict, failed = self._exchange(error, stage, bounded)
         if verdict == "ok":
             if failed:
                 _raise_failed(_STAGES[stage], failed, error)
@@ -267,7 +274,7 @@ class LoadSession:
         reason, _, names = verdict.partition(":")
         raise self._peer_failure(stage, reason, tuple(int(r) for r in names.split(",") if r)) from error
 
-    def _exchange(self, error: BaseException | None, stage: str) -> tuple[str, list]:
+    def _exchange(self, error: BaseException | None, stage: str, bounded: bool) -> tuple[str, list]:
         """Post this rank's outcome; the verdict and, when it is ``"ok"``, every failed rank's outcome."""
         from .errors import CheckpointError
 
@@ -284,16 +291,16 @@ class LoadSession:
             s.set(f"{stage}/failed/{s.add(f'{stage}/failed', 1)}", json.dumps(payload))
         s.set(f"{stage}/here/{self.rank}", "1")
         s.add(f"{stage}/count", 1)
-        verdict = self._verdict(stage)
+        verdict = self._verdict(stage, self.timeout if bounded else None)
         if verdict != "ok":
             return verdict, []
         count = s.add(f"{stage}/failed", 0)
         failed = [json.loads(s.get(f"{stage}/failed/{i}")) for i in range(1, count + 1)]
         return verdict, sorted(failed, key=lambda f: f[0])
 
-    def _verdict(self, stage: str) -> str:
+    def _verdict(self, stage: str, timeout: float | None) -> str:
         s, key = self.store, f"{stage}/verdict"
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.001
         while True:
             if s.add(f"{stage}/count", 0) == self.world:
@@ -571,6 +578,7 @@ def load_distributed(
 
     rank, world = rank_and_world()
     with LoadSession(timeout) as session:
+        _resolve_on_rank_zero_first(session, path, revision)
         error = None
         try:
             checkpoint = SafetensorsCheckpoint.open(path, revision=revision)
@@ -586,3 +594,19 @@ def load_distributed(
             bytes_read = reader.bytes_read
     planner.keyplan.record_on_model(planner.model)
     return planner.report(bytes_read, rank, world)
+
+
+def _resolve_on_rank_zero_first(session: LoadSession, path: str, revision: str | None) -> None:
+    """A Hub repo id not on disk is resolved (downloaded when not cached) by rank 0 alone, while the others
+    wait without limit; then every rank finds it in the cache. Local paths need nothing."""
+    from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
+
+    if os.path.exists(path) or not looks_like_repo_id(path):
+        return
+    error = None
+    if session.rank == 0:
+        try:
+            resolve_checkpoint(path, revision)
+        except Exception as e:  # agreed below: every rank raises
+            error = e
+    session.agree(error, "resolving", bounded=False)

@@ -91,7 +91,7 @@ def local_numel(t: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:  # noqa: ANN001
+def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False, repo_id: bool = False) -> dict:  # noqa: ANN001
     import dist_models as dm
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -100,6 +100,9 @@ def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:  # no
     mesh = init_device_mesh("cpu", mesh_shape)
     model = shard_model(dm.Layout(), mesh, layout_placements(mesh_shape))
     path = ctx["layout_path"]
+    if repo_id:  # resolved from the fake Hub cache (offline): rank 0 first, then every rank
+        os.environ.update(HF_HUB_CACHE=ctx["hub_cache"], HF_HUB_OFFLINE="1")
+        path = "org/layout"
     if use_dcp:
         import torch.distributed.checkpoint as dcp
 
@@ -310,6 +313,7 @@ SCENARIOS = [
     ("layout_1d", lambda ctx: scenario_layout(ctx, (4,))),
     ("layout_2d", lambda ctx: scenario_layout(ctx, (2, 2))),
     ("layout_dcp_2d", lambda ctx: scenario_layout(ctx, (2, 2), use_dcp=True)),
+    ("layout_repo_id", lambda ctx: scenario_layout(ctx, (2, 2), repo_id=True)),
     ("moe_1d", lambda ctx: scenario_moe(ctx, (4,))),
     ("moe_2d", lambda ctx: scenario_moe(ctx, (2, 2))),
     ("moe_dcp_1d", lambda ctx: scenario_moe(ctx, (4,), use_dcp=True)),

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import dist_models as dm  # noqa: E402
 import dist_worker  # noqa: E402
+from fake_hub import add_snapshot
 
 WORLD = 4
 pytestmark = pytest.mark.dist
@@ -34,6 +35,9 @@ def results(tmp_path_factory):
     torch.save(dm.expected_state(dm.write_checkpoint(ctx["layout_path"])), root / "layout_ref.pt")
     ctx["layout_ref"] = str(root / "layout_ref.pt")
     ctx["bad_layout_path"] = _truncated_copy(ctx["layout_path"], str(root / "bad"))
+    with open(ctx["layout_path"], "rb") as f:  # the same checkpoint as a Hub repo id in a fake cache
+        add_snapshot(root / "hub", "org/layout", "c" * 40, {"model.safetensors": f.read()}, refs=("main",))
+    ctx["hub_cache"] = str(root / "hub")
     cfg = transformers.AutoConfig.for_model(
         "qwen3_moe",
         hidden_size=32,
@@ -109,7 +113,7 @@ def _ok(results, name):
     return [res[name] for res in results]
 
 
-@pytest.mark.parametrize("name", ["layout_1d", "layout_2d", "layout_dcp_2d"])
+@pytest.mark.parametrize("name", ["layout_1d", "layout_2d", "layout_dcp_2d", "layout_repo_id"])
 def test_layout_shards_equal_single_process_load(results, name):
     per_rank = _ok(results, name)
     for r, res in enumerate(per_rank):

@@ -7,7 +7,6 @@ The cache has the layout ``snapshot_download`` leaves: ``models--org--name/refs/
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_hub import add_snapshot, repo_folder
 from safetensors.torch import save
 from torch import nn
 
@@ -37,27 +37,6 @@ OLD = "b" * 40  # commit of refs/v1: single-file checkpoint
 def model(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
-
-
-def repo_folder(cache: Path, repo_id: str) -> Path:
-    return cache / ("models--" + repo_id.replace("/", "--"))
-
-
-def add_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, bytes], refs: tuple[str, ...] = ()) -> Path:
-    """Write ``files`` as blobs linked from ``snapshots/<commit>/`` and point ``refs`` at the commit."""
-    repo = repo_folder(cache, repo_id)
-    snapshot = repo / "snapshots" / commit
-    for name, data in files.items():
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = snapshot / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(os.path.relpath(blob, link.parent), link)  # ../../blobs/<sha>, as the Hub cache does
-    for ref in refs:
-        (repo / "refs").mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 def sharded_files(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
