@@ -34,7 +34,9 @@ pages (as on separate nodes) and ``read_bytes`` of ``/proc/self/io`` (block-devi
 readahead included) is that rank's physical read. Per method, all four ranks load at once, three times: a
 first unmeasured pass (lazy imports, page cache filled), warm, and cold (each rank first drops its files
 from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``).
-Reported per rank: logical bytes (what the method asked the OS or the mmap for), physical bytes of the cold
+Reported per rank: logical bytes (what the method asked the OS or the mmap for; for ours, the bytes the shards
+need — the gaps between a column shard's runs, read through on pages the runs touch anyway and discarded,
+are reported apart as "gaps"), physical bytes of the cold
 load, cached bytes (this rank's checkpoint pages in the page cache right after the cold load, by
 ``mincore``: what the cold load brought in from its files, readahead included, and nothing else), and both
 times; wall = the slowest rank. Local shards are set to NaN before every load, and after each
@@ -59,9 +61,19 @@ from datetime import timedelta
 
 HIDDEN, LAYERS, EXPERTS, MOE_INTERMEDIATE = 1024, 4, 32, 512
 CONFIG = dict(
-    hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_experts=EXPERTS, moe_intermediate_size=MOE_INTERMEDIATE,
-    num_experts_per_tok=4, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-    vocab_size=8192, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+    hidden_size=HIDDEN,
+    num_hidden_layers=LAYERS,
+    num_experts=EXPERTS,
+    moe_intermediate_size=MOE_INTERMEDIATE,
+    num_experts_per_tok=4,
+    intermediate_size=2048,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=8192,
+    tie_word_embeddings=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
 )
 WORLD = 4
 PAGE = 4096
@@ -101,8 +113,10 @@ def generate(out: str) -> None:
 
     base = os.path.join(out, "r0")
     hf, flat = os.path.join(base, "hf"), os.path.join(base, "flat")
-    if not (os.path.isfile(os.path.join(hf, "model.safetensors.index.json"))
-            and os.path.isfile(os.path.join(flat, "model.safetensors.index.json"))):
+    if not (
+        os.path.isfile(os.path.join(hf, "model.safetensors.index.json"))
+        and os.path.isfile(os.path.join(flat, "model.safetensors.index.json"))
+    ):
         config = AutoConfig.for_model("qwen3_moe", **CONFIG)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -123,8 +137,12 @@ def generate(out: str) -> None:
 
 def checkpoint_files(root: str) -> list[str]:
     """The .safetensors files under ``root`` (one rank's copy, both layouts)."""
-    return sorted(os.path.join(root, d, n) for d in ("hf", "flat") for n in os.listdir(os.path.join(root, d))
-                  if n.endswith(".safetensors"))
+    return sorted(
+        os.path.join(root, d, n)
+        for d in ("hf", "flat")
+        for n in os.listdir(os.path.join(root, d))
+        if n.endswith(".safetensors")
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -206,8 +224,7 @@ def placements_for(model, strided: bool, layout: str = "tp") -> dict:  # noqa: A
         if layout == "ep" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             out[name] = [Shard(0)]  # whole experts per rank
             continue
-        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight",
-                          "lm_head.weight")):
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight", "lm_head.weight")):
             out[name] = [Shard(0)]
         elif name.endswith("o_proj.weight"):
             out[name] = [Shard(1)]
@@ -277,6 +294,26 @@ def needed_pages(model, directory: str) -> int:
 # the methods (each returns the logical bytes it read)
 
 
+_GAPS = [0]  # bytes the loader's readers read through between wanted runs (FileReader.gap_bytes), this phase
+
+
+def _count_gaps() -> None:
+    """Add each loader FileReader's ``gap_bytes`` to ``_GAPS`` when it is closed."""
+    from loader.checkpoint import FileReader
+
+    close = FileReader.close
+    if getattr(close, "counts_gaps", False):
+        return
+
+    def counting_close(self) -> None:  # noqa: ANN001
+        _GAPS[0] += getattr(self, "gap_bytes", 0)
+        self.gap_bytes = 0
+        close(self)
+
+    counting_close.counts_gaps = True
+    FileReader.close = counting_close
+
+
 def load_ours(model, out: str) -> int:  # noqa: ANN001
     from loader import load_hf_checkpoint
 
@@ -320,7 +357,7 @@ def _hf_key_region(key: str, shapes: dict) -> tuple[str, tuple] | None:  # noqa:
     if "experts" in parts:
         i = parts.index("experts")
         expert, proj = int(parts[i + 1]), parts[i + 2]
-        prefix = ".".join(parts[:i + 1])
+        prefix = ".".join(parts[: i + 1])
         if proj == "down_proj":
             return prefix + ".down_proj", (expert,)
         rows = shapes[prefix + ".gate_up_proj"][1] // 2
@@ -395,8 +432,13 @@ def load_dcp_hf(model, out: str) -> int:  # noqa: ANN001
     return counted[0]
 
 
-LOADERS = {"ours": load_ours, "ours_random": load_ours_random, "ours_dcp": load_ours_dcp, "vllm": load_vllm,
-           "dcp_hf": load_dcp_hf}
+LOADERS = {
+    "ours": load_ours,
+    "ours_random": load_ours_random,
+    "ours_dcp": load_ours_dcp,
+    "vllm": load_vllm,
+    "dcp_hf": load_dcp_hf,
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -411,14 +453,19 @@ def rank_main(rank: int, world: int, args: dict) -> None:
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{args['store']}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{args['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     out = os.path.join(args["out"], f"r{rank}")  # this rank's own copy of the files
     files = checkpoint_files(out)
     mesh = init_device_mesh("cpu", (world,))
     model = build_sharded_model(os.path.join(out, "hf"), mesh, args["strided"], args["layout"])
-    result: dict = {"rank": rank, "shard_bytes": shard_bytes(model),
-                    "page_bound": needed_pages(model, os.path.join(out, "hf")) * PAGE, "methods": {}}
+    result: dict = {
+        "rank": rank,
+        "shard_bytes": shard_bytes(model),
+        "page_bound": needed_pages(model, os.path.join(out, "hf")) * PAGE,
+        "methods": {},
+    }
     reference = None
     for method in args["methods"]:
         fn = LOADERS[method]
@@ -436,6 +483,8 @@ def rank_main(rank: int, world: int, args: dict) -> None:
 
                 prof = cProfile.Profile()
                 prof.enable()
+            _count_gaps()
+            _GAPS[0] = 0
             io, t = read_bytes(), time.perf_counter()
             logical = fn(model, out)
             r[f"{phase}_seconds"] = time.perf_counter() - t
@@ -448,6 +497,7 @@ def rank_main(rank: int, world: int, args: dict) -> None:
             if phase == "cold":
                 r["resident"] = resident_bytes(files)
             r["logical"] = logical
+            r["gaps"] = _GAPS[0]
             dist.barrier()
         r["physical"] = r["cold_physical"]
         r["oracle"] = oracle_check(model, out, rank, world)
@@ -503,10 +553,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="checkpoint folder (generated there if absent; default: a temp folder)")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--strided", action="store_true",
-                        help="gate_up_proj as _StridedShard(1, split_factor=2) (dcp_hf cannot load it)")
-    parser.add_argument("--layout", choices=("tp", "ep"), default="tp",
-                        help="tp: experts TP as above (default); ep: whole experts per rank (Shard(0))")
+    parser.add_argument(
+        "--strided",
+        action="store_true",
+        help="gate_up_proj as _StridedShard(1, split_factor=2) (dcp_hf cannot load it)",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("tp", "ep"),
+        default="tp",
+        help="tp: experts TP as above (default); ep: whole experts per rank (Shard(0))",
+    )
     parser.add_argument("--profile", metavar="METHOD", help="cProfile rank 0's warm load with METHOD")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
@@ -521,50 +578,82 @@ def main(argv: list[str] | None = None) -> int:
     generate(out)
     files = checkpoint_files(os.path.join(out, "r0"))
     hf_size = sum(os.path.getsize(p) for p in files if os.sep + "hf" + os.sep in p)
-    print(f"checkpoint: {out} (hf/ and flat/, {hf_size / MIB:.1f} MiB each layout, ready in "
-          f"{time.perf_counter() - t0:.1f} s); qwen3_moe hidden {HIDDEN}, {LAYERS} layers, {EXPERTS} experts, "
-          f"moe_intermediate {MOE_INTERMEDIATE}, bf16; world {WORLD} (gloo, 1 torch thread per rank), "
-          f"{os.cpu_count()} CPUs; experts "
-          + ("EP (Shard(0))" if args.layout == "ep" else
-             f"TP: gate_up_proj {'_StridedShard(1, 2)' if args.strided else 'Shard(1)'}, down_proj Shard(2)"))
+    print(
+        f"checkpoint: {out} (hf/ and flat/, {hf_size / MIB:.1f} MiB each layout, ready in "
+        f"{time.perf_counter() - t0:.1f} s); qwen3_moe hidden {HIDDEN}, {LAYERS} layers, {EXPERTS} experts, "
+        f"moe_intermediate {MOE_INTERMEDIATE}, bf16; world {WORLD} (gloo, 1 torch thread per rank), "
+        f"{os.cpu_count()} CPUs; experts "
+        + (
+            "EP (Shard(0))"
+            if args.layout == "ep"
+            else f"TP: gate_up_proj {'_StridedShard(1, 2)' if args.strided else 'Shard(1)'}, down_proj Shard(2)"
+        )
+    )
     visible = physical_reads_visible(files)
     if not visible:
         print("NOTE: /proc/self/io read_bytes stays 0 here: physical bytes cannot be measured in this container")
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"out": out, "methods": methods, "strided": args.strided, "profile": args.profile,
-                "layout": args.layout,
-                "store": os.path.join(tmp, "store"), "results": tmp}
+        spec = {
+            "out": out,
+            "methods": methods,
+            "strided": args.strided,
+            "profile": args.profile,
+            "layout": args.layout,
+            "store": os.path.join(tmp, "store"),
+            "results": tmp,
+        }
         t0 = time.perf_counter()
         mp.start_processes(rank_main, args=(WORLD, spec), nprocs=WORLD, join=True, start_method="spawn")
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
         print(f"ran in {time.perf_counter() - t0:.1f} s")
     for res in ranks:
-        print(f"rank {res['rank']}: shard bytes {res['shard_bytes'] / MIB:.2f} MiB, page bound "
-              f"{res['page_bound'] / MIB:.2f} MiB ({res['page_bound'] / res['shard_bytes']:.3f} x)")
-    header = (f"{'method':>11} {'rank':>4} {'logical MiB':>11} {'/shard':>7} {'physical MiB':>12} {'/shard':>7} "
-              f"{'cached MiB':>10} {'/shard':>7} {'cold s':>7} {'warm s':>7}")
+        print(
+            f"rank {res['rank']}: shard bytes {res['shard_bytes'] / MIB:.2f} MiB, page bound "
+            f"{res['page_bound'] / MIB:.2f} MiB ({res['page_bound'] / res['shard_bytes']:.3f} x)"
+        )
+    header = (
+        f"{'method':>11} {'rank':>4} {'logical MiB':>11} {'/shard':>7} {'physical MiB':>12} {'/shard':>7} "
+        f"{'cached MiB':>10} {'/shard':>7} {'cold s':>7} {'warm s':>7}"
+    )
     print(header)
     for method in methods:
         for res in ranks:
             r, sb = res["methods"][method], res["shard_bytes"]
             phys = f"{r['physical'] / MIB:12.2f} {r['physical'] / sb:7.3f}" if visible else f"{'n/a':>12} {'':>7}"
-            cached = (f"{r['resident'] / MIB:10.2f} {r['resident'] / sb:7.3f}" if r.get("resident") is not None
-                      else f"{'n/a':>10} {'':>7}")
-            print(f"{method:>11} {res['rank']:>4} {r['logical'] / MIB:11.2f} {r['logical'] / sb:7.3f} {phys} {cached} "
-                  f"{r['cold_seconds']:7.3f} {r['warm_seconds']:7.3f}")
+            cached = (
+                f"{r['resident'] / MIB:10.2f} {r['resident'] / sb:7.3f}"
+                if r.get("resident") is not None
+                else f"{'n/a':>10} {'':>7}"
+            )
+            print(
+                f"{method:>11} {res['rank']:>4} {r['logical'] / MIB:11.2f} {r['logical'] / sb:7.3f} {phys} {cached} "
+                f"{r['cold_seconds']:7.3f} {r['warm_seconds']:7.3f}"
+            )
         rs = [res["methods"][method] for res in ranks]
         ok = all(r["equal"] for r in rs)
         oracle = all(r["oracle"] for r in rs)
-        print(f"{method:>11}  wall (slowest rank): cold {max(r['cold_seconds'] for r in rs):.3f} s, warm "
-              f"{max(r['warm_seconds'] for r in rs):.3f} s; shards {'equal' if ok else 'DIFFER'}"
-              f"{' to ' + methods[0] + ' (bit for bit)' if method != methods[0] else ' (every element loaded)'}; "
-              f"sampled shards {'match' if oracle else 'DO NOT match'} DTensor's own split")
+        gaps = max(r.get("gaps", 0) for r in rs) / MIB
+        print(
+            f"{method:>11}  wall (slowest rank): cold {max(r['cold_seconds'] for r in rs):.3f} s, warm "
+            f"{max(r['warm_seconds'] for r in rs):.3f} s; "
+            + (f"gaps read through and discarded: up to {gaps:.2f} MiB per rank; " if gaps else "")
+            + f"shards {'equal' if ok else 'DIFFER'}"
+            f"{' to ' + methods[0] + ' (bit for bit)' if method != methods[0] else ' (every element loaded)'}; "
+            f"sampled shards {'match' if oracle else 'DO NOT match'} DTensor's own split"
+        )
     print()
-    worst = {m: (max(res["methods"][m]["logical"] / res["shard_bytes"] for res in ranks),
-                 max(res["methods"][m]["physical"] / res["shard_bytes"] for res in ranks)) for m in methods}
+    worst = {
+        m: (
+            max(res["methods"][m]["logical"] / res["shard_bytes"] for res in ranks),
+            max(res["methods"][m]["physical"] / res["shard_bytes"] for res in ranks),
+        )
+        for m in methods
+    }
     for m, (lg, ph) in worst.items():
-        print(f"{m:>11}: worst rank logical {lg:.3f} x shard bytes (target <= 1.02), physical "
-              + (f"{ph:.3f} x (target <= 1.10)" if visible else "n/a"))
+        print(
+            f"{m:>11}: worst rank logical {lg:.3f} x shard bytes (target <= 1.02), physical "
+            + (f"{ph:.3f} x (target <= 1.10)" if visible else "n/a")
+        )
     return 0
 
 

@@ -681,13 +681,13 @@ def test_progress_bar_and_log_lines(plain_dir, capfd, caplog):
 
 
 
-def test_many_run_blocks_are_copied_from_a_memory_map(tmp_path):
+def test_many_run_blocks_are_read_by_span_in_one_strided_copy(tmp_path):
     """Column slices and step slices read hundreds of short runs: exact values, exact bytes."""
     from safetensors.torch import save_file
     from torch import nn
 
     from loader import Convert, load_hf_checkpoint
-    from loader.execute import MAPPED_RUNS, read_layout
+    from loader.execute import STRIDED_RUNS, read_layout
 
     g = torch.Generator().manual_seed(0)
     src = {"w": torch.randn(300, 8, generator=g).to(torch.bfloat16), "u": torch.randn(200, 6, generator=g)}
@@ -709,7 +709,7 @@ def test_many_run_blocks_are_copied_from_a_memory_map(tmp_path):
     import regiontrace as rt
 
     x = rt.RegionTensor.leaf("w", (300, 8), torch.bfloat16)
-    assert len(read_layout(x[:, 2:5].remap_blocks()[0]).runs) > MAPPED_RUNS
+    assert len(read_layout(x[:, 2:5].remap_blocks()[0]).runs) > STRIDED_RUNS
 
 
 def test_deferred_transformers_conversions_cast_sources_like_from_pretrained(tmp_path):

@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import torch
 
-from .untrusted import OPEN_FLAGS as OPEN_FLAGS  # re-exported: the data reads open files with it
 from .untrusted import DuplicateKeyError, err, gc_paused, loads_json, open_regular_file, pread_exact, short, strict_dict
 
 MAX_HEADER_BYTES = 100_000_000  # same limit as the safetensors reference implementation
