@@ -49,3 +49,16 @@ def test_doc_code_blocks_run(path, tmp_path, monkeypatch):
     for line, code in python_blocks(path.read_text(encoding="utf-8")):
         padded = "\n" * (line - 1) + code  # tracebacks point at the markdown file's own line numbers
         exec(compile(padded, str(path), "exec"), namespace)  # noqa: S102
+
+
+def test_every_test_a_doc_names_exists():
+    """``test_file.py::test_name`` references in docs (e.g. loading.md's promises) point at real tests."""
+    tests = Path(__file__).resolve().parent
+    named = {m.groups() for path in doc_files() for m in re.finditer(r"`(test_\w+\.py)::(test_\w+)`", path.read_text())}
+    assert len(named) >= 20  # the promises table of loading.md alone names more
+    missing = [
+        f"{file}::{name}"
+        for file, name in sorted(named)
+        if not (tests / file).is_file() or not re.search(rf"^def {name}\(", (tests / file).read_text(), re.M)
+    ]
+    assert not missing, missing
