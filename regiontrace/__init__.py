@@ -5,15 +5,17 @@ every output element comes from and compiles, for any box of the output, into :c
 """
 
 from .blocks import RemapBlock, compile_blocks
-from .errors import TraceMismatch, Untraceable
+from .errors import NotInvertible, TraceMismatch, Untraceable
 from .execute import execute_blocks, materialize
+from .invert import Inverse, PackedRuns, invert, packed_source_runs, scatter_blocks, unmaterialize
 from .region import PIECE_BUDGET, Region
 from .tensor import RegionTensor
 from .trace import trace
 
 __all__ = [
-    "PIECE_BUDGET", "Region", "RegionTensor", "RemapBlock", "TraceMismatch", "Untraceable", "compile_blocks",
-    "execute_blocks", "explain", "materialize", "to_networkx", "trace",
+    "PIECE_BUDGET", "Inverse", "NotInvertible", "PackedRuns", "Region", "RegionTensor", "RemapBlock",
+    "TraceMismatch", "Untraceable", "compile_blocks", "execute_blocks", "explain", "invert", "materialize",
+    "packed_source_runs", "scatter_blocks", "to_networkx", "trace", "unmaterialize",
 ]
 __version__ = "0.1.0"
 
