@@ -157,7 +157,7 @@ def run(layers: int, rank: int, mesh, profile: bool = False, all_ranks: bool = F
     checkpoint = header_only_checkpoint(model)
     t2 = time.perf_counter()
     planner = HFLoadPlanner(model)
-    from loader.distributed import _shard_boxes_cached
+    from loader.placements import _shard_boxes_cached
 
     _shard_boxes_cached.cache_clear()  # nothing carried over from an earlier run
     timers = PhaseTimers()

@@ -371,7 +371,7 @@ def load_vllm(model, out: str) -> int:  # noqa: ANN001
     import torch
     from safetensors import safe_open
 
-    from loader.distributed import slot_for
+    from loader.placements import slot_for
 
     directory = os.path.join(out, "hf")
     with open(os.path.join(directory, "model.safetensors.index.json")) as f:

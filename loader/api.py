@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import datetime
 import logging
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .checkpoint import FileReader, SafetensorsCheckpoint
-from .execute import BlockExecutor, run_deferred
+from .execute import execute_plan
 from .plan import describe
 from .planner import HFLoadPlanner, LoadReport
 
 log = logging.getLogger("loader")
-
-
-def _progress_bar(enabled: bool | None, total: int):  # noqa: ANN202
-    if enabled is False or (enabled is None and not sys.stderr.isatty()):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False)
 
 
 def load_hf_checkpoint(
@@ -71,7 +62,8 @@ def load_hf_checkpoint(
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
-    from .distributed import load_distributed, rank_and_world, timeout_seconds
+    from .distributed import load_distributed, timeout_seconds
+    from .placements import rank_and_world
 
     timeout_seconds(timeout)  # a bad timeout is refused in one process too
     planner = planner or HFLoadPlanner(
@@ -96,46 +88,3 @@ def load_hf_checkpoint(
     report = planner.report(bytes_read, rank, world)
     log.info("loaded %d tensors, read %d bytes", len(report.loaded_keys), bytes_read)
     return report
-
-
-def execute_plan(
-    planner: HFLoadPlanner,
-    reader: FileReader,
-    *,
-    progress: bool | None = None,
-    rollback: bool = False,
-    reads=None,
-    deferred=None,
-) -> None:  # noqa: ANN001
-    """Run the planner's plan (or the given subsets of it) against the checkpoint files."""
-    plan, checkpoint, slots = planner.plan, planner.checkpoint, planner.slots
-    reads = plan.reads if reads is None else reads
-    deferred = plan.deferred if deferred is None else deferred
-    saved = _snapshot(plan, slots) if rollback else None
-    bar = _progress_bar(progress, plan.planned_bytes(checkpoint))
-    try:
-        BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None).run(reads)
-        for d in deferred:
-            if d.boxes:
-                run_deferred(d, checkpoint, slots, reader)
-                if bar:
-                    bar.update(sum(checkpoint[k].nbytes for k in d.conversion.sources))
-    except BaseException:
-        if saved is not None:
-            restore(saved, slots)
-        raise
-    finally:
-        if bar:
-            bar.close()
-
-
-def restore(saved: dict[str, torch.Tensor], slots) -> None:  # noqa: ANN001
-    """Put back the values :func:`_snapshot` took (rollback)."""
-    with torch.no_grad():
-        for name, value in saved.items():
-            slots[name].local.copy_(value)
-
-
-def _snapshot(plan, slots) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    names = set(plan.traced) | set(plan.deferred_targets)
-    return {n: slots[n].local.detach().clone() for n in names if slots[n].local is not None}

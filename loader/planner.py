@@ -24,8 +24,8 @@ from regiontrace.execute import apply_casts, dest_view, source_view
 from .checkpoint import SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred
 from .plan import RankPlan, TraceCache, plan_rank
+from .plan.slots import TargetSlot, box_view, model_slots
 from .rules import Conversion, plan_keys
-from .targets import TargetSlot, box_view, model_slots
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class HFLoadPlanner(LoadPlanner):
 
     def target_slot(self, name: str, tensor: torch.Tensor) -> TargetSlot:
         """The slot (owned boxes) of one model tensor on this rank."""
-        from .distributed import slot_for
+        from .placements import slot_for
 
         return slot_for(name, tensor)
 
@@ -300,7 +300,7 @@ class HFLoadPlanner(LoadPlanner):
 
     def finish(self, path: str = "") -> LoadReport:
         """After ``dcp.load``: record conversions on the model and return this rank's report."""
-        from .distributed import rank_and_world
+        from .placements import rank_and_world
 
         if self.keyplan is not None:
             self.keyplan.record_on_model(self.model)

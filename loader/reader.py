@@ -29,7 +29,7 @@ from regiontrace.region import contiguous_strides
 from .checkpoint import FileReader, SafetensorsCheckpoint
 from .execute import BlockExecutor
 from .plan import BlockRead
-from .targets import full_box, plain_slot
+from .plan.slots import full_box, plain_slot
 
 
 class SafetensorsReader(StorageReader):
@@ -98,8 +98,9 @@ class SafetensorsReader(StorageReader):
         return fut
 
     def _read_for_hf_planner(self, plan: LoadPlan, planner: Any, reader: FileReader) -> None:
-        from .api import execute_plan
-        from .distributed import rank_and_world, read_together
+        from .distributed import read_together
+        from .execute import execute_plan
+        from .placements import rank_and_world
 
         block_reads, deferred = [], set()
         for item in plan.items:

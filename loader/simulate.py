@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from .checkpoint import SafetensorsCheckpoint
-from .distributed import _is_dtensor, shard_boxes
+from .placements import _is_dtensor, shard_boxes
+from .plan.slots import TargetSlot, full_box, iter_model_tensors
 from .planner import HFLoadPlanner
-from .targets import TargetSlot, full_box, iter_model_tensors
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from torch import nn
 from loader import CheckpointError, HFLoadPlanner, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileIdentity, FileReader
 from loader.execute import STRIDED_RUNS, page_spans, read_layout
-from loader.targets import TargetSlot
+from loader.plan.slots import TargetSlot
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROWS, COLS = 512, 64  # bf16: 128 B rows; columns [C0, C1) are 32 B of every row, ROWS runs per tensor
@@ -198,7 +198,7 @@ class WriterAfterFirstRead(FileReader):
 
 
 def scenario_changed_during_read(root: Path) -> None:
-    from loader.api import execute_plan
+    from loader.execute import execute_plan
 
     net = Net()
     before = state(net)
@@ -281,7 +281,7 @@ def assert_names_victim(result: dict, root: Path, *words: str) -> None:
 def test_normal_load_is_bit_exact(root):
     """Unchanged files: the column shards and whole tensors load bit for bit; bytes_read counts exactly the
     shard's bytes, the gaps read through (on pages the runs touch anyway) are counted apart."""
-    from loader.api import execute_plan
+    from loader.execute import execute_plan
 
     tensors = load_file(str(root / FIRST)) | load_file(str(root / SECOND))
     net = Net()

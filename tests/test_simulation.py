@@ -23,10 +23,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from loader import HFLoadPlanner, SafetensorsCheckpoint
 from loader.checkpoint import FileReader, TensorInfo
-from loader.distributed import shard_boxes
+from loader.placements import shard_boxes
 from loader.execute import BlockExecutor, run_deferred
 from loader.simulate import coordinate_of, simulate_load
-from loader.targets import TargetSlot
+from loader.plan.slots import TargetSlot
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -547,7 +547,7 @@ def test_random_placements_against_dtensor():
 def test_negative_shard_dims_are_normalised():
     from torch.distributed.tensor import Shard
 
-    from loader.distributed import shard_boxes
+    from loader.placements import shard_boxes
 
     assert shard_boxes((4, 8), (2,), (1,), [Shard(-1)]) == shard_boxes((4, 8), (2,), (1,), [Shard(1)])
     assert shard_boxes((4, 8), (2,), (1,), [Shard(-1)]) == ((((0, 4), (4, 8)), ((0, 4), (0, 4))),)

@@ -52,7 +52,7 @@ def box_view(t: torch.Tensor, box: Box) -> torch.Tensor:
     return t
 
 
-def _storage(t: torch.Tensor) -> torch.Tensor:
+def storage_of(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor whose memory a parameter/buffer (or DTensor) keeps its values in."""
     data = t.data if isinstance(t, torch.nn.Parameter) else t
     local = getattr(data, "_local_tensor", None)
@@ -67,7 +67,7 @@ def iter_model_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
 def plain_slot(name: str, tensor: torch.Tensor) -> TargetSlot:
     """A slot for a tensor this rank holds whole."""
     shape = tuple(tensor.shape)
-    return TargetSlot(name, shape, tensor.dtype, _storage(tensor), ((full_box(shape), full_box(shape)),))
+    return TargetSlot(name, shape, tensor.dtype, storage_of(tensor), ((full_box(shape), full_box(shape)),))
 
 
 def model_slots(model: torch.nn.Module, slot_for=None) -> dict[str, TargetSlot]:  # noqa: ANN001

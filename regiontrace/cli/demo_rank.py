@@ -48,7 +48,7 @@ def _load_and_check(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from loader import load_hf_checkpoint
-    from loader.distributed import shard_boxes
+    from loader.placements import shard_boxes
 
     from .demo_models import build_model, loader_kwargs
     from .sharding import shard_module

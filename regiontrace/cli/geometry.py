@@ -221,10 +221,10 @@ def collect(
         selected: model tensor names drawn.
         placement_text: formats a placement list.
     """
-    from loader.distributed import shard_boxes
+    from loader.placements import shard_boxes
     from loader.plan import unique_read_bytes
     from loader.simulate import coordinate_of
-    from loader.targets import TargetSlot, full_box
+    from loader.plan.slots import TargetSlot, full_box
 
     chosen = set(selected)
     views: dict[str, TensorView] = {}

@@ -1,0 +1,280 @@
+"""Failing together: the outcome of each stage of a distributed load agreed through the process group's
+store, with a timeout and a heartbeat (:class:`LoadSession`), so that a rank that fails, hangs or dies turns
+into the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from ..placements import rank_and_world
+
+log = logging.getLogger("loader")
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a rank waits at an agreement point for the others (``load_hf_checkpoint(timeout=...)``)."""
+
+
+HEARTBEAT_LIMIT = 30.0
+"""At most this many seconds without a heartbeat and a rank that had started the load is reported dead."""
+
+
+_STAGES = {
+    "resolving": "Resolving the checkpoint",
+    "planning": "Planning the load",
+    "reading": "Reading the checkpoint",
+}
+
+
+_LOAD_IDS = itertools.count()
+
+
+def timeout_seconds(timeout: float | datetime.timedelta | None) -> float | None:
+    """``timeout`` in seconds (None: no limit).
+
+    Raises:
+        ValueError: a timeout that is not positive.
+    """
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive (or None for no limit), got {timeout!r}")
+    return seconds
+
+
+class LoadSession:
+    """The fail-together protocol of one distributed load, carried by the default process group's store.
+
+    At each agreement point (end of planning, end of reading) every rank posts its outcome to the store and
+    waits, at most ``timeout`` seconds, until every rank has posted. No collective is involved, so a rank
+    that never arrives blocks nobody: the waiting ranks see in the store which ranks are missing. One
+    verdict per agreement point is chosen by the store's compare-and-set and obeyed by every rank, a hung
+    rank that resumes after the others gave up included. A background thread beats a per-rank counter and
+    watches the next live rank's: a rank that started the load and stops beating for ``dead_after`` seconds
+    (``min(timeout / 2, HEARTBEAT_LIMIT)``) is reported dead without waiting for the full timeout.
+
+    Use as a context manager around the load (it starts and stops the heartbeat); collective: every rank of
+    the default group opens one session per load, in the same order.
+
+    Args:
+        timeout: seconds (or a ``timedelta``) to wait at each agreement point; None waits without limit
+            (dead ranks are still detected).
+    """
+
+    def __init__(self, timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT) -> None:
+        self.rank, self.world = rank_and_world()
+        self.timeout = timeout_seconds(timeout)
+        self.dead_after = HEARTBEAT_LIMIT if self.timeout is None else min(HEARTBEAT_LIMIT, self.timeout / 2)
+        self.store = dist.PrefixStore(f"loader/{next(_LOAD_IDS)}", dist.distributed_c10d._get_default_store())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._declared: set[int] = set()
+
+    def __enter__(self) -> LoadSession:
+        self.store.add(f"beat/{self.rank}", 1)  # a first beat before anything can hang
+        self._thread = threading.Thread(target=self._heartbeat, name="loader-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.store.set(f"done/{self.rank}", "1")  # before the beats stop: not to be taken for dead
+        except Exception:  # noqa: BLE001 - a broken store: the load is failing anyway
+            log.debug("rank %d: could not mark the load done", self.rank, exc_info=True)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, 2 * self.dead_after))
+
+    # -- heartbeat ------------------------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        seen: dict[int, tuple[int, float]] = {}
+        try:
+            while not self._stop.wait(self.dead_after / 5):
+                self.store.add(f"beat/{self.rank}", 1)
+                self._watch(seen)
+        except Exception:  # noqa: BLE001 - the store went away (group destroyed): nothing left to watch
+            log.debug("rank %d: heartbeat stopped", self.rank, exc_info=True)
+
+    def _watch(self, seen: dict[int, tuple[int, float]]) -> None:
+        """Watch the next rank's beats; past one declared dead, watch the one after it too."""
+        peer = (self.rank + 1) % self.world
+        while peer != self.rank:
+            beats = self.store.add(f"beat/{peer}", 0)
+            now = time.monotonic()
+            if peer not in seen or seen[peer][0] != beats:
+                seen[peer] = (beats, now)
+                return
+            if beats == 0 or now - seen[peer][1] < self.dead_after or self.store.check([f"done/{peer}"]):
+                return  # not started yet (never called dead: it may just be late), alive, or finished
+            if peer not in self._declared:
+                self._declared.add(peer)
+                log.warning(
+                    "rank %d: rank %d stopped beating for %.1f s: reported dead", self.rank, peer, now - seen[peer][1]
+                )
+                self.store.append("dead", f"{peer},")
+            peer = (peer + 1) % self.world
+
+    # -- agreement --------------------------------------------------------------------------------------
+
+    def agree(self, error: BaseException | None, stage: str, *, bounded: bool = True) -> None:
+        """Post this rank's outcome of ``stage``, wait for every rank's, and raise on every rank if any failed.
+
+        Args:
+            error: this rank's failure, or None.
+            stage: ``"resolving"``, ``"planning"`` or ``"reading"``.
+            bounded: wait at most the session's timeout (False: wait without limit, e.g. for a download;
+                dead ranks are still detected).
+
+        Raises:
+            CheckpointError | ValueError | RuntimeError: some rank failed (the lowest failed rank's error type,
+                message, ``path`` and ``key``; other failed ranks are listed).
+            PeerFailure: some rank did not arrive within the timeout, died, or this rank arrived after the
+                others gave up waiting for it.
+        """
+        with peer_errors(stage, "agreeing on the outcome through the store"):  # e.g. the store's host died
+            verdict, failed = self._exchange(error, stage, bounded)
+        if verdict == "ok":
+            if failed:
+                _raise_failed(_STAGES[stage], failed, error)
+            return
+        reason, _, names = verdict.partition(":")
+        raise self._peer_failure(stage, reason, tuple(int(r) for r in names.split(",") if r)) from error
+
+    def _exchange(self, error: BaseException | None, stage: str, bounded: bool) -> tuple[str, list]:
+        """Post this rank's outcome; the verdict and, when it is ``"ok"``, every failed rank's outcome."""
+        from ..errors import CheckpointError
+
+        s = self.store
+        if error is not None:
+            carried = isinstance(error, CheckpointError)
+            payload = [
+                self.rank,
+                f"{type(error).__name__}: {error}",
+                _error_kind(error),
+                error.path if carried else None,
+                error.key if carried else None,
+            ]
+            s.set(f"{stage}/failed/{s.add(f'{stage}/failed', 1)}", json.dumps(payload))
+        s.set(f"{stage}/here/{self.rank}", "1")
+        s.add(f"{stage}/count", 1)
+        verdict = self._verdict(stage, self.timeout if bounded else None)
+        if verdict != "ok":
+            return verdict, []
+        count = s.add(f"{stage}/failed", 0)
+        failed = [json.loads(s.get(f"{stage}/failed/{i}")) for i in range(1, count + 1)]
+        return verdict, sorted(failed, key=lambda f: f[0])
+
+    def _verdict(self, stage: str, timeout: float | None) -> str:
+        s, key = self.store, f"{stage}/verdict"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            if s.add(f"{stage}/count", 0) == self.world:
+                return _decide(s, key, "ok")
+            if s.check([key]):
+                return s.get(key).decode()
+            if s.check(["dead"]):
+                dead = sorted({int(r) for r in s.get("dead").decode().split(",") if r})
+                return _decide(s, key, "died:" + ",".join(map(str, dead)))
+            if deadline is not None and time.monotonic() >= deadline:
+                missing = [r for r in range(self.world) if not s.check([f"{stage}/here/{r}"])]
+                if missing:
+                    return _decide(s, key, "timeout:" + ",".join(map(str, missing)))
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
+    def _peer_failure(self, stage: str, reason: str, ranks: tuple[int, ...]) -> BaseException:
+        from ..errors import PeerFailure
+
+        what, listed = _STAGES[stage], ", ".join(map(str, ranks))
+        limit = "the timeout" if self.timeout is None else f"the {self.timeout:g} s timeout"  # ranks may differ
+        if reason == "timeout" and self.rank in ranks:
+            text = (
+                f"{what} failed: this rank ({self.rank}) finished {stage} after the other ranks had stopped "
+                f"waiting for it ({limit})"
+            )
+        elif reason == "timeout":
+            text = (
+                f"{what} failed: rank(s) {listed} did not finish {stage} within {limit} (hung, or slower "
+                "than the timeout allows); every other rank stopped"
+            )
+        elif self.rank in ranks:
+            text = (
+                f"{what} failed: this rank ({self.rank}) was reported dead by its peers (its heartbeat "
+                f"stopped for {self.dead_after:g} s)"
+            )
+        else:
+            text = (
+                f"{what} failed: a peer died during {stage}: rank(s) {listed} stopped responding (no "
+                f"heartbeat for {self.dead_after:g} s: the process exited, was killed or froze)"
+            )
+        return PeerFailure(text, stage=stage, ranks=ranks, reason=reason)
+
+
+def _decide(store: Any, key: str, verdict: str) -> str:
+    """The verdict of an agreement point: the first one set wins, every rank reads the same."""
+    return store.compare_set(key, "", verdict).decode()
+
+
+@contextlib.contextmanager
+def peer_errors(stage: str, doing: str) -> Iterator[None]:
+    """Translate a failed collective or store operation (gloo's bare "Connection closed by peer", a timeout)
+    into :class:`~loader.errors.PeerFailure` (``reason="connection"``)."""
+    from ..errors import PeerFailure
+
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except RuntimeError as e:  # DistBackendError is a RuntimeError
+        raise PeerFailure(
+            f"{_STAGES[stage]} failed: a peer died or left the process group while {doing} ({type(e).__name__}: {e})",
+            stage=stage,
+            reason="connection",
+        ) from e
+
+
+def _raise_failed(what: str, failed: list, error: BaseException | None) -> None:
+    """Raise the lowest failed rank's error (its type, message, path and key), listing the others."""
+    r, message, kind, path, key = failed[0]
+    text = f"{what} failed on rank {r}: {message}"
+    if len(failed) > 1:
+        text += f" (and on rank(s) {', '.join(str(f[0]) for f in failed[1:])})"
+    exc = _make_error(kind, text, path, key)
+    if error is not None:
+        raise exc from error
+    raise exc
+
+
+def _error_kind(error: BaseException | None) -> str:
+    from ..errors import CheckpointError
+
+    if error is None:
+        return ""
+    if isinstance(error, CheckpointError):
+        return "checkpoint"
+    if isinstance(error, ValueError):
+        return "value"
+    return "runtime"
+
+
+def _make_error(kind: str, text: str, path: str | None = None, key: str | None = None) -> BaseException:
+    from ..errors import CheckpointError
+
+    if kind == "checkpoint":
+        return CheckpointError(text, path=path, key=key)
+    if kind == "value":
+        return ValueError(text)
+    return RuntimeError(text)

@@ -1,0 +1,38 @@
+"""Deferred conversions: read the sources whole, run the conversion for real, copy the owned boxes out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..checkpoint import FileReader, SafetensorsCheckpoint, read_tensor
+from ..plan import DeferredRead, deferred_inputs
+from ..plan.slots import TargetSlot, box_view
+
+
+def run_deferred(
+    deferred: DeferredRead, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot], reader: FileReader
+) -> None:
+    """Read the conversion's sources whole, run it for real, copy the owned boxes of its outputs.
+
+    Raises:
+        CheckpointError: a source file is short, or changed since its header was read.
+    """
+    identities = getattr(checkpoint, "identities", None) or {}
+    for file in {checkpoint[k].file for k in deferred.conversion.sources}:
+        reader.expect(file, identities.get(file))
+    tensors = {k: read_tensor(checkpoint[k], reader) for k in deferred.conversion.sources}  # each verified
+    apply_deferred(deferred, tensors, slots)
+
+
+def apply_deferred(
+    deferred: DeferredRead, tensors: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]
+) -> None:
+    """Run a deferred conversion on its real source tensors and copy the owned boxes of its outputs."""
+    outs = deferred.conversion.run(deferred_inputs(deferred.conversion, tensors, slots))
+    for target, g, lb in deferred.boxes:
+        src = outs[target]
+        for d, (a, b) in enumerate(g):
+            src = src.narrow(d, a, b - a)
+        box_view(slots[target].local, lb).copy_(src)

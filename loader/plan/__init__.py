@@ -1,0 +1,37 @@
+"""Plan: for one rank, which checkpoint regions go where — pure values, nothing read or written.
+
+:mod:`.slots` (model tensors as load targets: ``TargetSlot``, boxes) ← :mod:`.traces` (traced conversions,
+cached by signature) and :mod:`.dtypes` (cast and FP8 checks) ← :mod:`.rank` (``plan_rank`` → ``RankPlan``).
+"""
+
+from .rank import (
+    BlockRead,
+    DeferredRead,
+    RankPlan,
+    deferred_inputs,
+    describe,
+    meta_outputs,
+    plan_rank,
+    unique_read_bytes,
+)
+from .slots import Box, TargetSlot, box_view, full_box, iter_model_tensors, model_slots, plain_slot
+from .traces import TraceCache
+
+__all__ = [
+    "BlockRead",
+    "Box",
+    "DeferredRead",
+    "RankPlan",
+    "TargetSlot",
+    "TraceCache",
+    "box_view",
+    "deferred_inputs",
+    "describe",
+    "full_box",
+    "iter_model_tensors",
+    "meta_outputs",
+    "model_slots",
+    "plain_slot",
+    "plan_rank",
+    "unique_read_bytes",
+]

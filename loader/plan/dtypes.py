@@ -1,0 +1,85 @@
+"""Dtype checks of a plan: casts that cross value kinds (reported), FP8 codes that would load as values
+(refused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..checkpoint import SafetensorsCheckpoint
+from ..errors import CheckpointError
+from ..rules import KeyPlan
+from .slots import TargetSlot
+
+#: float8 dtypes this torch build has: their elements are codes whose value needs the checkpoint's scales
+FLOAT8 = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)
+)
+
+
+#: suffix of the block-scale tensor stored beside a float8 weight (``x.weight`` + ``x.weight_scale_inv``)
+SCALE_SUFFIX = "_scale_inv"
+
+
+def value_kind(dtype: torch.dtype) -> str:
+    """``"bool"``, ``"int"``, ``"float"`` or ``"complex"``: casts within a kind keep values, across kinds not."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "int"
+
+
+def kind_cast(name: str, produced: torch.dtype, model: torch.dtype) -> tuple[str, torch.dtype, torch.dtype] | None:
+    """The cast record of a model tensor loaded from values of dtype ``produced``, when it crosses value kinds
+    (integer <-> floating point, bool); None for casts within a kind (bf16 -> float32, int32 -> int64)."""
+    return (name, produced, model) if value_kind(produced) != value_kind(model) else None
+
+
+def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot]) -> None:
+    """Refuse, before anything is read, a plan that would load FP8 codes as values.
+
+    A float8 checkpoint tensor may load into float8 model tensors only (codes unchanged), unless its conversion
+    also takes a ``*_scale_inv`` tensor (a converter that dequantizes); and a float8 weight stored beside a
+    ``<weight>_scale_inv`` block scale may load only if that scale loads too.
+
+    Raises:
+        CheckpointError: naming the file and the float8 tensor.
+    """
+    loaded: set[str] = set()
+    for conv in keyplan.conversions:
+        loaded.update(conv.sources)
+        if any(k.endswith(SCALE_SUFFIX) for k in conv.sources):
+            continue
+        for key in conv.sources:
+            info = checkpoint[key]
+            if info.dtype not in FLOAT8:
+                continue
+            for t in conv.targets:
+                slot = slots.get(t)
+                if slot is not None and slot.dtype not in FLOAT8:
+                    raise _fp8_error(
+                        info.file, key, f"would load into {t!r} ({slot.dtype}) as the values of its {info.dtype} codes"
+                    )
+    for key in checkpoint.keys():
+        weight = key[: -len(SCALE_SUFFIX)]
+        if key.endswith(SCALE_SUFFIX) and weight in loaded and key not in loaded and checkpoint[weight].dtype in FLOAT8:
+            raise _fp8_error(
+                checkpoint[weight].file,
+                weight,
+                f"is stored with block scales {key!r}, which no model tensor loads: its codes would load as values",
+            )
+
+
+def _fp8_error(path: str, key: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: tensor {key!r}: float8 checkpoint tensor {what}; block-quantized FP8 "
+        "dequantization is not supported yet (load into float8 model tensors, or dequantize "
+        "the checkpoint first)",
+        path=path,
+        key=key,
+    )
