@@ -151,9 +151,5 @@ def read_checkpoint(directory) -> dict[str, torch.Tensor]:
     return out
 
 
-def tensors_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return model.state_dict(keep_vars=True)
-
-
 def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

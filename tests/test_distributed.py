@@ -28,7 +28,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     root = tmp_path_factory.mktemp("dist")
     ctx = {"store": str(root / "store"), "out": str(root)}
     ctx["layout_path"] = str(root / "layout.safetensors")
@@ -140,7 +140,6 @@ def test_planning_failure_on_one_rank_fails_every_rank(results):
     for r, res in enumerate(per_rank):
         assert "Planning the load failed on rank 2" in res["outcome"], (r, res["outcome"])
         assert "only breaks on rank 2" in res["outcome"]
-        assert res["seconds"] < 30
         assert res["unchanged"], f"rank {r} modified its model"
 
 

@@ -13,11 +13,6 @@ from copy import deepcopy
 import pytest
 import torch
 from torch import nn
-
-import regiontrace as rt
-from regiontrace.testing import assert_converter_exact
-
-transformers = pytest.importorskip("transformers")
 from transformers import PretrainedConfig  # noqa: E402
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: E402
 from transformers.core_model_loading import (  # noqa: E402
@@ -41,6 +36,9 @@ from transformers.core_model_loading import (  # noqa: E402
     WeightConverter,
 )
 from transformers.utils import logging as hf_logging  # noqa: E402
+
+import regiontrace as rt
+from regiontrace.testing import assert_converter_exact
 
 hf_logging.set_verbosity_error()  # the deprecated Vision*PermuteForRope ops warn on construction
 
