@@ -4,18 +4,39 @@ Run conversion code on :class:`RegionTensor` stand-ins for checkpoint tensors; t
 every output element comes from and compiles, for any box of the output, into :class:`RemapBlock` copies.
 """
 
-from .blocks import RemapBlock, compile_blocks
+from .blocks import Box, RemapBlock, compile_blocks
 from .errors import NotInvertible, TraceMismatch, Untraceable
 from .execute import execute_blocks, materialize
 from .invert import Inverse, PackedRuns, invert, packed_source_runs, scatter_blocks, unmaterialize
+from .layout import ReadLayout
 from .region import PIECE_BUDGET, Region
 from .tensor import RegionTensor
-from .trace import trace
+from .trace import check_trace, run_on_meta, trace
 
 __all__ = [
-    "PIECE_BUDGET", "Inverse", "NotInvertible", "PackedRuns", "Region", "RegionTensor", "RemapBlock",
-    "TraceMismatch", "Untraceable", "compile_blocks", "execute_blocks", "explain", "invert", "materialize",
-    "packed_source_runs", "scatter_blocks", "to_networkx", "trace", "unmaterialize",
+    "PIECE_BUDGET",
+    "Box",
+    "Inverse",
+    "NotInvertible",
+    "PackedRuns",
+    "ReadLayout",
+    "Region",
+    "RegionTensor",
+    "RemapBlock",
+    "TraceMismatch",
+    "Untraceable",
+    "check_trace",
+    "compile_blocks",
+    "execute_blocks",
+    "explain",
+    "invert",
+    "materialize",
+    "packed_source_runs",
+    "run_on_meta",
+    "scatter_blocks",
+    "to_networkx",
+    "trace",
+    "unmaterialize",
 ]
 __version__ = "0.1.0"
 

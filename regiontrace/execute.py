@@ -16,11 +16,8 @@ def source_view(block: RemapBlock, source: torch.Tensor) -> torch.Tensor:
             f"source {block.source!r} has shape {tuple(source.shape)}, the block expects {block.source_shape}"
         )
     src = source.contiguous()
-    flips = [j for j, s in enumerate(block.src_strides) if s < 0]
-    offset = block.src_offset + sum((block.shape[j] - 1) * block.src_strides[j] for j in flips)
-    strides = [abs(s) for s in block.src_strides]
-    view = torch.as_strided(src, block.shape, strides, src.storage_offset() + offset)
-    return view.flip(flips) if flips else view
+    layout = block.read_layout()
+    return layout.span_view(src, src.storage_offset() + layout.base)
 
 
 def dest_view(block: RemapBlock, out: torch.Tensor) -> torch.Tensor:

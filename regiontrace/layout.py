@@ -1,0 +1,405 @@
+"""RemapBlock and its read side: which source elements a block reads (equal contiguous runs, a span, a box),
+how they sit packed in a read buffer, how a block splits to fit a bounded buffer, and counting over many blocks.
+
+A :class:`RemapBlock` walks a block index ``b`` over ``shape``. It reads source element (flat, C-contiguous)
+``src_offset + sum(b[j] * src_strides[j])`` and writes the box-local output element whose coordinate in
+dim ``dst_dims[j]`` is ``dst_offset[dim] + sum(b[j] * dst_steps[j])``.
+
+One implementation for every reader: the block's :meth:`~RemapBlock.read_layout`, :meth:`~RemapBlock.source_runs`,
+:meth:`~RemapBlock.source_span` and :meth:`~RemapBlock.source_box` are built here, and so are the loader's executor
+(staging buffers, span reads) and its plan's byte counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .region import contiguous_strides
+
+__all__ = [
+    "Box",
+    "RemapBlock",
+    "ReadLayout",
+    "box_read",
+    "distinct_read_numel",
+    "overlap_clusters",
+    "read_layout",
+    "source_span",
+    "split_block",
+    "split_span",
+    "union_numel",
+]
+
+
+#: a box of a tensor: per dim, the half-open interval ``(start, stop)``
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RemapBlock:
+    """Copy one strided region of source ``source`` into a strided region of the output box.
+
+    Attributes:
+        source: name of the source tensor.
+        shape: the block's index space.
+        src_offset: flat element offset (C-contiguous source) of block index 0.
+        src_strides: source element stride per block dim (0 for broadcast, negative for flips).
+        dst_offset: box-local output coordinate of block index 0, per output dim.
+        dst_dims: the output dim each block dim walks.
+        dst_steps: the step along that output dim (positive).
+        source_shape: shape of the source tensor.
+        source_dtype: dtype of the source tensor.
+        casts: value casts applied, in order, between reading and writing.
+    """
+
+    source: str
+    shape: tuple[int, ...]
+    src_offset: int
+    src_strides: tuple[int, ...]
+    dst_offset: tuple[int, ...]
+    dst_dims: tuple[int, ...]
+    dst_steps: tuple[int, ...]
+    source_shape: tuple[int, ...]
+    source_dtype: torch.dtype
+    casts: tuple[torch.dtype, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        """Number of output elements the block writes."""
+        return math.prod(self.shape)
+
+    @property
+    def read_numel(self) -> int:
+        """Number of distinct source elements the block reads (broadcast dims read once)."""
+        return math.prod(n for n, s in zip(self.shape, self.src_strides) if s != 0 or n == 0)
+
+    def read_layout(self) -> ReadLayout:
+        """Where the elements the block reads lie (runs, span, flips) and how they sit in a packed buffer."""
+        return read_layout(self)
+
+    def source_runs(self) -> list[tuple[int, int]]:
+        """Contiguous runs of source elements the block reads, as sorted ``(start, length)`` pairs.
+
+        Broadcast dims are read once; runs that touch or overlap are merged.
+        """
+        return read_layout(self).merged_runs()
+
+    def source_span(self) -> tuple[int, int]:
+        """The smallest flat interval ``[lo, hi)`` of source elements holding every element read."""
+        return source_span(self)
+
+    def source_box(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+        """Describe the read as a box of the source, when the elements it reads are exactly one box.
+
+        Returns:
+            ``(offsets, lengths, dims)``: the source box, and for each block dim the source dim its first step
+            moves along. In a plain (permuted) box read each block dim walks its own source dim with unit step;
+            block dims may also split one source dim (heads x rows of ``q`` interleaved into a fused ``qkv``:
+            both name that dim) or walk on across whole inner dims. None when the elements read are not one
+            box (flips, broadcasts, steps, gaps).
+        """
+        box = box_read(self)
+        return None if box is None else box[:3]
+
+    def box_relative(self) -> RemapBlock | None:
+        """The same copy, reading from a tensor that holds only :meth:`source_box` (None when not a box read).
+
+        Read the box (e.g. safetensors' ``get_slice``) into a C-contiguous tensor of the box's lengths, then
+        execute the returned block on it: its ``source_shape`` is the box's lengths and its offset and strides
+        are relative to the box.
+        """
+        box = box_read(self)
+        if box is None:
+            return None
+        _, lengths, _, strides = box
+        return replace(self, src_offset=0, src_strides=strides, source_shape=lengths)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLayout:
+    """Where the source elements of a block lie, and how they sit in a read buffer.
+
+    The block reads ``count`` runs of ``run`` contiguous source elements; :attr:`runs` are their flat start
+    offsets in *packed order*: the block dims not inside a run are enumerated, the one of largest source
+    stride major. Broadcast dims (stride 0) are read once. Read the runs one after another into a buffer and
+    :meth:`packed_view` is the block's read; read the span ``[base, end)`` and :meth:`span_view` is.
+
+    Attributes:
+        shape: the block's index space.
+        base: lowest flat source element read (block index 0 moved to the far end of every flipped dim).
+        end: one past the highest flat source element read (``base`` for an empty block).
+        run: elements per contiguous run.
+        outer: ``(size, source step)`` of the block dims enumerated into runs, major first.
+        strides: per block dim, its stride in the packed buffer (0 for broadcast and size-1 dims).
+        steps: per block dim, its stride in a buffer holding the source from ``base`` on (``|src_stride|``).
+        flips: block dims (of size > 1) walked backwards in the source.
+    """
+
+    shape: tuple[int, ...]
+    base: int
+    end: int
+    run: int
+    outer: tuple[tuple[int, int], ...]
+    strides: tuple[int, ...]
+    steps: tuple[int, ...]
+    flips: tuple[int, ...]
+    _runs: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def count(self) -> int:
+        """Number of runs (without enumerating them)."""
+        return 0 if 0 in self.shape else math.prod(n for n, _ in self.outer)
+
+    @property
+    def runs(self) -> tuple[int, ...]:
+        """Flat source offsets of the runs, in packed order (unsorted and overlapping when block dims overlap).
+
+        Enumerated on first use and kept by this layout (not by the block: a column shard has a run per row).
+        """
+        runs = self._runs
+        if runs is None:
+            starts = [] if 0 in self.shape else [self.base]
+            for n, s in self.outer:
+                starts = [b + i * s for b in starts for i in range(n)]
+            runs = tuple(starts)
+            object.__setattr__(self, "_runs", runs)
+        return runs
+
+    def merged_runs(self) -> list[tuple[int, int]]:
+        """The runs as sorted ``(start, length)`` pairs, runs that touch or overlap merged."""
+        merged: list[tuple[int, int]] = []
+        run = self.run
+        for b in sorted(self.runs):
+            if merged and merged[-1][0] + merged[-1][1] >= b:
+                a, length = merged[-1]
+                merged[-1] = (a, max(length, b + run - a))
+            else:
+                merged.append((b, run))
+        return merged
+
+    def packed_view(self, packed: torch.Tensor) -> torch.Tensor:
+        """The block's read (block index order) from ``packed``, the runs read one after another."""
+        view = torch.as_strided(packed, self.shape, self.strides)
+        return view.flip(self.flips) if self.flips else view
+
+    def span_view(self, span: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """The block's read (block index order) from ``span``, holding source element ``base`` at ``offset``."""
+        view = torch.as_strided(span, self.shape, self.steps, offset)
+        return view.flip(self.flips) if self.flips else view
+
+
+def source_span(block: RemapBlock) -> tuple[int, int]:
+    """The smallest flat interval ``[lo, hi)`` of source elements holding every element ``block`` reads."""
+    lo = hi = block.src_offset
+    if 0 in block.shape:
+        return lo, lo
+    for n, s in zip(block.shape, block.src_strides):
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return lo, hi + 1
+
+
+def read_layout(block: RemapBlock) -> ReadLayout:
+    """The read layout of ``block``: inner dims that continue one contiguous run kept as runs, the rest enumerated.
+
+    Costs O(ndim); the runs are enumerated on first use of :attr:`ReadLayout.runs`.
+    """
+    shape, strides = block.shape, block.src_strides
+    base, end = source_span(block)
+    steps = tuple([abs(s) for s in strides])
+    flips = tuple([j for j, s in enumerate(strides) if s < 0 and shape[j] > 1])
+    dims = sorted([j for j, s in enumerate(strides) if s != 0 and shape[j] > 1], key=lambda j: -steps[j])
+    packed = [0] * len(shape)
+    run = 1
+    while dims and steps[dims[-1]] == run:
+        j = dims.pop()
+        packed[j] = run
+        run *= shape[j]
+    weight = run
+    for j in reversed(dims):
+        packed[j] = weight
+        weight *= shape[j]
+    outer = tuple([(shape[j], steps[j]) for j in dims])
+    return ReadLayout(shape, base, end, run, outer, tuple(packed), steps, flips)
+
+
+# ---------------------------------------------------------------------------------------------------
+# counting over many blocks
+
+
+def union_numel(runs: Iterable[tuple[int, int]]) -> int:
+    """Number of elements in the union of ``(start, length)`` runs (any order, overlapping or not)."""
+    total, lo, hi = 0, 0, None
+    for a, n in sorted(runs):
+        if hi is None or a > hi:
+            total += 0 if hi is None else hi - lo
+            lo, hi = a, a + n
+        else:
+            hi = max(hi, a + n)
+    return total + (0 if hi is None else hi - lo)
+
+
+def overlap_clusters(spans: Iterable[tuple[int, int]]) -> list[int]:
+    """Cluster index of each half-open span, for spans sorted by start.
+
+    Spans that overlap, directly or through others, share a cluster; spans that only touch do not.
+    """
+    ids: list[int] = []
+    cluster, end = -1, None
+    for lo, hi in spans:
+        if end is None or lo >= end:
+            cluster, end = cluster + 1, hi
+        else:
+            end = max(end, hi)
+        ids.append(cluster)
+    return ids
+
+
+def distinct_read_numel(blocks: Sequence[RemapBlock]) -> int:
+    """Number of distinct source elements that ``blocks``, all of one source, read together.
+
+    A block whose span overlaps no other block's counts :attr:`RemapBlock.read_numel`; only the runs of blocks
+    whose spans overlap are enumerated, and their union counted once.
+    """
+    if len(blocks) == 1:
+        return blocks[0].read_numel
+    order = sorted(range(len(blocks)), key=lambda i: (source_span(blocks[i]), i))
+    clusters: list[list[RemapBlock]] = []
+    for i, c in zip(order, overlap_clusters(source_span(blocks[i]) for i in order)):
+        if c == len(clusters):
+            clusters.append([])
+        clusters[c].append(blocks[i])
+    return sum(c[0].read_numel if len(c) == 1 else union_numel(r for b in c for r in b.source_runs()) for c in clusters)
+
+
+# ---------------------------------------------------------------------------------------------------
+# splitting to fit a bounded buffer
+
+
+def split_block(block: RemapBlock, max_elems: int) -> list[RemapBlock]:
+    """Split ``block`` along its outermost source dim so each part reads at most ``max_elems`` elements."""
+    if block.read_numel <= max_elems:
+        return [block]
+    dims = sorted((j for j in range(len(block.shape)) if block.shape[j] > 1), key=lambda j: -abs(block.src_strides[j]))
+    j = dims[0]
+    inner = block.numel // block.shape[j]
+    step = max(1, max_elems // max(inner, 1))
+    parts = []
+    for a in range(0, block.shape[j], step):
+        n = min(step, block.shape[j] - a)
+        shape = block.shape[:j] + (n,) + block.shape[j + 1 :]
+        dst = list(block.dst_offset)
+        dst[block.dst_dims[j]] += a * block.dst_steps[j]
+        offset = block.src_offset + a * block.src_strides[j]
+        part = replace(block, shape=shape, src_offset=offset, dst_offset=tuple(dst))
+        parts.extend(split_block(part, max_elems) if n == 1 and len(dims) > 1 else [part])
+    return parts
+
+
+def split_span(block: RemapBlock, max_elems: int) -> list[RemapBlock]:
+    """:func:`split_block`, then split again each part whose source span exceeds ``max_elems`` (where it can)."""
+    parts = []
+    for part in split_block(block, max_elems):
+        lo, hi = source_span(part)
+        if hi - lo <= max_elems or part.read_numel <= 1:
+            parts.append(part)
+            continue
+        sub = split_block(part, max(1, part.read_numel * max_elems // (hi - lo)))
+        parts.extend([part] if len(sub) == 1 else [p for q in sub for p in split_span(q, max_elems)])
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------------
+# the read as a box of the source
+
+
+def box_read(b: RemapBlock) -> tuple[tuple[int, ...], ...] | None:
+    """``(offsets, lengths, dims, strides within the box)`` when ``b`` reads exactly one box of its source."""
+    src_shape = b.source_shape
+    strides = contiguous_strides(src_shape)
+    offsets, rem = [], b.src_offset
+    for st, n in zip(strides, src_shape):
+        offsets.append(rem // st if n else 0)
+        rem = rem % st if n else rem
+    plain = _permuted_box(b, strides, offsets)
+    if plain is not None:
+        lengths, dims = plain
+        within = contiguous_strides(lengths)
+        return tuple(offsets), lengths, dims, tuple(within[d] for d in dims)
+    if b.numel == 0 or any(s <= 0 for s in b.src_strides):
+        return None
+    # runs: block dims that continue each other in the source, merged (smallest stride first)
+    runs: list[list] = []  # [base stride, length, member block dims]
+    for s, n, j in sorted((s, n, j) for j, (n, s) in enumerate(zip(b.shape, b.src_strides)) if n > 1):
+        if runs and s == runs[-1][0] * runs[-1][1]:
+            runs[-1][1] *= n
+            runs[-1][2].append(j)
+        else:
+            runs.append([s, n, [j]])
+    lengths = [1] * len(src_shape)
+    first: list[int] = []  # per run, the source dim it starts in
+    for base, n, _ in runs:
+        d = _sized_dim(strides, src_shape, base)
+        first.append(d)
+        while True:  # a run longer than its dim's room covers whole dims, then goes on in the next outer one
+            if d is None or lengths[d] != 1:  # no such dim, or one an earlier run walks
+                return None
+            room = src_shape[d] - offsets[d]
+            if n <= room:
+                lengths[d] = n
+                break
+            if offsets[d] != 0 or n % src_shape[d]:
+                return None
+            lengths[d], n = src_shape[d], n // src_shape[d]
+            d = _sized_dim(strides, src_shape, strides[d] * src_shape[d])
+    if math.prod(lengths) != math.prod(n for n in b.shape if n > 1):
+        return None
+    within = contiguous_strides(lengths)
+    dims, box_strides = [0] * len(b.shape), [0] * len(b.shape)
+    for r, (base, _, members) in enumerate(runs):
+        for j in members:
+            k, d = b.src_strides[j] // base, first[r]
+            box_strides[j] = k * within[d]
+            while k >= lengths[d]:  # the run went on past whole dims: find the one this step lands in
+                k //= lengths[d]
+                d = _sized_dim(strides, src_shape, strides[d] * src_shape[d])
+            dims[j] = d
+    for j, (n, s) in enumerate(zip(b.shape, b.src_strides)):
+        if n == 1:  # size-1 block dims read nothing more: name the dim of their stride, as a plain read does
+            d = _sized_dim(strides, src_shape, s)
+            if d is None:
+                return None
+            dims[j], box_strides[j] = d, within[d]
+    return tuple(offsets), tuple(lengths), tuple(dims), tuple(box_strides)
+
+
+def _permuted_box(b: RemapBlock, strides: tuple[int, ...], offsets: list[int]) -> tuple[tuple, tuple] | None:
+    """``(lengths, dims)`` when each block dim walks its own source dim with unit step, else None."""
+    lengths = [1] * len(b.source_shape)
+    dims: list[int] = []
+    for n, s in zip(b.shape, b.src_strides):
+        if s <= 0 or s not in strides:
+            return None
+        d = strides.index(s)
+        # dims sharing a stride are one dim of any size followed by size-1 dims: walk the sized one
+        while d + 1 < len(strides) and strides[d + 1] == s and b.source_shape[d] == 1:
+            d += 1
+        if lengths[d] != 1 or offsets[d] + n > b.source_shape[d] or d in dims:
+            return None
+        lengths[d] = n
+        dims.append(d)
+    return tuple(lengths), tuple(dims)
+
+
+def _sized_dim(strides: tuple[int, ...], shape: tuple[int, ...], stride: int) -> int | None:
+    """The source dim of more than one element whose stride is ``stride`` (None if there is none)."""
+    for d, (s, n) in enumerate(zip(strides, shape)):
+        if s == stride and n > 1:
+            return d
+    return None
