@@ -81,35 +81,22 @@ def placements_for(model) -> dict:  # noqa: ANN001
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from loader.placements import placements_matching
+
     R = Replicate()
-    out = {}
-    for name, _ in model.named_parameters():
-        if name.endswith("experts.gate_up_proj"):
-            out[name] = [Shard(0), _StridedShard(1, split_factor=2)]  # EP x TP, matching gate/up rows
-        elif name.endswith("experts.down_proj"):
-            out[name] = [Shard(0), Shard(2)]
-        elif name.endswith(("q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight",
-                            "embed_tokens.weight", "lm_head.weight")):
-            out[name] = [R, Shard(0)]  # column-parallel / vocab-parallel
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            out[name] = [R, Shard(1)]  # row-parallel
-    return out  # everything else (norms, router, q_a / kv_a projections) is replicated
-
-
-def shard_meta(model, mesh, placements: dict) -> None:  # noqa: ANN001
-    import torch
-    from torch import nn
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for name, pl in placements.items():
-        mod_name, _, leaf = name.rpartition(".")
-        mod = model.get_submodule(mod_name)
-        p = getattr(mod, leaf)
-        local_shape, _ = compute_local_shape_and_global_offset(tuple(p.shape), mesh, pl)
-        local = torch.empty(local_shape, dtype=p.dtype, device="meta")
-        dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape, stride=p.stride())
-        setattr(mod, leaf, nn.Parameter(dt, requires_grad=False))
+    column = [R, Shard(0)]  # column-parallel / vocab-parallel
+    row = [R, Shard(1)]  # row-parallel
+    columns = ("q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+    return placements_matching(
+        model,
+        {
+            "*experts.gate_up_proj": [Shard(0), _StridedShard(1, split_factor=2)],  # EP x TP, matching gate/up rows
+            "*experts.down_proj": [Shard(0), Shard(2)],
+            **{f"*{n}.weight": column for n in columns},
+            "*o_proj.weight": row,
+            "*down_proj.weight": row,
+        },
+    )  # everything else (norms, router, q_a / kv_a projections) is replicated
 
 
 class PhaseTimers:
@@ -148,11 +135,12 @@ class PhaseTimers:
 
 def run(layers: int, rank: int, mesh, profile: bool = False, all_ranks: bool = False) -> dict:  # noqa: ANN001
     from loader import HFLoadPlanner
+    from loader.placements import shard_module
     from loader.simulate import simulate_load
 
     t0 = time.perf_counter()
     model = build_model(layers)
-    shard_meta(model, mesh, placements_for(model))
+    shard_module(model, mesh, placements_for(model), device="meta")
     t1 = time.perf_counter()
     checkpoint = header_only_checkpoint(model)
     t2 = time.perf_counter()

@@ -219,46 +219,36 @@ def placements_for(model, strided: bool, layout: str = "tp") -> dict:  # noqa: A
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    out = {}
-    for name, _ in model.named_parameters():
-        if layout == "ep" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            out[name] = [Shard(0)]  # whole experts per rank
-            continue
-        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight", "lm_head.weight")):
-            out[name] = [Shard(0)]
-        elif name.endswith("o_proj.weight"):
-            out[name] = [Shard(1)]
-        elif name.endswith("experts.gate_up_proj"):
-            out[name] = [_StridedShard(1, split_factor=2) if strided else Shard(1)]
-        elif name.endswith("experts.down_proj"):
-            out[name] = [Shard(2)]
-    return out
+    from loader.placements import placements_matching
+
+    gate_up = _StridedShard(1, split_factor=2) if strided else Shard(1)
+    experts = {  # whole experts per rank (ep), or their rows/columns (tp)
+        "*experts.gate_up_proj": [Shard(0) if layout == "ep" else gate_up],
+        "*experts.down_proj": [Shard(0) if layout == "ep" else Shard(2)],
+    }
+    return placements_matching(
+        model,
+        {
+            **experts,
+            "*[qkv]_proj.weight": [Shard(0)],
+            "*embed_tokens.weight": [Shard(0)],
+            "*lm_head.weight": [Shard(0)],
+            "*o_proj.weight": [Shard(1)],
+        },
+    )
 
 
 def build_sharded_model(directory: str, mesh, strided: bool, layout: str = "tp"):  # noqa: ANN001, ANN201
-    """The model on meta, then each parameter materialised: DTensor shards or plain (replicated) tensors."""
+    """The model on meta, then each tensor materialised: DTensor shards or plain (replicated) tensors."""
     import torch
-    from torch import nn
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loader.placements import shard_module
 
     config = AutoConfig.from_pretrained(directory)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    placements = placements_for(model, strided, layout)
-    for name, p in list(model.named_parameters()):
-        mod_name, _, leaf = name.rpartition(".")
-        mod = model.get_submodule(mod_name)
-        if name in placements:
-            pl = placements[name]
-            local_shape, _ = compute_local_shape_and_global_offset(tuple(p.shape), mesh, pl)
-            local = torch.empty(local_shape, dtype=p.dtype)
-            value = DTensor.from_local(local, mesh, pl, run_check=False, shape=p.shape, stride=p.stride())
-        else:
-            value = torch.empty(p.shape, dtype=p.dtype)
-        setattr(mod, leaf, nn.Parameter(value, requires_grad=False))
-    return model
+    return shard_module(model, mesh, placements_for(model, strided, layout), fill=None)
 
 
 def locals_of(model) -> dict:  # noqa: ANN001

@@ -1,15 +1,14 @@
-"""``python -m regiontrace`` / the ``regiontrace`` console script."""
+"""``python -m regiontrace``: the algebra's commands, ``trace`` and ``check``.
+
+The ``regiontrace`` console script (``loader.cli``, also ``python -m loader``) has these and the loader's
+``plan`` and ``demo``.
+"""
 
 from __future__ import annotations
 
 import sys
 
-
-def main() -> int:
-    from .cli import main as cli_main
-
-    return cli_main()
-
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

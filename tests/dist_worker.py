@@ -16,19 +16,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from loader.placements import Placements, placements_matching, shard_module
 
 
-def shard_model(model: nn.Module, mesh, placements: dict) -> nn.Module:  # noqa: ANN001
-    """DTensor parameters with the given placements; every element NaN, so the loader must write them all."""
-    from regiontrace.cli.sharding import shard_module
-
-    return shard_module(model, mesh, placements)
-
-
-def layout_placements(mesh_shape):  # noqa: ANN001, ANN201
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
+def layout_placements(mesh_shape: tuple[int, ...]) -> dict[str, list]:
+    """Every layout of ``dist_models.Layout`` the loader must handle, on a 1-D or 2-D mesh."""
     if len(mesh_shape) == 1:
         return {
             "qkv.weight": [Shard(0)],
@@ -50,23 +45,19 @@ def layout_placements(mesh_shape):  # noqa: ANN001, ANN201
     }
 
 
-def moe_placements(model: nn.Module, mesh_shape) -> dict:  # noqa: ANN001
-    from torch.distributed.tensor import Replicate, Shard
-
-    out = {}
+def moe_placements(model: nn.Module, mesh_shape: tuple[int, ...]) -> dict[str, Placements]:
+    """A qwen3_moe model's attention and experts tensor-parallel (2-D: experts also over mesh dim 0)."""
     two = len(mesh_shape) == 2
-    for name, _ in model.named_parameters():
-        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-            out[name] = [Replicate(), Shard(0)] if two else [Shard(0)]
-        elif name.endswith("o_proj.weight"):
-            out[name] = [Replicate(), Shard(1)] if two else [Shard(1)]
-        elif name.endswith("experts.gate_up_proj"):
-            out[name] = [Shard(0), Shard(1)] if two else [Shard(1)]
-        elif name.endswith("experts.down_proj"):
-            out[name] = [Shard(0), Shard(2)] if two else [Shard(2)]
-        elif name.endswith("embed_tokens.weight"):
-            out[name] = [Shard(0), Replicate()] if two else [Shard(0)]
-    return out
+    return placements_matching(
+        model,
+        {
+            "*[qkv]_proj.weight": [Replicate(), Shard(0)] if two else [Shard(0)],
+            "*o_proj.weight": [Replicate(), Shard(1)] if two else [Shard(1)],
+            "*experts.gate_up_proj": [Shard(0), Shard(1)] if two else [Shard(1)],
+            "*experts.down_proj": [Shard(0), Shard(2)] if two else [Shard(2)],
+            "*embed_tokens.weight": [Shard(0), Replicate()] if two else [Shard(0)],
+        },
+    )
 
 
 def check_full(model: nn.Module, expected: dict) -> list[str]:
@@ -98,7 +89,7 @@ def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False, repo_id: bool 
     from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     mesh = init_device_mesh("cpu", mesh_shape)
-    model = shard_model(dm.Layout(), mesh, layout_placements(mesh_shape))
+    model = shard_module(dm.Layout(), mesh, layout_placements(mesh_shape))
     path = ctx["layout_path"]
     if repo_id:  # resolved from the fake Hub cache (offline): rank 0 first, then every rank
         os.environ.update(HF_HUB_CACHE=ctx["hub_cache"], HF_HUB_OFFLINE="1")
@@ -139,7 +130,7 @@ def scenario_moe(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:  # noqa:
     model = AutoModelForCausalLM.from_config(cfg)
     mesh = init_device_mesh("cpu", mesh_shape)
     placements = moe_placements(model, mesh_shape)
-    model = shard_model(model, mesh, placements)
+    model = shard_module(model, mesh, placements)
     if use_dcp:
         import torch.distributed.checkpoint as dcp
 
@@ -218,7 +209,7 @@ def scenario_simulation(ctx: dict, mesh_shape) -> dict:  # noqa: ANN001
     from loader.simulate import simulate_load
 
     mesh = init_device_mesh("cpu", mesh_shape)
-    model = shard_model(dm.Layout(), mesh, layout_placements(mesh_shape))
+    model = shard_module(dm.Layout(), mesh, layout_placements(mesh_shape))
     figures = simulate_load(model, ctx["layout_path"], weights_mapping=dm.RULES)
     report = load_hf_checkpoint(model, ctx["layout_path"], weights_mapping=dm.RULES, progress=False)
     mine = figures[dist.get_rank()]

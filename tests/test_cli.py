@@ -1,20 +1,28 @@
-"""The `regiontrace` command line, run for real as subprocesses (`python -m regiontrace ...`)."""
+"""The `regiontrace` command line, run for real as subprocesses.
+
+`python -m loader` runs what the `regiontrace` console script runs (`loader.cli.main`: demo, trace, check,
+plan); `python -m regiontrace` is the algebra's own command line (trace and check, without the loader).
+"""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import xml.etree.ElementTree as ET
+from importlib.metadata import entry_points
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CONVERTERS = textwrap.dedent('''
+CONVERTERS = textwrap.dedent("""
     import torch
 
     def gate_up(gate, up):
@@ -30,13 +38,22 @@ CONVERTERS = textwrap.dedent('''
     def sneaky(w):
         # tracing runs on the meta device and sees this branch; a real run flips the rows
         return w if w.device.type == "meta" else w.flip(0)
-''')
+""")
+
+
+def _run(command: list[str], cwd: str | None, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
+    return subprocess.run(command, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def regiontrace(*args: str, cwd: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "regiontrace", *args], cwd=cwd or ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """The `regiontrace` console script's command line (`python -m loader`: every command)."""
+    return _run([sys.executable, "-m", "loader", *args], cwd, timeout)
+
+
+def algebra(*args: str, cwd: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The algebra's own command line (`python -m regiontrace`: trace and check)."""
+    return _run([sys.executable, "-m", "regiontrace", *args], cwd, timeout)
 
 
 @pytest.fixture()
@@ -47,8 +64,17 @@ def converters(tmp_path):
 
 def test_trace_prints_map_blocks_and_dot(converters):
     dot = converters / "graph.dot"
-    r = regiontrace("trace", "conv.py:gate_up", "--input", "gate[2]=4x3:bf16", "--input", "up[2]=4x3:bf16",
-                    "--dot", str(dot), cwd=str(converters))
+    r = algebra(
+        "trace",
+        "conv.py:gate_up",
+        "--input",
+        "gate[2]=4x3:bf16",
+        "--input",
+        "up[2]=4x3:bf16",
+        "--dot",
+        str(dot),
+        cwd=str(converters),
+    )
     assert r.returncode == 0, r.stderr
     assert "out[0:1, 4:8, 0:3] <- up.0[i1 - 4, i2]" in r.stdout  # rt.explain
     assert "4 block(s) for out[0:2, 0:8, 0:3]" in r.stdout
@@ -56,13 +82,13 @@ def test_trace_prints_map_blocks_and_dot(converters):
     text = dot.read_text()
     assert text.startswith("digraph") and text.count("->") == 6 and "cat(dim=1)" in text
 
-    r = regiontrace("trace", f"{converters / 'conv.py'}:split_qkv", "--input", "qkv=12x4:bf16", "--box", "1:3,0:4")
+    r = algebra("trace", f"{converters / 'conv.py'}:split_qkv", "--input", "qkv=12x4:bf16", "--box", "1:3,0:4")
     assert r.returncode == 0, r.stderr
     assert "out['k']" in r.stdout and "walked in dim order (1, 0)" in r.stdout and "as float32" in r.stdout
 
 
 def test_trace_untraceable_names_the_op(converters):
-    r = regiontrace("trace", "conv.py:scaled", "--input", "w=4x4", cwd=str(converters))
+    r = algebra("trace", "conv.py:scaled", "--input", "w=4x4", cwd=str(converters))
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Untraceable" in lines[0] and "aten.mul.Tensor" in lines[0], r.stderr
@@ -70,7 +96,7 @@ def test_trace_untraceable_names_the_op(converters):
 
 
 def test_check_finds_and_minimises_a_counterexample(converters):
-    r = regiontrace("check", "conv.py:sneaky", "--input", "w=6x4", "--examples", "20", cwd=str(converters))
+    r = algebra("check", "conv.py:sneaky", "--input", "w=6x4", "--examples", "20", cwd=str(converters))
     assert r.returncode == 1, r.stdout + r.stderr
     # hypothesis's own report ("Falsifying example" / "Failing test case"), shrunk to the smallest seed
     assert "converter_is_exact(" in r.stdout and "seed=0" in r.stdout
@@ -80,8 +106,7 @@ def test_check_finds_and_minimises_a_counterexample(converters):
 
 
 def test_check_passes_a_correct_converter(converters):
-    r = regiontrace("check", "conv.py:split_qkv", "--input", "qkv=6x4:bf16", "--examples", "15",
-                    cwd=str(converters))
+    r = regiontrace("check", "conv.py:split_qkv", "--input", "qkv=6x4:bf16", "--examples", "15", cwd=str(converters))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: 15 example(s) passed" in r.stdout
 
@@ -92,7 +117,7 @@ def test_errors_are_one_line_and_verbose_shows_the_traceback(tmp_path):
     assert r.returncode != 0 and r.stderr.strip() == f"regiontrace plan: error: no such checkpoint: {missing}"
     r = regiontrace("trace", "nosuchmodule_xyz:f", "--input", "w=2x2")
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
-    r = regiontrace("-v", "trace", "nosuchmodule_xyz:f", "--input", "w=2x2")
+    r = algebra("-v", "trace", "nosuchmodule_xyz:f", "--input", "w=2x2")
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
@@ -122,7 +147,7 @@ def test_usage_errors_exit_2_on_every_command(converters, tmp_path):
 
 
 def test_help_shows_defaults():
-    from regiontrace.cli import build_parser
+    from loader.cli import build_parser
 
     commands = build_parser()._subparsers._group_actions[0].choices
     helps = {name: " ".join(c.format_help().split()) for name, c in commands.items()}  # unwrapped
@@ -147,33 +172,92 @@ def test_demo_timeout_bounds_the_whole_command(tmp_path):
 def test_every_command_has_help():
     script = textwrap.dedent("""
         import contextlib, io
-        from regiontrace.cli import main
-        for argv in ([], ["demo"], ["trace"], ["check"], ["plan"]):
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                try:
-                    main(argv + ["--help"])
-                except SystemExit as e:
-                    assert e.code == 0, (argv, e.code)
-            assert "usage: regiontrace" in out.getvalue(), argv
-            print("ok", argv)
+        import loader.cli, regiontrace.cli
+        for main, commands in [(loader.cli.main, ["demo", "trace", "check", "plan"]),
+                               (regiontrace.cli.main, ["trace", "check"])]:
+            for argv in [[]] + [[c] for c in commands]:
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    try:
+                        main(argv + ["--help"])
+                    except SystemExit as e:
+                        assert e.code == 0, (argv, e.code)
+                assert "usage: regiontrace" in out.getvalue(), argv
+                print("ok", argv)
     """)
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok") == 5
+    assert r.stdout.count("ok") == 8
 
 
-def test_demo_two_ranks_then_plan_its_checkpoint(tmp_path):
+def test_console_script_is_the_loaders_command_line(tmp_path):
+    """`pip install -e .` installs `regiontrace` = loader.cli:main, with all four commands."""
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "regiontrace"]
+    assert script.value == "loader.cli:main"
+    path = pathlib.Path(sysconfig.get_path("scripts")) / "regiontrace"
+    if not path.exists():
+        pytest.skip(f"no console script at {path}: run `pip install -e .`")
+    r = _run([str(path), "--help"], None, 120)
+    assert r.returncode == 0, r.stderr
+    assert all(f"    {command} " in r.stdout for command in ("demo", "trace", "check", "plan")), r.stdout
+    r = _run([str(path), "plan", str(tmp_path / "missing"), "--mesh", "2"], None, 120)
+    assert r.returncode == 2 and r.stderr.strip() == f"regiontrace plan: error: no such checkpoint: {tmp_path}/missing"
+
+
+def test_algebra_command_line_stands_alone():
+    """`python -m regiontrace` runs trace and check without importing the loader; plan and demo point to it."""
+    r = algebra("--help")
+    assert r.returncode == 0 and "    trace " in r.stdout and "    plan " not in r.stdout, r.stdout
+    for command in ("plan", "demo"):
+        r = algebra(command, "--help")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"`python -m loader {command} ...`" in r.stderr and "console script" in r.stderr
+    script = textwrap.dedent("""
+        import contextlib, io, sys
+        from regiontrace.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["trace", "torch:flatten", "--input", "input=2x3"]) == 0
+        assert not [m for m in sys.modules if m == "loader" or m.startswith("loader.")]
+    """)
+    r = _run([sys.executable, "-c", script], None, 120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_regiontrace_never_imports_loader():
+    """Nothing under regiontrace/ imports the loader, not even inside a function."""
+    offenders = []
+    for path in sorted(pathlib.Path(ROOT, "regiontrace").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            if any(n == "loader" or n.startswith("loader.") for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+@pytest.fixture(scope="module")
+def demo_then_plan(tmp_path_factory):
+    """`regiontrace demo` on two ranks, then `regiontrace plan` of its checkpoint with a picture."""
     pytest.importorskip("transformers")
+    tmp_path = tmp_path_factory.mktemp("demo")
     out = tmp_path / "demo"
-    r = regiontrace("demo", "--world-size", "2", "--out", str(out), timeout=180)
+    demo = regiontrace("demo", "--world-size", "2", "--out", str(out), timeout=180)
+    svg = tmp_path / "plan.svg"
+    plan = None
+    if demo.returncode == 0:
+        plan = regiontrace("plan", str(out / "checkpoint"), "--mesh", "2x2", "--json", "--svg", str(svg))
+    return demo, out, plan, svg
+
+
+def test_demo_two_ranks_then_plan_its_checkpoint(demo_then_plan):
+    r, out, plan_run, svg = demo_then_plan
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: every shard on every rank equals the single-process load" in r.stdout
     assert r.stdout.count("ok (25 tensors)") == 2
     ET.parse(out / "plan.svg")
 
-    svg = tmp_path / "plan.svg"
-    r = regiontrace("plan", str(out / "checkpoint"), "--mesh", "2x2", "--json", "--svg", str(svg))
+    r = plan_run
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert plan["mesh"] == [2, 2] and plan["model_type"] == "qwen3_moe" and not plan["deferred"]
@@ -187,17 +271,33 @@ def test_demo_two_ranks_then_plan_its_checkpoint(tmp_path):
     assert plan["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == "[S(0), S(1, strided x2)]"
     root = ET.parse(svg).getroot()
     assert root.tag.endswith("svg") and len(root) > 100
-    _render_check(svg, tmp_path / "plan.png")
 
 
-def _render_check(svg, png) -> None:
-    """With Chromium installed, render the SVG headless and check a non-blank PNG came out."""
+def test_plan_picture_renders_in_chromium(demo_then_plan, tmp_path):
+    """Chromium renders the plan picture headless into a non-blank PNG."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        return
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    "--disable-component-update", "--no-first-run", "--disable-sync", f"--screenshot={png}",
-                    "--window-size=1280,900", f"file://{svg}"], capture_output=True, timeout=60)
+        pytest.skip("no chromium: the plan picture is not rendered (apt-get install chromium)")
+    _, _, plan_run, svg = demo_then_plan
+    assert plan_run is not None and plan_run.returncode == 0 and svg.exists(), "the plan wrote no picture"
+    png = tmp_path / "plan.png"
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--no-first-run",
+            "--disable-sync",
+            f"--screenshot={png}",
+            "--window-size=1280,900",
+            f"file://{svg}",
+        ],
+        capture_output=True,
+        timeout=60,
+    )
     assert png.exists() and png.stat().st_size > 20_000, "chromium rendered nothing"
 
 
@@ -206,7 +306,7 @@ def test_builtin_demo_model_loads_exactly(tmp_path):
     import torch
 
     from loader import load_hf_checkpoint
-    from regiontrace.cli.demo_models import build_model, loader_kwargs, write_checkpoint
+    from loader.cli.demo_models import build_model, loader_kwargs, write_checkpoint
 
     expected = write_checkpoint("builtin", str(tmp_path / "ckpt"))
     model = build_model("builtin", str(tmp_path / "ckpt")).to_empty(device="cpu")

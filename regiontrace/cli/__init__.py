@@ -1,6 +1,8 @@
-"""The ``regiontrace`` command line: ``demo``, ``trace``, ``check`` and ``plan``.
+"""The algebra's command line (``python -m regiontrace``): ``trace`` and ``check``.
 
-Each command lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> exit status``.
+Each command lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> exit status``; the
+``regiontrace`` console script (:mod:`loader.cli`) adds the loader's ``plan`` and ``demo`` to these with the
+same :func:`build_parser` and :func:`run_command_line`.
 Exit status: 0 yes, 1 "the answer is no" (not traceable, a counterexample, a check that failed), 2 the command
 could not answer (a wrong command line, argparse's convention, or any other error). Errors are one line on
 stderr; ``-v`` shows the traceback.
@@ -9,51 +11,65 @@ stderr; ``-v`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
-from . import check_cmd, demo, plan_cmd, trace_cmd
+from .. import __version__
+from . import check_cmd, trace_cmd
 from .common import CLIError, HelpFormatter
 
+COMMANDS: tuple[ModuleType, ...] = (trace_cmd, check_cmd)
+LOADER_COMMANDS = ("demo", "plan")  # provided by the loader's command line (loader.cli)
 DESCRIPTION = """\
 regiontrace: trace checkpoint conversions as exact index mappings; load only the bytes each rank needs."""
-EPILOG = "`regiontrace COMMAND --help` for each command; docs: docs/cli.md"
+EPILOG = """\
+`regiontrace COMMAND --help` for each command; docs: docs/cli.md
+`plan` and `demo` come with the loader: the `regiontrace` console script, or `python -m loader`."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="regiontrace", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=HelpFormatter)
+def build_parser(
+    commands: Sequence[ModuleType] = COMMANDS, *, epilog: str = EPILOG, prog: str = "regiontrace"
+) -> argparse.ArgumentParser:
+    """The argument parser with ``commands`` (modules with ``add_parser(subparsers)``), in that order."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=epilog, formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and library logs")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=f"regiontrace {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (demo, trace_cmd, check_cmd, plan_cmd):
+    for module in commands:
         module.add_parser(sub)
     for command in sub.choices.values():  # every command's --help shows its defaults
         command.formatter_class = HelpFormatter
     return parser
 
 
-def _version() -> str:
-    from .. import __version__
-
-    return f"regiontrace {__version__}"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run ``trace`` or ``check``; returns the exit status (``plan``/``demo``: a one-line pointer, status 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    # -v may come after the command too
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command in LOADER_COMMANDS:
+        print(
+            f"regiontrace {command}: error: `{command}` needs the loader: run the `regiontrace` console script "
+            f"or `python -m loader {command} ...`",
+            file=sys.stderr,
+        )
+        return 2
+    return run_command_line(build_parser(), argv)
+
+
+def run_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) with ``parser`` and run the chosen command: errors become one
+    line on stderr and an exit status (``-v``, anywhere on the line, shows the traceback instead)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("-v", "--verbose") for a in argv)
     argv = [a for a in argv if a not in ("-v", "--verbose")]
-    parser = build_parser()
     args = parser.parse_args(argv)
     args.verbose = verbose
     if args.command is None:
         parser.print_help()
         return 2
     if verbose:
-        import logging
-
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
         return int(args.run(args) or 0)
@@ -68,8 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 — every error is one line unless -v
         if verbose:
             raise
-        print(f"regiontrace {args.command}: error: {type(e).__name__}: {_one_line(e)} (-v for the traceback)",
-              file=sys.stderr)
+        print(
+            f"regiontrace {args.command}: error: {type(e).__name__}: {_one_line(e)} (-v for the traceback)",
+            file=sys.stderr,
+        )
         return 2  # an error is no answer: 1 is reserved for "no"
 
 

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import shutil
 import tempfile
 import traceback
 from typing import Any
+
+import torch
+
+import regiontrace as rt
+from regiontrace.execute import materialize
 
 from .common import (
     CLIError,
@@ -54,10 +60,7 @@ def run(args: argparse.Namespace) -> int:
         from hypothesis import strategies as st
     except ImportError:
         raise CLIError("`check` needs hypothesis: pip install hypothesis") from None
-    import torch
-
-    import regiontrace as rt
-    from regiontrace.testing import _tensors, assert_converter_exact, boxes, check_blocks, random_tensor
+    from regiontrace.testing import _tensors, assert_converter_exact, boxes, check_blocks, random_tensor  # hypothesis
 
     if args.examples < 1:
         raise CLIError("--examples must be at least 1")
@@ -79,8 +82,13 @@ def run(args: argparse.Namespace) -> int:
     shown = ", ".join(f"{n}={'x'.join(map(str, s)) or '()'}:{dtype_name(d)}" for n, (s, d) in specs.items())
     print(f"checking {args.function} on {shown}: {args.examples} example(s), {args.boxes} random box(es) each")
 
-    @settings(max_examples=args.examples, deadline=None, database=None, print_blob=False,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=args.examples,
+        deadline=None,
+        database=None,
+        print_blob=False,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(seed=st.integers(0, 2**31 - 1), data=st.data())
     def converter_is_exact(seed: int, data: Any) -> None:
         traced = assert_converter_exact(call, boxes=args.boxes, seed=seed, **specs)
@@ -143,17 +151,12 @@ def _user_frame(e: BaseException) -> str:
     return ""
 
 
-
 def first_difference(call: Any, specs: dict) -> str:
     """Where the traced map and a real run first disagree, in words (``""`` when it cannot tell).
 
     Runs the function on unique int64 codes per source element (when it has no value casts), so that the
     real result names the source element it holds; otherwise compares values of random data.
     """
-    import torch
-
-    import regiontrace as rt
-    from regiontrace.execute import materialize
     from regiontrace.testing import _has_casts, _tensors, code_tensors, random_tensor
 
     names = list(specs)
@@ -177,8 +180,10 @@ def first_difference(call: Any, specs: dict) -> str:
                 if not torch.equal(a, b):
                     where = f"output {i}[{', '.join(map(str, idx))}]"
                     if use_codes:
-                        return f"{where}: the trace reads {_decode(int(a), names, specs)}, " \
-                               f"the real run holds {_decode(int(b), names, specs)}"
+                        return (
+                            f"{where}: the trace reads {_decode(int(a), names, specs)}, "
+                            f"the real run holds {_decode(int(b), names, specs)}"
+                        )
                     return f"{where}: traced {a.item()!r}, real {b.item()!r}"
     except Exception:  # noqa: BLE001 — a best-effort hint only
         return ""
@@ -186,8 +191,6 @@ def first_difference(call: Any, specs: dict) -> str:
 
 
 def _decode(code: int, names: list, specs: dict) -> str:
-    import math
-
     sid, flat = divmod(code, 2**40)
     if not 1 <= sid <= len(names):
         return f"the value {code}"

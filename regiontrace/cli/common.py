@@ -1,4 +1,4 @@
-"""Shared pieces of the command line: argument parsing helpers, user-function import, number formatting."""
+"""Shared pieces of the command line: errors, help format, argument parsing helpers, user-function import."""
 
 from __future__ import annotations
 
@@ -36,18 +36,40 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 # ---------------------------------------------------------------------------------------------------
-# dtypes, shapes, boxes, meshes
+# dtypes, shapes, boxes
 
 DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "f16": torch.float16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "f32": torch.float32, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "f64": torch.float64, "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
-    "i8": torch.int8, "int8": torch.int8, "u8": torch.uint8, "uint8": torch.uint8,
-    "i16": torch.int16, "int16": torch.int16, "i32": torch.int32, "int32": torch.int32, "int": torch.int32,
-    "i64": torch.int64, "int64": torch.int64, "long": torch.int64, "bool": torch.bool,
-    "f8e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
-    "f8e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "f16": torch.float16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "f32": torch.float32,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "f64": torch.float64,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "i8": torch.int8,
+    "int8": torch.int8,
+    "u8": torch.uint8,
+    "uint8": torch.uint8,
+    "i16": torch.int16,
+    "int16": torch.int16,
+    "i32": torch.int32,
+    "int32": torch.int32,
+    "int": torch.int32,
+    "i64": torch.int64,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "bool": torch.bool,
+    "f8e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "f8e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
 }
 
 
@@ -110,8 +132,10 @@ def flat_specs(inputs: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch
 
 def regroup(inputs: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for the user's function from tensors named like :func:`flat_specs`."""
-    return {name: [tensors[f"{name}.{i}"] for i in range(len(spec))] if isinstance(spec, list) else tensors[name]
-            for name, spec in inputs.items()}
+    return {
+        name: [tensors[f"{name}.{i}"] for i in range(len(spec))] if isinstance(spec, list) else tensors[name]
+        for name, spec in inputs.items()
+    }
 
 
 def parse_box(text: str) -> tuple[tuple[int, int], ...]:
@@ -123,14 +147,6 @@ def parse_box(text: str) -> tuple[tuple[int, int], ...]:
             raise CLIError(f"bad --box {text!r}: write START:STOP per dim, comma separated, e.g. 0:4,0:8")
         box.append((int(m.group(1)), int(m.group(2))))
     return tuple(box)
-
-
-def parse_mesh(text: str) -> tuple[int, ...]:
-    """``2x4`` → ``(2, 4)``."""
-    shape = parse_shape(text)
-    if not shape or any(n < 1 for n in shape):
-        raise CLIError(f"bad --mesh {text!r}: write sizes separated by 'x', e.g. 4 or 2x4")
-    return shape
 
 
 def format_box(box: Sequence[tuple[int, int]]) -> str:
@@ -195,36 +211,18 @@ def _checked_call(fn: Callable[..., Any], ref: str) -> Callable[..., Any]:
     return call
 
 
-# ---------------------------------------------------------------------------------------------------
-# numbers and tables
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[bool] | None = None) -> str:
-    """A plain-text table with aligned columns (numbers right-aligned by default)."""
-    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[j]) for r in cells) for j in range(len(header))]
-    if right is None:
-        right = [j > 0 for j in range(len(header))]
-    lines = []
-    for i, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if rt else c.ljust(w) for c, w, rt in zip(r, widths, right)).rstrip())
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def add_function_arguments(p: Any) -> None:
     """The ``MODULE:FUNCTION`` and ``--input`` arguments shared by ``trace`` and ``check``."""
-    p.add_argument("function", metavar="MODULE:FUNCTION",
-                   help="a dotted module or a path to a .py file, then ':' and the function name")
-    p.add_argument("--input", "-i", action="append", default=[], metavar="NAME=SHAPE[:DTYPE]",
-                   help="one per argument of FUNCTION, e.g. w=8x4:bf16 (dtype default float32; "
-                        "NAME[N]=... for a list of N)")
+    p.add_argument(
+        "function",
+        metavar="MODULE:FUNCTION",
+        help="a dotted module or a path to a .py file, then ':' and the function name",
+    )
+    p.add_argument(
+        "--input",
+        "-i",
+        action="append",
+        default=[],
+        metavar="NAME=SHAPE[:DTYPE]",
+        help="one per argument of FUNCTION, e.g. w=8x4:bf16 (dtype default float32; NAME[N]=... for a list of N)",
+    )

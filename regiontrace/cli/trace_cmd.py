@@ -6,6 +6,10 @@ import argparse
 import math
 from typing import Any
 
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+import regiontrace as rt
+
 from .common import (
     CLIError,
     add_function_arguments,
@@ -32,8 +36,9 @@ examples:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("trace", help=HELP, description=DESCRIPTION, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "trace", help=HELP, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_function_arguments(p)
     p.add_argument("--box", metavar="A:B,C:D", help="compile blocks for this box of each output (default: all)")
     p.add_argument("--dot", metavar="FILE", help="write the index-mapping graph as Graphviz dot")
@@ -42,10 +47,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torch.utils._pytree import keystr, tree_flatten_with_path
-
-    import regiontrace as rt
-
     if args.max_blocks < 0:
         raise CLIError("--max-blocks must be at least 0")
     inputs = parse_inputs(args.input)
@@ -56,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
         out = rt.trace(fn, **regroup(inputs, leaves))
     except (rt.Untraceable, rt.TraceMismatch) as e:
         raise CLIError(f"not traceable: {type(e).__name__}: {e}", status=1) from e
-    outputs = [(("out" + keystr(path)) if path else "out", t) for path, t in tree_flatten_with_path(out)[0]
-               if isinstance(t, rt.RegionTensor)]
+    outputs = [
+        (("out" + keystr(path)) if path else "out", t)
+        for path, t in tree_flatten_with_path(out)[0]
+        if isinstance(t, rt.RegionTensor)
+    ]
     if not outputs:
         raise CLIError(f"{args.function} returned no tensors ({type(out).__name__})", status=1)
     print(f"traced {args.function}: {len(outputs)} output tensor(s) from {len(leaves)} input(s)")
@@ -82,8 +86,10 @@ def describe_blocks(name: str, blocks: tuple, box: tuple, limit: int) -> str:
     numel = math.prod(b - a for a, b in box)
     read = sum(b.read_numel for b in blocks)
     sources = sorted({b.source for b in blocks})
-    lines = [f"  {len(blocks)} block(s) for {name}{format_box(box)} ({numel} elements), reading {read} "
-             f"element(s) from {', '.join(sources) or 'nothing'}"]
+    lines = [
+        f"  {len(blocks)} block(s) for {name}{format_box(box)} ({numel} elements), reading {read} "
+        f"element(s) from {', '.join(sources) or 'nothing'}"
+    ]
     for i, b in enumerate(blocks[:limit]):
         lines.append(f"  #{i:<3d} {_source_side(b)}  ->  {_dest_side(name, b, box)}")
     if len(blocks) > limit:
@@ -103,10 +109,11 @@ def _source_side(b: Any) -> str:
     if sb is not None:  # one box, block dims splitting a source dim (a permutation inside the box)
         offsets, lengths, _ = sb
         box = [(o, o + n) for o, n in zip(offsets, lengths)]
-        return (f"{b.source}{format_box(box)} permuted: shape {_x(b.shape)}, strides {tuple(b.src_strides)}"
-                f"{casts}")
-    return (f"{b.source} strided: offset {b.src_offset}, shape {_x(b.shape)}, strides {tuple(b.src_strides)} "
-            f"({len(runs)} contiguous run{'s' if len(runs) != 1 else ''}){casts}")
+        return f"{b.source}{format_box(box)} permuted: shape {_x(b.shape)}, strides {tuple(b.src_strides)}{casts}"
+    return (
+        f"{b.source} strided: offset {b.src_offset}, shape {_x(b.shape)}, strides {tuple(b.src_strides)} "
+        f"({len(runs)} contiguous run{'s' if len(runs) != 1 else ''}){casts}"
+    )
 
 
 def _dest_side(name: str, b: Any, box: tuple) -> str:
@@ -114,9 +121,7 @@ def _dest_side(name: str, b: Any, box: tuple) -> str:
     hi = [o + 1 for o in b.dst_offset]
     for n, d, s in zip(b.shape, b.dst_dims, b.dst_steps):
         hi[d] += (n - 1) * s
-    dense = all(
-        math.prod(n for n, dd in zip(b.shape, b.dst_dims) if dd == d) == hi[d] - lo[d] for d in range(len(lo))
-    )
+    dense = all(math.prod(n for n, dd in zip(b.shape, b.dst_dims) if dd == d) == hi[d] - lo[d] for d in range(len(lo)))
     span = [(a + box[d][0], c + box[d][0]) for d, (a, c) in enumerate(zip(lo, hi))]
     how = "" if dense else f" every {tuple(b.dst_steps)} along dims {tuple(b.dst_dims)}"
     return f"{name}{format_box(span)}{how}"
@@ -128,9 +133,7 @@ def _x(shape: tuple) -> str:
 
 def to_dot(tensors: list, names: list[str]) -> str:
     """The index-mapping graph of ``tensors`` (``regiontrace.to_networkx``) as Graphviz dot text."""
-    import networkx as nx
-
-    import regiontrace as rt
+    import networkx as nx  # only for --dot
 
     g = nx.DiGraph()
     outs = {}

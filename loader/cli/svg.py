@@ -18,8 +18,7 @@ from xml.sax.saxutils import escape
 from .common import human_bytes
 from .geometry import PlanView, Rect, SourceView, TensorView, partition, view_shape
 
-PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
-           "#9c755f", "#86bcb6"]
+PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#86bcb6"]
 WIDTH = 1280
 MARGIN = 24
 TEXT_W = 300
@@ -41,15 +40,25 @@ def rank_colour(i: int) -> str:
     return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
 
 
-def _t(x: float, y: float, text: str, size: int = 12, fill: str = "#212529", weight: str = "normal",
-       anchor: str = "start", title: str | None = None) -> str:
+def _t(
+    x: float,
+    y: float,
+    text: str,
+    size: int = 12,
+    fill: str = "#212529",
+    weight: str = "normal",
+    anchor: str = "start",
+    title: str | None = None,
+) -> str:
     tip = f"<title>{escape(title)}</title>" if title else ""
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}" font-weight="{weight}" '
-            f'text-anchor="{anchor}">{tip}{escape(text)}</text>')
+    return (
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}" font-weight="{weight}" '
+        f'text-anchor="{anchor}">{tip}{escape(text)}</text>'
+    )
 
 
 def _short(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n // 2 - 1] + "…" + text[-(n - n // 2):]
+    return text if len(text) <= n else text[: n // 2 - 1] + "…" + text[-(n - n // 2) :]
 
 
 class _Canvas:
@@ -69,10 +78,14 @@ class _Canvas:
         pid = "m" + "_".join(map(str, ranks))
         if ranks not in self.patterns:
             k = len(ranks)
-            stripes = "".join(f'<rect x="{4 * j}" y="0" width="4" height="{4 * k}" fill="{self.colour(r)}"/>'
-                              for j, r in enumerate(ranks))
-            self.patterns[ranks] = (f'<pattern id="{pid}" patternUnits="userSpaceOnUse" width="{4 * k}" '
-                                    f'height="{4 * k}" patternTransform="rotate(45)">{stripes}</pattern>')
+            stripes = "".join(
+                f'<rect x="{4 * j}" y="0" width="4" height="{4 * k}" fill="{self.colour(r)}"/>'
+                for j, r in enumerate(ranks)
+            )
+            self.patterns[ranks] = (
+                f'<pattern id="{pid}" patternUnits="userSpaceOnUse" width="{4 * k}" '
+                f'height="{4 * k}" patternTransform="rotate(45)">{stripes}</pattern>'
+            )
         return f"url(#{pid})"
 
     def add(self, s: str) -> None:
@@ -130,8 +143,13 @@ class _Frame:
         return out
 
 
-def _frame(shape: Sequence[int], max_w: float, max_h: float, like: _Frame | None = None,
-           like_shape: Sequence[int] | None = None) -> _Frame:
+def _frame(
+    shape: Sequence[int],
+    max_w: float,
+    max_h: float,
+    like: _Frame | None = None,
+    like_shape: Sequence[int] | None = None,
+) -> _Frame:
     """A panel per slab of the last two dims (up to 256, in the grid that draws them largest), else one."""
     rows, cols = view_shape(shape)
     slabs = math.prod(shape[:-2]) if len(shape) >= 3 else 1
@@ -159,8 +177,9 @@ def _frame(shape: Sequence[int], max_w: float, max_h: float, like: _Frame | None
     return _Frame(slabs, rows, cols, max(pw, 3.0), max(pw * a, 3.0), grid, gap)
 
 
-def _draw(cv: _Canvas, x: float, y: float, fr: _Frame, owners: dict[int, list[Rect]], order: Sequence[int],
-          title: str) -> None:
+def _draw(
+    cv: _Canvas, x: float, y: float, fr: _Frame, owners: dict[int, list[Rect]], order: Sequence[int], title: str
+) -> None:
     cv.add(f"<g><title>{escape(title)}</title>")
     for k in range(fr.slabs):
         ox, oy = fr.origin(k)
@@ -172,8 +191,10 @@ def _draw(cv: _Canvas, x: float, y: float, fr: _Frame, owners: dict[int, list[Re
     stroke = 1.0 if fr.pw > 8 and fr.ph > 8 else 0
     for k in range(fr.slabs if stroke else 0):
         ox, oy = fr.origin(k)
-        cv.add(f'<rect x="{x + ox:.1f}" y="{y + oy:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="none" '
-               f'stroke="#495057" stroke-width="{stroke}"/>')
+        cv.add(
+            f'<rect x="{x + ox:.1f}" y="{y + oy:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="none" '
+            f'stroke="#495057" stroke-width="{stroke}"/>'
+        )
     cv.add("</g>")
 
 
@@ -185,8 +206,13 @@ def _signature(v: TensorView) -> tuple:
     def rects(d: dict) -> tuple:
         return tuple(sorted((r, tuple(x)) for r, x in d.items()))
 
-    return (v.shape, v.placement, v.deferred, rects(v.owners),
-            tuple((s.shape, s.whole, rects(s.reads)) for s in v.sources))
+    return (
+        v.shape,
+        v.placement,
+        v.deferred,
+        rects(v.owners),
+        tuple((s.shape, s.whole, rects(s.reads)) for s in v.sources),
+    )
 
 
 def _group(views: Sequence[TensorView]) -> list[list[TensorView]]:
@@ -205,7 +231,7 @@ def _distinct_parts(names: Sequence[str]) -> list[str]:
     post = 0
     while all(len(p) > pre + post + 1 for p in parts) and len({p[-1 - post] for p in parts}) == 1:
         post += 1
-    return [".".join(p[pre:len(p) - post]) for p in parts]
+    return [".".join(p[pre : len(p) - post]) for p in parts]
 
 
 def _source_labels(view: TensorView) -> list[str]:
@@ -244,22 +270,28 @@ def _tensor_row(cv: _Canvas, group: list[TensorView], y: float, order: Sequence[
     if len(group) > 1:
         others = _distinct_parts([v.name for v in group])
         ty += 16
-        cv.add(_t(MARGIN, ty, _short("same plan: " + ", ".join(others[1:]), 48), 12, "#1c7ed6",
-                  title="\n".join(v.name for v in group[1:])))
+        cv.add(
+            _t(
+                MARGIN,
+                ty,
+                _short("same plan: " + ", ".join(others[1:]), 48),
+                12,
+                "#1c7ed6",
+                title="\n".join(v.name for v in group[1:]),
+            )
+        )
     cv.add(_t(MARGIN, ty + 17, f"{shape_text}  {view.dtype}", 12, "#495057"))
     cv.add(_t(MARGIN, ty + 33, f"placement {view.placement}", 12, "#495057"))
     ty += 38
     if view.deferred:
         text = f"deferred: {view.deferred.removeprefix('Untraceable: ')}"
-        cv.add(_t(MARGIN, ty + 13, text if len(text) <= 50 else text[:49] + "…", 11, "#c92a2a",
-                  title=view.deferred))
+        cv.add(_t(MARGIN, ty + 13, text if len(text) <= 50 else text[:49] + "…", 11, "#c92a2a", title=view.deferred))
         ty += 16
     per_rank: dict[int, int] = {}
     for s in view.sources:
         for r, b in s.read_bytes.items():
             per_rank[r] = per_rank.get(r, 0) + b
-    cv.add(_t(MARGIN, ty + 15, "checkpoint bytes read" + (" (each)" if len(group) > 1 else "") + ":", 11,
-              "#868e96"))
+    cv.add(_t(MARGIN, ty + 15, "checkpoint bytes read" + (" (each)" if len(group) > 1 else "") + ":", 11, "#868e96"))
     text_bottom = _chips(cv, MARGIN, ty + 31, per_rank, order, TEXT_W - 10)
 
     fr = _frame(view.shape, TARGET_W, TARGET_H)
@@ -272,23 +304,33 @@ def _tensor_row(cv: _Canvas, group: list[TensorView], y: float, order: Sequence[
     labels = _source_labels(view)
     per_row = max(int((WIDTH - MARGIN - SOURCES_X) // CELL_W), 1)
     arrow_y = y + 6 + fr.h / 2
-    cv.add(f'<line x1="{SOURCES_X - 10}" y1="{arrow_y:.1f}" x2="{TARGET_X + fr.w + 8:.1f}" y2="{arrow_y:.1f}" '
-           f'stroke="#adb5bd" stroke-width="2" marker-end="url(#arrow)"/>')
+    cv.add(
+        f'<line x1="{SOURCES_X - 10}" y1="{arrow_y:.1f}" x2="{TARGET_X + fr.w + 8:.1f}" y2="{arrow_y:.1f}" '
+        f'stroke="#adb5bd" stroke-width="2" marker-end="url(#arrow)"/>'
+    )
     row_h = 0.0
     frames = [_frame(s.shape, CELL_W - 16, CELL_H, fr, view.shape) for s in shown]
     line_h = max((f.h for f in frames), default=0) + CELL_LABEL + 8
     for i, (s, label, sf) in enumerate(zip(shown, labels, frames)):
         cx = SOURCES_X + (i % per_row) * CELL_W
         cy = y + 6 + (i // per_row) * line_h
-        tip = (f"{s.name} {'×'.join(map(str, s.shape))} {s.dtype}, {human_bytes(s.nbytes)}; read by "
-               + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in sorted(s.read_bytes.items())))
+        tip = f"{s.name} {'×'.join(map(str, s.shape))} {s.dtype}, {human_bytes(s.nbytes)}; read by " + ", ".join(
+            f"rank {r} {human_bytes(b)}" for r, b in sorted(s.read_bytes.items())
+        )
         _draw(cv, cx, cy, sf, s.reads, order, tip)
         cv.add(_t(cx, cy + sf.h + 12, _short(label, 20), 10, "#343a40", title=s.name))
         cv.add(_t(cx, cy + sf.h + 24, _source_note(s), 10, "#868e96"))
         row_h = (i // per_row + 1) * line_h
     if len(view.sources) > MAX_SOURCES:
-        cv.add(_t(SOURCES_X, y + 6 + row_h + 6, f"… and {len(view.sources) - MAX_SOURCES} more checkpoint "
-                  "tensors, read the same way", 11, "#868e96"))
+        cv.add(
+            _t(
+                SOURCES_X,
+                y + 6 + row_h + 6,
+                f"… and {len(view.sources) - MAX_SOURCES} more checkpoint tensors, read the same way",
+                11,
+                "#868e96",
+            )
+        )
         row_h += 20
     return max(text_bottom - y, fr.h + 30, row_h) + 16
 
@@ -324,10 +366,20 @@ def _rank_bars(cv: _Canvas, view: PlanView, y: float) -> float:
         ww, rw, sw = (v / top * bar_w for v in (f.whole_tensor_bytes, f.bytes_read, f.shard_bytes))
         cv.add(f'<rect x="{bar_x}" y="{y + 2}" width="{max(ww, 1):.1f}" height="14" fill="#dee2e6"/>')
         cv.add(f'<rect x="{bar_x}" y="{y + 2}" width="{max(rw, 1):.1f}" height="14" fill="{colour}"/>')
-        cv.add(f'<line x1="{bar_x + sw:.1f}" y1="{y}" x2="{bar_x + sw:.1f}" y2="{y + 18}" stroke="#212529" '
-               f'stroke-width="1.5"/>')
-        cv.add(_t(lx, y + 13, f"{human_bytes(f.bytes_read)}  ·  shards {human_bytes(f.shard_bytes)}  ·  whole "
-                  f"{human_bytes(f.whole_tensor_bytes)}   ({f.blocks} blocks)", 11, "#343a40"))
+        cv.add(
+            f'<line x1="{bar_x + sw:.1f}" y1="{y}" x2="{bar_x + sw:.1f}" y2="{y + 18}" stroke="#212529" '
+            f'stroke-width="1.5"/>'
+        )
+        cv.add(
+            _t(
+                lx,
+                y + 13,
+                f"{human_bytes(f.bytes_read)}  ·  shards {human_bytes(f.shard_bytes)}  ·  whole "
+                f"{human_bytes(f.whole_tensor_bytes)}   ({f.blocks} blocks)",
+                11,
+                "#343a40",
+            )
+        )
         y += 21
     return y + 8
 
@@ -368,15 +420,30 @@ def render(view: PlanView) -> str:
         y += 10
     if view.hidden or view.note:
         y += 12
-        note = view.note or (f"{view.hidden} more model tensors not drawn (other layers plan the same way; "
-                             "choose with --tensor)")
+        note = view.note or (
+            f"{view.hidden} more model tensors not drawn (other layers plan the same way; choose with --tensor)"
+        )
         cv.add(_t(MARGIN, y, note, 11, "#868e96"))
         y += 6
     height = int(y + MARGIN)
-    defs = ('<marker id="arrow" viewBox="0 0 10 10" refX="8" refY="5" markerWidth="7" markerHeight="7" '
-            'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#adb5bd"/></marker>'
-            + "".join(cv.patterns.values()))
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-            f'viewBox="0 0 {WIDTH} {height}" {FONT}>')
-    return "\n".join([head, f"<defs>{defs}</defs>", f'<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>',
-                      *cv.parts, "</svg>"]) + "\n"
+    defs = (
+        '<marker id="arrow" viewBox="0 0 10 10" refX="8" refY="5" markerWidth="7" markerHeight="7" '
+        'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#adb5bd"/></marker>'
+        + "".join(cv.patterns.values())
+    )
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+        f'viewBox="0 0 {WIDTH} {height}" {FONT}>'
+    )
+    return (
+        "\n".join(
+            [
+                head,
+                f"<defs>{defs}</defs>",
+                f'<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>',
+                *cv.parts,
+                "</svg>",
+            ]
+        )
+        + "\n"
+    )

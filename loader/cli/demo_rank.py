@@ -1,6 +1,6 @@
 """One rank of ``regiontrace demo``: load the checkpoint into DTensor shards, check each against the reference.
 
-Spawned by :mod:`regiontrace.cli.demo` (gloo, file store). Results go to ``rank<R>.json``; no tensors cross
+Spawned by :mod:`loader.cli.demo` (gloo, file store). Results go to ``rank<R>.json``; no tensors cross
 processes except the reference the main process writes (``reference.pt``), which each rank waits for after
 its own load (so the single-process reference load runs while the ranks start up).
 """
@@ -16,19 +16,28 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from .. import load_hf_checkpoint
+from ..placements import shard_boxes, shard_module
+from .demo_models import build_model, loader_kwargs
 
 
 def run_rank(rank: int, ctx: dict[str, Any]) -> None:
     """Entry point of a spawned rank (``torch.multiprocessing`` passes the rank first)."""
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     t0 = time.time()
     world = math.prod(ctx["mesh_shape"])
     result: dict[str, Any] = {"rank": rank, "ok": False}
     try:
-        dist.init_process_group("gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=_seconds_left(ctx)))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{ctx['store']}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=_seconds_left(ctx)),
+        )
         result.update(_load_and_check(rank, ctx))
         result["ok"] = not result["bad"] and not result["uncovered"]
     except BaseException as e:  # noqa: BLE001 — reported by the main process
@@ -45,14 +54,6 @@ def run_rank(rank: int, ctx: dict[str, Any]) -> None:
 
 
 def _load_and_check(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from loader import load_hf_checkpoint
-    from loader.placements import shard_boxes
-
-    from .demo_models import build_model, loader_kwargs
-    from .sharding import shard_module
-
     mesh_shape = tuple(ctx["mesh_shape"])
     mesh = init_device_mesh("cpu", mesh_shape)
     placements = ctx["placements"]
@@ -89,10 +90,18 @@ def _load_and_check(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
         elements += local.numel()
         shard_bytes += local.numel() * ref.element_size()
     return {
-        "coordinate": list(coord), "checked": checked, "bad": bad, "uncovered": uncovered,
-        "elements": elements, "shard_bytes": shard_bytes, "bytes_read": report.bytes_read,
-        "planned_bytes": report.planned_bytes, "blocks": report.blocks, "traced": len(report.traced),
-        "deferred": len(report.deferred), "load_seconds": load_seconds,
+        "coordinate": list(coord),
+        "checked": checked,
+        "bad": bad,
+        "uncovered": uncovered,
+        "elements": elements,
+        "shard_bytes": shard_bytes,
+        "bytes_read": report.bytes_read,
+        "planned_bytes": report.planned_bytes,
+        "blocks": report.blocks,
+        "traced": len(report.traced),
+        "deferred": len(report.deferred),
+        "load_seconds": load_seconds,
     }
 
 

@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .common import CLIError, human_bytes, parse_mesh, table
+from regiontrace.cli.common import CLIError
+
+from .. import HFLoadPlanner, SafetensorsCheckpoint
+from ..checkpoint.hub import looks_like_repo_id, resolve_checkpoint
+from ..errors import CheckpointNotFoundError
+from ..placements import placement_text, plan_placements
+from ..simulate import coordinate_of, rank_figures, simulate_plans
+from . import geometry
+from .common import have_transformers, human_bytes, parse_mesh, quiet_transformers, table
+from .models import build_meta_model, read_config
+from .svg import render
 
 HELP = "per-rank load plan of a Hugging Face checkpoint on a device mesh (no processes, no data read)"
 DESCRIPTION = """\
@@ -30,11 +42,15 @@ examples:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help=HELP, description=DESCRIPTION, epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a checkpoint folder (model.safetensors or shards + index), a .safetensors file, or a "
-                        "Hugging Face repo id (org/name) in the local cache (plan never downloads)")
+    p = sub.add_parser(
+        "plan", help=HELP, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a checkpoint folder (model.safetensors or shards + index), a .safetensors file, or a "
+        "Hugging Face repo id (org/name) in the local cache (plan never downloads)",
+    )
     p.add_argument("--revision", metavar="REV", help="branch, tag or commit of a repo id (default: main)")
     p.add_argument("--mesh", required=True, metavar="AxB", help="device mesh shape, e.g. 8 or 2x4 (EP x TP)")
     who = p.add_mutually_exclusive_group()
@@ -42,12 +58,19 @@ def add_parser(sub: Any) -> None:
     who.add_argument("--all-ranks", action="store_true", help="every rank of the mesh (the default)")
     p.add_argument("--config", metavar="FILE", help="config.json to build the model from")
     p.add_argument("--model-type", metavar="TYPE", help="model type (e.g. qwen3_moe) for the config")
-    p.add_argument("--experts", choices=("ep", "tp"), help="expert tensors: expert- or tensor-parallel "
-                   "(default: ep on a 2-D mesh, tp on a 1-D mesh)")
+    p.add_argument(
+        "--experts",
+        choices=("ep", "tp"),
+        help="expert tensors: expert- or tensor-parallel (default: ep on a 2-D mesh, tp on a 1-D mesh)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--svg", metavar="FILE", help="write the plan picture")
-    p.add_argument("--tensor", action="append", metavar="NAME",
-                   help="model tensors to draw (glob or substring; default: the first layer and the rest)")
+    p.add_argument(
+        "--tensor",
+        action="append",
+        metavar="NAME",
+        help="model tensors to draw (glob or substring; default: the first layer and the rest)",
+    )
     p.set_defaults(run=run)
 
 
@@ -56,19 +79,22 @@ def run(args: argparse.Namespace) -> int:
     if len(mesh_shape) > 2:
         raise CLIError(f"--mesh {args.mesh}: use a 1-D (TP) or 2-D (EP x TP) mesh")
     checkpoint = _local_checkpoint(args.checkpoint, args.revision)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise CLIError("`plan` builds the model with transformers: pip install 'transformers>=5'") from None
-    from .sharding import build_meta_model, read_config
-
-    _quiet_transformers()
+    if not have_transformers():
+        raise CLIError("`plan` builds the model with transformers: pip install 'transformers>=5'")
+    quiet_transformers()
     config = read_config(checkpoint, args.config, args.model_type)
     model = build_meta_model(config)
-    result = plan_model(model, checkpoint, mesh_shape, ranks=_ranks(args, mesh_shape),
-                        experts=args.experts, svg=args.svg, tensors=args.tensor,
-                        title=f"Load plan: {os.path.basename(os.path.abspath(args.checkpoint))}",
-                        model_type=config.model_type)
+    result = plan_model(
+        model,
+        checkpoint,
+        mesh_shape,
+        ranks=_ranks(args, mesh_shape),
+        experts=args.experts,
+        svg=args.svg,
+        tensors=args.tensor,
+        title=f"Load plan: {os.path.basename(os.path.abspath(args.checkpoint))}",
+        model_type=config.model_type,
+    )
     if args.json:
         print(json.dumps(result["json"], indent=2))
     else:
@@ -78,9 +104,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _local_checkpoint(path: str, revision: str | None) -> str:
     """``path`` itself, or the cached snapshot folder of the Hub repo id ``path`` (never downloaded)."""
-    from loader.checkpoint.hub import looks_like_repo_id, resolve_checkpoint
-    from loader.errors import CheckpointNotFoundError
-
     if os.path.exists(path):
         if revision is not None:
             raise CLIError(f"--revision is for Hub repo ids, not the local path {path}")
@@ -94,8 +117,6 @@ def _local_checkpoint(path: str, revision: str | None) -> str:
 
 
 def _ranks(args: argparse.Namespace, mesh_shape: Sequence[int]) -> list[int]:
-    import math
-
     world = math.prod(mesh_shape)
     if not args.rank:
         return list(range(world))
@@ -105,77 +126,111 @@ def _ranks(args: argparse.Namespace, mesh_shape: Sequence[int]) -> list[int]:
     return sorted(set(args.rank))
 
 
-def _quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def plan_model(model: Any, checkpoint_path: str, mesh_shape: Sequence[int], *, ranks: Sequence[int],
-               experts: str | None = None, placements: dict | None = None, svg: str | None = None,
-               tensors: Sequence[str] | None = None, title: str = "Load plan", model_type: str = "",
-               planner_kwargs: dict | None = None) -> dict[str, Any]:
+def plan_model(
+    model: Any,
+    checkpoint_path: str,
+    mesh_shape: Sequence[int],
+    *,
+    ranks: Sequence[int],
+    experts: str | None = None,
+    placements: dict | None = None,
+    svg: str | None = None,
+    tensors: Sequence[str] | None = None,
+    title: str = "Load plan",
+    model_type: str = "",
+    planner_kwargs: dict | None = None,
+) -> dict[str, Any]:
     """Simulate the load of ``model`` (placements from its TP plan unless given); text, JSON and picture."""
-    from loader import HFLoadPlanner, SafetensorsCheckpoint
-    from loader.simulate import coordinate_of, simulate_load
-
-    from .sharding import generic_name, placement_text, plan_placements
-
     checkpoint = SafetensorsCheckpoint.open(checkpoint_path)
     why: dict[str, str] = {}
     if placements is None:
         placements, why = plan_placements(model, mesh_shape, experts=experts)
     planner = HFLoadPlanner(model, **(planner_kwargs or {}))
-    figures = simulate_load(model, checkpoint, mesh_shape=mesh_shape, placements=placements, ranks=ranks,
-                            planner=planner)
-    plan = planner.plan
+    figures, plan = [], None
+    for rank, coord, plan in simulate_plans(
+        model, checkpoint, mesh_shape=mesh_shape, placements=placements, ranks=ranks, planner=planner
+    ):
+        figures.append(rank_figures(plan, rank, coord))
     deferred = {", ".join(d.conversion.targets): d.reason for d in plan.deferred} if plan else {}
     rules: dict[str, tuple[str, str]] = {}
     for name, pl in placements.items():
         rules.setdefault(generic_name(name), (placement_text(pl), why.get(name, "")))
     mesh_text = "x".join(map(str, mesh_shape))
     data_bytes = checkpoint.total_bytes
-    head = (f"{checkpoint_path}: {len(checkpoint)} checkpoint tensors, {human_bytes(data_bytes)}"
-            + (f", model type {model_type}" if model_type else "") + f"; mesh {mesh_text}")
-    rows = [[f.rank, "(" + ",".join(map(str, f.coordinate)) + ")", f.traced + f.deferred, f.blocks,
-             human_bytes(f.bytes_read), human_bytes(f.shard_bytes), human_bytes(f.whole_tensor_bytes),
-             f"{f.bytes_read / f.shard_bytes:.2f}" if f.shard_bytes else "-", f.deferred_conversions]
-            for f in figures]
+    head = (
+        f"{checkpoint_path}: {len(checkpoint)} checkpoint tensors, {human_bytes(data_bytes)}"
+        + (f", model type {model_type}" if model_type else "")
+        + f"; mesh {mesh_text}"
+    )
+    rows = [
+        [
+            f.rank,
+            "(" + ",".join(map(str, f.coordinate)) + ")",
+            f.traced + f.deferred,
+            f.blocks,
+            human_bytes(f.bytes_read),
+            human_bytes(f.shard_bytes),
+            human_bytes(f.whole_tensor_bytes),
+            f"{f.bytes_read / f.shard_bytes:.2f}" if f.shard_bytes else "-",
+            f.deferred_conversions,
+        ]
+        for f in figures
+    ]
     text = [head, "", "sharding (all other tensors replicated):"]
     text += [f"  {name}  {pl}" + (f"  <- {style}" if style else "") for name, (pl, style) in sorted(rules.items())]
-    text += ["", table(["rank", "coord", "tensors", "blocks", "bytes read", "shard bytes", "whole tensors",
-                        "read/shard", "deferred"], rows, right=[True] * 9)]
+    text += [
+        "",
+        table(
+            [
+                "rank",
+                "coord",
+                "tensors",
+                "blocks",
+                "bytes read",
+                "shard bytes",
+                "whole tensors",
+                "read/shard",
+                "deferred",
+            ],
+            rows,
+            right=[True] * 9,
+        ),
+    ]
     if deferred:
         text += ["", "deferred conversions (read whole, run for real):"]
         text += [f"  {t}: {reason}" for t, reason in deferred.items()]
     out_json = {
-        "checkpoint": checkpoint_path, "mesh": list(mesh_shape), "model_type": model_type,
+        "checkpoint": checkpoint_path,
+        "mesh": list(mesh_shape),
+        "model_type": model_type,
         "checkpoint_bytes": data_bytes,
         "placements": {n: placement_text(p) for n, p in placements.items()},
         "ranks": [asdict(f) | {"coordinate": list(f.coordinate)} for f in figures],
         "deferred": deferred,
     }
     if svg:
-        from . import geometry
-        from .svg import render
-
         model_tensors = dict(model.state_dict(keep_vars=True))
         chosen = geometry.select_tensors(list(model_tensors), tensors)
         if tensors and not chosen:
             some = ", ".join(list(model_tensors)[:6])
             raise CLIError(f"--tensor {' '.join(tensors)} matches no model tensor (e.g. {some})")
-        views = geometry.collect(planner, checkpoint, model_tensors, mesh_shape, placements, ranks, chosen,
-                                 placement_text)
+        views = geometry.collect(
+            planner, checkpoint, model_tensors, mesh_shape, placements, ranks, chosen, placement_text
+        )
         view = geometry.PlanView(
             title=title,
-            subtitle=(f"{model_type + ' · ' if model_type else ''}mesh {mesh_text} "
-                      f"({len(ranks)} of {len(list(range(_prod(mesh_shape))))} ranks drawn) · "
-                      f"checkpoint {human_bytes(data_bytes)} in {len(checkpoint)} tensors"),
-            mesh_shape=tuple(mesh_shape), ranks=list(ranks),
-            coords={r: coordinate_of(r, mesh_shape) for r in ranks}, figures=figures, tensors=views,
-            hidden=len(model_tensors) - len(chosen))
+            subtitle=(
+                f"{model_type + ' · ' if model_type else ''}mesh {mesh_text} "
+                f"({len(ranks)} of {math.prod(mesh_shape)} ranks drawn) · "
+                f"checkpoint {human_bytes(data_bytes)} in {len(checkpoint)} tensors"
+            ),
+            mesh_shape=tuple(mesh_shape),
+            ranks=list(ranks),
+            coords={r: coordinate_of(r, mesh_shape) for r in ranks},
+            figures=figures,
+            tensors=views,
+            hidden=len(model_tensors) - len(chosen),
+        )
         with open(svg, "w") as f:
             f.write(render(view))
         text += ["", f"wrote {svg}"]
@@ -183,7 +238,6 @@ def plan_model(model: Any, checkpoint_path: str, mesh_shape: Sequence[int], *, r
     return {"figures": figures, "text": "\n".join(text), "json": out_json, "placements": placements}
 
 
-def _prod(shape: Sequence[int]) -> int:
-    import math
-
-    return math.prod(shape)
+def generic_name(name: str) -> str:
+    """``model.layers.3.mlp.experts.7.w1`` → ``model.layers.*.mlp.experts.*.w1``."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)

@@ -12,11 +12,24 @@ import os
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
+from ..rules import Convert, Rename
+from .common import quiet_transformers
+from .models import build_meta_model, read_config
+
 QWEN3_MOE = dict(
-    hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=4, head_dim=8, num_experts=4, num_experts_per_tok=2, vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=96,
     tie_word_embeddings=False,
 )
 
@@ -67,14 +80,19 @@ class TinyMoE(nn.Module):
     """A two-layer MoE with fused expert tensors, and the tensor/expert-parallel plans transformers uses."""
 
     tp_plan = {
-        "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output",
-        "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.embed_tokens": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
         "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "model.layers.*.mlp.experts.down_proj": "rowwise",
     }
-    _ep_plan = {"model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-                "model.layers.*.mlp.experts.down_proj": "grouped_gemm"}
+    _ep_plan = {
+        "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,11 +110,12 @@ def _stack(ws: list[torch.Tensor]) -> torch.Tensor:
 
 def rules() -> list[Any]:
     """Checkpoint → TinyMoE rules (the Mixtral layout: experts.N.w1/w3/w2)."""
-    from loader import Convert, Rename
-
     return [
-        Convert(["block_sparse_moe.experts.*.w1.weight", "block_sparse_moe.experts.*.w3.weight"],
-                "mlp.experts.gate_up_proj", _gate_up),
+        Convert(
+            ["block_sparse_moe.experts.*.w1.weight", "block_sparse_moe.experts.*.w3.weight"],
+            "mlp.experts.gate_up_proj",
+            _gate_up,
+        ),
         Convert("block_sparse_moe.experts.*.w2.weight", "mlp.experts.down_proj", _stack),
         Rename("block_sparse_moe.gate.weight", "mlp.gate.weight"),
         Rename("input_layernorm.weight", "input_layernorm"),
@@ -105,8 +124,6 @@ def rules() -> list[Any]:
 
 
 def _builtin_checkpoint(path: str, seed: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import save_file
-
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
@@ -132,8 +149,11 @@ def _builtin_checkpoint(path: str, seed: int) -> dict[str, torch.Tensor]:
 
 def builtin_expected(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The TinyMoE state the checkpoint ``t`` must load to (computed directly, without the loader)."""
-    out = {"model.embed_tokens.weight": t["model.embed_tokens.weight"], "model.norm": t["model.norm.weight"],
-           "lm_head.weight": t["lm_head.weight"]}
+    out = {
+        "model.embed_tokens.weight": t["model.embed_tokens.weight"],
+        "model.norm": t["model.norm.weight"],
+        "lm_head.weight": t["lm_head.weight"],
+    }
     for layer in range(LAYERS):
         p = f"model.layers.{layer}"
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -141,22 +161,15 @@ def builtin_expected(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[f"{p}.input_layernorm"] = t[f"{p}.input_layernorm.weight"]
         out[f"{p}.mlp.gate.weight"] = t[f"{p}.block_sparse_moe.gate.weight"]
         ex = [f"{p}.block_sparse_moe.experts.{e}" for e in range(E)]
-        out[f"{p}.mlp.experts.gate_up_proj"] = _gate_up([t[f"{k}.w1.weight"] for k in ex],
-                                                        [t[f"{k}.w3.weight"] for k in ex])
+        out[f"{p}.mlp.experts.gate_up_proj"] = _gate_up(
+            [t[f"{k}.w1.weight"] for k in ex], [t[f"{k}.w3.weight"] for k in ex]
+        )
         out[f"{p}.mlp.experts.down_proj"] = _stack([t[f"{k}.w2.weight"] for k in ex])
     return out
 
 
 # ---------------------------------------------------------------------------------------------------
 # both kinds
-
-
-def have_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def write_checkpoint(kind: str, path: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -186,19 +199,10 @@ def build_model(kind: str, path: str) -> nn.Module:
     if kind == "builtin":
         with torch.device("meta"):
             return TinyMoE().to(torch.bfloat16)
-    from .sharding import build_meta_model, read_config
-
     quiet_transformers()
     return build_meta_model(read_config(path, None, None), dtype=torch.bfloat16)
 
 
 def loader_kwargs(kind: str) -> dict[str, Any]:
+    """The ``load_hf_checkpoint`` keyword arguments for the checkpoint of ``kind``."""
     return {"weights_mapping": rules()} if kind == "builtin" else {}
-
-
-def quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()

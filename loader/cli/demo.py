@@ -11,15 +11,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
 import threading
 import time
+from multiprocessing import forkserver
 from typing import Any
 
-from .common import CLIError, HelpFormatter, human_bytes, parse_mesh, table
+import torch
+import torch.multiprocessing as mp
+
+from regiontrace.cli.common import CLIError, HelpFormatter
+
+from .. import SafetensorsCheckpoint, load_hf_checkpoint
+from ..placements import placement_text, plan_placements
+from .common import have_transformers, human_bytes, parse_mesh, table
+from .demo_models import build_model, loader_kwargs, write_checkpoint
+from .demo_rank import run_rank
+from .plan_cmd import plan_model
 
 HELP = "load an embedded tiny MoE checkpoint on N gloo ranks, check every shard, draw the plan"
 DESCRIPTION = """\
@@ -41,8 +53,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--world-size", "-w", type=int, metavar="N", help="ranks to spawn (default 4, or the mesh's)")
     p.add_argument("--mesh", metavar="AxB", help="mesh shape (default: 1-D of the world size)")
     p.add_argument("--out", metavar="DIR", help="output folder (default: a new temporary folder, kept)")
-    p.add_argument("--model", choices=("auto", "transformers", "builtin"), default="auto",
-                   help="checkpoint kind (default: transformers when installed, else builtin)")
+    p.add_argument(
+        "--model",
+        choices=("auto", "transformers", "builtin"),
+        default="auto",
+        help="checkpoint kind (default: transformers when installed, else builtin)",
+    )
     p.add_argument("--timeout", type=float, default=120, metavar="S", help="give up S seconds after the command starts")
     p.set_defaults(run=run)
 
@@ -107,10 +123,6 @@ class Deadline:
 
 
 def _run(args: argparse.Namespace, deadline: Deadline) -> int:
-    import torch.multiprocessing as mp
-
-    from .demo_models import have_transformers
-
     t0 = time.time()
     deadline.enter("starting the fork server")
     _start_fork_server()
@@ -133,39 +145,49 @@ def _run(args: argparse.Namespace, deadline: Deadline) -> int:
     checkpoint = os.path.join(out, "checkpoint")
 
     # 1. the checkpoint, and the state a correct load produces
-    from .demo_models import build_model, loader_kwargs, write_checkpoint
-    from .sharding import placement_text, plan_placements
-
     deadline.enter("writing the checkpoint")
     shutil.rmtree(checkpoint, ignore_errors=True)
     expected = write_checkpoint(kind, checkpoint)
     meta_model = build_model(kind, checkpoint)
     placements, _ = plan_placements(meta_model, mesh_shape, experts="ep")
     print(f"checkpoint: {checkpoint} ({_describe_checkpoint(checkpoint)})")
-    print(f"loading on {world} gloo rank(s), mesh {'x'.join(map(str, mesh_shape))}; "
-          f"{len(placements)} sharded tensors, e.g.")
+    print(
+        f"loading on {world} gloo rank(s), mesh {'x'.join(map(str, mesh_shape))}; "
+        f"{len(placements)} sharded tensors, e.g."
+    )
     for name in _examples(placements):
         print(f"  {name}  {placement_text(placements[name])}")
 
     # 2. start the ranks, then load the reference here while they start up
     deadline.enter("starting the ranks")
-    ctx = {"mesh_shape": list(mesh_shape), "placements": placements, "kind": kind, "checkpoint": checkpoint,
-           "store": os.path.join(work, "store"), "out": work, "reference": os.path.join(work, "reference.pt"),
-           "deadline": time.time() + deadline.left()}
-    from .demo_rank import run_rank
-
+    ctx = {
+        "mesh_shape": list(mesh_shape),
+        "placements": placements,
+        "kind": kind,
+        "checkpoint": checkpoint,
+        "store": os.path.join(work, "store"),
+        "out": work,
+        "reference": os.path.join(work, "reference.pt"),
+        "deadline": time.time() + deadline.left(),
+    }
     procs = None
     try:
         procs = mp.start_processes(run_rank, args=(ctx,), nprocs=world, join=False, start_method=START_METHOD)
         deadline.enter("loading the reference")
         ref_ok, ref_msg = _reference(kind, checkpoint, expected, ctx["reference"], loader_kwargs(kind))
-        from .plan_cmd import plan_model
-
         deadline.enter("simulating the plan")
         svg = os.path.join(out, "plan.svg")
-        sim = plan_model(meta_model, checkpoint, mesh_shape, ranks=list(range(world)), placements=placements,
-                         svg=svg, title="regiontrace demo: load plan", model_type=_model_type(kind),
-                         planner_kwargs=loader_kwargs(kind))
+        sim = plan_model(
+            meta_model,
+            checkpoint,
+            mesh_shape,
+            ranks=list(range(world)),
+            placements=placements,
+            svg=svg,
+            title="regiontrace demo: load plan",
+            model_type=_model_type(kind),
+            planner_kwargs=loader_kwargs(kind),
+        )
         deadline.enter("waiting for the ranks")
         _join(procs, deadline)
     finally:
@@ -190,17 +212,11 @@ START_METHOD = "forkserver"
 def _start_fork_server() -> None:
     """Start the fork server now, importing torch, the loader and transformers once while this process
     writes the checkpoint; each rank is then a cheap fork of it (a clean process: no threads, no state)."""
-    import multiprocessing
-
-    multiprocessing.get_context(START_METHOD).set_forkserver_preload(["regiontrace.cli.demo_preload"])
-    from multiprocessing import forkserver
-
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(["loader.cli.demo_preload"])
     forkserver.ensure_running()
 
 
 def _describe_checkpoint(path: str) -> str:
-    from loader import SafetensorsCheckpoint
-
     ck = SafetensorsCheckpoint.open(path)
     experts = sum(1 for k in ck.keys() if ".experts." in k)
     return f"{len(ck)} tensors, {experts} of them per-expert, {human_bytes(ck.total_bytes)}"
@@ -223,12 +239,6 @@ def _model_type(kind: str) -> str:
 
 def _reference(kind: str, checkpoint: str, expected: dict, out_path: str, kwargs: dict) -> tuple[bool, str]:
     """Single-process load into a plain model; checked against the saved model; written for the ranks."""
-    import torch
-
-    from loader import load_hf_checkpoint
-
-    from .demo_models import build_model
-
     try:
         model = build_model(kind, checkpoint).to_empty(device="cpu")
         with torch.no_grad():
@@ -255,8 +265,7 @@ def _join(procs: Any, deadline: Deadline) -> None:
         raise CLIError(f"a rank failed: {str(e).strip().splitlines()[-1]}", status=1) from e
 
 
-def _report(results: list[dict], figures: list, ref_ok: bool, ref_msg: str, svg: str, out: str,
-            seconds: float) -> int:
+def _report(results: list[dict], figures: list, ref_ok: bool, ref_msg: str, svg: str, out: str, seconds: float) -> int:
     sim = {f.rank: f for f in figures}
     rows, failures = [], []
     if not ref_ok:
@@ -272,16 +281,42 @@ def _report(results: list[dict], figures: list, ref_ok: bool, ref_msg: str, svg:
         if not res["ok"]:
             failures.append(f"rank {r}: shards differ from the reference: {(res['bad'] + res['uncovered'])[:3]}")
         if (f.blocks, f.bytes_read) != (res["blocks"], res["bytes_read"]):
-            failures.append(f"rank {r}: simulated plan ({f.blocks} blocks, {f.bytes_read} B) differs from the "
-                            f"real load ({res['blocks']} blocks, {res['bytes_read']} B)")
+            failures.append(
+                f"rank {r}: simulated plan ({f.blocks} blocks, {f.bytes_read} B) differs from the "
+                f"real load ({res['blocks']} blocks, {res['bytes_read']} B)"
+            )
             verdict += " (sim differs)"
-        rows.append([r, "(" + ",".join(map(str, res["coordinate"])) + ")", res["checked"], res["blocks"],
-                     human_bytes(res["bytes_read"]), human_bytes(f.shard_bytes), human_bytes(f.whole_tensor_bytes),
-                     f"{res['bytes_read'] / f.shard_bytes:.2f}" if f.shard_bytes else "-",
-                     f"{verdict} ({res['checked']} tensors)" if res["ok"] else verdict])
+        rows.append(
+            [
+                r,
+                "(" + ",".join(map(str, res["coordinate"])) + ")",
+                res["checked"],
+                res["blocks"],
+                human_bytes(res["bytes_read"]),
+                human_bytes(f.shard_bytes),
+                human_bytes(f.whole_tensor_bytes),
+                f"{res['bytes_read'] / f.shard_bytes:.2f}" if f.shard_bytes else "-",
+                f"{verdict} ({res['checked']} tensors)" if res["ok"] else verdict,
+            ]
+        )
     print()
-    print(table(["rank", "coord", "tensors", "blocks", "bytes read", "shard bytes", "whole tensors", "read/shard",
-                 "check vs reference"], rows, right=[True] * 8 + [False]))
+    print(
+        table(
+            [
+                "rank",
+                "coord",
+                "tensors",
+                "blocks",
+                "bytes read",
+                "shard bytes",
+                "whole tensors",
+                "read/shard",
+                "check vs reference",
+            ],
+            rows,
+            right=[True] * 8 + [False],
+        )
+    )
     print()
     print(f"reference: {ref_msg}")
     total_read = sum(res.get("bytes_read", 0) for res in results)

@@ -9,11 +9,18 @@ source runs) and shard boxes all become rectangles ``(r0, r1, c0, c1)`` of that 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..placements import shard_boxes
+from ..plan import unique_read_bytes
+from ..plan.slots import TargetSlot, full_box
+from ..rules import dot_natural_key
+from ..simulate import coordinate_of
 
 Rect = tuple[int, int, int, int]  # rows [r0, r1), cols [c0, c1) of the 2-D view
 
@@ -71,13 +78,13 @@ def box_rects(shape: Sequence[int], box: Sequence[tuple[int, int]], limit: int =
     if not shape:
         return [(0, 1, 0, 1)]
     if len(shape) == 1:
-        (a, b), = box
+        ((a, b),) = box
         return [(0, 1, a, b)] if b > a else []
     if any(b <= a for a, b in box):
         return []
     c0, c1 = box[-1]
     lead = box[:-2]
-    rows_per = [math.prod(shape[d + 1:-1]) for d in range(len(shape) - 1)]
+    rows_per = [math.prod(shape[d + 1 : -1]) for d in range(len(shape) - 1)]
     ra, rb = box[-2]
     count = math.prod(b - a for a, b in lead)
     if count > limit:
@@ -92,8 +99,6 @@ def box_rects(shape: Sequence[int], box: Sequence[tuple[int, int]], limit: int =
 
 
 def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:
-    import itertools
-
     return itertools.product(*ranges)
 
 
@@ -221,11 +226,6 @@ def collect(
         selected: model tensor names drawn.
         placement_text: formats a placement list.
     """
-    from loader.placements import shard_boxes
-    from loader.plan import unique_read_bytes
-    from loader.simulate import coordinate_of
-    from loader.plan.slots import TargetSlot, full_box
-
     chosen = set(selected)
     views: dict[str, TensorView] = {}
     per_source: dict[tuple[str, str], SourceView] = {}
@@ -241,9 +241,15 @@ def collect(
             boxes = shard_boxes(shape, mesh_shape, coord, pl) if pl else ((full_box(shape), full_box(shape)),)
             slots[name] = TargetSlot(name, shape, t.dtype, None, boxes)
             if name not in views:
-                views[name] = TensorView(name, shape, str(t.dtype).removeprefix("torch."),
-                                         placement_text(pl) if pl else "replicated", {}, [],
-                                         replicated=not pl or all(type(p).__name__ == "Replicate" for p in pl))
+                views[name] = TensorView(
+                    name,
+                    shape,
+                    str(t.dtype).removeprefix("torch."),
+                    placement_text(pl) if pl else "replicated",
+                    {},
+                    [],
+                    replicated=not pl or all(type(p).__name__ == "Replicate" for p in pl),
+                )
             views[name].owners[rank] = merge_rects([r for g, _ in boxes for r in box_rects(shape, g)])
         plan = planner.build_plan(checkpoint, slots, check_devices=False)
         by_target: dict[str, dict[str, list]] = {}
@@ -264,8 +270,6 @@ def collect(
                     sv.whole = True
                     sv.reads[rank] = [(0, view_shape(sv.shape)[0], 0, view_shape(sv.shape)[1])]
                     sv.read_bytes[rank] = checkpoint[src].nbytes
-    from loader.rules import dot_natural_key
-
     for sv in per_source.values():
         sv.reads = {r: merge_rects(rects) for r, rects in sv.reads.items()}
     for v in views.values():

@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch.distributed  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 
-import loader  # noqa: F401
-import loader.distributed  # noqa: F401
 import regiontrace  # noqa: F401
 
-from . import demo_models, demo_rank, sharding  # noqa: F401
+from .. import distributed, placements  # noqa: F401
+from . import demo_models, demo_rank  # noqa: F401
 
 try:
     import transformers  # noqa: F401
