@@ -6,9 +6,11 @@ from .errors import CheckpointError, PeerFailure
 from .planner import HFLoadPlanner, LoadReport
 from .reader import SafetensorsReader
 from .rules import Convert, Rename
+from .save import SaveReport, save_hf_checkpoint
 from .simulate import RankFigures, simulate_load
 
 __all__ = [
     "CheckpointError", "Convert", "HFLoadPlanner", "LoadReport", "PeerFailure", "RankFigures", "Rename",
-    "SafetensorsCheckpoint", "SafetensorsReader", "load_hf_checkpoint", "simulate_load",
+    "SafetensorsCheckpoint", "SafetensorsReader", "SaveReport", "load_hf_checkpoint", "save_hf_checkpoint",
+    "simulate_load",
 ]

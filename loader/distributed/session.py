@@ -33,6 +33,9 @@ _STAGES = {
     "resolving": "Resolving the checkpoint",
     "planning": "Planning the load",
     "reading": "Reading the checkpoint",
+    "preparing": "Preparing the save",
+    "writing": "Writing the checkpoint",
+    "finishing": "Finishing the save",
 }
 
 

@@ -1,0 +1,313 @@
+"""``save_hf_checkpoint``: write a (DTensor-sharded) model as a Hugging Face checkpoint in its original layout,
+each rank writing only the byte regions its local shards map to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import regiontrace as rt
+
+from ..placements import rank_and_world, slot_for
+from ..rules import dot_natural_key
+from .layout import SaveLayout, plan_layout
+from .sources import SaveMapping, SourceShapes, map_for_save
+from .write import RegionWriter, commit, create_files, make_temp_folder, remove_folder, write_extras
+
+log = logging.getLogger("loader")
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What one rank's :func:`save_hf_checkpoint` did.
+
+    Attributes:
+        path: the checkpoint folder.
+        files: the safetensors files, in shard order.
+        keys: every checkpoint key saved (all ranks together), natural-sorted.
+        total_size: the index's ``metadata.total_size`` (the checkpoint's tensor bytes).
+        bytes_written: tensor data bytes this rank wrote.
+        header_bytes: header bytes this rank wrote (rank 0 only).
+        writes: positional writes this rank made.
+        written: model tensors this rank wrote (its shards of them), natural-sorted.
+        derived_by: how the checkpoint keys were found: ``"revert_weight_conversion"``, ``"renames"`` or
+            ``"source_shapes"``.
+        rank: this rank. world: the number of ranks.
+    """
+
+    path: str
+    files: tuple[str, ...]
+    keys: tuple[str, ...]
+    total_size: int
+    bytes_written: int
+    header_bytes: int
+    writes: int
+    written: tuple[str, ...]
+    derived_by: str
+    rank: int
+    world: int
+
+
+@dataclass(frozen=True)
+class RankWrites:
+    """The regions one rank writes: ``(block, values)`` pairs (the box's values, run backwards through the block)."""
+
+    items: tuple[tuple[rt.RemapBlock, torch.Tensor], ...]
+    written: tuple[str, ...]
+    nbytes: int
+
+
+def save_hf_checkpoint(
+    model: torch.nn.Module,
+    path: str,
+    *,
+    weights_mapping: Sequence[Any] | None = None,
+    extra_weights_mapping: Sequence[Any] = (),
+    key_mapping: Mapping[str, str] | None = None,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    progress: bool | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    source_shapes: SourceShapes | str | os.PathLike | None = None,
+) -> SaveReport:
+    """Save ``model`` as a Hugging Face safetensors checkpoint in the original layout, as ``save_pretrained`` does.
+
+    Under ``torch.distributed`` every rank calls it with its (DTensor-sharded) model; each writes only the byte
+    regions its local shards map to (a tensor held by several ranks is written by the lowest of them). The
+    files appear at ``path`` only once every rank has written its part.
+
+    Args:
+        model: the model (plain or DTensor tensors, materialised).
+        path: the checkpoint folder (created; an existing one gets its weight files and index replaced).
+        weights_mapping, extra_weights_mapping, key_mapping: the rules, as for ``load_hf_checkpoint``; the
+            default for a transformers ``PreTrainedModel`` is transformers' conversion mapping.
+        max_shard_size: most bytes per file (``"5GB"``, or an int), as ``save_pretrained`` splits.
+        metadata: safetensors ``__metadata__`` of every file (``{"format": "pt"}`` is added).
+        progress: tqdm progress bar; default on when stderr is a terminal.
+        timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others at each
+            agreement point (end of preparing, of writing, of finishing); None waits without limit (a rank that
+            dies is still detected by its heartbeat).
+        source_shapes: the checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint (path or
+            ``SafetensorsCheckpoint``) to take keys, shapes and dtypes from: needed when they cannot be found from
+            the model and the rules alone (a ``Convert`` rule).
+
+    Returns:
+        A :class:`SaveReport` for this rank.
+
+    Raises:
+        ValueError: the layout cannot be derived or a conversion is not invertible (nothing is written).
+        PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left.
+        OSError, RuntimeError: a write failed (on any rank, in a distributed run); no complete-looking
+            checkpoint is left at ``path``.
+    """
+    from ..distributed import timeout_seconds
+
+    timeout_seconds(timeout)
+    meta = {"format": "pt", **(metadata or {})}
+    rules = dict(
+        weights_mapping=weights_mapping,
+        extra_weights_mapping=extra_weights_mapping,
+        key_mapping=key_mapping,
+        source_shapes=source_shapes,
+    )
+    rank, world = rank_and_world()
+    if world > 1:
+        return _save_distributed(model, path, rules, max_shard_size, meta, progress, timeout)
+    mapping, layout, writes = _prepare(model, rules, max_shard_size, meta, rank)
+    folder = make_temp_folder(path)
+    try:
+        header = create_files(folder, layout)
+        writer = _write(folder, layout, writes, progress)
+        write_extras(folder, layout, model, _total_parameters(model))
+        commit(folder, path, layout)
+    except BaseException:
+        remove_folder(folder)
+        raise
+    return _report(path, mapping, layout, writer, header, writes, rank, world)
+
+
+def plan_rank_writes(mapping: SaveMapping, rank: int, world: int) -> RankWrites:
+    """The regions this rank writes: for every model tensor, its local shard's boxes when this rank is the lowest
+    rank holding that shard (plain tensors: rank 0), each box's inverse blocks.
+
+    Raises:
+        ValueError: a model tensor this rank writes is on the meta device, or is ``Partial``.
+    """
+    items, written, nbytes = [], [], 0
+    for saved in mapping.conversions:
+        for target in saved.targets:
+            tensor = mapping.tensors[target]
+            if _writer(tensor, rank, world) != rank:
+                continue
+            slot = slot_for(target, tensor)
+            if slot.local is not None and slot.local.device.type == "meta" and slot.boxes:
+                raise ValueError(f"model tensor {target!r} is on the meta device: it has no values to save")
+            for global_box, local_box in slot.boxes:
+                if any(b <= a for a, b in global_box):
+                    continue
+                values = _box_view(slot.local, local_box)
+                for block in mapping.blocks(saved, target, global_box):
+                    items.append((block, values))
+                    nbytes += block.numel * block.source_dtype.itemsize
+            if slot.boxes:
+                written.append(target)
+    return RankWrites(tuple(items), tuple(sorted(written, key=dot_natural_key)), nbytes)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _prepare(model, rules, max_shard_size, metadata, rank) -> tuple[SaveMapping, SaveLayout, RankWrites]:  # noqa: ANN001
+    mapping = map_for_save(model, **rules)
+    layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata=metadata)
+    _, world = rank_and_world()
+    return mapping, layout, plan_rank_writes(mapping, rank, world)
+
+
+def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool | None) -> RegionWriter:
+    bar = _progress_bar(progress, writes.nbytes)
+    try:
+        with RegionWriter(folder, layout, on_write=bar.update if bar else None) as writer:
+            with torch.no_grad():
+                for block, values in writes.items:
+                    writer.write_block(block, values)
+    finally:
+        if bar:
+            bar.close()
+    return writer
+
+
+def _save_distributed(model, path, rules, max_shard_size, metadata, progress, timeout) -> SaveReport:  # noqa: ANN001
+    """Plan on every rank; rank 0 creates the files; every rank writes its regions; rank 0 commits. Each step
+    ends at an agreement point: a failure or a hang anywhere fails every rank, and rank 0 removes the files."""
+    from ..distributed import LoadSession
+
+    rank, world = rank_and_world()
+    folder = header = None
+    with LoadSession(timeout) as session:
+        error = None
+        try:
+            mapping, layout, writes = _prepare(model, rules, max_shard_size, metadata, rank)
+            if rank == 0:
+                folder = make_temp_folder(path)
+                header = create_files(folder, layout)
+                session.store.set("save/folder", folder)
+                session.store.set("save/layout", layout.digest())
+        except Exception as e:  # agreed below: every rank raises, none hangs
+            error = e
+        _agree(session, error, "preparing", folder)
+        error = writer = None
+        try:
+            if rank != 0:
+                folder = session.store.get("save/folder").decode()
+                if session.store.get("save/layout").decode() != layout.digest():
+                    raise ValueError(
+                        "this rank computed another checkpoint layout than rank 0 (different models or rules "
+                        "on different ranks?)"
+                    )
+            writer = _write(folder, layout, writes, progress)
+        except Exception as e:
+            error = e
+        _agree(session, error, "writing", folder if rank == 0 else None)
+        error = None
+        if rank == 0:
+            try:
+                write_extras(folder, layout, model, _total_parameters(model))
+                commit(folder, path, layout)
+            except Exception as e:
+                error = e
+                remove_folder(folder)
+        session.agree(error, "finishing")
+    return _report(path, mapping, layout, writer, header or 0, writes, rank, world)
+
+
+def _agree(session: Any, error: BaseException | None, stage: str, folder: str | None) -> None:
+    try:
+        session.agree(error, stage)
+    except BaseException:
+        remove_folder(folder)
+        raise
+
+
+def _writer(tensor: torch.Tensor, rank: int, world: int) -> int | None:
+    """The rank that writes ``tensor``'s shard held here: the lowest rank holding the same shard (None: none)."""
+    data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+    if world == 1 or not hasattr(data, "device_mesh"):
+        return 0
+    from torch.distributed.tensor import Replicate
+
+    mesh = data.device_mesh
+    if mesh.get_coordinate() is None:
+        return None
+    root, placements = _on_root(mesh, tuple(data.placements))
+    coord = root.get_coordinate()
+    index = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(placements, coord))
+    return int(root.mesh[index].min())
+
+
+def _on_root(mesh: Any, placements: tuple) -> tuple[Any, tuple]:
+    """The placements over the root mesh (``Replicate`` on the dims the submesh lacks: the replicas there hold the
+    same shard); the mesh itself when its dims cannot be named on the root."""
+    from torch.distributed.tensor import Replicate
+
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root is mesh:
+        return mesh, placements
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or any(n not in root_names for n in names):
+        return mesh, placements
+    out: list[Any] = [Replicate()] * root.ndim
+    for name, p in zip(names, placements):
+        out[root_names.index(name)] = p
+    return root, tuple(out)
+
+
+def _box_view(t: torch.Tensor, box: Box) -> torch.Tensor:
+    for d, (a, b) in enumerate(box):
+        if a != 0 or b != t.shape[d]:
+            t = t.narrow(d, a, b - a)
+    return t.detach()
+
+
+def _total_parameters(model: torch.nn.Module) -> int:
+    counter = getattr(model, "num_parameters", None)
+    if callable(counter):
+        return int(counter())
+    return sum(math.prod(p.shape) for p in model.parameters())
+
+
+def _progress_bar(enabled: bool | None, total: int):  # noqa: ANN202
+    if enabled is False or (enabled is None and not sys.stderr.isatty()):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="saving", leave=False)
+
+
+def _report(path, mapping, layout, writer, header, writes, rank, world) -> SaveReport:  # noqa: ANN001
+    report = SaveReport(
+        path=os.fspath(path),
+        files=tuple(f.name for f in layout.files),
+        keys=tuple(sorted(layout.tensors, key=dot_natural_key)),
+        total_size=layout.total_size,
+        bytes_written=writer.bytes_written if writer else 0,
+        header_bytes=header or 0,
+        writes=writer.writes if writer else 0,
+        written=writes.written,
+        derived_by=mapping.derived_by,
+        rank=rank,
+        world=world,
+    )
+    log.info("rank %d: wrote %d of %d checkpoint bytes to %s", rank, report.bytes_written, layout.data_bytes, path)
+    return report

@@ -1,0 +1,247 @@
+"""Writing a :class:`~loader.save.layout.SaveLayout`: preallocated files, headers, positional writes of the byte
+regions a rank's shards map to, and the final rename that makes the checkpoint appear.
+
+A region is written with one ``os.pwrite`` per run of contiguous file bytes: straight from the model tensor's
+memory when the block reads a contiguous source range in order (a rename, a whole expert of a fused tensor, a
+row shard), else from a staging copy in source order (:func:`regiontrace.packed_source_runs`), at most
+``staging_bytes`` at a time (a block is cut along its outer dims to fit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+import regiontrace as rt
+from regiontrace.execute import dest_view
+
+from .layout import SaveLayout, TensorPlace
+
+#: Most bytes of packed values one block chunk stages before it is written.
+STAGING_BYTES = 64 << 20
+
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def make_temp_folder(path: str) -> str:
+    """A new empty folder ``<path>.tmp-XXXXXXXX`` next to ``path`` (same filesystem, so a rename commits it),
+    with the permissions ``os.makedirs`` would give."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"cannot save to {path!r}: it is a file, not a folder")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    return folder
+
+
+def create_files(folder: str, layout: SaveLayout) -> int:
+    """Create every file of ``layout`` in ``folder`` at its full size (blocks reserved where the filesystem
+    allows) with its header written; returns the header bytes written."""
+    written = 0
+    for f in layout.files:
+        fd = os.open(os.path.join(folder, f.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            os.ftruncate(fd, f.size)
+            if f.size > len(f.header) and hasattr(os, "posix_fallocate"):
+                with contextlib.suppress(OSError):  # not supported here (EOPNOTSUPP, EINVAL): stays sparse
+                    os.posix_fallocate(fd, len(f.header), f.size - len(f.header))
+            _pwrite_all(fd, memoryview(f.header), 0)
+            written += len(f.header)
+        finally:
+            os.close(fd)
+    return written
+
+
+def write_extras(folder: str, layout: SaveLayout, model: torch.nn.Module, total_parameters: int | None) -> None:
+    """The index (several files only), ``config.json`` and ``generation_config.json`` as ``save_pretrained``
+    writes them (the config records the model's dtype and class, on a copy: the model's config is untouched)."""
+    text = layout.index_json(total_parameters)
+    if text is not None:
+        with open(os.path.join(folder, layout.index_name), "w", encoding="utf-8") as f:
+            f.write(text)
+    from ..rules import hf as hf_rules
+
+    if not hf_rules.is_pretrained_model(model):
+        return
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.dtype = str(model.dtype).split(".")[1]
+    config.architectures = [model.__class__.__name__.removeprefix("FSDP")]
+    config.save_pretrained(folder)
+    if model.can_generate():
+        model.generation_config.save_pretrained(folder)
+
+
+def commit(folder: str, path: str, layout: SaveLayout) -> None:
+    """Make the checkpoint in ``folder`` appear at ``path``: a rename when ``path`` does not exist; into an existing
+    folder, the old index first goes (the folder stops looking complete), then each file is replaced, weight
+    files of an earlier save that this one does not overwrite are removed, and the index comes last."""
+    path = os.path.abspath(path)
+    try:
+        os.rename(folder, path)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR) or not os.path.isdir(path):
+            raise
+    names = [f.name for f in layout.files]
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, layout.index_name))
+    for name in sorted(os.listdir(folder), key=lambda n: n == layout.index_name):
+        if name == layout.index_name:
+            continue
+        os.replace(os.path.join(folder, name), os.path.join(path, name))
+    for name in os.listdir(path):
+        stale = _SHARD_FILE.fullmatch(name) or (name == "model.safetensors" and layout.is_sharded)
+        if stale and name not in names and os.path.isfile(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    if layout.is_sharded:
+        os.replace(os.path.join(folder, layout.index_name), os.path.join(path, layout.index_name))
+    os.rmdir(folder)
+
+
+def remove_folder(folder: str | None) -> None:
+    """Remove an unfinished save's folder (best effort: a failed save is already being raised)."""
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class RegionWriter:
+    """Positional writes of model values into the files of a layout (opened lazily, write-only).
+
+    Args:
+        folder: the folder holding the preallocated files.
+        layout: their layout.
+        staging_bytes: most bytes of packed values staged at once.
+        on_write: called with the byte count of every write (progress).
+    """
+
+    def __init__(
+        self,
+        folder: str,
+        layout: SaveLayout,
+        staging_bytes: int = STAGING_BYTES,
+        on_write: Callable[[int], None] | None = None,
+    ) -> None:
+        self.folder, self.layout, self.staging_bytes = folder, layout, staging_bytes
+        self.on_write = on_write
+        self.bytes_written = 0
+        self.writes = 0
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> RegionWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def write_block(self, block: rt.RemapBlock, values: torch.Tensor) -> None:
+        """Write the source elements ``block`` maps ``values`` (the box's values) to."""
+        place = self.layout.tensors[block.source]
+        if block.numel == 0:
+            return
+        for chunk in _chunks(block, max(1, self.staging_bytes // place.itemsize)):
+            direct = _direct_view(chunk, values)
+            if direct is not None:  # the model's own memory (a device tensor: one staged copy of the chunk)
+                offset, view = direct
+                self._write(place, offset, _as_bytes(view))
+            else:
+                self._write_runs(place, rt.packed_source_runs(chunk, values))
+
+    def _write_runs(self, place: TensorPlace, runs: rt.PackedRuns) -> None:
+        data = _as_bytes(runs.values)
+        starts = runs.starts.numpy()
+        length = runs.run_length
+        breaks = np.flatnonzero(np.diff(starts) != length) + 1  # runs that continue each other: one write
+        firsts = np.concatenate(([0], breaks))
+        lasts = np.concatenate((breaks, [len(starts)]))
+        nbytes = length * place.itemsize
+        for a, b in zip(firsts.tolist(), lasts.tolist()):
+            self._write(place, int(starts[a]), data[a * nbytes : b * nbytes])
+
+    def _write(self, place: TensorPlace, element: int, data: memoryview) -> None:
+        fd = self._fds.get(place.file)
+        if fd is None:
+            fd = self._fds[place.file] = os.open(os.path.join(self.folder, place.file), os.O_WRONLY)
+        offset = place.start + element * place.itemsize
+        if offset < place.start or offset + len(data) > place.start + place.nbytes:
+            raise RuntimeError(f"write of {len(data)} bytes at {offset} lies outside tensor {place.key!r}")
+        _pwrite_all(fd, data, offset)
+        self.bytes_written += len(data)
+        self.writes += 1
+        if self.on_write is not None:
+            self.on_write(len(data))
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor (copied to the CPU first if needed), without a copy on the CPU."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _direct_view(block: rt.RemapBlock, values: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """``(first source element, values view)`` when the block writes one contiguous source range in order from
+    contiguous model memory of the source dtype: the bytes can be written as they are."""
+    if block.casts or values.dtype != block.source_dtype:
+        return None
+    dims = [j for j, n in enumerate(block.shape) if n > 1]
+    if any(block.src_strides[j] <= 0 for j in dims):
+        return None
+    dims.sort(key=lambda j: -block.src_strides[j])
+    expected = 1
+    for j in reversed(dims):
+        if block.src_strides[j] != expected:
+            return None
+        expected *= block.shape[j]
+    view = dest_view(block, values)
+    view = view.permute([j for j, n in enumerate(block.shape) if n <= 1] + dims)
+    if not view.is_contiguous():
+        return None
+    return block.src_offset, view
+
+
+def _chunks(block: rt.RemapBlock, max_elements: int) -> list[rt.RemapBlock]:
+    """``block`` cut along its outer dims (largest source stride first) into pieces of at most ``max_elements``."""
+    if block.numel <= max_elements:
+        return [block]
+    order = sorted(range(len(block.shape)), key=lambda j: -abs(block.src_strides[j]))
+    j = next(j for j in order if block.shape[j] > 1)
+    inner = block.numel // block.shape[j]
+    step = max(1, max_elements // max(inner, 1))
+    out = []
+    for a in range(0, block.shape[j], step):
+        n = min(step, block.shape[j] - a)
+        shape = block.shape[:j] + (n,) + block.shape[j + 1 :]
+        dst = list(block.dst_offset)
+        dst[block.dst_dims[j]] += a * block.dst_steps[j]
+        start = block.src_offset + a * block.src_strides[j]
+        piece = replace(block, shape=shape, src_offset=start, dst_offset=tuple(dst))
+        out.extend(_chunks(piece, max_elements) if piece.numel > max_elements and n == 1 else [piece])
+    return out

@@ -1,0 +1,179 @@
+"""``save_hf_checkpoint`` on a real 4-rank gloo world (one world for every case here; tests/save_worker.py).
+
+Every rank saves its DTensor shards (Shard(0/1/2), uneven, _StridedShard, Replicate, a fused rope'd qkv, fused
+MoE experts): the files equal the original checkpoint byte for byte, each rank writes exactly the bytes of the
+shards it is the lowest holder of (together: every checkpoint byte once), and a failure or death on one rank
+fails every rank and leaves no checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import dist_models as dm  # noqa: E402
+import save_worker  # noqa: E402
+from hf_models import build  # noqa: E402
+
+from loader import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+
+WORLD = 4
+WORLD_LIMIT = 300  # seconds; the world normally finishes in well under a minute
+MOE_SHARD_SIZE = "20KB"
+pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("save_dist")
+    tensors = dm.write_checkpoint(str(root / "full.safetensors"))
+    del tensors["scaled_src"]
+    os.makedirs(root / "layout")
+    save_file(tensors, root / "layout" / "model.safetensors", metadata={"format": "pt"})
+    _, moe = build("qwen3_moe", dtype=torch.bfloat16, num_key_value_heads=4, vocab_size=70, tie_word_embeddings=False)
+    moe.save_pretrained(root / "moe", max_shard_size=MOE_SHARD_SIZE)
+    out = root / "out"
+    out.mkdir()
+    with socket.socket() as sock:  # a free port for the world's TCP store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = {
+        "port": port, "out": str(out), "layout": str(root / "layout" / "model.safetensors"),
+        "moe": str(root / "moe"), "moe_shard_size": MOE_SHARD_SIZE,
+    }  # fmt: skip
+    return root, _run_world(root, ctx)
+
+
+def _run_world(root, ctx: dict) -> list[dict]:  # noqa: ANN001
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    logs = [open(root / f"rank{r}.log", "w") for r in range(WORLD)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [sys.executable, save_worker.__file__, str(r), str(WORLD), json.dumps(ctx)],
+            cwd=repo,
+            env=env,
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for r in range(WORLD)
+    ]
+    try:
+        for p in procs:
+            p.wait(timeout=WORLD_LIMIT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the 4-rank world did not finish within {WORLD_LIMIT} s: a rank hangs\n" + _logs(root, ctx))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0, -signal.SIGKILL, 0], f"exit codes {codes}\n" + _logs(root, ctx)
+    return [torch.load(os.path.join(ctx["out"], f"rank{r}.pt")) for r in range(WORLD)]
+
+
+def _logs(root, ctx: dict) -> str:  # noqa: ANN001
+    parts = []
+    for r in range(WORLD):
+        parts.append(f"--- rank {r}\n{(root / f'rank{r}.log').read_text()[-3000:]}")
+        path = os.path.join(ctx["out"], f"rank{r}.pt")
+        if os.path.exists(path):
+            parts += [f"{n}: {res['error'][-1500:]}" for n, res in torch.load(path).items() if not res["ok"]]
+    return "\n".join(parts)
+
+
+def _ok(results: list[dict], name: str) -> list[dict]:
+    for r, res in enumerate(results):
+        assert res[name]["ok"], f"rank {r}:\n{res[name].get('error')}"
+    return [res[name] for res in results]
+
+
+def folder_bytes(path) -> dict[str, bytes]:  # noqa: ANN001
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+def _each_rank_writes_its_shards_once(per_rank: list[dict]) -> None:
+    expected = per_rank[0]["expected"]
+    for r, res in enumerate(per_rank):
+        assert res["all"] == [p["bytes_written"] for p in per_rank]
+        assert res["bytes_written"] == expected[r], (r, res["bytes_written"], expected)  # its shard bytes, 1.00x
+    assert sum(expected) == per_rank[0]["total_size"]  # together: every checkpoint byte, once
+    assert all(res["header_bytes"] == 0 for res in per_rank[1:]) and per_rank[0]["header_bytes"] > 0
+
+
+def test_layout_shards_write_the_original_file(world):
+    root, results = world
+    per_rank = _ok(results, "layout_1d")
+    _each_rank_writes_its_shards_once(per_rank)
+    out = per_rank[0]["out"]
+    assert os.listdir(out) == ["model.safetensors"]  # a plain module: no config
+    assert folder_bytes(out)["model.safetensors"] == (root / "layout" / "model.safetensors").read_bytes()
+
+
+def test_sharded_files_from_a_2d_mesh_equal_a_one_process_save(world, tmp_path):
+    root, results = world
+    per_rank = _ok(results, "layout_2d")
+    _each_rank_writes_its_shards_once(per_rank)
+    assert len(per_rank[0]["files"]) > 2
+    model = save_worker.NoScaled()
+    load_hf_checkpoint(model, str(root / "layout"), weights_mapping=save_worker.layout_rules(), progress=False)
+    one = tmp_path / "one"
+    save_hf_checkpoint(model, one, weights_mapping=save_worker.layout_rules(), source_shapes=str(root / "layout"),
+                       max_shard_size="1KB", progress=False)  # fmt: skip
+    assert folder_bytes(per_rank[0]["out"]) == folder_bytes(one)
+
+
+@pytest.mark.parametrize("name", ["moe_1d", "moe_2d", "moe_submesh"])
+def test_moe_shards_write_save_pretrained_files(world, name):
+    """TP attention, EP x TP experts (Shard + _StridedShard gate_up), vocab-sharded embedding, replicated norms:
+    the shards, the index and the config equal what save_pretrained wrote."""
+    root, results = world
+    per_rank = _ok(results, name)
+    _each_rank_writes_its_shards_once(per_rank)
+    ours, original = folder_bytes(per_rank[0]["out"]), folder_bytes(root / "moe")
+    assert list(ours) == list(original) and len(per_rank[0]["files"]) > 1
+    for file in original:
+        assert ours[file] == original[file], file
+    if name == "moe_submesh":  # ranks 2 and 3 replicate ranks 0 and 1 (the dp dim): they write nothing
+        assert [res["bytes_written"] for res in per_rank][2:] == [0, 0]
+
+
+def test_a_write_failure_on_one_rank_fails_every_rank(world):
+    _, results = world
+    for r, res in enumerate(_ok(results, "fail_writing")):
+        assert res["type"] == "RuntimeError", (r, res)
+        assert "Writing the checkpoint failed on rank 2: OSError" in res["message"], res["message"]
+        assert res["left"] == [], f"rank {r} sees {res['left']}"  # no folder, no temporary folder
+
+
+def test_a_planning_failure_on_one_rank_removes_the_files_rank_0_created(world):
+    _, results = world
+    for r, res in enumerate(_ok(results, "fail_preparing")):
+        assert res["type"] == "RuntimeError", (r, res)
+        assert "Preparing the save failed on rank 2" in res["message"] and "only breaks on rank 2" in res["message"]
+        assert res["left"] == [], f"rank {r} sees {res['left']}"
+
+
+def test_a_killed_rank_fails_every_rank_and_leaves_no_checkpoint(world):
+    root, results = world
+    assert "killed" not in results[2]
+    for r in (0, 1, 3):
+        res = results[r]["killed"]
+        assert res["ok"], res.get("error")
+        assert res["type"] == "PeerFailure", (r, res)
+        assert (res["stage"], res["ranks"], res["reason"]) == ("preparing", (2,), "died"), (r, res)
+    assert results[0]["killed"]["left"] == []  # rank 0 removed the files it had created
+    assert not [n for n in os.listdir(root / "out") if n.startswith("killed")]
