@@ -238,7 +238,8 @@ def test_regiontrace_never_imports_loader():
 
 @pytest.fixture(scope="module")
 def demo_then_plan(tmp_path_factory):
-    """`regiontrace demo` on two ranks, then `regiontrace plan` of its checkpoint with a picture."""
+    """`regiontrace demo` on two ranks (load, check, save back), then `regiontrace plan --save` of its checkpoint
+    with a picture."""
     pytest.importorskip("transformers")
     tmp_path = tmp_path_factory.mktemp("demo")
     out = tmp_path / "demo"
@@ -246,7 +247,7 @@ def demo_then_plan(tmp_path_factory):
     svg = tmp_path / "plan.svg"
     plan = None
     if demo.returncode == 0:
-        plan = regiontrace("plan", str(out / "checkpoint"), "--mesh", "2x2", "--json", "--svg", str(svg))
+        plan = regiontrace("plan", str(out / "checkpoint"), "--mesh", "2x2", "--save", "--json", "--svg", str(svg))
     return demo, out, plan, svg
 
 
@@ -256,6 +257,15 @@ def test_demo_two_ranks_then_plan_its_checkpoint(demo_then_plan):
     assert "OK: every shard on every rank equals the single-process load" in r.stdout
     assert r.stdout.count("ok (25 tensors)") == 2
     ET.parse(out / "plan.svg")
+    # the sharded save: each rank wrote its shard bytes (1.00), as its write plan says; the files are the original's
+    assert "the sharded save wrote the original checkpoint back" in r.stdout
+    saved = r.stdout[r.stdout.index("saved back with save_hf_checkpoint") :]
+    rows = [line.split() for line in saved.splitlines()[3:5]]
+    assert [row[0] for row in rows] == ["0", "1"] and all(
+        row[6] == "1.00" and row[-2:] == ["=", "plan"] for row in rows
+    )
+    assert "config.json, generation_config.json, model.safetensors equal to the original's, byte for byte" in r.stdout
+    assert (out / "saved" / "model.safetensors").read_bytes() == (out / "checkpoint" / "model.safetensors").read_bytes()
 
     r = plan_run
     assert r.returncode == 0, r.stderr
@@ -269,6 +279,14 @@ def test_demo_two_ranks_then_plan_its_checkpoint(demo_then_plan):
         assert f["shard_bytes"] <= f["bytes_read"] <= 1.02 * f["shard_bytes"], f
         assert f["bytes_read"] < f["whole_tensor_bytes"] <= plan["checkpoint_bytes"], f
     assert plan["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == "[S(0), S(1, strided x2)]"
+    # --save: the write plan; every tensor byte written by exactly one rank, each rank its own shards
+    writes = plan["save"]
+    assert [f["rank"] for f in writes] == [0, 1, 2, 3]
+    assert sum(f["bytes_written"] for f in writes) == plan["checkpoint_bytes"]
+    for f in writes:
+        assert f["bytes_written"] == f["shard_bytes"] <= f["local_bytes"] and f["writes"] > 0, f
+        assert f["files"] == ["model.safetensors"]
+    assert writes[0]["shard_bytes"] == writes[0]["local_bytes"] > writes[3]["shard_bytes"]  # replicas: rank 0
     root = ET.parse(svg).getroot()
     assert root.tag.endswith("svg") and len(root) > 100
 
@@ -314,3 +332,30 @@ def test_builtin_demo_model_loads_exactly(tmp_path):
     state = model.state_dict()
     assert set(state) == set(expected) and not report.deferred
     assert all(torch.equal(state[k], v) for k, v in expected.items())
+
+
+def test_write_plan_is_the_saves_own_and_prints_a_table(tmp_path):
+    """`loader.save.plan_writes` (what `plan --save` prints) for a mesh, in one process: every checkpoint byte
+    by one rank, replicas by the lowest holder; a 1-rank plan is what the real one-process save does."""
+    from loader import save_hf_checkpoint
+    from loader.cli.demo_models import build_model, loader_kwargs, write_checkpoint
+    from loader.cli.save_plan import write_plan, write_plan_text
+    from loader.placements import plan_placements
+
+    ckpt = str(tmp_path / "ckpt")
+    write_checkpoint("builtin", ckpt)
+    model = build_model("builtin", ckpt)
+    kwargs = dict(loader_kwargs("builtin"), source_shapes=ckpt)
+    placements, _ = plan_placements(model, (2, 2), experts="ep")
+    figures = write_plan(model, (2, 2), placements, range(4), kwargs)
+    total = sum(f.bytes_written for f in figures)
+    assert all(f.bytes_written == f.shard_bytes for f in figures)
+    assert figures[3].shard_bytes < figures[3].local_bytes  # it holds replicas rank 0 writes
+    text = write_plan_text(figures)
+    assert "written/shard" in text and text.count(" 1.00 ") == 4
+
+    real = build_model("builtin", ckpt).to_empty(device="cpu")
+    (single,) = write_plan(real, (1,), {}, [0], kwargs)
+    report = save_hf_checkpoint(real, str(tmp_path / "saved"), progress=False, **kwargs)
+    assert (report.bytes_written, report.writes) == (single.bytes_written, single.writes)
+    assert report.bytes_written == total

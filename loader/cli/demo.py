@@ -3,7 +3,9 @@
 1. write a small MoE checkpoint in the original Hugging Face layout (per-expert tensors, separate gate/up);
 2. load it on N gloo ranks on localhost into tensor- and expert-parallel DTensor shards, and in this process
    into a plain model (the reference, itself checked against the saved model); check every shard;
-3. print a per-rank table and write the plan picture. Exit status 1 if any check fails.
+3. save the sharded model back on every rank (``save_hf_checkpoint``: each rank writes its own regions) and
+   check the files against the original checkpoint, byte for byte;
+4. print per-rank tables and write the plan picture. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -32,15 +34,18 @@ from .common import have_transformers, human_bytes, parse_mesh, table
 from .demo_models import build_model, loader_kwargs, write_checkpoint
 from .demo_rank import run_rank
 from .plan_cmd import plan_model
+from .save_plan import compare_checkpoints, save_table, write_plan
 
-HELP = "load an embedded tiny MoE checkpoint on N gloo ranks, check every shard, draw the plan"
+HELP = "load an embedded tiny MoE checkpoint on N gloo ranks, check every shard, save it back, draw the plan"
 DESCRIPTION = """\
 Generate a tiny MoE checkpoint in the original Hugging Face layout (per-expert tensors, separate gate and
 up projections: a qwen3_moe model written by save_pretrained, or a built-in model without transformers),
 load it with WORLD gloo ranks on localhost into tensor- and expert-parallel DTensor shards and once in this
-process as the reference, check every shard against the reference, then print a per-rank table and write
-the plan picture (plan.svg) into the output folder. Exit status 1 if any check fails, a rank fails, or the
-command runs past --timeout. No network."""
+process as the reference, check every shard against the reference, save the sharded model back with
+save_hf_checkpoint on every rank (each writing only its own regions) into OUT/saved and check those files
+against the original checkpoint byte for byte, then print per-rank tables (load; save: bytes written vs
+shard bytes) and write the plan picture (plan.svg) into the output folder. Exit status 1 if any check fails,
+a rank fails, or the command runs past --timeout. No network."""
 EPILOG = """\
 examples:
   regiontrace demo
@@ -143,6 +148,8 @@ def _run(args: argparse.Namespace, deadline: Deadline) -> int:
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     checkpoint = os.path.join(out, "checkpoint")
+    saved = os.path.join(out, "saved")
+    shutil.rmtree(saved, ignore_errors=True)
 
     # 1. the checkpoint, and the state a correct load produces
     deadline.enter("writing the checkpoint")
@@ -165,6 +172,7 @@ def _run(args: argparse.Namespace, deadline: Deadline) -> int:
         "placements": placements,
         "kind": kind,
         "checkpoint": checkpoint,
+        "saved": saved,
         "store": os.path.join(work, "store"),
         "out": work,
         "reference": os.path.join(work, "reference.pt"),
@@ -188,6 +196,8 @@ def _run(args: argparse.Namespace, deadline: Deadline) -> int:
             model_type=_model_type(kind),
             planner_kwargs=loader_kwargs(kind),
         )
+        deadline.enter("planning the save")
+        writes = write_plan(meta_model, mesh_shape, placements, range(world), _save_kwargs(kind, checkpoint))
         deadline.enter("waiting for the ranks")
         _join(procs, deadline)
     finally:
@@ -202,8 +212,20 @@ def _run(args: argparse.Namespace, deadline: Deadline) -> int:
         with open(path) as f:
             results.append(json.load(f))
 
-    # 3. the table and the verdict
-    return _report(results, sim["figures"], ref_ok, ref_msg, svg, out, time.time() - t0)
+    # 3. the tables and the verdict
+    deadline.enter("comparing the saved checkpoint")
+    # the built-in model's config.json is the demo's marker, not a config the save writes
+    skip = () if kind == "transformers" else ("config.json",)
+    compared = compare_checkpoints(checkpoint, saved, skip) if os.path.isdir(saved) else None
+    return _report(results, sim["figures"], writes, compared, ref_ok, ref_msg, svg, out, time.time() - t0)
+
+
+def _save_kwargs(kind: str, checkpoint: str) -> dict:
+    """The save's rules: the load's; the built-in model's ``Convert`` rules need the checkpoint's shapes."""
+    kwargs = loader_kwargs(kind)
+    if kind != "transformers":
+        kwargs["source_shapes"] = checkpoint
+    return kwargs
 
 
 START_METHOD = "forkserver"
@@ -265,7 +287,17 @@ def _join(procs: Any, deadline: Deadline) -> None:
         raise CLIError(f"a rank failed: {str(e).strip().splitlines()[-1]}", status=1) from e
 
 
-def _report(results: list[dict], figures: list, ref_ok: bool, ref_msg: str, svg: str, out: str, seconds: float) -> int:
+def _report(
+    results: list[dict],
+    figures: list,
+    writes: list,
+    compared: tuple[list[str], list[str]] | None,
+    ref_ok: bool,
+    ref_msg: str,
+    svg: str,
+    out: str,
+    seconds: float,
+) -> int:
     sim = {f.rank: f for f in figures}
     rows, failures = [], []
     if not ref_ok:
@@ -322,6 +354,18 @@ def _report(results: list[dict], figures: list, ref_ok: bool, ref_msg: str, svg:
     total_read = sum(res.get("bytes_read", 0) for res in results)
     total_whole = sum(f.whole_tensor_bytes for f in figures)
     print(f"all ranks read {human_bytes(total_read)}; reading whole tensors would read {human_bytes(total_whole)}")
+    text, save_failures = save_table(results, writes)
+    failures += save_failures
+    print()
+    print("saved back with save_hf_checkpoint on every rank:")
+    print(text)
+    saved = os.path.join(out, "saved")
+    if compared is None:
+        failures.append("the sharded save left no checkpoint")
+    elif compared[1]:
+        failures.append(f"the saved checkpoint differs from the original in {compared[1]}")
+    else:
+        print(f"saved checkpoint: {saved}: {', '.join(compared[0])} equal to the original's, byte for byte")
     print(f"plan picture: {svg}")
     print(f"output: {out}   ({seconds:.1f} s)")
     if failures:
@@ -329,5 +373,8 @@ def _report(results: list[dict], figures: list, ref_ok: bool, ref_msg: str, svg:
         for msg in failures:
             print(f"FAILED: {msg}")
         return 1
-    print("OK: every shard on every rank equals the single-process load")
+    print(
+        "OK: every shard on every rank equals the single-process load, and the sharded save wrote the original "
+        "checkpoint back"
+    )
     return 0

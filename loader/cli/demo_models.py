@@ -141,7 +141,7 @@ def _builtin_checkpoint(path: str, seed: int) -> dict[str, torch.Tensor]:
             t[f"{p}.block_sparse_moe.experts.{e}.w3.weight"] = rnd(I, H)
             t[f"{p}.block_sparse_moe.experts.{e}.w2.weight"] = rnd(H, I)
     os.makedirs(path, exist_ok=True)
-    save_file(t, os.path.join(path, "model.safetensors"))
+    save_file(t, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"regiontrace_demo": "builtin"}, f)
     return t

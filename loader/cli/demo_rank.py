@@ -1,4 +1,5 @@
-"""One rank of ``regiontrace demo``: load the checkpoint into DTensor shards, check each against the reference.
+"""One rank of ``regiontrace demo``: load the checkpoint into DTensor shards, check each against the reference,
+then save the sharded model back (``save_hf_checkpoint``, every rank writing its own regions).
 
 Spawned by :mod:`loader.cli.demo` (gloo, file store). Results go to ``rank<R>.json``; no tensors cross
 processes except the reference the main process writes (``reference.pt``), which each rank waits for after
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .. import load_hf_checkpoint
+from .. import load_hf_checkpoint, save_hf_checkpoint
 from ..placements import shard_boxes, shard_module
 from .demo_models import build_model, loader_kwargs
 
@@ -38,7 +39,9 @@ def run_rank(rank: int, ctx: dict[str, Any]) -> None:
             world_size=world,
             timeout=timedelta(seconds=_seconds_left(ctx)),
         )
-        result.update(_load_and_check(rank, ctx))
+        model, checked = _load_and_check(rank, ctx)
+        result.update(checked)
+        result.update(_save(model, ctx))
         result["ok"] = not result["bad"] and not result["uncovered"]
     except BaseException as e:  # noqa: BLE001 — reported by the main process
         result["error"] = f"{type(e).__name__}: {e}"
@@ -53,7 +56,27 @@ def run_rank(rank: int, ctx: dict[str, Any]) -> None:
             dist.destroy_process_group()
 
 
-def _load_and_check(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
+def _save(model: torch.nn.Module, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Save the sharded model back into ``ctx["saved"]`` (the rules of the load; a ``Convert`` needs the
+    checkpoint's keys and shapes)."""
+    kwargs = loader_kwargs(ctx["kind"])
+    if ctx["kind"] != "transformers":
+        kwargs["source_shapes"] = ctx["checkpoint"]
+    t0 = time.time()
+    report = save_hf_checkpoint(model, ctx["saved"], progress=False, timeout=_seconds_left(ctx), **kwargs)
+    return {
+        "save": {
+            "bytes_written": report.bytes_written,
+            "header_bytes": report.header_bytes,
+            "writes": report.writes,
+            "written": len(report.written),
+            "files": list(report.files),
+            "seconds": time.time() - t0,
+        }
+    }
+
+
+def _load_and_check(rank: int, ctx: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
     mesh_shape = tuple(ctx["mesh_shape"])
     mesh = init_device_mesh("cpu", mesh_shape)
     placements = ctx["placements"]
@@ -89,7 +112,7 @@ def _load_and_check(rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
         checked += 1
         elements += local.numel()
         shard_bytes += local.numel() * ref.element_size()
-    return {
+    return model, {
         "coordinate": list(coord),
         "checked": checked,
         "bad": bad,

@@ -1,4 +1,5 @@
-"""``regiontrace plan CHECKPOINT --mesh 2x4``: per-rank load plan of a checkpoint, simulated in one process."""
+"""``regiontrace plan CHECKPOINT --mesh 2x4``: per-rank load plan of a checkpoint, simulated in one process
+(``--save``: also the per-rank write plan of saving the sharded model back)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..simulate import coordinate_of, rank_figures, simulate_plans
 from . import geometry
 from .common import have_transformers, human_bytes, parse_mesh, quiet_transformers, table
 from .models import build_meta_model, read_config
+from .save_plan import write_plan, write_plan_json, write_plan_text
 from .svg import render
 
 HELP = "per-rank load plan of a Hugging Face checkpoint on a device mesh (no processes, no data read)"
@@ -32,11 +34,16 @@ traced and deferred conversions. Nothing is read but headers, and no process gro
 
 Sharding: TP styles on the LAST mesh dim (colwise → Shard(0) of a Linear weight, rowwise → Shard(1),
 packed_colwise → strided Shard of the fused gate_up dim, embedding_rowwise → Shard(0), others replicated);
-expert tensors (grouped_gemm) Shard(0) over experts on the FIRST dim of a 2-D mesh (--experts)."""
+expert tensors (grouped_gemm) Shard(0) over experts on the FIRST dim of a 2-D mesh (--experts).
+
+--save adds the write plan of saving the sharded model back with loader.save_hf_checkpoint on every rank
+(loader.save.plan_writes): bytes each rank writes against its shard bytes (the shards it is the lowest
+holder of), its positional writes and the files it writes into."""
 EPILOG = """\
 examples:
   regiontrace plan ./Qwen3-30B-A3B --mesh 2x4
   regiontrace plan ./ckpt --mesh 8 --rank 3 --json
+  regiontrace plan ./ckpt --mesh 2x4 --save      (the load plan, then the write plan)
   regiontrace plan ./ckpt --mesh 2x2 --svg plan.svg --tensor '*layers.0.mlp.experts*'
   regiontrace plan Qwen/Qwen3-30B-A3B --mesh 2x4   (cached, e.g. by `hf download Qwen/Qwen3-30B-A3B`)"""
 
@@ -63,6 +70,7 @@ def add_parser(sub: Any) -> None:
         choices=("ep", "tp"),
         help="expert tensors: expert- or tensor-parallel (default: ep on a 2-D mesh, tp on a 1-D mesh)",
     )
+    p.add_argument("--save", action="store_true", help="also the per-rank write plan of saving the model back")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--svg", metavar="FILE", help="write the plan picture")
     p.add_argument(
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         tensors=args.tensor,
         title=f"Load plan: {os.path.basename(os.path.abspath(args.checkpoint))}",
         model_type=config.model_type,
+        save=args.save,
     )
     if args.json:
         print(json.dumps(result["json"], indent=2))
@@ -139,8 +148,11 @@ def plan_model(
     title: str = "Load plan",
     model_type: str = "",
     planner_kwargs: dict | None = None,
+    save: bool = False,
+    save_kwargs: dict | None = None,
 ) -> dict[str, Any]:
-    """Simulate the load of ``model`` (placements from its TP plan unless given); text, JSON and picture."""
+    """Simulate the load of ``model`` (placements from its TP plan unless given); text, JSON and picture.
+    ``save``: also the write plan of saving it back (``save_kwargs``: the save's rules, as ``plan_writes``'s)."""
     checkpoint = SafetensorsCheckpoint.open(checkpoint_path)
     why: dict[str, str] = {}
     if placements is None:
@@ -208,6 +220,10 @@ def plan_model(
         "ranks": [asdict(f) | {"coordinate": list(f.coordinate)} for f in figures],
         "deferred": deferred,
     }
+    if save:
+        writes = write_plan(model, mesh_shape, placements, ranks, save_kwargs)
+        text += ["", write_plan_text(writes)]
+        out_json["save"] = write_plan_json(writes)
     if svg:
         model_tensors = dict(model.state_dict(keep_vars=True))
         chosen = geometry.select_tensors(list(model_tensors), tensors)

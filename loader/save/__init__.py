@@ -2,12 +2,14 @@
 
 :mod:`.layout` (files, headers and offsets from shapes and dtypes alone) ← :mod:`.sources` (the original keys
 and the inverted conversions) ← :mod:`.write` (preallocated files, positional writes, commit) ← :mod:`.api`
-(``save_hf_checkpoint``, one process or every rank of a process group).
+(``save_hf_checkpoint``, one process or every rank of a process group) ← :mod:`.writeplan` (any rank's
+write plan in one process: ``plan_writes``).
 """
 
 from .api import RankWrites, SaveReport, plan_rank_writes, save_hf_checkpoint
 from .layout import SaveLayout, TensorSpec, plan_layout
 from .sources import SaveMapping, map_for_save
+from .writeplan import WriteFigures, plan_writes
 
 __all__ = [
     "RankWrites",
@@ -15,8 +17,10 @@ __all__ = [
     "SaveMapping",
     "SaveReport",
     "TensorSpec",
+    "WriteFigures",
     "map_for_save",
     "plan_layout",
     "plan_rank_writes",
+    "plan_writes",
     "save_hf_checkpoint",
 ]

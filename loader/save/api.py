@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,23 +144,39 @@ def plan_rank_writes(mapping: SaveMapping, rank: int, world: int) -> RankWrites:
     Raises:
         ValueError: a model tensor this rank writes is on the meta device, or is ``Partial``.
     """
+
+    def local_shard(target: str, tensor: torch.Tensor) -> tuple[tuple[tuple[Box, Box], ...], torch.Tensor] | None:
+        if _writer(tensor, rank, world) != rank:
+            return None
+        slot = slot_for(target, tensor)
+        if slot.local is not None and slot.local.device.type == "meta" and slot.boxes:
+            raise ValueError(f"model tensor {target!r} is on the meta device: it has no values to save")
+        return slot.boxes, slot.local
+
+    return collect_writes(mapping, local_shard)
+
+
+def collect_writes(
+    mapping: SaveMapping,
+    local_shard: Callable[[str, torch.Tensor], tuple[tuple[tuple[Box, Box], ...], torch.Tensor] | None],
+) -> RankWrites:
+    """The regions a rank writes, given ``local_shard(name, model tensor)``: the ``(global box, local box)`` pairs
+    and the local tensor of each model tensor this rank writes (None: another rank writes it)."""
     items, written, nbytes = [], [], 0
     for saved in mapping.conversions:
         for target in saved.targets:
-            tensor = mapping.tensors[target]
-            if _writer(tensor, rank, world) != rank:
+            shard = local_shard(target, mapping.tensors[target])
+            if shard is None:
                 continue
-            slot = slot_for(target, tensor)
-            if slot.local is not None and slot.local.device.type == "meta" and slot.boxes:
-                raise ValueError(f"model tensor {target!r} is on the meta device: it has no values to save")
-            for global_box, local_box in slot.boxes:
+            boxes, local = shard
+            for global_box, local_box in boxes:
                 if any(b <= a for a, b in global_box):
                     continue
-                values = _box_view(slot.local, local_box)
+                values = _box_view(local, local_box)
                 for block in mapping.blocks(saved, target, global_box):
                     items.append((block, values))
                     nbytes += block.numel * block.source_dtype.itemsize
-            if slot.boxes:
+            if boxes:
                 written.append(target)
     return RankWrites(tuple(items), tuple(sorted(written, key=dot_natural_key)), nbytes)
 
@@ -254,6 +270,14 @@ def _writer(tensor: torch.Tensor, rank: int, world: int) -> int | None:
     coord = root.get_coordinate()
     index = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(placements, coord))
     return int(root.mesh[index].min())
+
+
+def _writer_coordinate(placements: Sequence[Any], coord: Sequence[int]) -> tuple[int, ...]:
+    """The coordinate of the lowest rank holding the shard at ``coord`` of a row-major ``0 … n-1`` mesh: 0 on
+    every ``Replicate`` mesh dim (as :func:`_writer` picks on a real mesh)."""
+    from torch.distributed.tensor import Replicate
+
+    return tuple(0 if isinstance(p, Replicate) else int(c) for p, c in zip(placements, coord))
 
 
 def _on_root(mesh: Any, placements: tuple) -> tuple[Any, tuple]:

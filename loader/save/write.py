@@ -123,7 +123,8 @@ class RegionWriter:
     """Positional writes of model values into the files of a layout (opened lazily, write-only).
 
     Args:
-        folder: the folder holding the preallocated files.
+        folder: the folder holding the preallocated files; None counts the writes without making them (the
+            values may then be meta tensors: :func:`loader.save.plan_writes`).
         layout: their layout.
         staging_bytes: most bytes of packed values staged at once.
         on_write: called with the byte count of every write (progress).
@@ -131,7 +132,7 @@ class RegionWriter:
 
     def __init__(
         self,
-        folder: str,
+        folder: str | None,
         layout: SaveLayout,
         staging_bytes: int = STAGING_BYTES,
         on_write: Callable[[int], None] | None = None,
@@ -140,6 +141,7 @@ class RegionWriter:
         self.on_write = on_write
         self.bytes_written = 0
         self.writes = 0
+        self.files: set[str] = set()
         self._fds: dict[str, int] = {}
 
     def __enter__(self) -> RegionWriter:
@@ -162,12 +164,12 @@ class RegionWriter:
             direct = _direct_view(chunk, values)
             if direct is not None:  # the model's own memory (a device tensor: one staged copy of the chunk)
                 offset, view = direct
-                self._write(place, offset, _as_bytes(view))
+                self._write(place, offset, view.numel() * place.itemsize, view)
             else:
                 self._write_runs(place, rt.packed_source_runs(chunk, values))
 
     def _write_runs(self, place: TensorPlace, runs: rt.PackedRuns) -> None:
-        data = _as_bytes(runs.values)
+        data = _as_bytes(runs.values) if self.folder is not None else None
         starts = runs.starts.numpy()
         length = runs.run_length
         breaks = np.flatnonzero(np.diff(starts) != length) + 1  # runs that continue each other: one write
@@ -175,20 +177,24 @@ class RegionWriter:
         lasts = np.concatenate((breaks, [len(starts)]))
         nbytes = length * place.itemsize
         for a, b in zip(firsts.tolist(), lasts.tolist()):
-            self._write(place, int(starts[a]), data[a * nbytes : b * nbytes])
+            self._write(
+                place, int(starts[a]), (b - a) * nbytes, None if data is None else data[a * nbytes : b * nbytes]
+            )
 
-    def _write(self, place: TensorPlace, element: int, data: memoryview) -> None:
-        fd = self._fds.get(place.file)
-        if fd is None:
-            fd = self._fds[place.file] = os.open(os.path.join(self.folder, place.file), os.O_WRONLY)
+    def _write(self, place: TensorPlace, element: int, nbytes: int, data: memoryview | torch.Tensor | None) -> None:
         offset = place.start + element * place.itemsize
-        if offset < place.start or offset + len(data) > place.start + place.nbytes:
-            raise RuntimeError(f"write of {len(data)} bytes at {offset} lies outside tensor {place.key!r}")
-        _pwrite_all(fd, data, offset)
-        self.bytes_written += len(data)
+        if offset < place.start or offset + nbytes > place.start + place.nbytes:
+            raise RuntimeError(f"write of {nbytes} bytes at {offset} lies outside tensor {place.key!r}")
+        if self.folder is not None:
+            fd = self._fds.get(place.file)
+            if fd is None:
+                fd = self._fds[place.file] = os.open(os.path.join(self.folder, place.file), os.O_WRONLY)
+            _pwrite_all(fd, _as_bytes(data) if isinstance(data, torch.Tensor) else data, offset)
+        self.bytes_written += nbytes
         self.writes += 1
+        self.files.add(place.file)
         if self.on_write is not None:
-            self.on_write(len(data))
+            self.on_write(nbytes)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
