@@ -3,14 +3,25 @@
 from .api import load_hf_checkpoint
 from .checkpoint import SafetensorsCheckpoint
 from .errors import CheckpointError, PeerFailure
-from .planner import HFLoadPlanner, LoadReport
+from .planner import HFLoadPlanner
 from .reader import SafetensorsReader
+from .report import LoadReport
 from .rules import Convert, Rename
 from .save import SaveReport, save_hf_checkpoint
 from .simulate import RankFigures, simulate_load
 
 __all__ = [
-    "CheckpointError", "Convert", "HFLoadPlanner", "LoadReport", "PeerFailure", "RankFigures", "Rename",
-    "SafetensorsCheckpoint", "SafetensorsReader", "SaveReport", "load_hf_checkpoint", "save_hf_checkpoint",
+    "CheckpointError",
+    "Convert",
+    "HFLoadPlanner",
+    "LoadReport",
+    "PeerFailure",
+    "RankFigures",
+    "Rename",
+    "SafetensorsCheckpoint",
+    "SafetensorsReader",
+    "SaveReport",
+    "load_hf_checkpoint",
+    "save_hf_checkpoint",
     "simulate_load",
 ]

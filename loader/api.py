@@ -10,9 +10,13 @@ from typing import Any
 import torch
 
 from .checkpoint import FileReader, SafetensorsCheckpoint
+from .distributed import timeout_seconds
 from .execute import execute_plan
+from .load import load_distributed
+from .placements import rank_and_world
 from .plan import describe
-from .planner import HFLoadPlanner, LoadReport
+from .planner import HFLoadPlanner
+from .report import LoadReport, load_report
 
 log = logging.getLogger("loader")
 
@@ -62,9 +66,6 @@ def load_hf_checkpoint(
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
-    from .distributed import load_distributed, timeout_seconds
-    from .placements import rank_and_world
-
     timeout_seconds(timeout)  # a bad timeout is refused in one process too
     planner = planner or HFLoadPlanner(
         model,
@@ -78,13 +79,12 @@ def load_hf_checkpoint(
     rank, world = rank_and_world()
     if world > 1:
         return load_distributed(planner, path, progress=progress, rollback=rollback, timeout=timeout, revision=revision)
-    checkpoint = SafetensorsCheckpoint.open(path, revision=revision)
-    plan = planner.build_plan(checkpoint)
-    log.info(describe(plan, checkpoint))
+    plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision))
+    log.info(describe(plan))
     with FileReader() as reader:
-        execute_plan(planner, reader, progress=progress, rollback=rollback)
+        execute_plan(plan, reader, progress=progress, rollback=rollback)
         bytes_read = reader.bytes_read
-    planner.keyplan.record_on_model(model)
-    report = planner.report(bytes_read, rank, world)
+    plan.keyplan.record_on_model(model)
+    report = load_report(plan, bytes_read, rank, world)
     log.info("loaded %d tensors, read %d bytes", len(report.loaded_keys), bytes_read)
     return report

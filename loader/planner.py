@@ -1,16 +1,16 @@
 """HFLoadPlanner: the load planner, usable directly (``load_hf_checkpoint``) or inside ``dcp.load``.
 
-Inside ``torch.distributed.checkpoint.load`` it turns each RemapBlock into a ``ReadItem``. With
-:class:`~loader.reader.SafetensorsReader` any block (strided, flipped, broadcast, cast) is executed by the
-planner's own reader path; with torch's ``HuggingFaceStorageReader`` only blocks that read a plain box of a
-checkpoint tensor can be expressed, and others raise a clear error.
+:meth:`HFLoadPlanner.build_plan` returns this rank's plan as a value (:class:`~loader.plan.RankPlan`); its
+hooks customise the rules and the trace. Inside ``torch.distributed.checkpoint.load`` it turns each RemapBlock
+into a ``ReadItem``. With :class:`~loader.reader.SafetensorsReader` any block (strided, flipped, broadcast,
+cast) is executed by the loader's own read path; with torch's ``HuggingFaceStorageReader`` only blocks that
+read a plain box of a checkpoint tensor can be expressed, and others raise a clear error.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,50 +23,42 @@ from regiontrace.execute import apply_casts, dest_view, source_view
 
 from .checkpoint import SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred
-from .plan import RankPlan, TraceCache, plan_rank
+from .placements import rank_and_world, slot_for
+from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, plan_rank
 from .plan.slots import TargetSlot, box_view, model_slots
-from .rules import Conversion, plan_keys
+from .report import LoadReport, load_report
+from .rules import Conversion, KeyPlan, plan_keys
+
+__all__ = ["HFLoadPlanner", "LoadReport", "checkpoint_from_metadata"]
 
 
 @dataclass(frozen=True)
-class LoadReport:
-    """What a load did on this rank.
+class _BlockItem:
+    """A ``ReadItem`` standing for one region read."""
 
-    Attributes:
-        loaded_keys: model tensor names loaded (tied aliases included), natural-sorted.
-        missing_keys: model tensors nothing loaded (only with ``strict=False``).
-        unexpected_keys: checkpoint keys no rule maps to a model tensor.
-        bytes_read: bytes this process read from checkpoint files.
-        traced: model tensors loaded by region reads.
-        deferred: model tensors loaded through deferred (run-for-real) conversions.
-        blocks: RemapBlocks executed.
-        planned_bytes: bytes the plan needed.
-        deferred_reasons: why each deferred conversion could not be traced.
-        rank, world_size: this process's rank and the world size.
-        cast_keys: ``(model tensor name, checkpoint dtype, model dtype)`` for each model tensor whose values were
-            converted across kinds (integer <-> floating point, bool), natural-sorted; the checkpoint dtype is
-            that of the values its conversion produced (the checkpoint tensor's, for a rename). Such a load
-            also warns once (``UserWarning``). Casts within a kind (bf16 -> float32) are normal and not listed.
-    """
-
-    loaded_keys: tuple[str, ...]
-    missing_keys: tuple[str, ...]
-    unexpected_keys: tuple[str, ...]
-    bytes_read: int
-    traced: tuple[str, ...]
-    deferred: tuple[str, ...]
-    blocks: int = 0
-    planned_bytes: int = 0
-    deferred_reasons: Mapping[str, str] = field(default_factory=dict)
-    rank: int = 0
-    world_size: int = 1
-    cast_keys: tuple[tuple[str, torch.dtype, torch.dtype], ...] = ()
+    read: BlockRead
 
 
-def natural_sorted(keys) -> tuple[str, ...]:  # noqa: ANN001
-    from .rules import dot_natural_key
+@dataclass(frozen=True)
+class _SourceItem:
+    """A ``ReadItem`` standing for one whole source tensor of the deferred conversion ``plan.deferred[index]``,
+    read into ``staged``."""
 
-    return tuple(sorted(set(keys), key=dot_natural_key))
+    index: int
+    key: str
+    staged: torch.Tensor
+
+
+@dataclass
+class _DcpLoad:
+    """The state of one ``dcp.load``: the plan, what each ``ReadItem`` stands for, the deferred conversions'
+    sources read so far, and the bytes read. ``boxes_only``: the storage reader reads plain boxes only."""
+
+    plan: RankPlan
+    boxes_only: bool
+    items: dict[str, _BlockItem | _SourceItem] = field(default_factory=dict)
+    pending: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    bytes_read: int = 0
 
 
 class HFLoadPlanner(LoadPlanner):
@@ -84,14 +76,27 @@ class HFLoadPlanner(LoadPlanner):
             outcomes are agreed (inside ``dcp.load``: the end of reading); a hung or dead rank then fails the
             load with :class:`~loader.errors.PeerFailure`. None: no limit.
 
-    Override the hooks :meth:`default_weights_mapping`, :meth:`map_checkpoint_key`, :meth:`select_converter`
-    and :meth:`supports_symbolic` to customise planning.
+    Override the hooks :meth:`default_weights_mapping`, :meth:`map_checkpoint_key`, :meth:`select_converter`,
+    :meth:`supports_symbolic` and :meth:`target_slot` to customise planning.
+
+    Attributes:
+        cache: the traces, by signature, shared by every plan this planner builds (e.g. simulated ranks).
+
+    The planner memoises the key plan of the last checkpoint it planned and the traces; everything a load
+    executes and reports comes from the plan value :meth:`build_plan` returns.
     """
 
-    def __init__(self, model: torch.nn.Module, *, weights_mapping: Sequence[Any] | None = None,
-                 extra_weights_mapping: Sequence[Any] = (), key_mapping: Mapping[str, str] | None = None,
-                 strict: bool = True, broadcast_replicated_tensors: bool = False,
-                 timeout: float | datetime.timedelta | None = 300.0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        weights_mapping: Sequence[Any] | None = None,
+        extra_weights_mapping: Sequence[Any] = (),
+        key_mapping: Mapping[str, str] | None = None,
+        strict: bool = True,
+        broadcast_replicated_tensors: bool = False,
+        timeout: float | datetime.timedelta | None = 300.0,
+    ) -> None:
         self.model = model
         self.weights_mapping = weights_mapping
         self.extra_weights_mapping = tuple(extra_weights_mapping)
@@ -100,15 +105,8 @@ class HFLoadPlanner(LoadPlanner):
         self.broadcast_replicated_tensors = broadcast_replicated_tensors
         self.timeout = timeout
         self.cache = TraceCache()
-        self.plan: RankPlan | None = None
-        self.checkpoint: SafetensorsCheckpoint | None = None
-        self.slots: dict[str, TargetSlot] = {}
-        self.keyplan = None
-        self._keyplan_for = None
-        self.bytes_read = 0
-        self._items: dict[str, tuple] = {}
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
-        self._boxes_only = False
+        self._key_plan_memo: tuple[SafetensorsCheckpoint, KeyPlan] | None = None
+        self._dcp: _DcpLoad | None = None
 
     # -- hooks ---------------------------------------------------------------------------------------------
 
@@ -138,61 +136,69 @@ class HFLoadPlanner(LoadPlanner):
         """
         return candidates[0]
 
-    def supports_symbolic(self, transform: Conversion) -> bool:
-        """Whether to trace ``transform``; False sends it to a deferred read."""
+    def supports_symbolic(self, conversion: Conversion) -> bool:
+        """Whether to trace ``conversion``; False sends it to a deferred read."""
         return True
-
-    # -- planning -------------------------------------------------------------------------------------------
 
     def target_slot(self, name: str, tensor: torch.Tensor) -> TargetSlot:
         """The slot (owned boxes) of one model tensor on this rank."""
-        from .placements import slot_for
-
         return slot_for(name, tensor)
 
-    def build_plan(self, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot] | None = None,
-                   *, check_devices: bool = True) -> RankPlan:
+    # -- planning -------------------------------------------------------------------------------------------
+
+    def key_plan(self, checkpoint: SafetensorsCheckpoint) -> KeyPlan:
+        """Which keys of ``checkpoint`` load which model tensors (:func:`~loader.rules.plan_keys` with this
+        planner's rules and hooks); memoised for the last checkpoint object."""
+        if self._key_plan_memo is not None and self._key_plan_memo[0] is checkpoint:
+            return self._key_plan_memo[1]
+        mapping = self.weights_mapping if self.weights_mapping is not None else self.default_weights_mapping(self.model)
+        infos = checkpoint.tensors
+        mapper = None if type(self).map_checkpoint_key is HFLoadPlanner.map_checkpoint_key else self.map_checkpoint_key
+        selector = None if type(self).select_converter is HFLoadPlanner.select_converter else self.select_converter
+        keyplan = plan_keys(
+            self.model,
+            {k: info.shape for k, info in infos.items()},
+            checkpoint_dtypes={k: info.dtype for k, info in infos.items()},
+            weights_mapping=mapping,
+            extra_weights_mapping=self.extra_weights_mapping,
+            key_mapping=self.key_mapping,
+            map_checkpoint_key=mapper,
+            select_converter=selector,
+        )
+        self._key_plan_memo = (checkpoint, keyplan)
+        return keyplan
+
+    def build_plan(
+        self,
+        checkpoint: SafetensorsCheckpoint,
+        slots: Mapping[str, TargetSlot] | None = None,
+        *,
+        check_devices: bool = True,
+    ) -> RankPlan:
         """Plan this rank's load of ``checkpoint``; validates everything, reads nothing.
 
         Args:
             checkpoint: validated checkpoint headers.
-            slots: the model tensors as some rank sees them (default: this rank, from the model).
+            slots: the model tensors as some rank sees them (default: this rank, from the model through
+                :meth:`target_slot`).
             check_devices: refuse targets on the meta device (off for simulations).
-        """
-        self.checkpoint = checkpoint
-        self.slots = dict(slots) if slots is not None else model_slots(self.model, self.target_slot)
-        if self.keyplan is not None and self._keyplan_for is checkpoint:
-            self.plan = plan_rank(self.keyplan, checkpoint, self.slots, strict=self.strict,
-                                  supports_symbolic=self.supports_symbolic, cache=self.cache,
-                                  check_devices=check_devices)
-            return self.plan
-        mapping = self.weights_mapping if self.weights_mapping is not None else self.default_weights_mapping(self.model)
-        shapes = {k: checkpoint[k].shape for k in checkpoint.keys()}
-        mapper = None if type(self).map_checkpoint_key is HFLoadPlanner.map_checkpoint_key else self.map_checkpoint_key
-        selector = None if type(self).select_converter is HFLoadPlanner.select_converter else self.select_converter
-        self.keyplan = plan_keys(self.model, shapes, weights_mapping=mapping,
-                                 extra_weights_mapping=self.extra_weights_mapping, key_mapping=self.key_mapping,
-                                 map_checkpoint_key=mapper, select_converter=selector)
-        self._keyplan_for = checkpoint
-        self.plan = plan_rank(self.keyplan, checkpoint, self.slots, strict=self.strict,
-                              supports_symbolic=self.supports_symbolic, cache=self.cache,
-                              check_devices=check_devices)
-        return self.plan
 
-    def report(self, bytes_read: int, rank: int = 0, world_size: int = 1) -> LoadReport:
-        """This rank's :class:`LoadReport` of the load just executed; warns once when values changed kind."""
-        plan = self.plan
-        assert plan is not None and self.checkpoint is not None
-        casts = _sorted_casts(plan.casts)
-        if casts:
-            _warn_casts(casts)
-        return LoadReport(
-            loaded_keys=natural_sorted(plan.loaded_keys), missing_keys=natural_sorted(plan.missing_keys),
-            unexpected_keys=natural_sorted(plan.unexpected_keys), bytes_read=bytes_read,
-            traced=natural_sorted(plan.traced), deferred=natural_sorted(plan.deferred_targets),
-            blocks=len(plan.reads), planned_bytes=plan.planned_bytes(self.checkpoint),
-            deferred_reasons={", ".join(d.conversion.targets): d.reason for d in plan.deferred},
-            rank=rank, world_size=world_size, cast_keys=casts,
+        Returns:
+            The plan: everything the load executes and reports.
+
+        Raises:
+            ValueError | CheckpointError: see :func:`~loader.plan.plan_rank`; nothing was read or written.
+        """
+        keyplan = self.key_plan(checkpoint)
+        slots = dict(slots) if slots is not None else model_slots(self.model, self.target_slot)
+        return plan_rank(
+            keyplan,
+            checkpoint,
+            slots,
+            strict=self.strict,
+            supports_symbolic=self.supports_symbolic,
+            cache=self.cache,
+            check_devices=check_devices,
         )
 
     # -- torch.distributed.checkpoint LoadPlanner ---------------------------------------------------------
@@ -201,54 +207,49 @@ class HFLoadPlanner(LoadPlanner):
         """The ``state_dict`` argument for ``dcp.load`` (the model's tensors; this planner decides the rest)."""
         return dict(self.model.state_dict())
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
-                       is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         self.metadata = metadata
         self.is_coordinator = is_coordinator
-        self._items.clear()
-        self._pending.clear()
-        self.bytes_read = 0
         # metadata without our TensorInfo records comes from another reader (torch's HF reader): it reads
         # plain boxes only, which create_local_plan checks before anything is read
         storage = getattr(metadata, "storage_data", None) or {}
-        self._boxes_only = not any(isinstance(i, TensorInfo) for i in storage.values())
-        self.build_plan(checkpoint_from_metadata(metadata))
+        boxes_only = not any(isinstance(i, TensorInfo) for i in storage.values())
+        self._dcp = _DcpLoad(self.build_plan(checkpoint_from_metadata(metadata)), boxes_only)
 
     def create_local_plan(self) -> LoadPlan:
-        assert self.plan is not None and self.checkpoint is not None
-        items = []
-        if self._boxes_only:
-            for r in self.plan.reads:
+        state = self._state()
+        plan = state.plan
+        if state.boxes_only:
+            for r in plan.reads:
                 if r.block.source_box() is None:
                     raise _strided_error(r)
-        for i, r in enumerate(self.plan.reads):
+        items = []
+        for i, r in enumerate(plan.reads):
             fqn = f"__block__/{i}"
-            self._items[fqn] = ("block", r)
-            items.append(self._block_item(fqn, r))
-        for j, d in enumerate(self.plan.deferred):
+            state.items[fqn] = _BlockItem(r)
+            items.append(_block_item(fqn, r))
+        for j, d in enumerate(plan.deferred):
             if not d.boxes:
                 continue
-            self._pending[j] = {}
+            state.pending[j] = {}
             for key in d.conversion.sources:
                 fqn = f"__deferred__/{j}/{key}"
-                info = self.checkpoint[key]
-                self._items[fqn] = ("deferred", j, key, torch.empty(info.shape, dtype=info.dtype))
+                info = plan.checkpoint[key]
+                state.items[fqn] = _SourceItem(j, key, torch.empty(info.shape, dtype=info.dtype))
                 zeros = torch.Size([0] * len(info.shape))
-                items.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, zeros), zeros,
-                                      _storage_index(key, len(info.shape)), zeros, torch.Size(info.shape)))
+                items.append(
+                    ReadItem(
+                        LoadItemType.TENSOR,
+                        MetadataIndex(fqn, zeros),
+                        zeros,
+                        _storage_index(key, len(info.shape)),
+                        zeros,
+                        torch.Size(info.shape),
+                    )
+                )
         return LoadPlan(items)
-
-    def _block_item(self, fqn: str, r) -> ReadItem:  # noqa: ANN001
-        b = r.block
-        box = b.source_box()
-        if box is None:  # a strided read: only SafetensorsReader executes it (it asks this planner)
-            lo, hi = b.source_span()
-            offsets, lengths = _span_box(b.source_shape, lo, hi)
-        else:
-            offsets, lengths, _ = box
-        zeros = torch.Size([0] * len(lengths))
-        return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, zeros), zeros,
-                        _storage_index(b.source, len(b.source_shape)), torch.Size(offsets), torch.Size(lengths))
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         return global_plan
@@ -260,76 +261,106 @@ class HFLoadPlanner(LoadPlanner):
         raise ValueError(f"unexpected byte item {read_item.dest_index.fqn}: checkpoints here hold tensors only")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        entry = self._items[read_item.dest_index.fqn]
-        if entry[0] == "deferred":
-            return entry[3]
-        r = entry[1]
-        b = r.block
-        if b.source_box() is None:
+        state = self._state()
+        item = state.items[read_item.dest_index.fqn]
+        if isinstance(item, _SourceItem):
+            return item.staged
+        r = item.read
+        if r.block.source_box() is None:
             raise _strided_error(r)
-        dest = self._box_dest(r)
+        dest = _box_dest(r, state.plan.slots)
         if dest is None:  # staged: commit_tensor copies it into place
-            return torch.empty(tuple(read_item.lengths), dtype=b.source_dtype)
+            return torch.empty(tuple(read_item.lengths), dtype=r.block.source_dtype)
         return dest
 
-    def _box_dest(self, r) -> torch.Tensor | None:  # noqa: ANN001
-        """The model memory a box-shaped block writes, arranged as the source box; None when the block casts
-        values or its writes are no view of that shape (block dims splitting one source dim)."""
-        if r.block.casts:
-            return None
-        view = dest_view(r.block, box_view(self.slots[r.target].local, r.local_box))
-        return _box_shaped(view, r.block.source_box())
-
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        entry = self._items[read_item.dest_index.fqn]
+        state = self._state()
+        plan = state.plan
+        item = state.items[read_item.dest_index.fqn]
         # checkpoint bytes (the tensor handed back may already be in the model's dtype)
-        self.bytes_read += tensor.numel() * self.checkpoint[read_item.storage_index.fqn].itemsize
-        if entry[0] == "block":
-            r = entry[1]
-            if self._box_dest(r) is None:  # a staged box: copy it through the block, relative to the box
-                dest = dest_view(r.block, box_view(self.slots[r.target].local, r.local_box))
+        state.bytes_read += tensor.numel() * plan.checkpoint[read_item.storage_index.fqn].itemsize
+        if isinstance(item, _BlockItem):
+            r = item.read
+            if _box_dest(r, plan.slots) is None:  # a staged box: copy it through the block, relative to the box
+                dest = dest_view(r.block, box_view(plan.slots[r.target].local, r.local_box))
                 dest.copy_(apply_casts(source_view(r.block.box_relative(), tensor), r.block.casts))
             return
-        _, j, key, staged = entry
-        pending = self._pending[j]
-        pending[key] = staged
-        d = self.plan.deferred[j]
+        pending = state.pending[item.index]
+        pending[item.key] = item.staged
+        d = plan.deferred[item.index]
         if len(pending) == len(d.conversion.sources):
-            apply_deferred(d, pending, self.slots)
-            del self._pending[j]
+            apply_deferred(d, pending, plan.slots)
+            del state.pending[item.index]
+
+    # -- for SafetensorsReader and after dcp.load ---------------------------------------------------------
+
+    def planned_reads(self, dcp_plan: LoadPlan) -> tuple[RankPlan, list[BlockRead], list[DeferredRead]]:
+        """The plan of the current ``dcp.load`` and the reads the items of ``dcp_plan`` stand for (a storage reader
+        that executes RemapBlocks itself, :class:`~loader.SafetensorsReader`, runs them instead of the items).
+
+        Raises:
+            RuntimeError: no ``dcp.load`` has been planned (``set_up_planner`` was not called).
+        """
+        state = self._state()
+        reads, deferred = [], set()
+        for read_item in dcp_plan.items:
+            item = state.items[read_item.dest_index.fqn]
+            if isinstance(item, _BlockItem):
+                reads.append(item.read)
+            else:
+                deferred.add(item.index)
+        return state.plan, reads, [state.plan.deferred[j] for j in sorted(deferred)]
+
+    def add_bytes_read(self, nbytes: int) -> None:
+        """Count ``nbytes`` read from checkpoint files for the current ``dcp.load`` (reported by :meth:`finish`)."""
+        self._state().bytes_read += nbytes
 
     def finish(self, path: str = "") -> LoadReport:
-        """After ``dcp.load``: record conversions on the model and return this rank's report."""
-        from .placements import rank_and_world
+        """After ``dcp.load``: record conversions on the model and return this rank's report.
 
-        if self.keyplan is not None:
-            self.keyplan.record_on_model(self.model)
+        Raises:
+            RuntimeError: ``dcp.load`` did not run with this planner.
+        """
+        state = self._state()
+        state.plan.keyplan.record_on_model(self.model)
         rank, world = rank_and_world()
-        return self.report(self.bytes_read, rank, world)
+        return load_report(state.plan, state.bytes_read, rank, world)
+
+    def _state(self) -> _DcpLoad:
+        if self._dcp is None:
+            raise RuntimeError("no dcp.load has been planned with this planner (set_up_planner was not called)")
+        return self._dcp
 
 
-def _sorted_casts(casts) -> tuple[tuple[str, torch.dtype, torch.dtype], ...]:  # noqa: ANN001
-    from .rules import dot_natural_key
-
-    return tuple(sorted(set(casts), key=lambda c: dot_natural_key(c[0])))
-
-
-def _warn_casts(casts: tuple[tuple[str, torch.dtype, torch.dtype], ...]) -> None:
-    shown = ", ".join(f"{name} ({_dtype(a)} -> {_dtype(b)})" for name, a, b in casts[:8])
-    more = f" and {len(casts) - 8} more" if len(casts) > 8 else ""
-    warnings.warn(
-        f"{len(casts)} model tensor(s) loaded from values of another kind (integer, floating point, bool), "
-        f"converted by value: {shown}{more} (LoadReport.cast_keys lists them)",
-        UserWarning,
-        stacklevel=4,
+def _block_item(fqn: str, r: BlockRead) -> ReadItem:
+    b = r.block
+    box = b.source_box()
+    if box is None:  # a strided read: only SafetensorsReader executes it (it asks the planner for the reads)
+        lo, hi = b.source_span()
+        offsets, lengths = _span_box(b.source_shape, lo, hi)
+    else:
+        offsets, lengths, _ = box
+    zeros = torch.Size([0] * len(lengths))
+    return ReadItem(
+        LoadItemType.TENSOR,
+        MetadataIndex(fqn, zeros),
+        zeros,
+        _storage_index(b.source, len(b.source_shape)),
+        torch.Size(offsets),
+        torch.Size(lengths),
     )
 
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _box_dest(r: BlockRead, slots: Mapping[str, TargetSlot]) -> torch.Tensor | None:
+    """The model memory a box-shaped block writes, arranged as the source box; None when the block casts
+    values or its writes are no view of that shape (block dims splitting one source dim)."""
+    if r.block.casts:
+        return None
+    view = dest_view(r.block, box_view(slots[r.target].local, r.local_box))
+    return _box_shaped(view, r.block.source_box())
 
 
-def _strided_error(r) -> ValueError:  # noqa: ANN001
+def _strided_error(r: BlockRead) -> ValueError:
     return ValueError(
         f"{r.target!r} reads {r.block.source!r} through a strided (non-box) region; torch's "
         "HuggingFaceStorageReader reads boxes only: use loader.SafetensorsReader"
@@ -349,7 +380,7 @@ def _span_box(shape: tuple[int, ...], lo: int, hi: int) -> tuple[list[int], list
     return [a] + [0] * (len(shape) - 1), [b - a] + list(shape[1:])
 
 
-def _box_shaped(view: torch.Tensor, box) -> torch.Tensor | None:  # noqa: ANN001
+def _box_shaped(view: torch.Tensor, box: tuple) -> torch.Tensor | None:
     """Arrange a block's destination view in source-dim order with the source box's lengths; None when the
     block dims do not walk one source dim each."""
     offsets, lengths, dims = box

@@ -27,9 +27,12 @@ import regiontrace as rt
 from regiontrace.region import contiguous_strides
 
 from .checkpoint import FileReader, SafetensorsCheckpoint
-from .execute import BlockExecutor
+from .execute import BlockExecutor, execute_plan
+from .load import read_together
+from .placements import rank_and_world
 from .plan import BlockRead
 from .plan.slots import full_box, plain_slot
+from .planner import HFLoadPlanner
 
 
 class SafetensorsReader(StorageReader):
@@ -66,8 +69,11 @@ class SafetensorsReader(StorageReader):
         sd_md, storage = {}, {}
         for key, info in self.checkpoint.tensors.items():
             zeros = torch.Size([0] * len(info.shape))
-            sd_md[key] = TensorStorageMetadata(TensorProperties(dtype=info.dtype), torch.Size(info.shape),
-                                               [ChunkStorageMetadata(zeros, torch.Size(info.shape))])
+            sd_md[key] = TensorStorageMetadata(
+                TensorProperties(dtype=info.dtype),
+                torch.Size(info.shape),
+                [ChunkStorageMetadata(zeros, torch.Size(info.shape))],
+            )
             storage[MetadataIndex(key, zeros)] = info
         md = Metadata(state_dict_metadata=sd_md, storage_data=storage)
         md._root = self.checkpoint.root  # type: ignore[attr-defined]
@@ -84,12 +90,10 @@ class SafetensorsReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from .planner import HFLoadPlanner
-
         assert self.checkpoint is not None
         with FileReader() as reader:
             if isinstance(planner, HFLoadPlanner):
-                self._read_for_hf_planner(plan, planner, reader)
+                _read_planned(plan, planner, reader)
             else:
                 self._read_boxes(plan, planner, reader)
             self.bytes_read += reader.bytes_read
@@ -97,34 +101,23 @@ class SafetensorsReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_for_hf_planner(self, plan: LoadPlan, planner: Any, reader: FileReader) -> None:
-        from .distributed import read_together
-        from .execute import execute_plan
-        from .placements import rank_and_world
-
-        block_reads, deferred = [], set()
-        for item in plan.items:
-            entry = planner._items[item.dest_index.fqn]
-            if entry[0] == "block":
-                block_reads.append(entry[1])
-            else:
-                deferred.add(entry[1])
-        before = reader.bytes_read
-        deferred_reads = [planner.plan.deferred[j] for j in sorted(deferred)]
-        if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
-            read_together(planner, reader, block_reads, deferred_reads)
-        else:
-            execute_plan(planner, reader, reads=block_reads, deferred=deferred_reads)
-        planner.bytes_read += reader.bytes_read - before
-
     def _read_boxes(self, plan: LoadPlan, planner: LoadPlanner, reader: FileReader) -> None:
         for item in plan.items:
             info = self.checkpoint[item.storage_index.fqn]
             strides = contiguous_strides(info.shape)
             offset = sum(o * s for o, s in zip(item.storage_offsets, strides))
             lengths = tuple(item.lengths)
-            block = rt.RemapBlock(info.key, lengths, offset, strides, (0,) * len(lengths),
-                                  tuple(range(len(lengths))), (1,) * len(lengths), tuple(info.shape), info.dtype)
+            block = rt.RemapBlock(
+                info.key,
+                lengths,
+                offset,
+                strides,
+                (0,) * len(lengths),
+                tuple(range(len(lengths))),
+                (1,) * len(lengths),
+                tuple(info.shape),
+                info.dtype,
+            )
             staged = torch.empty(lengths, dtype=info.dtype)
             read = BlockRead("", full_box(lengths), block)
             BlockExecutor(self.checkpoint, {"": plain_slot("", staged)}, reader).run([read])
@@ -132,3 +125,15 @@ class SafetensorsReader(StorageReader):
             target.copy_(staged)
             planner.commit_tensor(item, target)
 
+
+def _read_planned(dcp_plan: LoadPlan, planner: HFLoadPlanner, reader: FileReader) -> None:
+    """Execute the RemapBlocks and deferred conversions ``dcp_plan``'s items stand for (any strided read)."""
+    plan, reads, deferred = planner.planned_reads(dcp_plan)
+    before = reader.bytes_read
+    if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
+        read_together(
+            plan, reader, reads, deferred, broadcast=planner.broadcast_replicated_tensors, timeout=planner.timeout
+        )
+    else:
+        execute_plan(plan, reader, reads=reads, deferred=deferred)
+    planner.add_bytes_read(reader.bytes_read - before)

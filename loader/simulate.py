@@ -9,7 +9,7 @@ across ranks (one trace per conversion shape signature).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +17,10 @@ import torch
 
 from .checkpoint import SafetensorsCheckpoint
 from .placements import _is_dtensor, shard_boxes
+from .plan import RankPlan
 from .plan.slots import TargetSlot, full_box, iter_model_tensors
 from .planner import HFLoadPlanner
+from .rules import Conversion
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class RankFigures:
 
 
 def coordinate_of(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The mesh coordinate of ``rank`` (row-major, like ``DeviceMesh``)."""
     coord = []
     for n in reversed(mesh_shape):
         coord.append(rank % n)
@@ -74,11 +77,15 @@ def model_placements(model: torch.nn.Module) -> tuple[tuple[int, ...] | None, di
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
         shape = tuple(root.shape)
         if mesh_shape is not None and shape != mesh_shape:
-            raise ValueError(f"model tensor {name!r} is on a mesh of shape {shape}, others on {mesh_shape}: "
-                             "pass mesh_shape and placements")
+            raise ValueError(
+                f"model tensor {name!r} is on a mesh of shape {shape}, others on {mesh_shape}: "
+                "pass mesh_shape and placements"
+            )
         if root.mesh.flatten().tolist() != list(range(math.prod(shape))):
-            raise ValueError(f"model tensor {name!r}: its mesh does not hold ranks 0 … n-1 in row-major order: "
-                             "pass mesh_shape and placements")
+            raise ValueError(
+                f"model tensor {name!r}: its mesh does not hold ranks 0 … n-1 in row-major order: "
+                "pass mesh_shape and placements"
+            )
         mesh_shape = shape
         pl = tuple(data.placements)
         placements[name] = pl if root is mesh else _on_root(name, pl, mesh, root)
@@ -90,16 +97,53 @@ def _on_root(name: str, placements: tuple, mesh: Any, root: Any) -> tuple:
 
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if not names or not root_names or any(n not in root_names for n in names):
-        raise ValueError(f"model tensor {name!r} is on a submesh {names} whose dims are not dims of its root mesh "
-                         f"{root_names}: pass mesh_shape and placements")
+        raise ValueError(
+            f"model tensor {name!r} is on a submesh {names} whose dims are not dims of its root mesh "
+            f"{root_names}: pass mesh_shape and placements"
+        )
     dims = [root_names.index(n) for n in names]
     if dims != sorted(dims) and sum(1 for p in placements if not isinstance(p, Replicate)) > 1:
-        raise ValueError(f"model tensor {name!r}: submesh {names} reorders its root's dims {root_names}: "
-                         "pass mesh_shape and placements")
+        raise ValueError(
+            f"model tensor {name!r}: submesh {names} reorders its root's dims {root_names}: "
+            "pass mesh_shape and placements"
+        )
     out: list[Any] = [Replicate()] * len(root_names)
     for d, p in zip(dims, placements):
         out[d] = p
     return tuple(out)
+
+
+def simulate_plans(
+    model: torch.nn.Module,
+    checkpoint: str | SafetensorsCheckpoint,
+    *,
+    mesh_shape: Sequence[int] | None = None,
+    placements: Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]] | None = None,
+    ranks: Sequence[int] | None = None,
+    planner: HFLoadPlanner | None = None,
+    **planner_kwargs: Any,
+) -> Iterator[tuple[int, tuple[int, ...], RankPlan]]:
+    """Plan ranks of a mesh without loading anything: ``(rank, mesh coordinate, plan)`` per rank, lazily.
+
+    Arguments as :func:`simulate_load`. The key plan and the traces are shared by all ranks.
+    """
+    if isinstance(checkpoint, str):
+        checkpoint = SafetensorsCheckpoint.open(checkpoint)
+    found_mesh, found = model_placements(model)
+    mesh_shape = tuple(mesh_shape or found_mesh or (1,))
+    if placements is None:
+        placements = found
+    planner = planner or HFLoadPlanner(model, **planner_kwargs)
+    tensors = dict(iter_model_tensors(model))
+    for rank in ranks if ranks is not None else range(math.prod(mesh_shape)):
+        coord = coordinate_of(rank, mesh_shape)
+        slots = {}
+        for name, t in tensors.items():
+            shape = tuple(t.shape)
+            pl = placements(name, shape) if callable(placements) else placements.get(name)
+            boxes = shard_boxes(shape, mesh_shape, coord, pl) if pl else ((full_box(shape), full_box(shape)),)
+            slots[name] = TargetSlot(name, shape, t.dtype, None, boxes)
+        yield rank, coord, planner.build_plan(checkpoint, slots, check_devices=False)
 
 
 def simulate_load(
@@ -126,38 +170,48 @@ def simulate_load(
     Returns:
         One :class:`RankFigures` per simulated rank.
     """
-    if isinstance(checkpoint, str):
-        checkpoint = SafetensorsCheckpoint.open(checkpoint)
-    found_mesh, found = model_placements(model)
-    mesh_shape = tuple(mesh_shape or found_mesh or (1,))
-    if placements is None:
-        placements = found
-    planner = planner or HFLoadPlanner(model, **planner_kwargs)
-    tensors = dict(iter_model_tensors(model))
-    world = math.prod(mesh_shape)
-    figures = []
-    itemsizes: dict[int, tuple[Any, int]] = {}
-    for rank in ranks if ranks is not None else range(world):
-        coord = coordinate_of(rank, mesh_shape)
-        slots = {}
-        for name, t in tensors.items():
-            shape = tuple(t.shape)
-            pl = placements(name, shape) if callable(placements) else placements.get(name)
-            boxes = shard_boxes(shape, mesh_shape, coord, pl) if pl else ((full_box(shape), full_box(shape)),)
-            slots[name] = TargetSlot(name, shape, t.dtype, None, boxes)
-        plan = planner.build_plan(checkpoint, slots, check_devices=False)
-        shard_bytes = 0
-        for conv in plan.conversions:
-            item = itemsizes.get(id(conv))
-            if item is None or item[0] is not conv:  # once per conversion, not per rank
-                item = itemsizes[id(conv)] = (conv, max(checkpoint[k].itemsize for k in conv.sources))
-            shard_bytes += sum(slots[t].local_numel for t in conv.targets) * item[1]
-        touched = {r.block.source for r in plan.reads} | {k for d in plan.deferred if d.boxes
-                                                          for k in d.conversion.sources}
-        figures.append(RankFigures(
-            rank=rank, coordinate=coord, blocks=len(plan.reads), bytes_read=plan.planned_bytes(checkpoint),
-            shard_bytes=shard_bytes, whole_tensor_bytes=sum(checkpoint[k].nbytes for k in touched),
-            traced=len(set(plan.traced)), deferred=len(set(plan.deferred_targets)),
-            deferred_conversions=sum(1 for d in plan.deferred if d.boxes),
-        ))
-    return figures
+    itemsizes: dict[int, tuple[Conversion, int]] = {}
+    return [
+        rank_figures(plan, rank, coord, itemsizes)
+        for rank, coord, plan in simulate_plans(
+            model,
+            checkpoint,
+            mesh_shape=mesh_shape,
+            placements=placements,
+            ranks=ranks,
+            planner=planner,
+            **planner_kwargs,
+        )
+    ]
+
+
+def rank_figures(
+    plan: RankPlan, rank: int, coordinate: tuple[int, ...], itemsizes: dict[int, tuple[Conversion, int]] | None = None
+) -> RankFigures:
+    """The :class:`RankFigures` of one simulated rank's plan.
+
+    Args:
+        plan: the rank's plan.
+        rank, coordinate: the rank and its mesh coordinate.
+        itemsizes: a cache of each conversion's widest source itemsize, shared across ranks.
+    """
+    checkpoint, slots = plan.checkpoint, plan.slots
+    itemsizes = {} if itemsizes is None else itemsizes
+    shard_bytes = 0
+    for conv in plan.conversions:
+        item = itemsizes.get(id(conv))
+        if item is None or item[0] is not conv:  # once per conversion, not per rank
+            item = itemsizes[id(conv)] = (conv, max(checkpoint[k].itemsize for k in conv.sources))
+        shard_bytes += sum(slots[t].local_numel for t in conv.targets) * item[1]
+    touched = {r.block.source for r in plan.reads} | {k for d in plan.deferred if d.boxes for k in d.conversion.sources}
+    return RankFigures(
+        rank=rank,
+        coordinate=coordinate,
+        blocks=len(plan.reads),
+        bytes_read=plan.planned_bytes(),
+        shard_bytes=shard_bytes,
+        whole_tensor_bytes=sum(checkpoint[k].nbytes for k in touched),
+        traced=len(set(plan.traced)),
+        deferred=len(set(plan.deferred_targets)),
+        deferred_conversions=sum(1 for d in plan.deferred if d.boxes),
+    )

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from .blocks import RemapBlock
+
+if TYPE_CHECKING:
+    from .tensor import RegionTensor
 
 
 def source_view(block: RemapBlock, source: torch.Tensor) -> torch.Tensor:
@@ -57,7 +61,7 @@ def execute_blocks(
     return out
 
 
-def materialize(tensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:  # noqa: ANN001
+def materialize(tensor: RegionTensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Build the real tensor a RegionTensor stands for, from real sources.
 
     Args:
@@ -65,7 +69,8 @@ def materialize(tensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:  #
         sources: real tensors by source name.
 
     Returns:
-        A new contiguous CPU tensor equal to running the traced code on ``sources``.
+        A new contiguous tensor, on the device of the first of ``sources`` (the CPU when there are none), equal
+        to running the traced code on ``sources``.
     """
     device = next((s.device for s in sources.values()), torch.device("cpu"))
     out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)

@@ -149,8 +149,8 @@ def test_family_plans_use_rarer_ops(saved):
     for family in ("qwen3_vl_moe", "nomic_bert", "gradium_phonon_tts", "mixtral"):
         _, model, directory, _ = saved(family)
         planner = HFLoadPlanner(build(family, seed=2)[1])
-        planner.build_plan(SafetensorsCheckpoint.open(directory))
-        ops[family] = {c.description for c in planner.plan.conversions if not c.is_rename}
+        plan = planner.build_plan(SafetensorsCheckpoint.open(directory))
+        ops[family] = {c.description for c in plan.conversions if not c.is_rename}
     assert ops["qwen3_vl_moe"] == {"Transpose"}
     assert ops["nomic_bert"] == {"Chunk(dim=0)"}
     assert ops["gradium_phonon_tts"] == {"Chunk(dim=0) -> PermuteForRope"}
@@ -237,9 +237,14 @@ def test_ignored_keys_reported_like_from_pretrained(saved, tmp_path):
         load_hf_checkpoint(fresh, tmp_path, progress=False)
     report = load_hf_checkpoint(fresh, tmp_path, strict=False, progress=False)
     reference, info = auto.from_pretrained(tmp_path, output_loading_info=True)
-    assert set(report.missing_keys) == info["missing_keys"] == {
-        "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
-    }
+    assert (
+        set(report.missing_keys)
+        == info["missing_keys"]
+        == {
+            "model.layers.1.mlp.experts.gate_up_proj",
+            "model.layers.1.mlp.experts.down_proj",
+        }
+    )
     assert report.unexpected_keys == ("model.layers.0.mlp.surprise.weight",)
     assert info["unexpected_keys"] == {"model.layers.0.mlp.surprise.weight"}
     assert_bit_equal(fresh.state_dict(), reference.state_dict(), report.loaded_keys)
@@ -303,7 +308,11 @@ def test_select_converter_hook_gets_the_matched_pattern(saved):
         planner = cls(fresh, extra_weights_mapping=[stack])
         load_hf_checkpoint(fresh, directory, planner=planner, progress=False)
         assert_bit_equal(fresh.state_dict(), model.state_dict())
-        downs = [c for c in planner.keyplan.conversions if c.targets[0].endswith("down_proj")]
+        downs = [
+            c
+            for c in planner.key_plan(SafetensorsCheckpoint.open(directory)).conversions
+            if c.targets[0].endswith("down_proj")
+        ]
         assert len(downs) == 2 and all((c.rule is stack) == ours for c in downs)
     first = PreferTransformers(build("mixtral", seed=1)[1], extra_weights_mapping=[stack])
     load_hf_checkpoint(first.model, directory, planner=first, progress=False)
@@ -372,7 +381,7 @@ def test_hf_storage_reader_refuses_strided_blocks_before_reading(tmp_path):
     planner = HFLoadPlanner(net, weights_mapping=[Convert("w", "rows", lambda w: w[::2])])
     with pytest.raises(CheckpointException) as err:  # dcp wraps each rank's error
         dcp_load(net, tmp_path, reader=dcp.HuggingFaceStorageReader(str(tmp_path)), planner=planner)
-    (error, _), = err.value.failures.values()
+    ((error, _),) = err.value.failures.values()
     assert isinstance(error, ValueError)
     assert "'rows'" in str(error) and "use loader.SafetensorsReader" in str(error)
     assert torch.equal(net.rows, torch.zeros(4, 6))
@@ -410,7 +419,8 @@ def test_hf_storage_reader_loads_qkv_interleaved_per_kv_head(tmp_path, model_dty
     expected = interleave_qkv(*(ckpt[f"attn.{n}.weight"] for n in "qkv")).to(model_dtype)
     assert_bit_equal(net.state_dict(), {"qkv.weight": expected})
     assert report.traced == ("qkv.weight",) and report.blocks == 3
-    assert all(r.block.source_box() is not None for r in planner.plan.reads)
+    plan = planner.build_plan(SafetensorsCheckpoint.open(tmp_path))  # the plan is a value: the same one again
+    assert all(r.block.source_box() is not None for r in plan.reads)
     assert report.bytes_read == sum(t.numel() * 2 for t in ckpt.values())
 
 
@@ -559,16 +569,21 @@ def test_supports_symbolic_false_defers_everything(plain_dir):
     directory, ckpt = plain_dir
 
     class NoTrace(HFLoadPlanner):
-        def supports_symbolic(self, transform):
-            return transform.is_rename  # every Convert runs for real
+        def supports_symbolic(self, conversion):
+            return conversion.is_rename  # every Convert runs for real
 
     net = fresh_plain()
     report = load_hf_checkpoint(net, directory, planner=NoTrace(net, weights_mapping=PLAIN_RULES), progress=False)
     assert_bit_equal(net.state_dict(), plain_expected(ckpt))
     assert "layers.0.qkv.weight" in report.deferred and "layers.1.experts" in report.deferred
     assert report.deferred_reasons["layers.0.qkv.weight"] == "rejected by supports_symbolic"
-    assert set(report.traced) == {"embed.weight", "layers.0.proj.bias", "layers.1.proj.bias",
-                                  "layers.0.running", "layers.1.running"}
+    assert set(report.traced) == {
+        "embed.weight",
+        "layers.0.proj.bias",
+        "layers.1.proj.bias",
+        "layers.0.running",
+        "layers.1.running",
+    }
 
 
 def test_planner_hooks_map_and_select(plain_dir):
@@ -645,11 +660,18 @@ def test_extra_weights_mapping_and_key_mapping(plain_dir):
     """extra rules come first, then key_mapping renames, then weights_mapping."""
     directory, ckpt = plain_dir
     # a rule placed before the defaults takes the qkv keys: the transformers-style qkv Convert never sees them
-    swap = Convert(["attn.q.weight", "attn.k.weight", "attn.v.weight"], "qkv.weight",
-                   lambda q, k, v: torch.cat([v, k, q]))
+    swap = Convert(
+        ["attn.q.weight", "attn.k.weight", "attn.v.weight"], "qkv.weight", lambda q, k, v: torch.cat([v, k, q])
+    )
     net = fresh_plain()
-    load_hf_checkpoint(net, directory, weights_mapping=PLAIN_RULES[2:], extra_weights_mapping=[swap],
-                       key_mapping={r"^tok\.": "embed.", r"^blocks\.(\d+)\.": r"layers.\1."}, progress=False)
+    load_hf_checkpoint(
+        net,
+        directory,
+        weights_mapping=PLAIN_RULES[2:],
+        extra_weights_mapping=[swap],
+        key_mapping={r"^tok\.": "embed.", r"^blocks\.(\d+)\.": r"layers.\1."},
+        progress=False,
+    )
     expected = plain_expected(ckpt)
     expected["layers.1.qkv.weight"] = torch.cat([ckpt[f"blocks.1.attn.{n}.weight"] for n in "vkq"])
     expected["layers.0.qkv.weight"] = torch.cat([ckpt[f"blocks.0.attn.{n}.weight"] for n in "vkq"])
@@ -668,15 +690,18 @@ def test_progress_bar_and_log_lines(plain_dir, capfd, caplog):
     assert "loading" not in capfd.readouterr().err
     messages = [r.getMessage() for r in caplog.records if r.name == "loader"]
     traced = len(report.traced)
-    assert any(m.startswith(f"planned {traced} tensors as region reads, 2 through 2 deferred conversions, "
-                            f"{report.planned_bytes} bytes") for m in messages), messages
+    assert any(
+        m.startswith(
+            f"planned {traced} tensors as region reads, 2 through 2 deferred conversions, {report.planned_bytes} bytes"
+        )
+        for m in messages
+    ), messages
     load_hf_checkpoint(fresh_plain(), directory, weights_mapping=PLAIN_RULES, progress=True)
     err = capfd.readouterr().err
     assert "loading" in err and "B" in err
     # default: on only when stderr is a terminal (it is captured here)
     load_hf_checkpoint(fresh_plain(), directory, weights_mapping=PLAIN_RULES)
     assert "loading" not in capfd.readouterr().err
-
 
 
 def test_many_run_blocks_are_read_by_span_in_one_strided_copy(tmp_path):
@@ -721,8 +746,8 @@ def test_deferred_transformers_conversions_cast_sources_like_from_pretrained(tmp
     hf_models.save(saved, tmp_path, dtype=torch.bfloat16)
 
     class NoTracing(HFLoadPlanner):
-        def supports_symbolic(self, transform):
-            return transform.is_rename
+        def supports_symbolic(self, conversion):
+            return conversion.is_rename
 
     _, traced_model = hf_models.build("mixtral", seed=1)
     _, deferred_model = hf_models.build("mixtral", seed=2)
@@ -736,5 +761,5 @@ def test_deferred_transformers_conversions_cast_sources_like_from_pretrained(tmp
 
     plan = planner.build_plan(SafetensorsCheckpoint.open(str(tmp_path)))
     conv = plan.deferred[0].conversion
-    inputs = deferred_inputs(conv, {k: torch.zeros(2, dtype=torch.bfloat16) for k in conv.sources}, planner.slots)
+    inputs = deferred_inputs(conv, {k: torch.zeros(2, dtype=torch.bfloat16) for k in conv.sources}, plan.slots)
     assert {t.dtype for t in inputs.values()} == {torch.float32}

@@ -56,8 +56,15 @@ def good_tensors() -> dict[str, torch.Tensor]:
     }  # fmt: skip
 
 
-def raw_file(path: Path, tensors: dict[str, torch.Tensor], *, edit=None, header_bytes: bytes | None = None,
-             header_len: int | None = None, tail: int | None = None) -> Path:
+def raw_file(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    edit=None,
+    header_bytes: bytes | None = None,
+    header_len: int | None = None,
+    tail: int | None = None,
+) -> Path:
     """Write a safetensors file by hand; ``edit(header)`` may corrupt the header, ``tail`` cuts the data."""
     header, data, pos = {}, b"", 0
     for key, t in tensors.items():
@@ -190,8 +197,12 @@ def two_shards(folder: Path) -> dict[str, str]:
     t = good_tensors()
     save_file({k: t[k] for k in ("a.weight", "a.bias")}, str(folder / "model-00001-of-00002.safetensors"))
     save_file({k: t[k] for k in ("b.weight", "steps")}, str(folder / "model-00002-of-00002.safetensors"))
-    return {"a.weight": "model-00001-of-00002.safetensors", "a.bias": "model-00001-of-00002.safetensors",
-            "b.weight": "model-00002-of-00002.safetensors", "steps": "model-00002-of-00002.safetensors"}
+    return {
+        "a.weight": "model-00001-of-00002.safetensors",
+        "a.bias": "model-00001-of-00002.safetensors",
+        "b.weight": "model-00002-of-00002.safetensors",
+        "steps": "model-00002-of-00002.safetensors",
+    }
 
 
 def test_sharded_folder_loads(folder):
@@ -257,8 +268,7 @@ def test_dcp_load_reports_checkpoint_error(folder):
     before = snapshot(net)
     planner = HFLoadPlanner(net)
     with pytest.raises(BaseException) as info:  # noqa: PT011 - torch decides the wrapper type
-        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(folder), planner=planner,
-                 no_dist=True)
+        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(folder), planner=planner, no_dist=True)
     assert str(path) in str(info.value) and "'a.bias'" in str(info.value)
     assert_unchanged(net, before)
 
@@ -325,8 +335,9 @@ def test_shape_mismatch(folder):
     good_file(folder)
     for fn in (lambda w: w.t(), lambda w: w.t() * 1):
         with pytest.raises(ValueError, match=r"'b\.weight'.*checkpoint \(3, 2\) vs target \(2, 3\)"):
-            load_hf_checkpoint(net, folder, weights_mapping=[Convert("b.weight", "b.weight", fn)],
-                               strict=False, progress=False)
+            load_hf_checkpoint(
+                net, folder, weights_mapping=[Convert("b.weight", "b.weight", fn)], strict=False, progress=False
+            )
         assert_unchanged(net, before)
 
 
@@ -350,9 +361,11 @@ class Sabotage(HFLoadPlanner):
     def __init__(self, model, victim: Path, keep: int, **kwargs) -> None:
         super().__init__(model, **kwargs)
         self.victim, self.keep = victim, keep
+        self.plans = []  # what build_plan returned
 
     def build_plan(self, checkpoint, *args, **kwargs):
         plan = super().build_plan(checkpoint, *args, **kwargs)
+        self.plans.append(plan)
         with open(self.victim, "r+b") as f:
             f.truncate(self.keep)
         return plan
@@ -392,5 +405,5 @@ def test_file_truncated_after_planning_deferred_rollback(folder):
     planner = Sabotage(net, victim, keep, extra_weights_mapping=rules)
     with pytest.raises(CheckpointError, match="changed underneath"):
         load_hf_checkpoint(net, folder, planner=planner, rollback=True, progress=False)
-    assert [d.conversion.targets for d in planner.plan.deferred] == [("steps",)]
+    assert [d.conversion.targets for d in planner.plans[-1].deferred] == [("steps",)]
     assert_unchanged(net, before)

@@ -202,13 +202,12 @@ def scenario_changed_during_read(root: Path) -> None:
 
     net = Net()
     before = state(net)
-    planner = ColumnShardPlanner(net)
-    planner.build_plan(SafetensorsCheckpoint.open(str(root)))
+    plan = ColumnShardPlanner(net).build_plan(SafetensorsCheckpoint.open(str(root)))
     reader = WriterAfterFirstRead(str(root / SECOND))
     error = None
     try:
         with reader:
-            execute_plan(planner, reader, rollback=True)
+            execute_plan(plan, reader, rollback=True)
     except CheckpointError as e:
         error = e
     _finish(root, before, net, error, tampered=reader.done)
@@ -221,9 +220,8 @@ def scenario_truncated_between_blocks(root: Path) -> None:
 
     net = Net()
     before = state(net)
-    planner = ColumnShardPlanner(net)
     checkpoint = SafetensorsCheckpoint.open(str(root))
-    plan = planner.build_plan(checkpoint)
+    plan = ColumnShardPlanner(net).build_plan(checkpoint)
     victim = root / SECOND
     keep = data_start(victim, "col2") + 1000
     reads = [r for r in plan.reads if checkpoint[r.block.source].file == str(victim)]
@@ -237,7 +235,7 @@ def scenario_truncated_between_blocks(root: Path) -> None:
     error = None
     try:
         with FileReader() as reader:
-            BlockExecutor(checkpoint, planner.slots, reader, progress=progress).run(reads)
+            BlockExecutor(checkpoint, plan.slots, reader, progress=progress).run(reads)
     except CheckpointError as e:
         error = e
     _finish(root, before, net, error, blocks_done=len(calls))
@@ -286,12 +284,11 @@ def test_normal_load_is_bit_exact(root):
     tensors = load_file(str(root / FIRST)) | load_file(str(root / SECOND))
     net = Net()
     before = state(net)
-    planner = ColumnShardPlanner(net)
-    plan = planner.build_plan(SafetensorsCheckpoint.open(str(root)))
+    plan = ColumnShardPlanner(net).build_plan(SafetensorsCheckpoint.open(str(root)))
     cols = [read_layout(r.block) for r in plan.reads if r.target in ("col", "col2")]
     assert len(cols) == 2 and all(len(c.runs) == ROWS > STRIDED_RUNS and c.run == C1 - C0 for c in cols)  # many-run
     with FileReader() as reader:  # what load_hf_checkpoint runs
-        execute_plan(planner, reader)
+        execute_plan(plan, reader)
     assert bit_equal(state(net), expected_state(before, tensors))
     assert reader.bytes_read == (16 * 8 + 8) * 4 + 2 * ROWS * (C1 - C0) * 2
     assert reader.gap_bytes == 2 * (ROWS - 1) * (COLS - (C1 - C0)) * 2  # each tensor's span minus its runs

@@ -1,7 +1,16 @@
-"""Distributed loading: agreement of outcomes (:mod:`.session`), broadcast of replicated regions
-(:mod:`.broadcast`), and the distributed load that composes them with planning and execution (:mod:`.load`)."""
+"""Distributed collectives of a load: agreement of outcomes (:mod:`.session`) and broadcast of replicated
+regions (:mod:`.broadcast`). The distributed load that composes them with planning and execution is
+:mod:`loader.load`."""
 
-from .load import load_distributed, read_together
+from .broadcast import assign_owners, broadcast_owned, owned_subset
 from .session import DEFAULT_TIMEOUT, LoadSession, peer_errors, timeout_seconds
 
-__all__ = ["DEFAULT_TIMEOUT", "LoadSession", "load_distributed", "peer_errors", "read_together", "timeout_seconds"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "LoadSession",
+    "assign_owners",
+    "broadcast_owned",
+    "owned_subset",
+    "peer_errors",
+    "timeout_seconds",
+]

@@ -5,28 +5,32 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from ..placements import rank_and_world
-from ..plan.slots import TargetSlot
+from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot
+
+#: ``{target: (owner rank, ranks sharing it)}``
+Owners = dict[str, tuple[int, tuple[int, ...]]]
 
 
 def _signature(slot: TargetSlot) -> tuple:
     return tuple(g for g, _ in slot.boxes)
 
 
-def assign_owners(planner: Any) -> dict[str, tuple[int, tuple[int, ...]]]:
+def assign_owners(plan: RankPlan) -> Owners:
     """For conversions several ranks need identically: ``{target: (owner rank, ranks sharing it)}``.
 
     Owners are chosen per conversion (so shared sources are read once), balancing bytes; every rank
-    computes the same answer from the all-gathered signatures.
+    computes the same answer from the all-gathered signatures. Collective.
     """
     rank, world = rank_and_world()
     mine = {}
-    for i, conv in enumerate(planner.plan.conversions):
-        slots = [planner.slots[t] for t in conv.targets]
+    for i, conv in enumerate(plan.conversions):
+        slots = [plan.slots[t] for t in conv.targets]
         if all(s.boxes for s in slots):
             mine[i] = tuple(_signature(s) for s in slots)
     everyone: list[Any] = [None] * world
@@ -35,7 +39,7 @@ def assign_owners(planner: Any) -> dict[str, tuple[int, tuple[int, ...]]]:
     for r, sigs in enumerate(everyone):
         for i, sig in sigs.items():
             groups.setdefault((i, sig), []).append(r)
-    owners: dict[str, tuple[int, tuple[int, ...]]] = {}
+    owners: Owners = {}
     load = [0] * world
     for (i, sig), ranks in sorted(groups.items(), key=lambda kv: kv[0][0]):
         if len(ranks) < 2:
@@ -43,7 +47,7 @@ def assign_owners(planner: Any) -> dict[str, tuple[int, tuple[int, ...]]]:
         owner = min(ranks, key=lambda r: (load[r], r))
         load[owner] += sum(_box_numel(s) for s in sig)
         if rank in ranks:
-            for t in planner.plan.conversions[i].targets:
+            for t in plan.conversions[i].targets:
                 owners[t] = (owner, tuple(ranks))
     return owners
 
@@ -63,7 +67,7 @@ def _group_for(ranks: tuple[int, ...], world: int) -> Any:
     return _GROUPS[ranks]
 
 
-def _all_groups(planner: Any, owners: dict) -> list[tuple[int, ...]]:
+def _all_groups(owners: Owners) -> list[tuple[int, ...]]:
     """Every rank group any rank needs, in one agreed order (new_group is collective over the world)."""
     _, world = rank_and_world()
     mine = sorted({ranks for _, ranks in owners.values() if len(ranks) < world})
@@ -72,29 +76,34 @@ def _all_groups(planner: Any, owners: dict) -> list[tuple[int, ...]]:
     return sorted({g for groups in everyone for g in groups})
 
 
-def owned_subset(planner: Any, reads: list, deferred: list) -> tuple[list, list, dict]:
-    """With ``broadcast_replicated_tensors``: the reads and deferred conversions this rank owns, and the owners.
+def owned_subset(
+    plan: RankPlan, reads: Sequence[BlockRead], deferred: Sequence[DeferredRead]
+) -> tuple[list[BlockRead], list[DeferredRead], Owners]:
+    """The reads and deferred conversions this rank owns, and the owners of the shared targets.
 
-    Collective (all ranks call it, after planning succeeded everywhere).
+    Collective (all ranks call it, after planning succeeded everywhere). In one process: everything, no owners.
     """
     rank, world = rank_and_world()
-    if not planner.broadcast_replicated_tensors or world < 2:
-        return reads, deferred, {}
-    owners = assign_owners(planner)
+    if world < 2:
+        return list(reads), list(deferred), {}
+    owners = assign_owners(plan)
     skip = {n for n, (owner, _) in owners.items() if owner != rank}
-    for g in _all_groups(planner, owners):
+    for g in _all_groups(owners):
         _group_for(g, world)
-    reads = [r for r in reads if r.target not in skip]
-    deferred = [d for d in deferred if not set(d.conversion.targets) <= skip]
-    return reads, deferred, owners
+    return (
+        [r for r in reads if r.target not in skip],
+        [d for d in deferred if not set(d.conversion.targets) <= skip],
+        owners,
+    )
 
 
-def broadcast_owned(planner: Any, owners: dict) -> None:
-    """Broadcast each shared target from its owner (names in one global order: no cross-group deadlock)."""
+def broadcast_owned(slots: Mapping[str, TargetSlot], owners: Owners) -> None:
+    """Broadcast each shared target from its owner (names in one global order: no cross-group deadlock).
+    Collective."""
     _, world = rank_and_world()
     for name in sorted(owners):
         owner, ranks = owners[name]
-        local = planner.slots[name].local
+        local = slots[name].local
         buf = local if local.is_contiguous() else local.contiguous()
         dist.broadcast(buf, src=owner, group=_group_for(ranks, world))
         if buf is not local:

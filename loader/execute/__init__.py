@@ -7,7 +7,7 @@ conversions) ← :mod:`.run` (``execute_plan``: both, with progress and rollback
 from .deferred import apply_deferred, run_deferred
 from .layout import ReadLayout, page_spans, read_layout, split_block, split_span
 from .reads import SPARSE_FRACTION, STAGING_BYTES, STRIDED_RUNS, BlockExecutor
-from .run import execute_plan, restore
+from .run import execute_plan, restore, snapshot
 
 __all__ = [
     "SPARSE_FRACTION",
@@ -21,6 +21,7 @@ __all__ = [
     "read_layout",
     "restore",
     "run_deferred",
+    "snapshot",
     "split_block",
     "split_span",
 ]

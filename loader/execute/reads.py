@@ -63,16 +63,15 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 
 def _alone(items: list[tuple[BlockRead, TensorInfo]]) -> list[bool]:
     """For items sorted by first byte: whether each one's byte span overlaps no other item's span."""
-    cluster, sizes, end = [], [], -1  # clusters of overlapping spans
+    spans = []
     for r, info in items:
         lo, hi = r.block.source_span()
-        a, b = info.data_start + lo * info.itemsize, info.data_start + hi * info.itemsize
-        if a >= end:
-            sizes.append(0)
-        sizes[-1] += 1
-        cluster.append(len(sizes) - 1)
-        end = max(end, b)
-    return [sizes[c] == 1 for c in cluster]
+        spans.append((info.data_start + lo * info.itemsize, info.data_start + hi * info.itemsize))
+    clusters = rt.layout.overlap_clusters(spans)
+    sizes = [0] * (clusters[-1] + 1 if clusters else 0)
+    for c in clusters:
+        sizes[c] += 1
+    return [sizes[c] == 1 for c in clusters]
 
 
 class BlockExecutor:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..checkpoint import FileReader
+from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot
 from .deferred import run_deferred
 from .reads import BlockExecutor
 
 
-def _progress_bar(enabled: bool | None, total: int):  # noqa: ANN202
+def _progress_bar(enabled: bool | None, total: int) -> Any:
     if enabled is False or (enabled is None and not sys.stderr.isatty()):
         return None
     from tqdm.auto import tqdm
@@ -21,20 +23,33 @@ def _progress_bar(enabled: bool | None, total: int):  # noqa: ANN202
 
 
 def execute_plan(
-    planner: Any,
+    plan: RankPlan,
     reader: FileReader,
     *,
     progress: bool | None = None,
     rollback: bool = False,
-    reads=None,
-    deferred=None,
-) -> None:  # noqa: ANN001
-    """Run the planner's plan (or the given subsets of it) against the checkpoint files."""
-    plan, checkpoint, slots = planner.plan, planner.checkpoint, planner.slots
+    reads: Sequence[BlockRead] | None = None,
+    deferred: Sequence[DeferredRead] | None = None,
+) -> None:
+    """Run ``plan`` (or the given subsets of its reads) against the checkpoint files, writing the model tensors.
+
+    Args:
+        plan: this rank's plan.
+        reader: the open file reader (counts the bytes read).
+        progress: tqdm progress bar; default on when stderr is a terminal.
+        rollback: restore every tensor the plan writes if a read fails.
+        reads: the region reads to run (default: all of the plan's).
+        deferred: the deferred conversions to run (default: all of the plan's).
+
+    Raises:
+        CheckpointError: a file is short, or changed since its header was read (with ``rollback``, after the
+            tensors were restored).
+    """
+    checkpoint, slots = plan.checkpoint, plan.slots
     reads = plan.reads if reads is None else reads
     deferred = plan.deferred if deferred is None else deferred
-    saved = _snapshot(plan, slots) if rollback else None
-    bar = _progress_bar(progress, plan.planned_bytes(checkpoint))
+    saved = snapshot(plan) if rollback else None
+    bar = _progress_bar(progress, plan.planned_bytes())
     try:
         BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None).run(reads)
         for d in deferred:
@@ -51,13 +66,14 @@ def execute_plan(
             bar.close()
 
 
-def restore(saved: dict[str, torch.Tensor], slots) -> None:  # noqa: ANN001
-    """Put back the values :func:`_snapshot` took (rollback)."""
+def snapshot(plan: RankPlan) -> dict[str, torch.Tensor]:
+    """A copy of every local tensor ``plan`` writes, for :func:`restore` (rollback)."""
+    names = set(plan.traced) | set(plan.deferred_targets)
+    return {n: plan.slots[n].local.detach().clone() for n in names if plan.slots[n].local is not None}
+
+
+def restore(saved: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]) -> None:
+    """Put back the values :func:`snapshot` took (rollback)."""
     with torch.no_grad():
         for name, value in saved.items():
             slots[name].local.copy_(value)
-
-
-def _snapshot(plan, slots) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    names = set(plan.traced) | set(plan.deferred_targets)
-    return {n: slots[n].local.detach().clone() for n in names if slots[n].local is not None}

@@ -1,7 +1,8 @@
 """Plan: for one rank, which checkpoint regions go where — pure values, nothing read or written.
 
 :mod:`.slots` (model tensors as load targets: ``TargetSlot``, boxes) ← :mod:`.traces` (traced conversions,
-cached by signature) and :mod:`.dtypes` (cast and FP8 checks) ← :mod:`.rank` (``plan_rank`` → ``RankPlan``).
+cached by signature: ``Traced | Untraced``) and :mod:`.dtypes` (cast and FP8 checks) ← :mod:`.rank`
+(``plan_rank`` → ``RankPlan``).
 """
 
 from .rank import (
@@ -10,12 +11,11 @@ from .rank import (
     RankPlan,
     deferred_inputs,
     describe,
-    meta_outputs,
     plan_rank,
     unique_read_bytes,
 )
 from .slots import Box, TargetSlot, box_view, full_box, iter_model_tensors, model_slots, plain_slot
-from .traces import TraceCache
+from .traces import TraceCache, Traced, Untraced
 
 __all__ = [
     "BlockRead",
@@ -24,12 +24,13 @@ __all__ = [
     "RankPlan",
     "TargetSlot",
     "TraceCache",
+    "Traced",
+    "Untraced",
     "box_view",
     "deferred_inputs",
     "describe",
     "full_box",
     "iter_model_tensors",
-    "meta_outputs",
     "model_slots",
     "plain_slot",
     "plan_rank",

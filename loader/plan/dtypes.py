@@ -50,6 +50,9 @@ def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Map
     Raises:
         CheckpointError: naming the file and the float8 tensor.
     """
+    infos = checkpoint.tensors
+    if not any(info.dtype in FLOAT8 for info in infos.values()):
+        return  # nothing to check (the usual case: planned per rank, this stays cheap)
     loaded: set[str] = set()
     for conv in keyplan.conversions:
         loaded.update(conv.sources)

@@ -1,16 +1,17 @@
 """Planning a load on one rank: trace each conversion, compile RemapBlocks for the boxes the rank owns.
 
-Phases: rules (``plan_keys``) → trace (one trace per distinct conversion shape signature, cached) →
-validate (shapes, meta targets, strictness; all before any byte is read) → compile (blocks per owned box).
-A conversion that raises :class:`~regiontrace.Untraceable` or :class:`~regiontrace.TraceMismatch`, or that a
-hook rejects, becomes a :class:`DeferredRead`.
+Phases: rules (``plan_keys``, given) → check (each conversion's meta run against the model: names, shapes,
+value kinds) → trace (once per signature, cached; the outcome is :class:`Traced` or :class:`Untraced`) →
+compile (blocks per owned box) → validate (meta-device targets, strictness). Everything is checked before any
+byte is read. An untraced conversion — it raises :class:`~regiontrace.Untraceable` or
+:class:`~regiontrace.TraceMismatch`, or a hook rejects it — becomes a :class:`DeferredRead`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,14 +19,15 @@ import regiontrace as rt
 
 from ..checkpoint import SafetensorsCheckpoint
 from ..rules import Conversion, KeyPlan
+from ..rules.conversion import MetaRun
 from .dtypes import check_float8, kind_cast
 from .slots import Box, TargetSlot
-from .traces import TraceCache
+from .traces import TraceCache, Traced, Untraced
 
 
 @dataclass(frozen=True)
 class BlockRead:
-    """Execute ``block`` (compiled for ``global_box`` of ``target``) into ``local_box`` of its local tensor."""
+    """Execute ``block`` (compiled for a box of ``target``) into ``local_box`` of its local tensor."""
 
     target: str
     local_box: Box
@@ -41,26 +43,42 @@ class DeferredRead:
     boxes: tuple[tuple[str, Box, Box], ...]  # (target, global box, local box)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class RankPlan:
-    """Everything one rank does to load: region reads, deferred conversions, and the key report."""
+    """Everything one rank does to load, and what it was planned from: a value, nothing read or written yet.
 
-    reads: list[BlockRead] = field(default_factory=list)
-    deferred: list[DeferredRead] = field(default_factory=list)
-    loaded_keys: list[str] = field(default_factory=list)
-    missing_keys: list[str] = field(default_factory=list)
-    unexpected_keys: list[str] = field(default_factory=list)
-    traced: list[str] = field(default_factory=list)
-    deferred_targets: list[str] = field(default_factory=list)
-    conversions: list[Conversion] = field(default_factory=list)
-    #: ``(model tensor, dtype its values come in, model dtype)`` for loads across value kinds (see :func:`kind_cast`)
-    casts: list[tuple[str, torch.dtype, torch.dtype]] = field(default_factory=list)
+    Attributes:
+        checkpoint: the checkpoint headers planned against.
+        slots: the model tensors as this rank sees them, by name.
+        keyplan: which checkpoint keys feed which model tensors (:func:`loader.rules.plan_keys`).
+        conversions: ``keyplan.conversions``; outcomes: each one's :class:`Traced` or :class:`Untraced`.
+        reads: the region reads; deferred: the deferred conversions (``boxes`` empty when this rank owns
+            nothing of their targets).
+        loaded_keys, missing_keys, unexpected_keys: the key report (tied aliases loaded with their tensor).
+        traced, deferred_targets: model tensors loaded by region reads, and by deferred conversions.
+        casts: ``(model tensor, dtype its values come in, model dtype)`` for loads across value kinds
+            (see :func:`~loader.plan.dtypes.kind_cast`).
+    """
 
-    def planned_bytes(self, checkpoint: SafetensorsCheckpoint) -> int:
+    checkpoint: SafetensorsCheckpoint
+    slots: Mapping[str, TargetSlot]
+    keyplan: KeyPlan
+    conversions: tuple[Conversion, ...]
+    outcomes: tuple[Traced | Untraced, ...]
+    reads: tuple[BlockRead, ...]
+    deferred: tuple[DeferredRead, ...]
+    loaded_keys: tuple[str, ...]
+    missing_keys: tuple[str, ...]
+    unexpected_keys: tuple[str, ...]
+    traced: tuple[str, ...]
+    deferred_targets: tuple[str, ...]
+    casts: tuple[tuple[str, torch.dtype, torch.dtype], ...]
+
+    def planned_bytes(self) -> int:
         """Bytes of checkpoint data this plan reads (region reads by element, deferred sources whole)."""
-        total = unique_read_bytes([r.block for r in self.reads], checkpoint)
+        total = unique_read_bytes([r.block for r in self.reads], self.checkpoint)
         keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
-        return total + sum(checkpoint[k].nbytes for k in keys)
+        return total + sum(self.checkpoint[k].nbytes for k in keys)
 
 
 def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckpoint) -> int:
@@ -68,69 +86,7 @@ def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckp
     by_source: dict[str, list[rt.RemapBlock]] = {}
     for b in blocks:
         by_source.setdefault(b.source, []).append(b)
-    total = 0
-    for source, group in by_source.items():
-        itemsize = checkpoint[source].itemsize
-        if len(group) == 1:
-            total += group[0].read_numel * itemsize
-            continue
-        # blocks whose spans overlap form a cluster, whose union is counted run by run
-        spans = sorted(((b.source_span(), i) for i, b in enumerate(group)))
-        numel = 0
-        cluster: list[rt.RemapBlock] = []
-        end = -1
-        for (lo, hi), i in spans:
-            if lo >= end:
-                if len(cluster) == 1:
-                    numel += cluster[0].read_numel
-                elif cluster:
-                    numel += _union_numel(cluster)
-                cluster = []
-            cluster.append(group[i])
-            end = max(end, hi) if cluster[1:] else hi
-        numel += cluster[0].read_numel if len(cluster) == 1 else _union_numel(cluster)
-        total += numel * itemsize
-    return total
-
-
-def _union_numel(blocks: list[rt.RemapBlock]) -> int:
-    runs = sorted(r for b in blocks for r in b.source_runs())
-    total, cur_a, cur_b = 0, None, None
-    for a, n in runs:
-        if cur_b is None or a > cur_b:
-            total += (cur_b - cur_a) if cur_b is not None else 0
-            cur_a, cur_b = a, a + n
-        else:
-            cur_b = max(cur_b, a + n)
-    return total + ((cur_b - cur_a) if cur_b is not None else 0)
-
-
-def _shape_error(target: str, got: tuple[int, ...], want: tuple[int, ...], conv: Conversion) -> ValueError:
-    return ValueError(
-        f"shape mismatch for {target!r}: checkpoint {tuple(got)} vs target {tuple(want)} "
-        f"(from {', '.join(conv.sources[:4])}{' …' if len(conv.sources) > 4 else ''} via {conv.description})"
-    )
-
-
-def deferred_inputs(
-    conv: Conversion, tensors: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]
-) -> dict[str, torch.Tensor]:
-    """Source tensors for running a deferred conversion for real.
-
-    transformers casts every source to the dtype of the group's first target before its ops run; for its
-    rules we do the same, so non-index ops round exactly as ``from_pretrained``. Our ``Convert`` functions get
-    the checkpoint dtype.
-    """
-    if not type(conv.rule).__module__.startswith("transformers"):
-        return dict(tensors)
-    dtype = slots[conv.targets[0]].dtype
-    return {k: t.to(dtype) if t.is_floating_point() and dtype.is_floating_point else t for k, t in tensors.items()}
-
-
-def meta_outputs(conv: Conversion, checkpoint: SafetensorsCheckpoint) -> dict[str, torch.Tensor]:
-    """Run ``conv`` on meta tensors: the output shapes and dtypes of a deferred conversion, without data."""
-    tensors = {k: torch.empty(checkpoint[k].shape, dtype=checkpoint[k].dtype, device="meta") for k in conv.sources}
-    return conv.run(tensors)
+    return sum(rt.layout.distinct_read_numel(g) * checkpoint[s].itemsize for s, g in by_source.items())
 
 
 def plan_rank(
@@ -161,84 +117,137 @@ def plan_rank(
         ValueError: a shape mismatch, an unknown target, a meta-device target, or (strict) missing tensors;
             the message names the tensor.
         CheckpointError: float8 codes would load as values (see :func:`check_float8`).
+        Exception: what a conversion raised on meta tensors (it cannot run on these checkpoint tensors).
     """
     cache = cache or TraceCache()
     check_float8(keyplan, checkpoint, slots)
+    outcomes: list[Traced | Untraced] = []
+    reads: list[BlockRead] = []
+    deferred: list[DeferredRead] = []
+    casts: list[tuple[str, torch.dtype, torch.dtype]] = []
+    for conv in keyplan.conversions:
+        casts += _checked_outputs(conv, cache.meta(conv, checkpoint), slots)
+        if supports_symbolic(conv):
+            outcome = cache.trace(conv, checkpoint)
+        else:
+            outcome = Untraced("rejected by supports_symbolic")
+        outcomes.append(outcome)
+        if isinstance(outcome, Traced):
+            reads += _compiled(conv, outcome, slots, cache)
+        else:
+            owned = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
+            deferred.append(DeferredRead(conv, outcome.reason, owned))
+    loaded = {t for conv in keyplan.conversions for t in conv.targets}
+    if check_devices:
+        _check_materialized(loaded, slots)
+    aliases = {a for a, c in keyplan.tied.items() if c in loaded}
+    ignored = set(keyplan.ignored_missing_keys)
+    missing = tuple(k for k in keyplan.missing_keys if k not in loaded and k not in aliases and k not in ignored)
+    if strict and missing:
+        shown = ", ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
+        raise ValueError(
+            f"{len(missing)} model tensor(s) are not in the checkpoint: {shown} (pass strict=False to load the rest)"
+        )
     # like from_pretrained, leave out what the model says to ignore (``_keys_to_ignore_on_load_*``, stale
     # ``rotary_emb.inv_freq`` / ``position_ids``): not reported, and not an error with ``strict``
     ignored_unexpected = set(keyplan.ignored_unexpected_keys)
-    ignored_missing = set(keyplan.ignored_missing_keys)
-    plan = RankPlan(
-        unexpected_keys=[k for k in keyplan.unexpected_keys if k not in ignored_unexpected],
-        conversions=list(keyplan.conversions),
+    conversions = tuple(keyplan.conversions)
+    return RankPlan(
+        checkpoint=checkpoint,
+        slots=slots,
+        keyplan=keyplan,
+        conversions=conversions,
+        outcomes=tuple(outcomes),
+        reads=tuple(reads),
+        deferred=tuple(deferred),
+        loaded_keys=tuple(sorted(loaded | aliases)),
+        missing_keys=missing,
+        unexpected_keys=tuple(k for k in keyplan.unexpected_keys if k not in ignored_unexpected),
+        traced=tuple(t for c, o in zip(conversions, outcomes) if isinstance(o, Traced) for t in c.targets),
+        deferred_targets=tuple(t for d in deferred for t in d.conversion.targets),
+        casts=tuple(casts),
     )
-    loaded: set[str] = set()
-    for conv in keyplan.conversions:
-        for t in conv.targets:
-            if t not in slots:
-                raise ValueError(f"conversion {conv.description} produces {t!r}, which is not a model tensor")
-        if supports_symbolic(conv):
-            traced, sig = cache.trace(conv, checkpoint)
-        else:
-            traced, sig = "rejected by supports_symbolic", None
-        if isinstance(traced, str):
-            outs = meta_outputs(conv, checkpoint)
-            for t in conv.targets:
-                if t not in outs:
-                    raise ValueError(f"conversion {conv.description} did not produce {t!r}")
-                if tuple(outs[t].shape) != slots[t].shape:
-                    raise _shape_error(t, tuple(outs[t].shape), slots[t].shape, conv)
-                if (cast := kind_cast(t, outs[t].dtype, slots[t].dtype)) is not None:
-                    plan.casts.append(cast)
-            boxes = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
-            plan.deferred.append(DeferredRead(conv, traced, boxes))
-            plan.deferred_targets.extend(conv.targets)
-        else:
-            for t in conv.targets:
-                if t not in traced:
-                    raise ValueError(f"conversion {conv.description} did not produce {t!r}")
-                out = traced[t]
-                if tuple(out.shape) != slots[t].shape:
-                    raise _shape_error(t, tuple(out.shape), slots[t].shape, conv)
-                if (cast := kind_cast(t, out.dtype, slots[t].dtype)) is not None:
-                    plan.casts.append(cast)
-                for g, lb in slots[t].boxes:
-                    if not _nonempty(g):
-                        continue
-                    for block in cache.blocks(sig, conv.targets.index(t), out, g, conv.sources):
-                        plan.reads.append(BlockRead(t, lb, block))
-            plan.traced.extend(conv.targets)
-        loaded.update(conv.targets)
-    if check_devices:
-        for name in sorted(loaded):
-            local = slots[name].local
-            if local is not None and local.device.type == "meta":
-                raise ValueError(
-                    f"model tensor {name!r} is on the meta device: materialize the model first "
-                    "(e.g. model.to_empty(device='cpu'))"
-                )
-    aliases = {a for a, c in keyplan.tied.items() if c in loaded}
-    plan.loaded_keys = sorted(loaded | aliases)
-    plan.missing_keys = [
-        k for k in keyplan.missing_keys if k not in loaded and k not in aliases and k not in ignored_missing
-    ]
-    if strict and plan.missing_keys:
-        shown = ", ".join(plan.missing_keys[:8]) + (" …" if len(plan.missing_keys) > 8 else "")
-        raise ValueError(
-            f"{len(plan.missing_keys)} model tensor(s) are not in the checkpoint: {shown} "
-            "(pass strict=False to load the rest)"
-        )
-    return plan
+
+
+def _checked_outputs(
+    conv: Conversion, meta: MetaRun, slots: Mapping[str, TargetSlot]
+) -> list[tuple[str, torch.dtype, torch.dtype]]:
+    """Check a conversion's outputs (from its meta run) against the model tensors they load; returns the casts
+    across value kinds.
+
+    Raises:
+        ValueError: a target that is not a model tensor, not produced, or of another shape.
+        Exception: what the conversion raised on meta tensors.
+    """
+    for t in conv.targets:
+        if t not in slots:
+            raise ValueError(f"conversion {conv.description} produces {t!r}, which is not a model tensor")
+    if meta.error is not None:
+        raise meta.error
+    assert meta.outputs is not None
+    casts = []
+    for t, out in zip(conv.targets, meta.outputs):
+        if out is None:
+            raise ValueError(f"conversion {conv.description} did not produce {t!r}")
+        shape, dtype = out
+        if shape != slots[t].shape:
+            raise _shape_error(t, shape, slots[t].shape, conv)
+        if (cast := kind_cast(t, dtype, slots[t].dtype)) is not None:
+            casts.append(cast)
+    return casts
+
+
+def _compiled(conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot], cache: TraceCache) -> list[BlockRead]:
+    """The region reads of a traced conversion: its blocks for every box this rank owns of its targets."""
+    reads = []
+    for i, t in enumerate(conv.targets):
+        out = traced.outputs[t]
+        for g, lb in slots[t].boxes:
+            if _nonempty(g):
+                reads.extend(BlockRead(t, lb, block) for block in cache.blocks(traced.key, i, out, g, conv.sources))
+    return reads
+
+
+def _check_materialized(loaded: set[str], slots: Mapping[str, TargetSlot]) -> None:
+    for name in sorted(loaded):
+        local = slots[name].local
+        if local is not None and local.device.type == "meta":
+            raise ValueError(
+                f"model tensor {name!r} is on the meta device: materialize the model first "
+                "(e.g. model.to_empty(device='cpu'))"
+            )
+
+
+def _shape_error(target: str, got: tuple[int, ...], want: tuple[int, ...], conv: Conversion) -> ValueError:
+    return ValueError(
+        f"shape mismatch for {target!r}: checkpoint {tuple(got)} vs target {tuple(want)} "
+        f"(from {', '.join(conv.sources[:4])}{' …' if len(conv.sources) > 4 else ''} via {conv.description})"
+    )
+
+
+def deferred_inputs(
+    conv: Conversion, tensors: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]
+) -> dict[str, torch.Tensor]:
+    """Source tensors for running a deferred conversion for real.
+
+    transformers casts every source to the dtype of the group's first target before its ops run; for its
+    rules we do the same, so non-index ops round exactly as ``from_pretrained``. Our ``Convert`` functions get
+    the checkpoint dtype.
+    """
+    if not type(conv.rule).__module__.startswith("transformers"):
+        return dict(tensors)
+    dtype = slots[conv.targets[0]].dtype
+    return {k: t.to(dtype) if t.is_floating_point() and dtype.is_floating_point else t for k, t in tensors.items()}
 
 
 def _nonempty(box: Box) -> bool:
     return math.prod(b - a for a, b in box) > 0
 
 
-def describe(plan: RankPlan, checkpoint: SafetensorsCheckpoint) -> str:
+def describe(plan: RankPlan) -> str:
     """The one-line phase summary."""
     convs = {id(d.conversion) for d in plan.deferred}
     return (
         f"planned {len(set(plan.traced))} tensors as region reads, {len(set(plan.deferred_targets))} through "
-        f"{len(convs)} deferred conversions, {plan.planned_bytes(checkpoint)} bytes"
+        f"{len(convs)} deferred conversions, {plan.planned_bytes()} bytes"
     )

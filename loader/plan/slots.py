@@ -9,12 +9,12 @@ written in place, and the pairs ``(global box, local box)`` that rank owns. A pl
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-Box = tuple[tuple[int, int], ...]
+from regiontrace import Box
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,9 @@ def plain_slot(name: str, tensor: torch.Tensor) -> TargetSlot:
     return TargetSlot(name, shape, tensor.dtype, storage_of(tensor), ((full_box(shape), full_box(shape)),))
 
 
-def model_slots(model: torch.nn.Module, slot_for=None) -> dict[str, TargetSlot]:  # noqa: ANN001
+def model_slots(
+    model: torch.nn.Module, slot_for: Callable[[str, torch.Tensor], TargetSlot] | None = None
+) -> dict[str, TargetSlot]:
     """Slots for every model tensor; ``slot_for(name, tensor)`` builds them (default: whole tensors)."""
     slot_for = slot_for or plain_slot
     return {name: slot_for(name, t) for name, t in iter_model_tensors(model)}

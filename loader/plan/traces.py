@@ -1,88 +1,117 @@
 """Traces of conversions, cached by signature: one trace serves every layer whose conversion has the same
 structure, and the blocks compiled for a box are cached with it.
+
+A conversion is traced by running it once on RegionTensors (canonical leaves ``#0, #1, …`` standing for its
+sources) and checking the result against its meta run (:attr:`~loader.rules.Conversion.meta`, made by the
+rules for its signature): each conversion runs on meta once per signature, and the trace reuses that run.
+The outcome is :class:`Traced` (region maps of its outputs) or :class:`Untraced` (why not).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, replace
+
+import torch
 
 import regiontrace as rt
 
 from ..checkpoint import SafetensorsCheckpoint
 from ..rules import Conversion
+from ..rules.conversion import MetaRun, run_on_meta
 from .slots import Box
 
 
+@dataclass(frozen=True, eq=False)
+class Traced:
+    """A conversion traced to exact index maps.
+
+    Attributes:
+        outputs: each target's RegionTensor (over canonical leaves ``#i``: the conversion's ``sources[i]``).
+        key: the signature's key in its :class:`TraceCache` (for :meth:`TraceCache.blocks`).
+    """
+
+    outputs: Mapping[str, rt.RegionTensor]
+    key: int
+
+
+@dataclass(frozen=True)
+class Untraced:
+    """A conversion that is not traced (it becomes a deferred read).
+
+    Attributes:
+        reason: why (the :class:`~regiontrace.Untraceable` or :class:`~regiontrace.TraceMismatch` message, or
+            the hook that rejected it).
+    """
+
+    reason: str
+
+
 class TraceCache:
-    """Traces by shape signature: one trace serves every layer whose conversion has the same structure."""
+    """Traces by signature: one trace serves every layer whose conversion has the same structure.
+
+    Attributes:
+        hits, misses: trace lookups served from the cache, and traces made.
+    """
 
     def __init__(self) -> None:
-        self._traces: dict[int, dict[int, rt.RegionTensor] | str] = {}
+        self._traces: dict[int, tuple[rt.RegionTensor, ...] | str] = {}
         self._blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = {}
-        self._keys: dict[tuple[int, int], tuple] = {}
-        self._interned: dict[tuple, int] = {}
+        self._keys: dict[tuple[int, int], tuple[Conversion, SafetensorsCheckpoint, int, MetaRun]] = {}
+        self._interned: dict[Hashable, int] = {}
+        self._reruns: dict[int, MetaRun] = {}
         self.hits = 0
         self.misses = 0
 
-    def _key(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> int:
-        """A small int standing for ``conv``'s signature (equal signatures, equal ints).
+    def meta(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> MetaRun:
+        """``conv``'s meta run on ``checkpoint``'s shapes and dtypes (its own, when it was made on those)."""
+        return self._key(conv, checkpoint)[1]
 
-        Memoised per (conversion, checkpoint) object: simulated ranks share both, and an expert merge's
-        signature holds hundreds of source shapes, too costly to rebuild and hash per rank and per box. The
-        entry keeps both objects alive, so their ids cannot be reused.
+    def trace(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> Traced | Untraced:
+        """Trace ``conv`` on canonical leaves, once per signature.
+
+        Raises:
+            the exception ``conv`` raised on meta tensors (a broken conversion fails planning).
         """
-        entry = self._keys.get((id(conv), id(checkpoint)))
-        if entry is not None and entry[0] is conv and entry[1] is checkpoint:
-            return entry[2]
-        key = self._interned.setdefault(self.signature(conv, checkpoint), len(self._interned))
-        self._keys[(id(conv), id(checkpoint))] = (conv, checkpoint, key)
-        return key
-
-    def signature(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> tuple:
-        rule = conv.rule
-        rule_id = (
-            id(getattr(rule, "fn", None)) if getattr(rule, "fn", None) is not None else type(rule).__name__,
-            repr(getattr(rule, "operations", None)),
-        )
-        # a rename's only "pattern" is its key: leave it out, so that every rename of one shape shares a trace
-        groups = () if conv.is_rename else tuple((p, len(keys)) for p, keys in conv.groups)
-        srcs = tuple((tuple(checkpoint[k].shape), checkpoint[k].dtype) for k in conv.sources)
-        return (conv.is_rename, rule_id, conv.description, groups, srcs, len(conv.targets))
-
-    def trace(
-        self, conv: Conversion, checkpoint: SafetensorsCheckpoint
-    ) -> tuple[dict[str, rt.RegionTensor] | str, int]:
-        """Trace ``conv`` on canonical leaves ``#0, #1, …``; returns ``{target: RegionTensor}`` or the reason,
-        and the signature's key for :meth:`blocks`."""
-        sig = self._key(conv, checkpoint)
-        cached = self._traces.get(sig)
+        key, meta = self._key(conv, checkpoint)
+        if meta.error is not None:
+            raise meta.error
+        cached = self._traces.get(key)
         if cached is None:
             self.misses += 1
-            cached = self._trace(conv, checkpoint)
-            self._traces[sig] = cached
+            cached = self._traces[key] = _trace(conv, meta)
         else:
             self.hits += 1
         if isinstance(cached, str):
-            return cached, sig
-        return {conv.targets[i]: t for i, t in cached.items()}, sig
+            return Untraced(cached)
+        return Traced(dict(zip(conv.targets, cached)), key)
 
-    def _trace(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> dict[int, rt.RegionTensor] | str:
-        leaves = {
-            k: rt.RegionTensor.leaf(f"#{i}", checkpoint[k].shape, checkpoint[k].dtype)
-            for i, k in enumerate(conv.sources)
-        }
-        try:
-            out = rt.trace(conv.run, leaves)
-        except (rt.Untraceable, rt.TraceMismatch) as e:
-            return f"{type(e).__name__}: {e}"
-        if not isinstance(out, Mapping) or set(out) - set(conv.targets):
-            return f"conversion returned {sorted(out) if isinstance(out, Mapping) else type(out).__name__}"
-        result = {}
-        for name, t in out.items():
-            if not isinstance(t, rt.RegionTensor):
-                return f"output {name!r} is not derived from the checkpoint tensors"
-            result[conv.targets.index(name)] = t
-        return result
+    def _key(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> tuple[int, MetaRun]:
+        """A small int standing for ``conv``'s signature on ``checkpoint`` (equal signatures, equal ints), and its
+        meta run.
+
+        Memoised per (conversion, checkpoint) object: simulated ranks share both, and an expert merge's
+        signature holds hundreds of source shapes, too costly to compare and hash per rank. The entry keeps both
+        objects alive, so their ids cannot be reused.
+        """
+        entry = self._keys.get((id(conv), id(checkpoint)))
+        if entry is not None and entry[0] is conv and entry[1] is checkpoint:
+            return entry[2], entry[3]
+        infos = [checkpoint.tensors[k] for k in conv.sources]
+        shapes, dtypes = tuple(i.shape for i in infos), tuple(i.dtype for i in infos)
+        meta = conv.meta
+        if meta is not None and conv.signature is not None and meta.shapes == shapes and meta.dtypes == dtypes:
+            key = self._intern(conv.signature)
+        else:  # made on other dtypes (rules planned from shapes alone), or a conversion built by hand
+            key = self._intern((conv.signature if conv.signature is not None else _Unique(conv), shapes, dtypes))
+            meta = self._reruns.get(key)
+            if meta is None:
+                meta = self._reruns[key] = run_on_meta(conv, shapes, dtypes)
+        self._keys[(id(conv), id(checkpoint))] = (conv, checkpoint, key, meta)
+        return key, meta
+
+    def _intern(self, signature: Hashable) -> int:
+        return self._interned.setdefault(signature, len(self._interned))
 
     def blocks(
         self, sig: int, target_index: int, traced: rt.RegionTensor, box: Box, names: tuple[str, ...]
@@ -96,16 +125,43 @@ class TraceCache:
         return tuple(_rename(b, names) for b in blocks)
 
 
+class _Unique:
+    """Hashes by identity: a conversion that shares its trace with no other."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+
+def _trace(conv: Conversion, meta: MetaRun) -> tuple[rt.RegionTensor, ...] | str:
+    """Run ``conv`` on RegionTensor leaves, check it against ``meta``; its outputs in target order, or the reason
+    it does not trace."""
+    leaves = {
+        k: rt.RegionTensor.leaf(f"#{i}", shape, dtype)
+        for i, (k, shape, dtype) in enumerate(zip(conv.sources, meta.shapes, meta.dtypes))
+    }
+    try:
+        out = conv.run(leaves)
+        rt.check_trace(out, _meta_outputs(conv, meta))
+    except (rt.Untraceable, rt.TraceMismatch) as e:
+        return f"{type(e).__name__}: {e}"
+    if not isinstance(out, Mapping) or set(out) - set(conv.targets):
+        return f"conversion returned {sorted(out) if isinstance(out, Mapping) else type(out).__name__}"
+    for name, t in out.items():
+        if not isinstance(t, rt.RegionTensor):
+            return f"output {name!r} is not derived from the checkpoint tensors"
+    return tuple(out[t] for t in conv.targets)
+
+
+def _meta_outputs(conv: Conversion, meta: MetaRun) -> dict[str, torch.Tensor]:
+    """The meta run's outputs as meta tensors, in the structure the conversion returns."""
+    assert meta.outputs is not None
+    return {
+        t: torch.empty(o[0], dtype=o[1], device="meta") for t, o in zip(conv.targets, meta.outputs) if o is not None
+    }
+
+
 def _rename(block: rt.RemapBlock, names: tuple[str, ...]) -> rt.RemapBlock:
-    return rt.RemapBlock(
-        names[int(block.source[1:])],
-        block.shape,
-        block.src_offset,
-        block.src_strides,
-        block.dst_offset,
-        block.dst_dims,
-        block.dst_steps,
-        block.source_shape,
-        block.source_dtype,
-        block.casts,
-    )
+    """``block``, compiled for canonical leaf ``#i``, reading ``names[i]`` instead."""
+    return replace(block, source=names[int(block.source[1:])])

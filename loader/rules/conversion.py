@@ -1,26 +1,66 @@
 """The rule vocabulary: :class:`Rename` and :class:`Convert` (transformers' pattern semantics), and
-:class:`Conversion`, one group of checkpoint keys producing model tensors.
+:class:`Conversion`, one group of checkpoint keys producing model tensors, with its :class:`MetaRun`: the
+conversion run once on meta tensors, shared by every conversion of the same :func:`signature`.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+import regiontrace as rt
+
+#: a tensor's ``(shape, dtype)``
+Spec = tuple[tuple[int, ...], torch.dtype]
 
 
 def dot_natural_key(s: str) -> list[tuple]:
     """Sort key for state-dict names, identical to transformers' ``dot_natural_key``."""
-    parts: list[tuple] = []
-    for part in s.split("."):
-        if part.isdigit():
-            parts.append((0, int(part)))
-        else:
-            text = part.rstrip("0123456789")
-            digits = part[len(text) :]
-            parts.append((1, text, int(digits)) if digits else (1, text))
-    return parts
+    return [_natural_part(part) for part in s.split(".")]
+
+
+def natural_order(s: str) -> str:
+    """A string that sorts like :func:`dot_natural_key`: for names without NUL characters,
+    ``natural_order(a) < natural_order(b)`` exactly when ``dot_natural_key(a) < dot_natural_key(b)`` (and equal
+    when those are). Cheaper to compare, and no container for the garbage collector to track.
+
+    Raises:
+        ValueError: ``s`` contains a NUL character (sort by :func:`dot_natural_key` instead).
+    """
+    return "".join([_natural_code(part) for part in s.split(".")])
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _natural_code(part: str) -> str:
+    """One part's code; codes are prefix-free, so their concatenations compare part by part. A number is
+    ``\\x01``, its digit count, its digits (count first: longer is larger); a text part is ``\\x02``, the text,
+    NUL, then NUL or the code of its trailing number ((1, text) sorts before (1, text, n))."""
+    key = _natural_part(part)
+    if key[0] == 0:
+        return "\x01" + _number_code(key[1])
+    if "\x00" in key[1]:
+        raise ValueError(f"name part {part!r} contains a NUL character")
+    return "\x02" + key[1] + "\x00" + ("\x01" + _number_code(key[2]) if len(key) == 3 else "\x00")
+
+
+def _number_code(n: int) -> str:
+    digits = str(n)
+    return chr(0x30 + len(digits)) + digits
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _natural_part(part: str) -> tuple:
+    """One dot-separated part's sort key (parts repeat across keys: cached)."""
+    if part.isdigit():
+        return (0, int(part))
+    text = part.rstrip("0123456789")
+    digits = part[len(text) :]
+    return (1, text, int(digits)) if digits else (1, text)
 
 
 def _process_target_pattern(pattern: str) -> tuple[str, str | None]:
@@ -78,11 +118,22 @@ class _Patterns:
         match = self.compiled.search(key)
         if match is None:
             return key, None
+        return renamed(key, match, self.compiled, self.source_patterns, self.target_patterns)
+
+
+def renamed(
+    key: str, match: re.Match, compiled: re.Pattern, source_patterns: Sequence[str], target_patterns: Sequence[str]
+) -> tuple[str, str]:
+    """``key`` renamed through ``match`` of ``compiled`` (the source patterns as ``(?P<g{i}>…)`` alternatives), as
+    ``WeightTransform.rename_source_key`` does: the matched text becomes the first target pattern, its ``\\1``
+    the matched source's first group. Returns the new key and the source pattern that matched."""
+    name = match.lastgroup  # the matched alternative g{i}: its group encloses the others and closes last
+    if name is None or name[0] != "g":  # (cannot happen for patterns compiled as above; transformers' own way)
         name = next(n for n, v in match.groupdict().items() if v is not None)
-        replacement = self.target_patterns[0]
-        if r"\1" in replacement:
-            replacement = replacement.replace(r"\1", match.group(self.compiled.groupindex[name] + 1))
-        return key.replace(match.group(0), replacement, 1), self.source_patterns[int(name[1:])]
+    replacement = target_patterns[0]
+    if r"\1" in replacement:
+        replacement = replacement.replace(r"\1", match.group(compiled.groupindex[name] + 1))
+    return key.replace(match.group(0), replacement, 1), source_patterns[int(name[1:])]
 
 
 class Rename:
@@ -134,6 +185,23 @@ class Convert:
 
 
 @dataclass(frozen=True)
+class MetaRun:
+    """A conversion run once on meta tensors: what it produces, without data.
+
+    Attributes:
+        shapes, dtypes: each source's shape and dtype, in ``Conversion.sources`` order.
+        outputs: ``(shape, dtype)`` of each target, in ``Conversion.targets`` order (None for a target the run
+            did not produce); None when the run raised.
+        error: the exception the run raised, else None.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    outputs: tuple[Spec | None, ...] | None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
 class Conversion:
     """One group: checkpoint keys ``sources`` produce model tensors ``targets``."""
 
@@ -143,11 +211,22 @@ class Conversion:
     is_rename: bool = False
     #: ``(source pattern, keys)`` in the order the conversion receives them (a rename: ``((key, (key,)),)``).
     groups: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), compare=False, repr=False)
-    #: shape of each target, as predicted at planning time (``None`` when it could not be predicted).
-    target_shapes: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False, repr=False)
     #: the conversion rule (our Rename/Convert or a transformers transform; ``None`` for a plain key match).
     rule: Any = field(default=None, compare=False, repr=False)
+    #: the conversion run on meta tensors (shared by every conversion of the same :attr:`signature`).
+    meta: MetaRun | None = field(default=None, compare=False, repr=False)
+    #: equal for conversions that compute the same index map from sources of the same shapes and dtypes
+    #: (layers of one structure); ``None``: shared with no other conversion.
+    signature: Hashable | None = field(default=None, compare=False, repr=False)
     _runner: Callable[[Mapping[str, Any]], dict[str, Any]] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def target_shapes(self) -> tuple[tuple[int, ...], ...] | None:
+        """Shape of each target, from the meta run (``None`` when it failed or left a target out)."""
+        outs = self.meta.outputs if self.meta is not None else None
+        if outs is None or any(o is None for o in outs):
+            return None
+        return tuple(o[0] for o in outs if o is not None)
 
     def run(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """Apply the conversion to checkpoint tensors given by key; returns ``{target name: tensor}``.
@@ -158,3 +237,51 @@ class Conversion:
             return {self.targets[0]: tensors[self.sources[0]]}
         assert self._runner is not None
         return self._runner(tensors)
+
+
+def run_on_meta(conv: Conversion, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...]) -> MetaRun:
+    """Run ``conv`` on meta tensors of the given shape and dtype per source (device moves stay on meta).
+
+    Returns:
+        The :class:`MetaRun`; an exception the conversion raises is recorded in it, not raised.
+    """
+    if conv.is_rename:
+        return MetaRun(shapes, dtypes, ((shapes[0], dtypes[0]),))
+    tensors = meta_tensors(conv.sources, shapes, dtypes)
+    try:
+        out = rt.run_on_meta(conv.run, tensors)
+        return MetaRun(shapes, dtypes, tuple(spec_of(out[t]) if t in out else None for t in conv.targets))
+    except Exception as e:  # noqa: BLE001 - recorded: planning raises it for this conversion
+        return MetaRun(shapes, dtypes, None, e)
+
+
+def meta_tensors(keys: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]) -> dict:
+    """``{key: empty meta tensor}`` of the given shapes and dtypes."""
+    return {k: torch.empty(s, dtype=d, device="meta") for k, s, d in zip(keys, shapes, dtypes)}
+
+
+def spec_of(tensor: Any) -> Spec:
+    """A tensor's ``(shape, dtype)``."""
+    return tuple(tensor.shape), tensor.dtype
+
+
+def arg_layout(groups: Sequence[tuple[str, Sequence[str]]], sources: Sequence[str]) -> tuple:
+    """How ``sources`` feed a conversion: ``(pattern, count)`` per group when the groups list the sources in
+    order, else ``(pattern, positions in sources)`` — part of a :func:`signature`."""
+    flat = [k for _, keys in groups for k in keys]
+    if flat == list(sources):
+        return tuple((p, len(keys)) for p, keys in groups)
+    position = {k: i for i, k in enumerate(sources)}
+    return tuple((p, tuple(position[k] for k in keys)) for p, keys in groups)
+
+
+def signature(
+    rule: Hashable,
+    layout: tuple,
+    shapes: tuple[tuple[int, ...], ...],
+    dtypes: tuple[torch.dtype, ...],
+    context: tuple = (),
+) -> tuple:
+    """The signature of a conversion: its rule (the object itself), how sources feed it, their shapes and dtypes,
+    and anything else its run may read (``context``). Conversions with equal signatures run alike."""
+    return (rule, layout, shapes, dtypes, context)

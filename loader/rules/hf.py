@@ -12,13 +12,15 @@ import importlib.util
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from copy import deepcopy
 from typing import Any
 
 import torch
 
-from .conversion import Conversion, Convert, Rename
+import regiontrace as rt
+
+from .conversion import Conversion, Convert, MetaRun, Rename, arg_layout, meta_tensors, signature, spec_of
 
 AVAILABLE = importlib.util.find_spec("transformers") is not None
 
@@ -100,40 +102,103 @@ def ignore_regexes(model: Any) -> tuple[re.Pattern | None, re.Pattern | None]:
     return compile_(missing), compile_(unexpected)
 
 
+def convert_chain(template: Any, layer_name: str, groups, tensors: Mapping[str, Any], model: Any) -> dict[str, Any]:
+    """Run a ``WeightConverter``'s operations on one group, exactly as ``WeightConverter.convert`` does (without a
+    quantizer): tensors collected per source pattern in key order, each op given the layer name, the model and
+    its config. Returns the outputs under the names the ops give them (target patterns, not yet full names)."""
+    collected: dict[str, Any] = {pattern: [tensors[k] for k in keys] for pattern, keys in groups}
+    config = getattr(model, "config", None)
+    for op in deepcopy(template.operations):  # private ops, as transformers' per-layer copy of the converter
+        collected = op.convert(
+            collected,
+            source_patterns=template.source_patterns,
+            target_patterns=template.target_patterns,
+            full_layer_name=layer_name,
+            model=model,
+            config=config,
+            missing_keys=None,
+        )
+    return collected
+
+
+def full_names(layer_name: str, keys: Sequence[str]) -> list[str]:
+    """The model tensor names of a converter's outputs ``keys`` for the group ``layer_name``, as
+    ``WeightConverter.convert`` names them: the prefix and suffix around the first key found in the layer name."""
+    full_name = layer_name.replace("*.", "0.") if "*." in layer_name else layer_name
+    for key in keys:
+        if key in full_name:
+            prefix, _, suffix = full_name.partition(key)
+            return [prefix + k + suffix for k in keys]
+    return list(keys)
+
+
 def run_converter(template: Any, first_target: str, groups, tensors: Mapping[str, Any], model: Any) -> dict:
-    """Run a ``WeightConverter`` the way ``convert_and_load_state_dict_in_model`` does: one fresh
-    converter per group, tensors collected per source pattern in key order, then
-    ``convert(first target name, model=model, config=model.config)``. Tensors are handed over as callables
-    so that transformers never inspects them (``materialize_tensors`` would call a callable tensor-like and
-    wait on a Future)."""
-    converter = deepcopy(template)
-    for pattern, keys in groups:
-        for key in keys:
-            value = tensors[key]
-            converter.add_tensor(first_target, key, pattern, lambda value=value: value)
-    out = converter.convert(first_target, model=model, config=getattr(model, "config", None))
-    return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
+    """Run a ``WeightConverter`` on one group the way ``convert_and_load_state_dict_in_model`` does; returns
+    ``{model tensor name: tensor}``."""
+    out = convert_chain(template, first_target, groups, tensors, model)
+    names = full_names(first_target, list(out))
+    return {name: value[0] if isinstance(value, list) else value for name, value in zip(names, out.values())}
 
 
-def make_conversion(template, first_target: str, groups, sources, shapes, state, model) -> Conversion:
-    description = " -> ".join(repr(op) for op in template.operations)
-    # Target names (and shapes) come from running the chain on meta tensors: ops such as
-    # Chunk(num_shards_attribute=...) or SplitModulelist decide the names themselves.
-    dtype = state[first_target].dtype
-    try:
-        meta = {k: torch.empty(shapes[k], dtype=dtype, device="meta") for k in sources}
-        out = run_converter(template, first_target, groups, meta, model)
-        targets = tuple(out)
-        target_shapes = tuple(tuple(v.shape) for v in out.values())
-    except Exception:  # noqa: BLE001 - fall back to the names transformers reports for unexpected keys
-        prefix, _, suffix = first_target.partition(template.target_patterns[0])
-        targets = tuple(prefix + t + suffix for t in template.target_patterns)
-        target_shapes = None
+def make_conversion(
+    template: Any,
+    first_target: str,
+    groups: tuple[tuple[str, tuple[str, ...]], ...],
+    sources: tuple[str, ...],
+    shapes: tuple[tuple[int, ...], ...],
+    dtypes: tuple[torch.dtype, ...],
+    state: Mapping[str, Any],
+    model: Any,
+    runs: dict[tuple, tuple[list[str] | None, MetaRun]],
+) -> Conversion:
+    """The conversion of one group by a transformers ``WeightConverter``.
+
+    Its target names come from running the chain (ops such as ``Chunk(num_shards_attribute=...)`` or
+    ``SplitModulelist`` decide them), on meta tensors of the sources' ``shapes`` and ``dtypes``, once per
+    signature (``runs`` caches them): layers of one structure share the run, and only the names are rebuilt
+    for each group. The signature holds, besides the rule and the sources, what the ops may read of the layer:
+    the layer name with its numbers blanked, and the shapes of the model tensors its target patterns name
+    (``Split``, ``Transpose(check_dims=True)``).
+    """
+    tp = template.target_patterns
+    context = (
+        _NUMBERS.sub("#", first_target),
+        tuple(_shape(state.get(first_target.replace(tp[0], t))) for t in tp),
+    )
+    sig = signature(template, arg_layout(groups, sources), shapes, dtypes, context)
+    entry = runs.get(sig)
+    if entry is None:
+        entry = runs[sig] = _meta_chain(template, first_target, groups, sources, shapes, dtypes, model)
+    keys, meta = entry
+    if keys is not None:
+        targets = tuple(full_names(first_target, keys))
+    else:  # the run failed (planning raises it): the names transformers reports for unexpected keys
+        prefix, _, suffix = first_target.partition(tp[0])
+        targets = tuple(prefix + t + suffix for t in tp)
 
     def runner(tensors: Mapping[str, Any]) -> dict[str, Any]:
         return run_converter(template, first_target, groups, tensors, model)
 
-    return Conversion(targets, sources, description, False, groups, target_shapes, template, runner)
+    description = " -> ".join(repr(op) for op in template.operations)
+    return Conversion(targets, sources, description, False, groups, template, meta, sig, runner)
+
+
+_NUMBERS = re.compile(r"\d+")
+
+
+def _shape(tensor: Any) -> tuple[int, ...] | None:
+    return None if tensor is None else tuple(tensor.shape)
+
+
+def _meta_chain(template, first_target, groups, sources, shapes, dtypes, model) -> tuple[list[str] | None, MetaRun]:
+    """The chain on meta tensors: its output keys (target patterns) and the :class:`MetaRun`."""
+    tensors = meta_tensors(sources, shapes, dtypes)
+    try:
+        out = rt.run_on_meta(convert_chain, template, first_target, groups, tensors, model)
+        outputs = tuple(spec_of(v[0] if isinstance(v, list) else v) for v in out.values())
+    except Exception as e:  # noqa: BLE001 - recorded; planning raises it for this conversion
+        return None, MetaRun(shapes, dtypes, None, e)
+    return list(out), MetaRun(shapes, dtypes, outputs)
 
 
 def record_on_model(model: Any, used_rules: list) -> None:

@@ -18,16 +18,27 @@ optional: this module imports without it, transformers-specific code lives in :m
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from . import hf
-from .conversion import Conversion, Convert, Rename, _Patterns, dot_natural_key
+from .conversion import (
+    Conversion,
+    Convert,
+    MetaRun,
+    Rename,
+    _Patterns,
+    arg_layout,
+    dot_natural_key,
+    natural_order,
+    run_on_meta,
+    signature,
+)
+from .matching import Rule, RuleChain, _hf, converter_picker
 
 
 @dataclass
@@ -66,65 +77,23 @@ class KeyPlan:
         hf.record_on_model(model, self.used_rules)
 
 
-class _Rule:
-    """A rule with its own matching state (transformers transforms are copied: they record use and some,
-    like ``GroupWeightRename``, keep state across keys)."""
-
-    def __init__(self, orig: Any):
-        self.orig = orig
-        self.our_used = False
-        if isinstance(orig, (Rename, Convert)):
-            self.hf, self.impl, self.is_converter = False, orig, isinstance(orig, Convert)
-            return
-        hf = _hf()
-        kind = hf.rule_kind(orig) if hf is not None else None
-        if kind is None:
-            raise TypeError(f"not a rule: {orig!r} (expected Rename, Convert, WeightRenaming or WeightConverter)")
-        self.hf, self.impl, self.is_converter = True, hf.fresh_copy(orig), kind == "converter"
-
-    def rename(self, key: str) -> tuple[str, str | None]:
-        if self.hf:
-            return self.impl.rename_source_key(key)
-        new_key, pattern = self.impl._patterns.rename(key)
-        if pattern is not None:
-            self.our_used = True
-        return new_key, pattern
-
-    def probe(self, key: str) -> tuple[str, str | None]:
-        """Like :meth:`rename` without recording a use."""
-        if self.hf:
-            return _hf().probe(self.impl, key)
-        return self.impl._patterns.rename(key)
-
-    @property
-    def used(self) -> bool:
-        return self.impl.was_used() if self.hf else self.our_used
-
-    @property
-    def source_patterns(self) -> list[str]:
-        return self.impl.source_patterns if self.hf else self.impl._patterns.source_patterns
-
-    @property
-    def target_patterns(self) -> list[str]:
-        return self.impl.target_patterns if self.hf else self.impl._patterns.target_patterns
-
-
-def _hf():  # noqa: ANN202
-    return hf if hf.AVAILABLE else None
-
-
 class _Group:
-    __slots__ = ("items", "name", "rule")
+    """The checkpoint keys one converter (or a plain rename) gathers for one model tensor, in visit order."""
 
-    def __init__(self, name: str, rule: _Rule | None):
+    __slots__ = ("keys", "name", "patterns", "rule")
+
+    def __init__(self, name: str, rule: Rule | None):
         self.name, self.rule = name, rule
-        self.items: dict[str, list[tuple[int, str]]] = {}  # pattern -> [(visit index, checkpoint key)]
+        self.keys: list[str] = []
+        self.patterns: dict[str, list[str]] = {}  # source pattern -> its keys
 
-    def add(self, pattern: str, index: int, key: str) -> None:
-        self.items.setdefault(pattern, []).append((index, key))
-
-    def first_key(self) -> str:
-        return min(ik for keys in self.items.values() for ik in keys)[1]
+    def add(self, pattern: str, key: str) -> None:
+        self.keys.append(key)
+        keys = self.patterns.get(pattern)
+        if keys is None:
+            self.patterns[pattern] = [key]
+        else:
+            keys.append(key)
 
 
 def _duplicate(first: str, second: str, target: str) -> ValueError:
@@ -146,6 +115,7 @@ def plan_keys(
     model: torch.nn.Module,
     checkpoint_shapes: Mapping[str, Sequence[int]],
     *,
+    checkpoint_dtypes: Mapping[str, torch.dtype] | None = None,
     weights_mapping: Sequence[Any] | None = None,
     extra_weights_mapping: Sequence[Any] = (),
     key_mapping: Mapping[str, str] | None = None,
@@ -154,9 +124,14 @@ def plan_keys(
 ) -> KeyPlan:
     """Decide which checkpoint keys load which model tensors, exactly like transformers' ``from_pretrained``.
 
+    Each conversion is also run once on meta tensors per signature (:attr:`Conversion.meta`): layers of one
+    structure share the run, which the plan's trace reuses.
+
     Args:
         model: the module to load into (its ``state_dict(keep_vars=True)`` names are the model tensors).
         checkpoint_shapes: checkpoint key -> shape.
+        checkpoint_dtypes: checkpoint key -> dtype, for the meta runs (default: each conversion's sources take
+            the dtype of the model tensor it loads).
         weights_mapping: rules replacing the default ones. Default: for a transformers
             ``PreTrainedModel``, ``get_model_conversion_mapping(model, key_mapping)`` (model and scoped
             sub-model conversions, then the legacy renames); no rules for any other module.
@@ -173,95 +148,25 @@ def plan_keys(
             3-argument callable still works). Return one of the candidates, or ``None`` for no conversion.
             Without it the first candidate wins (transformers' behaviour).
 
+    Returns:
+        The :class:`KeyPlan`.
+
     Raises:
         ValueError: two checkpoint keys feed one model tensor, a conversion produces a name that is not a
             model tensor, or a ``Convert`` group lacks one of its source patterns.
     """
-    hf = _hf()
-    is_pretrained = hf is not None and hf.is_pretrained_model(model)
+    adapters = _hf()
+    is_pretrained = adapters is not None and adapters.is_pretrained_model(model)
     rules = [
-        _Rule(r)
-        for r in [
-            *extra_weights_mapping,
-            *_default_rules(model, hf, is_pretrained, weights_mapping, key_mapping),
-        ]
+        Rule(r)
+        for r in [*extra_weights_mapping, *_default_rules(model, adapters, is_pretrained, weights_mapping, key_mapping)]
     ]
-    renamings = [r for r in rules if not r.is_converter]
-    converters = [r for r in rules if r.is_converter]
-    # as transformers does, a group runs the *last* transformers converter with the matched source pattern
-    pattern_to_converter = {p: r for r in converters if r.hf for p in r.source_patterns}
     state = model.state_dict(keep_vars=True)
-    base_prefix = model.base_model_prefix if is_pretrained else getattr(model, "base_model_prefix", None)
-    if not isinstance(base_prefix, str):
-        base_prefix = None
-
-    def add_or_strip_prefix(key: str) -> str:
-        if base_prefix is None:
-            return key
-        stripped = re.sub(f"^{base_prefix}.", "", key, count=1)
-        if key.startswith(base_prefix) and stripped in state:
-            return stripped
-        if f"{base_prefix}.{key}" in state:
-            return f"{base_prefix}.{key}"
-        return key
-
-    select = _selector(select_converter)
-
-    def pick_converter(key: str, source_key: str) -> tuple[str, str | None, _Rule | None]:
-        if select is None:
-            for conv in converters:
-                renamed, pattern = conv.rename(key)
-                if pattern is not None:
-                    return renamed, pattern, pattern_to_converter[pattern] if conv.hf else conv
-            return key, None, None
-        candidates = [(conv, *conv.probe(key)) for conv in converters]
-        candidates = [c for c in candidates if c[2] is not None]
-        if not candidates:
-            return key, None, None
-        chosen = candidates[0][0]
-        if len(candidates) > 1:
-            choice = select(candidates[0][2], candidates[0][1], [c[0].orig for c in candidates], source_key)
-            if choice is None:
-                return key, None, None
-            matches = [c[0] for c in candidates if c[0].orig is choice]
-            if not matches:
-                raise ValueError(f"select_converter returned {choice!r}, which is not one of the candidates")
-            chosen = matches[0]
-        renamed, pattern = chosen.rename(key)
-        return renamed, pattern, chosen
-
-    items: list[tuple[str, str]] = []
-    skipped: list[str] = []
-    for key in checkpoint_shapes:
-        mapped = key if map_checkpoint_key is None else map_checkpoint_key(key)
-        if mapped is None:
-            skipped.append(key)
-        else:
-            items.append((mapped, key))
-    items.sort(key=lambda item: dot_natural_key(item[0]))
-
-    groups: dict[str, _Group] = {}
-    unexpected: list[tuple[str, str]] = []  # (checkpoint key, name it was renamed to)
-    for index, (mapped, key) in enumerate(items):
-        renamed = mapped
-        for renaming in renamings:
-            renamed, _ = renaming.rename(renamed)
-        renamed, pattern, rule = pick_converter(renamed, key)
-        renamed = add_or_strip_prefix(renamed)
-        if renamed not in state and mapped in state:
-            renamed, pattern, rule = add_or_strip_prefix(mapped), None, None
-        if renamed not in state:
-            unexpected.append((key, renamed))
-            continue
-        group = groups.get(renamed)
-        if group is not None and (rule is None or group.rule is not rule):
-            raise _duplicate(group.first_key(), key, renamed)
-        if group is None:
-            group = groups[renamed] = _Group(renamed, rule)
-        group.add(pattern if rule is not None else key, index, key)
-
-    shapes = {key: tuple(int(d) for d in shape) for key, shape in checkpoint_shapes.items()}
-    conversions = [_make_conversion(g, shapes, state, model, hf) for g in groups.values()]
+    mapped, keys, skipped = _visit_order(checkpoint_shapes, map_checkpoint_key)
+    groups, unexpected = _group_keys(mapped, keys, rules, state, _base_prefix(model, is_pretrained), select_converter)
+    specs = _Specs(checkpoint_shapes, checkpoint_dtypes, state)
+    runs: dict[tuple, Any] = {}
+    conversions = [_make_conversion(g, specs, state, model, runs) for g in groups.values()]
 
     produced: dict[str, Conversion] = {}
     for conv in conversions:
@@ -275,7 +180,7 @@ def plan_keys(
                 raise _duplicate(produced[target].sources[0], conv.sources[0], target)
             produced[target] = conv
 
-    tied, duplicates = _resolve_tied(state, produced, hf.tied_pairs(model) if is_pretrained else {})
+    tied, duplicates = _resolve_tied(state, produced, adapters.tied_pairs(model) if is_pretrained else {})
     if duplicates:
         conversions = [c for c in conversions if all(c is not d for d in duplicates)]
         for dup in duplicates:
@@ -285,7 +190,7 @@ def plan_keys(
     ignored_missing: list[str] = []
     ignored_unexpected: list[str] = []
     if is_pretrained:
-        missing_re, unexpected_re = hf.ignore_regexes(model)
+        missing_re, unexpected_re = adapters.ignore_regexes(model)
         if missing_re is not None:
             ignored_missing = [n for n in missing if missing_re.search(n)]
         if unexpected_re is not None:
@@ -304,36 +209,130 @@ def plan_keys(
     )
 
 
-def _selector(select_converter: Callable[..., Any] | None) -> Callable[[str, str, list, str], Any] | None:
-    """``select_converter`` as ``f(pattern, target, candidates, key)``, passing ``source_key=`` where accepted."""
-    if select_converter is None:
-        return None
-    try:
-        params = inspect.signature(select_converter).parameters.values()
-    except (TypeError, ValueError):  # no signature to inspect (a builtin): the documented 3-argument call
-        params = ()
-    if any(p.name == "source_key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return lambda pattern, target, candidates, key: select_converter(pattern, target, candidates, source_key=key)
-    return lambda pattern, target, candidates, key: select_converter(pattern, target, candidates)
+def _visit_order(
+    checkpoint_shapes: Mapping[str, Any], map_checkpoint_key: Callable[[str], str | None] | None
+) -> tuple[list[str], list[str], list[str]]:
+    """The mapped keys in ``dot_natural_key`` order, the checkpoint keys they come from, and the skipped keys.
+
+    Sorted by :func:`natural_order`'s strings, the same order (ties keep checkpoint order): tens of thousands of
+    sort keys that are lists would wake the garbage collector's full collection.
+    """
+    keys, mapped, skipped = [], [], []
+    for key in checkpoint_shapes:
+        m = key if map_checkpoint_key is None else map_checkpoint_key(key)
+        if m is None:
+            skipped.append(key)
+        else:
+            keys.append(key)
+            mapped.append(m)
+    order_key: Callable[[str], Any] = natural_order if not any("\x00" in m for m in mapped) else dot_natural_key
+    if map_checkpoint_key is None:
+        keys.sort(key=order_key)
+        return keys, keys, skipped
+    order = sorted(range(len(keys)), key=lambda i: order_key(mapped[i]))
+    return [mapped[i] for i in order], [keys[i] for i in order], skipped
 
 
-def _make_conversion(group: _Group, shapes, state, model, hf) -> Conversion:
-    ordered = [(p, [k for _, k in sorted(keys)]) for p, keys in group.items.items()]
-    sources = tuple(k for _, k in sorted(ik for keys in group.items.values() for ik in keys))
+def _base_prefix(model: torch.nn.Module, is_pretrained: bool) -> str | None:
+    prefix = model.base_model_prefix if is_pretrained else getattr(model, "base_model_prefix", None)
+    return prefix if isinstance(prefix, str) else None
+
+
+def _group_keys(
+    mapped_keys: list[str],
+    keys: list[str],
+    rules: list[Rule],
+    state: Mapping[str, Any],
+    base_prefix: str | None,
+    select_converter: Callable[..., Any] | None,
+) -> tuple[dict[str, _Group], list[tuple[str, str]]]:
+    """Visit the keys in order: rename, pick a converter, add or strip the base model prefix, and group them
+    by the model tensor they load (the first target of their converter). Returns the groups and the
+    unexpected keys ``(checkpoint key, name it was renamed to)``."""
+    renamings = RuleChain([r for r in rules if not r.is_converter])
+    pick = converter_picker(RuleChain([r for r in rules if r.is_converter]), select_converter)
+    prefixed = _prefixer(base_prefix, state)
+    groups: dict[str, _Group] = {}
+    unexpected: list[tuple[str, str]] = []
+    for mapped, key in zip(mapped_keys, keys):
+        renamed, pattern, rule = pick(renamings.rename(mapped), key)
+        renamed = prefixed(renamed)
+        if renamed not in state and mapped in state:
+            renamed, pattern, rule = prefixed(mapped), None, None
+        if renamed not in state:
+            unexpected.append((key, renamed))
+            continue
+        group = groups.get(renamed)
+        if group is not None and (rule is None or group.rule is not rule):
+            raise _duplicate(group.keys[0], key, renamed)
+        if group is None:
+            group = groups[renamed] = _Group(renamed, rule)
+        group.add(pattern if rule is not None else key, key)
+    return groups, unexpected
+
+
+def _prefixer(base_prefix: str | None, state: Mapping[str, Any]) -> Callable[[str], str]:
+    """transformers' ``base_model_prefix`` handling: strip it or add it when that names a model tensor."""
+    if base_prefix is None:
+        return lambda key: key
+    strip = re.compile(f"^{base_prefix}.")  # the very pattern transformers substitutes ("." is any character)
+
+    def prefixed(key: str) -> str:
+        if key.startswith(base_prefix):
+            stripped = strip.sub("", key, count=1)
+            if stripped in state:
+                return stripped
+        if f"{base_prefix}.{key}" in state:
+            return f"{base_prefix}.{key}"
+        return key
+
+    return prefixed
+
+
+class _Specs:
+    """Shapes and dtypes of checkpoint keys for the meta runs: the checkpoint's dtypes, or else the dtype of the
+    model tensor the conversion loads."""
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, torch.dtype] | None, state) -> None:
+        self.shapes, self.dtypes, self.state = shapes, dtypes, state
+
+    def __call__(self, keys: Sequence[str], target: str) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
+        shapes = tuple(s if type(s) is tuple else tuple(int(d) for d in s) for s in map(self.shapes.__getitem__, keys))
+        if self.dtypes is None:
+            return shapes, (self.state[target].dtype,) * len(keys)
+        return shapes, tuple(map(self.dtypes.__getitem__, keys))
+
+
+def _make_conversion(group: _Group, specs: _Specs, state, model, runs: dict) -> Conversion:
+    sources = tuple(group.keys)
+    shapes, dtypes = specs(sources, group.name)
     rule = group.rule
     if rule is None:
         (key,) = sources
-        return Conversion((group.name,), sources, "rename", True, ((key, sources),), (shapes[key],))
-    for pattern, keys in ordered:
+        sig = signature("rename", (), shapes, dtypes)
+        meta = MetaRun(shapes, dtypes, ((shapes[0], dtypes[0]),))
+        return Conversion((group.name,), sources, "rename", True, ((key, sources),), None, meta, sig)
+    for pattern, keys in group.patterns.items():
         if len(keys) > 1 and "*" not in pattern:
             raise _duplicate(keys[0], keys[1], group.name)
-    frozen_groups = tuple((p, tuple(keys)) for p, keys in ordered)
+    frozen_groups = tuple((p, tuple(keys)) for p, keys in group.patterns.items())
     if rule.hf:
-        return hf.make_conversion(rule.impl, group.name, frozen_groups, sources, shapes, state, model)
-    return _make_convert_conversion(rule.orig, rule.impl._patterns, group.name, frozen_groups, sources, shapes)
+        return hf.make_conversion(rule.impl, group.name, frozen_groups, sources, shapes, dtypes, state, model, runs)
+    return _make_convert_conversion(
+        rule.orig, rule.impl._patterns, group.name, frozen_groups, sources, shapes, dtypes, runs
+    )
 
 
-def _make_convert_conversion(convert: Convert, patterns: _Patterns, name, groups, sources, shapes) -> Conversion:
+def _make_convert_conversion(
+    convert: Convert,
+    patterns: _Patterns,
+    name: str,
+    groups: tuple[tuple[str, tuple[str, ...]], ...],
+    sources: tuple[str, ...],
+    shapes: tuple[tuple[int, ...], ...],
+    dtypes: tuple[torch.dtype, ...],
+    runs: dict,
+) -> Conversion:
     by_pattern = dict(groups)
     for pattern in patterns.source_patterns:
         if pattern not in by_pattern:
@@ -354,13 +353,13 @@ def _make_convert_conversion(convert: Convert, patterns: _Patterns, name, groups
             raise ValueError(f"{convert!r} must return {len(targets)} tensor(s) for {list(targets)}")
         return dict(zip(targets, out))
 
-    try:
-        meta = {k: torch.empty(shapes[k], device="meta") for k in sources}
-        target_shapes = tuple(tuple(v.shape) for v in runner(meta).values())
-    except Exception:  # noqa: BLE001 - shapes are a best-effort prediction
-        target_shapes = None
     fn_name = getattr(convert.fn, "__qualname__", type(convert.fn).__name__)
-    return Conversion(targets, sources, f"Convert({fn_name})", False, ordered, target_shapes, convert, runner)
+    sig = signature(convert, arg_layout(ordered, sources), shapes, dtypes, (len(targets),))
+    conv = Conversion(targets, sources, f"Convert({fn_name})", False, ordered, convert, None, sig, runner)
+    meta = runs.get(sig)
+    if meta is None:
+        meta = runs[sig] = run_on_meta(conv, shapes, dtypes)
+    return replace(conv, meta=meta)
 
 
 def _resolve_tied(state, produced, hf_pairs: Mapping[str, str]) -> tuple[dict[str, str], list[Conversion]]:

@@ -1,0 +1,163 @@
+"""The distributed load: plan on every rank, fail together, read each rank's own byte ranges.
+
+Each rank plans its own load (RemapBlocks compiled for exactly the boxes of its local shards); the outcome
+of planning is agreed before anyone reads or writes, so a failure on one rank fails every rank with that
+rank's message (and, for a ``CheckpointError``, its ``path`` and ``key``). The outcome of reading is agreed
+the same way. Agreement goes through the process group's store with a timeout and a heartbeat
+(:class:`~loader.distributed.LoadSession`), so a rank that hangs or dies turns into a
+:class:`~loader.errors.PeerFailure` on every other rank. With ``broadcast_replicated_tensors`` a target that
+several ranks hold with the same boxes is read by one of them and broadcast to the others.
+
+This module composes the layers below it — plan values, :func:`~loader.execute.execute_plan` and the
+collectives of :mod:`loader.distributed` — and is used by :func:`loader.load_hf_checkpoint` and
+:class:`loader.SafetensorsReader`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Sequence
+
+from .checkpoint import FileReader, SafetensorsCheckpoint
+from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
+from .distributed import DEFAULT_TIMEOUT, LoadSession, broadcast_owned, owned_subset, peer_errors
+from .execute import execute_plan, restore, snapshot
+from .placements import rank_and_world
+from .plan import BlockRead, DeferredRead, RankPlan, describe
+from .planner import HFLoadPlanner
+from .report import LoadReport, load_report
+
+log = logging.getLogger("loader")
+
+
+def read_together(
+    plan: RankPlan,
+    reader: FileReader,
+    reads: Sequence[BlockRead],
+    deferred: Sequence[DeferredRead],
+    *,
+    broadcast: bool = False,
+    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
+    progress: bool | None = None,
+    rollback: bool = False,
+    session: LoadSession | None = None,
+) -> None:
+    """Execute this rank's share of ``plan``, agree on the outcome, then broadcast shared targets.
+
+    Args:
+        plan: this rank's plan.
+        reader: the open file reader.
+        reads: this rank's block reads (of ``plan``).
+        deferred: this rank's deferred conversions (of ``plan``).
+        broadcast: read each region several ranks hold identically on one of them, and broadcast it.
+        timeout: seconds each rank waits for the others, when no ``session`` is given.
+        progress: tqdm progress bar.
+        rollback: restore every tensor this rank wrote when the load fails (on any rank).
+        session: the load's :class:`~loader.distributed.LoadSession` (inside ``dcp.load``: none, one is opened
+            here).
+
+    Raises:
+        CheckpointError | ValueError | RuntimeError: the same error on every rank when a read failed on any
+            rank. PeerFailure: a rank hung, died or left. With ``rollback``, every rank first restores the
+            tensors it wrote.
+    """
+    if session is None:
+        with LoadSession(timeout) as session:
+            read_together(
+                plan,
+                reader,
+                reads,
+                deferred,
+                broadcast=broadcast,
+                progress=progress,
+                rollback=rollback,
+                session=session,
+            )
+        return
+    owners: dict = {}
+    if broadcast:
+        with peer_errors("reading", "assigning replicated tensors"):
+            reads, deferred, owners = owned_subset(plan, reads, deferred)
+    saved = snapshot(plan) if rollback else None
+    error = None
+    try:
+        execute_plan(plan, reader, progress=progress, reads=reads, deferred=deferred)
+    except Exception as e:  # agreed below: every rank raises, none hangs
+        error = e
+    try:
+        session.agree(error, "reading")
+        with peer_errors("reading", "broadcasting replicated tensors"):
+            broadcast_owned(plan.slots, owners)
+    except BaseException:
+        if saved is not None:
+            restore(saved, plan.slots)
+        raise
+
+
+def load_distributed(
+    planner: HFLoadPlanner,
+    path: str,
+    *,
+    progress: bool | None = None,
+    rollback: bool = False,
+    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
+    revision: str | None = None,
+) -> LoadReport:
+    """Plan on every rank, agree on the outcome, then read each rank's own byte ranges.
+
+    Args:
+        planner: the load planner (its :meth:`~loader.HFLoadPlanner.build_plan` plans this rank).
+        path: checkpoint file, folder or Hugging Face repo id.
+        progress: tqdm progress bar.
+        rollback: restore every tensor this rank wrote when reading fails on any rank.
+        timeout: seconds each rank waits for the others at the end of planning and of reading.
+        revision: the revision of a repo id.
+
+    Returns:
+        This rank's :class:`~loader.LoadReport`.
+
+    Raises:
+        ValueError | CheckpointError | RuntimeError: on every rank, when planning (or reading) failed on any
+            rank (when planning failed, no model is touched). PeerFailure: a rank hung past ``timeout`` or died.
+    """
+    rank, world = rank_and_world()
+    with LoadSession(timeout) as session:
+        _resolve_on_rank_zero_first(session, path, revision)
+        error = plan = None
+        try:
+            plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision))
+        except Exception as e:  # agreed below: every rank raises, none hangs
+            error = e
+        session.agree(error, "planning")
+        assert plan is not None
+        log.info("rank %d: %s", rank, describe(plan))
+        with FileReader() as reader:
+            read_together(
+                plan,
+                reader,
+                plan.reads,
+                plan.deferred,
+                broadcast=planner.broadcast_replicated_tensors,
+                progress=progress,
+                rollback=rollback,
+                session=session,
+            )
+            bytes_read = reader.bytes_read
+    plan.keyplan.record_on_model(planner.model)
+    return load_report(plan, bytes_read, rank, world)
+
+
+def _resolve_on_rank_zero_first(session: LoadSession, path: str, revision: str | None) -> None:
+    """A Hub repo id not on disk is resolved (downloaded when not cached) by rank 0 alone, while the others
+    wait without limit; then every rank finds it in the cache. Local paths need nothing."""
+    if os.path.exists(path) or not looks_like_repo_id(path):
+        return
+    error = None
+    if session.rank == 0:
+        try:
+            resolve_checkpoint(path, revision)
+        except Exception as e:  # agreed below: every rank raises
+            error = e
+    session.agree(error, "resolving", bounded=False)
