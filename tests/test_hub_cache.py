@@ -238,7 +238,7 @@ def test_plan_cli_takes_a_cached_repo_id(tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
 
     def plan(*args: str) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-m", "regiontrace", "plan", *args, "--mesh", "2x2", "--json"]
+        argv = [sys.executable, "-m", "loader", "plan", *args, "--mesh", "2x2", "--json"]
         return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
     by_id, by_folder = plan("org/tiny-moe", "--revision", "main"), plan(str(snapshot))

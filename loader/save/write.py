@@ -209,6 +209,8 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.contiguous().reshape(-1)
+    if flat.numel() and flat.stride(-1) != 1:  # a size-1 tensor may be "contiguous" with any stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
