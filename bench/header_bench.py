@@ -10,7 +10,8 @@ reads its header with ``read_header`` and reports:
 
 The data section is sparse (a hole), so the file costs no disk.
 
-Run: ``python bench/header_bench.py --entries 1000000`` (``--help`` for options). 1 M entries make an
+Run: ``python bench/header_bench.py --entries 1000000`` (``--help`` for options; several sizes:
+``--entries 100000,1000000``; ``--markdown`` prints the table docs/benchmarks.md holds). 1 M entries make an
 85 MiB header, near the format's 100 MB header limit.
 """
 
@@ -74,35 +75,83 @@ def _peak_rss_growth_mib(path: str) -> float:
     return int(out.stdout) / 1024
 
 
+def measure(tmp: str, entries: int, repeats: int) -> dict:
+    """One header of ``entries`` tensors: its size, best wall and CPU time, peak heap and fresh-process RSS."""
+    path = os.path.join(tmp, f"bench-{entries}.safetensors")
+    header_len = write_file(path, entries)
+    walls, cpus = [], []
+    for _ in range(repeats):
+        gc.collect()
+        wall, cpu = time.perf_counter(), time.process_time()
+        tensors, _ = read_header(path)
+        cpus.append(time.process_time() - cpu)
+        walls.append(time.perf_counter() - wall)
+        assert len(tensors) == entries
+        del tensors
+    gc.collect()
+    tracemalloc.start()
+    tensors, _ = read_header(path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del tensors
+    rss = _peak_rss_growth_mib(path)
+    os.unlink(path)
+    return {"entries": entries, "header": header_len, "wall": min(walls), "cpu": min(cpus), "heap": peak, "rss": rss}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--entries", type=int, default=1_000_000, help="tensors in the header (default 1M)")
+    parser.add_argument(
+        "--entries", default="1000000", help="tensors in the header; several, comma-separated (default 1000000)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed reads; the best is reported")
+    parser.add_argument("--markdown", action="store_true", help="print the table docs/benchmarks.md holds")
     args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import mdtable
+
+    watch = mdtable.LoadWatch()
     mib = 1 << 20
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "bench.safetensors")
-        header_len = write_file(path, args.entries)
-        walls, cpus = [], []
-        for _ in range(args.repeats):
-            gc.collect()
-            wall, cpu = time.perf_counter(), time.process_time()
-            tensors, _ = read_header(path)
-            cpus.append(time.process_time() - cpu)
-            walls.append(time.perf_counter() - wall)
-            assert len(tensors) == args.entries
-            del tensors
-        gc.collect()
-        tracemalloc.start()
-        tensors, _ = read_header(path)
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        del tensors
-        rss = _peak_rss_growth_mib(path)
-    print(f"entries {args.entries:,}  header {header_len / mib:.1f} MiB")
-    print(f"read_header: wall best {min(walls):.2f} s, cpu best {min(cpus):.2f} s over {args.repeats} reads")
-    print(f"peak Python heap (tracemalloc): {peak / mib:.0f} MiB = {peak / header_len:.1f}x the header")
-    print(f"peak RSS growth, fresh process: {rss:.0f} MiB = {rss * mib / header_len:.1f}x the header")
+        results = [measure(tmp, int(n.replace("_", "")), args.repeats) for n in args.entries.split(",")]
+    load = watch.stop()
+    if not args.markdown:
+        for r in results:
+            header_len, peak, rss = r["header"], r["heap"], r["rss"]
+            print(f"entries {r['entries']:,}  header {header_len / mib:.1f} MiB")
+            print(f"read_header: wall best {r['wall']:.2f} s, cpu best {r['cpu']:.2f} s over {args.repeats} reads")
+            print(f"peak Python heap (tracemalloc): {peak / mib:.0f} MiB = {peak / header_len:.1f}x the header")
+            print(f"peak RSS growth, fresh process: {rss:.0f} MiB = {rss * mib / header_len:.1f}x the header")
+        print(f"load average (1 min) during the run: {load}")
+        return
+    print(mdtable.run_line(load, ("torch",)))
+    print()
+    rows = [
+        [
+            f"{r['entries']:,}".replace(",", " "),
+            f"{r['header'] / mib:.1f} MiB",
+            f"{r['wall']:.2f} s",
+            f"{r['cpu']:.2f} s",
+            f"{r['cpu'] / r['entries'] * 1e6:.1f} µs",
+            f"{r['heap'] / mib:.0f} MiB = {r['heap'] / r['header']:.1f}x",
+            f"{r['rss']:.0f} MiB = {r['rss'] * mib / r['header']:.1f}x",
+        ]
+        for r in results
+    ]
+    print(
+        mdtable.table(
+            [
+                "entries",
+                "header",
+                f"`read_header` wall (best of {args.repeats})",
+                "CPU (best)",
+                "CPU per entry",
+                "peak Python heap (× header)",
+                "peak RSS growth, fresh process (× header)",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: simulate planning one rank of DeepSeek-V3 (671B) on an EP8 x TP8 mesh, from headers only.
 
-    taskset -c 0 python bench/plan_scale.py [--layers 61] [--rank 0] [--compare 10] [--profile]
+    taskset -c 0 python bench/plan_scale.py [--layers 61] [--rank 0] [--compare 10] [--profile] [--markdown]
 
 The model is transformers' ``DeepseekV3ForCausalLM`` with the real sizes (61 layers, the first 3 dense,
 256 routed experts + 1 shared, hidden 7168, moe_intermediate 2048, intermediate 18432, vocab 129280,
@@ -34,17 +34,32 @@ import sys
 import time
 
 DEEPSEEK_V3 = dict(
-    num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1, hidden_size=7168,
-    moe_intermediate_size=2048, intermediate_size=18432, vocab_size=129280, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=128, num_key_value_heads=128,
-    num_experts_per_tok=8, n_group=8, topk_group=4, tie_word_embeddings=False,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    hidden_size=7168,
+    moe_intermediate_size=2048,
+    intermediate_size=18432,
+    vocab_size=129280,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    tie_word_embeddings=False,
 )
 MESH = (8, 8)  # (ep, tp)
 SHARD_BYTES = 5 * 10**9
 GIB = 1 << 30
 
 
-def build_model(layers: int):  # noqa: ANN201
+def build_model(layers: int):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -55,7 +70,7 @@ def build_model(layers: int):  # noqa: ANN201
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
 
 
-def header_only_checkpoint(model):  # noqa: ANN001, ANN201
+def header_only_checkpoint(model):
     """The HF checkpoint's keys/shapes/dtypes (what save_pretrained writes) as a header-only checkpoint."""
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -77,7 +92,7 @@ def header_only_checkpoint(model):  # noqa: ANN001, ANN201
     return SafetensorsCheckpoint.from_infos(infos, root="/nonexistent/deepseek-v3")
 
 
-def placements_for(model) -> dict:  # noqa: ANN001
+def placements_for(model) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -111,15 +126,18 @@ class PhaseTimers:
 
         self.seconds: dict[str, float] = {}
         self._saved = []
-        for module, name in [(loader.planner, "plan_keys"), (loader.planner, "plan_rank"),
-                             (loader.simulate, "shard_boxes")]:
+        for module, name in [
+            (loader.planner, "plan_keys"),
+            (loader.planner, "plan_rank"),
+            (loader.simulate, "shard_boxes"),
+        ]:
             self._wrap(module, name)
 
-    def _wrap(self, module, name: str) -> None:  # noqa: ANN001
+    def _wrap(self, module, name: str) -> None:
         fn = getattr(module, name)
         self._saved.append((module, name, fn))
 
-        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def timed(*args, **kwargs):
             t = time.process_time()
             try:
                 return fn(*args, **kwargs)
@@ -133,7 +151,7 @@ class PhaseTimers:
             setattr(module, name, fn)
 
 
-def run(layers: int, rank: int, mesh, profile: bool = False, all_ranks: bool = False) -> dict:  # noqa: ANN001
+def run(layers: int, rank: int, mesh, profile: bool = False, all_ranks: bool = False) -> dict:
     from loader import HFLoadPlanner
     from loader.placements import shard_module
     from loader.simulate import simulate_load
@@ -166,38 +184,64 @@ def run(layers: int, rank: int, mesh, profile: bool = False, all_ranks: bool = F
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-    out = dict(layers=layers, fig=fig, seconds=wall, cpu=cpu, phases=dict(timers.seconds), build=t1 - t0,
-               headers=t2 - t1, keys=len(checkpoint), checkpoint_bytes=checkpoint.total_bytes,
-               targets=len(planner.slots), conversions=len(planner.plan.conversions), hits=planner.cache.hits,
-               misses=planner.cache.misses, block_cache=len(planner.cache._blocks))
+    out = dict(
+        layers=layers,
+        fig=fig,
+        seconds=wall,
+        cpu=cpu,
+        phases=dict(timers.seconds),
+        build=t1 - t0,
+        headers=t2 - t1,
+        keys=len(checkpoint),
+        checkpoint_bytes=checkpoint.total_bytes,
+        targets=len(model.state_dict()),
+        conversions=len(planner.key_plan(checkpoint).conversions),
+        hits=planner.cache.hits,
+        misses=planner.cache.misses,
+        block_cache=len(planner.cache._blocks),
+    )
     if all_ranks:
         # every rank of the mesh with the same planner: the key plan and the traces are reused
         w = time.perf_counter()
         figures = simulate_load(model, checkpoint, planner=planner)
-        out["all"] = dict(seconds=time.perf_counter() - w, ranks=len(figures),
-                          max_ratio=max(f.bytes_read / f.shard_bytes for f in figures),
-                          total=sum(f.bytes_read for f in figures), misses=planner.cache.misses)
+        out["all"] = dict(
+            seconds=time.perf_counter() - w,
+            ranks=len(figures),
+            max_ratio=max(f.bytes_read / f.shard_bytes for f in figures),
+            total=sum(f.bytes_read for f in figures),
+            misses=planner.cache.misses,
+        )
     return out
 
 
 def report(r: dict) -> None:
     f, ph = r["fig"], r["phases"]
-    print(f"{r['layers']} layers: {r['keys']} checkpoint keys ({r['checkpoint_bytes'] / GIB:.1f} GiB bf16) -> "
-          f"{r['targets']} model tensors via {r['conversions']} conversions "
-          f"(model on meta + DTensors {r['build']:.1f} s, headers {r['headers']:.1f} s, not timed)")
-    print(f"  rank {f.rank} {f.coordinate}: planned in {r['seconds']:.2f} s wall, {r['cpu']:.2f} s CPU: "
-          f"rules (plan_keys) {ph.get('plan_keys', 0):.2f} s, shard boxes {ph.get('shard_boxes', 0):.2f} s, "
-          f"trace + compile (plan_rank) {ph.get('plan_rank', 0):.2f} s")
-    print(f"  {f.blocks} blocks, {f.bytes_read / GIB:.3f} GiB to read = {f.bytes_read / f.shard_bytes:.4f} x its "
-          f"shard bytes ({f.shard_bytes / GIB:.3f} GiB); whole source tensors would be "
-          f"{f.whole_tensor_bytes / GIB:.2f} GiB; {f.traced} tensors traced, {f.deferred} deferred")
-    print(f"  trace cache: {r['misses']} misses (traces), {r['hits']} hits; {r['block_cache']} compiled "
-          "(signature, box) entries")
+    print(
+        f"{r['layers']} layers: {r['keys']} checkpoint keys ({r['checkpoint_bytes'] / GIB:.1f} GiB bf16) -> "
+        f"{r['targets']} model tensors via {r['conversions']} conversions "
+        f"(model on meta + DTensors {r['build']:.1f} s, headers {r['headers']:.1f} s, not timed)"
+    )
+    print(
+        f"  rank {f.rank} {f.coordinate}: planned in {r['seconds']:.2f} s wall, {r['cpu']:.2f} s CPU: "
+        f"rules (plan_keys) {ph.get('plan_keys', 0):.2f} s, shard boxes {ph.get('shard_boxes', 0):.2f} s, "
+        f"trace + compile (plan_rank) {ph.get('plan_rank', 0):.2f} s"
+    )
+    print(
+        f"  {f.blocks} blocks, {f.bytes_read / GIB:.3f} GiB to read = {f.bytes_read / f.shard_bytes:.4f} x its "
+        f"shard bytes ({f.shard_bytes / GIB:.3f} GiB); whole source tensors would be "
+        f"{f.whole_tensor_bytes / GIB:.2f} GiB; {f.traced} tensors traced, {f.deferred} deferred"
+    )
+    print(
+        f"  trace cache: {r['misses']} misses (traces), {r['hits']} hits; {r['block_cache']} compiled "
+        "(signature, box) entries"
+    )
     if "all" in r:
         a = r["all"]
-        print(f"  all {a['ranks']} ranks: {a['seconds']:.2f} s wall (key plan and traces reused; traces now "
-              f"{a['misses']}); max bytes/shard ratio {a['max_ratio']:.4f}; summed over ranks "
-              f"{a['total'] / GIB:.1f} GiB")
+        print(
+            f"  all {a['ranks']} ranks: {a['seconds']:.2f} s wall (key plan and traces reused; traces now "
+            f"{a['misses']}); max bytes/shard ratio {a['max_ratio']:.4f}; summed over ranks "
+            f"{a['total'] / GIB:.1f} GiB"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +251,76 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=int, default=10, help="also time this many layers (0: skip)")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed planning")
     parser.add_argument("--all-ranks", action="store_true", help="then simulate all 64 ranks too")
+    parser.add_argument("--markdown", action="store_true", help="print the table docs/benchmarks.md holds")
     args = parser.parse_args(argv)
+    if args.markdown:  # the plain report is captured; the table (and its target line) printed at the end
+        import contextlib
+        import io
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import mdtable
+
+        watch, plain = mdtable.LoadWatch(), io.StringIO()
+        with contextlib.redirect_stdout(plain):
+            results = _main(args)
+        print_markdown(results, plain.getvalue(), watch.stop())
+        return 0
+    _main(args)
+    return 0
+
+
+def print_markdown(results: list[dict], plain: str, load: str) -> None:
+    """The table of docs/benchmarks.md: one row per layer count, then the all-ranks and target lines."""
+    import mdtable
+
+    print(mdtable.run_line(load))
+    print()
+    rows = []
+    for r in results:
+        f, ph = r["fig"], r["phases"]
+        rows.append(
+            [
+                r["layers"],
+                f"{r['keys']:,}".replace(",", " "),
+                r["conversions"],
+                f"{r['seconds']:.2f} s",
+                f"{ph.get('plan_keys', 0):.2f} s",
+                f"{ph.get('shard_boxes', 0):.2f} s",
+                f"{ph.get('plan_rank', 0):.2f} s",
+                f"{r['misses']} / {r['hits']}",
+                f"{f.blocks:,}".replace(",", " "),
+            ]
+        )
+    headers = [
+        "layers",
+        "keys",
+        "conversions",
+        "planning, one rank (wall)",
+        "rules (`plan_keys`, CPU)",
+        "shard boxes (CPU)",
+        "trace + compile (`plan_rank`, CPU)",
+        "traces (misses / hits)",
+        "blocks",
+    ]
+    print(mdtable.table(headers, rows))
+    print()
+    f = results[-1]["fig"]
+    print(
+        f"Rank {f.rank} reads {f.bytes_read / GIB:.3f} GiB = {f.bytes_read / f.shard_bytes:.4f} x its shard bytes; "
+        f"whole source tensors would be {f.whole_tensor_bytes / GIB:.2f} GiB."
+    )
+    if "all" in results[-1]:
+        a = results[-1]["all"]
+        print(
+            f"All {a['ranks']} ranks with the same planner: {a['seconds']:.2f} s, max bytes/shard ratio "
+            f"{a['max_ratio']:.4f}, summed over ranks {a['total'] / GIB:.1f} GiB."
+        )
+    for line in plain.splitlines():
+        if line.startswith("target"):
+            print(line[0].upper() + line[1:] + ".")
+
+
+def _main(args: argparse.Namespace) -> list[dict]:
 
     import torch
     import torch.distributed as dist
@@ -216,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    print(f"DeepSeek-V3 layout, EP{MESH[0]} x TP{MESH[1]} mesh, simulated rank {args.rank}; "
-          f"CPUs available to this process: {cpus} (torch threads 1)")
+    print(
+        f"DeepSeek-V3 layout, EP{MESH[0]} x TP{MESH[1]} mesh, simulated rank {args.rank}; "
+        f"CPUs available to this process: {cpus} (torch threads 1)"
+    )
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=math.prod(MESH))
     try:
         mesh = init_device_mesh("cpu", MESH)
@@ -231,17 +346,19 @@ def main(argv: list[str] | None = None) -> int:
             a, b = results
             pa, pb = a["phases"].get("plan_rank", 0), b["phases"].get("plan_rank", 0)
             ka, kb = a["phases"].get("plan_keys", 0), b["phases"].get("plan_keys", 0)
-            print(f"{b['layers']} vs {a['layers']} layers ({b['keys'] / a['keys']:.1f} x the keys, "
-                  f"{b['conversions'] / a['conversions']:.1f} x the conversions, "
-                  f"{b['fig'].blocks / a['fig'].blocks:.1f} x the blocks, traces {a['misses']} vs {b['misses']}): "
-                  f"trace + compile {pa:.2f} -> {pb:.2f} s "
-                  f"({pb / pa:.2f} x); rules {ka:.2f} -> {kb:.2f} s ({kb / ka:.2f} x); total CPU "
-                  f"{a['cpu']:.2f} -> {b['cpu']:.2f} s")
+            print(
+                f"{b['layers']} vs {a['layers']} layers ({b['keys'] / a['keys']:.1f} x the keys, "
+                f"{b['conversions'] / a['conversions']:.1f} x the conversions, "
+                f"{b['fig'].blocks / a['fig'].blocks:.1f} x the blocks, traces {a['misses']} vs {b['misses']}): "
+                f"trace + compile {pa:.2f} -> {pb:.2f} s "
+                f"({pb / pa:.2f} x); rules {ka:.2f} -> {kb:.2f} s ({kb / ka:.2f} x); total CPU "
+                f"{a['cpu']:.2f} -> {b['cpu']:.2f} s"
+            )
         target = results[-1]["seconds"]
         print(f"target <= 5 s for one rank on one core: {'met' if target <= 5 else 'NOT met'} ({target:.2f} s)")
     finally:
         dist.destroy_process_group()
-    return 0
+    return results
 
 
 if __name__ == "__main__":

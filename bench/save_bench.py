@@ -46,7 +46,7 @@ from datetime import timedelta
 MIB = 1 << 20
 
 
-def build(args: argparse.Namespace, device: str = "cpu"):  # noqa: ANN201
+def build(args: argparse.Namespace, device: str = "cpu"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -125,7 +125,7 @@ def single(args: argparse.Namespace) -> None:
 # distributed
 
 
-def placements(model, mesh_shape: tuple[int, ...]) -> dict:  # noqa: ANN001
+def placements(model, mesh_shape: tuple[int, ...]) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -207,7 +207,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _owned_bytes(model) -> int:  # noqa: ANN001
+def _owned_bytes(model) -> int:
     """Bytes of the local shards this rank is the lowest holder of (replicas compared by their boxes)."""
     import torch.distributed as dist
 

@@ -1,7 +1,7 @@
 """Benchmark: bytes read per rank and wall time of a 4-rank tensor-parallel load (localhost gloo).
 
     python bench/tp_bench.py [--out DIR] [--methods ours,ours_random,ours_dcp,vllm,dcp_hf] [--layout tp|ep]
-                             [--strided] [--profile METHOD]
+                             [--strided] [--profile METHOD] [--rounds N] [--markdown]
 
 A Qwen3-MoE-shaped checkpoint (~400 MB bf16: hidden 1024, 4 layers, 32 experts, moe_intermediate 512) is
 written once to ``DIR`` in two layouts: ``hf/`` as ``save_pretrained`` writes it (per-expert tensors
@@ -46,6 +46,8 @@ and the non-layer tensors' shards equal DTensor's own split of the full tensors 
 ``safetensors``: an oracle independent of ``loader``). The page bound is the
 number of distinct 4 KiB file pages holding the bytes a rank's shards need, x 4 KiB: no reader going
 through the page cache can physically read less. With 2 CPUs for 4 ranks, times are contended.
+``--rounds N`` repeats the whole run N times with fresh ranks (walls then given as a range), and
+``--markdown`` prints the table docs/benchmarks.md holds instead of the per-rank report.
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ def physical_reads_visible(files: list[str]) -> bool:
 # the model on each rank
 
 
-def placements_for(model, strided: bool, layout: str = "tp") -> dict:  # noqa: ANN001
+def placements_for(model, strided: bool, layout: str = "tp") -> dict:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -238,7 +240,7 @@ def placements_for(model, strided: bool, layout: str = "tp") -> dict:  # noqa: A
     )
 
 
-def build_sharded_model(directory: str, mesh, strided: bool, layout: str = "tp"):  # noqa: ANN001, ANN201
+def build_sharded_model(directory: str, mesh, strided: bool, layout: str = "tp"):
     """The model on meta, then each tensor materialised: DTensor shards or plain (replicated) tensors."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -251,7 +253,7 @@ def build_sharded_model(directory: str, mesh, strided: bool, layout: str = "tp")
     return shard_module(model, mesh, placements_for(model, strided, layout), fill=None)
 
 
-def locals_of(model) -> dict:  # noqa: ANN001
+def locals_of(model) -> dict:
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         data = t.data
@@ -259,7 +261,7 @@ def locals_of(model) -> dict:  # noqa: ANN001
     return out
 
 
-def shard_bytes(model) -> int:  # noqa: ANN001
+def shard_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in locals_of(model).values())
 
 
@@ -295,7 +297,7 @@ def _count_gaps() -> None:
     if getattr(close, "counts_gaps", False):
         return
 
-    def counting_close(self) -> None:  # noqa: ANN001
+    def counting_close(self) -> None:
         _GAPS[0] += getattr(self, "gap_bytes", 0)
         self.gap_bytes = 0
         close(self)
@@ -304,19 +306,19 @@ def _count_gaps() -> None:
     FileReader.close = counting_close
 
 
-def load_ours(model, out: str) -> int:  # noqa: ANN001
+def load_ours(model, out: str) -> int:
     from loader import load_hf_checkpoint
 
     return load_hf_checkpoint(model, os.path.join(out, "hf"), progress=False).bytes_read
 
 
-def load_ours_random(model, out: str) -> int:  # noqa: ANN001
+def load_ours_random(model, out: str) -> int:
     """``ours`` with readahead off: every descriptor the loader opens is advised ``POSIX_FADV_RANDOM``."""
     from loader.checkpoint import FileReader
 
     original = FileReader.fd
 
-    def fd(self, file: str) -> int:  # noqa: ANN001
+    def fd(self, file: str) -> int:
         new = file not in self._fds
         descriptor = original(self, file)
         if new:
@@ -330,7 +332,7 @@ def load_ours_random(model, out: str) -> int:  # noqa: ANN001
         FileReader.fd = original
 
 
-def load_ours_dcp(model, out: str) -> int:  # noqa: ANN001
+def load_ours_dcp(model, out: str) -> int:
     import torch.distributed.checkpoint as dcp
 
     from loader import HFLoadPlanner, SafetensorsReader
@@ -341,7 +343,7 @@ def load_ours_dcp(model, out: str) -> int:  # noqa: ANN001
     return planner.finish(path).bytes_read
 
 
-def _hf_key_region(key: str, shapes: dict) -> tuple[str, tuple] | None:  # noqa: ANN001
+def _hf_key_region(key: str, shapes: dict) -> tuple[str, tuple] | None:
     """Where an HF checkpoint tensor lands in the model: (parameter name, global index tuple)."""
     parts = key.split(".")
     if "experts" in parts:
@@ -356,7 +358,7 @@ def _hf_key_region(key: str, shapes: dict) -> tuple[str, tuple] | None:  # noqa:
     return (key, ()) if key in shapes else None
 
 
-def load_vllm(model, out: str) -> int:  # noqa: ANN001
+def load_vllm(model, out: str) -> int:
     """Every file, every tensor whole (``get_tensor``), narrowed to this rank's shard and copied."""
     import torch
     from safetensors import safe_open
@@ -405,14 +407,14 @@ def load_vllm(model, out: str) -> int:  # noqa: ANN001
     return logical
 
 
-def load_dcp_hf(model, out: str) -> int:  # noqa: ANN001
+def load_dcp_hf(model, out: str) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
 
     counted = [0]
 
     class Counting(HuggingFaceStorageReader):
-        def _process_read_request(self, f, req, planner) -> None:  # noqa: ANN001
+        def _process_read_request(self, f, req, planner) -> None:
             before = planner.resolve_tensor(req)
             counted[0] += before.numel() * before.element_size()
             super()._process_read_request(f, req, planner)
@@ -504,7 +506,7 @@ def rank_main(rank: int, world: int, args: dict) -> None:
     dist.destroy_process_group()
 
 
-def oracle_check(model, out: str, rank: int, world: int) -> bool:  # noqa: ANN001
+def oracle_check(model, out: str, rank: int, world: int) -> bool:
     """Layer 0's and the non-layer tensors' local shards against DTensor's own split (``_split_tensor``, as
     ``distribute_tensor`` applies it) of the full tensor read from ``flat/``: independent of ``loader``."""
     import torch
@@ -528,7 +530,7 @@ def oracle_check(model, out: str, rank: int, world: int) -> bool:  # noqa: ANN00
     return True
 
 
-def _poison(model) -> None:  # noqa: ANN001
+def _poison(model) -> None:
     import torch
 
     with torch.no_grad():
@@ -539,63 +541,7 @@ def _poison(model) -> None:  # noqa: ANN001
 # ---------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="checkpoint folder (generated there if absent; default: a temp folder)")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument(
-        "--strided",
-        action="store_true",
-        help="gate_up_proj as _StridedShard(1, split_factor=2) (dcp_hf cannot load it)",
-    )
-    parser.add_argument(
-        "--layout",
-        choices=("tp", "ep"),
-        default="tp",
-        help="tp: experts TP as above (default); ep: whole experts per rank (Shard(0))",
-    )
-    parser.add_argument("--profile", metavar="METHOD", help="cProfile rank 0's warm load with METHOD")
-    args = parser.parse_args(argv)
-    methods = args.methods.split(",")
-    for m in methods:
-        if m not in LOADERS:
-            parser.error(f"unknown method {m!r} (choose from {', '.join(LOADERS)})")
-
-    import torch.multiprocessing as mp
-
-    out = args.out or tempfile.mkdtemp(prefix="tp_bench_")
-    t0 = time.perf_counter()
-    generate(out)
-    files = checkpoint_files(os.path.join(out, "r0"))
-    hf_size = sum(os.path.getsize(p) for p in files if os.sep + "hf" + os.sep in p)
-    print(
-        f"checkpoint: {out} (hf/ and flat/, {hf_size / MIB:.1f} MiB each layout, ready in "
-        f"{time.perf_counter() - t0:.1f} s); qwen3_moe hidden {HIDDEN}, {LAYERS} layers, {EXPERTS} experts, "
-        f"moe_intermediate {MOE_INTERMEDIATE}, bf16; world {WORLD} (gloo, 1 torch thread per rank), "
-        f"{os.cpu_count()} CPUs; experts "
-        + (
-            "EP (Shard(0))"
-            if args.layout == "ep"
-            else f"TP: gate_up_proj {'_StridedShard(1, 2)' if args.strided else 'Shard(1)'}, down_proj Shard(2)"
-        )
-    )
-    visible = physical_reads_visible(files)
-    if not visible:
-        print("NOTE: /proc/self/io read_bytes stays 0 here: physical bytes cannot be measured in this container")
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = {
-            "out": out,
-            "methods": methods,
-            "strided": args.strided,
-            "profile": args.profile,
-            "layout": args.layout,
-            "store": os.path.join(tmp, "store"),
-            "results": tmp,
-        }
-        t0 = time.perf_counter()
-        mp.start_processes(rank_main, args=(WORLD, spec), nprocs=WORLD, join=True, start_method="spawn")
-        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
-        print(f"ran in {time.perf_counter() - t0:.1f} s")
+def print_plain(ranks: list[dict], methods: list[str], visible: bool) -> None:
     for res in ranks:
         print(
             f"rank {res['rank']}: shard bytes {res['shard_bytes'] / MIB:.2f} MiB, page bound "
@@ -644,6 +590,147 @@ def main(argv: list[str] | None = None) -> int:
             f"{m:>11}: worst rank logical {lg:.3f} x shard bytes (target <= 1.02), physical "
             + (f"{ph:.3f} x (target <= 1.10)" if visible else "n/a")
         )
+
+
+def _ratio_range(values: list[float]) -> str:
+    """The worst (highest) ratio, with the range over ranks (and rounds) when they differ."""
+    lo, hi = min(values), max(values)
+    return f"{hi:.3f}" if f"{lo:.3f}" == f"{hi:.3f}" else f"{hi:.3f} ({lo:.3f}–{hi:.3f})"
+
+
+def print_markdown(rounds: list[list[dict]], methods: list[str], visible: bool, load: str, layout: str) -> None:
+    import mdtable
+
+    print(mdtable.run_line(load, ("torch", "transformers", "safetensors")))
+    print()
+    every = [res for ranks in rounds for res in ranks]
+    shard = sorted({res["shard_bytes"] for res in every})
+    n = len(rounds)
+    print(
+        f"{layout}; world {WORLD}; shard bytes per rank {' / '.join(f'{b / MIB:.2f}' for b in shard)} MiB; "
+        + (f"{n} runs: walls best–worst [median] of the slowest rank per run, " if n > 1 else "walls: slowest rank, ")
+        + "byte ratios: worst rank (range over ranks"
+        + (" and runs" if n > 1 else "")
+        + " in brackets)."
+    )
+    print()
+    rows = []
+    cached = {}  # method -> largest |cached pages - physical bytes| over ranks and runs
+    for method in methods:
+        rs = [(res["methods"][method], res["shard_bytes"]) for res in every]
+        logical = _ratio_range([r["logical"] / sb for r, sb in rs])
+        gaps = "–"
+        if method.startswith("ours"):
+            worst = max(rs, key=lambda x: x[0].get("gaps", 0) / x[1])
+            gaps = f"{worst[0].get('gaps', 0) / worst[1]:.3f} ({worst[0].get('gaps', 0) / MIB:.1f} MiB)"
+        physical = _ratio_range([r["physical"] / sb for r, sb in rs]) if visible else "n/a"
+        cached[method] = max(
+            (abs(r["resident"] - r["physical"]) for r, _ in rs if r.get("resident") is not None), default=0
+        )
+        cold = [max(res["methods"][method]["cold_seconds"] for res in ranks) for ranks in rounds]
+        warm = [max(res["methods"][method]["warm_seconds"] for res in ranks) for ranks in rounds]
+        oracle = all(r["oracle"] for r, _ in rs)
+        equal = all(r["equal"] for r, _ in rs)
+        check = "= DTensor's split" if oracle else "**differ from DTensor's split**"
+        if method != methods[0]:
+            check += f", = {methods[0]}" if equal else f", **differ from {methods[0]}**"
+        rows.append([method, logical, gaps, physical, mdtable.spread(cold), mdtable.spread(warm), check])
+    bound = _ratio_range([res["page_bound"] / res["shard_bytes"] for res in every])
+    rows.append(["page bound", "", "", bound, "", "", ""])
+    print(
+        mdtable.table(
+            ["method", "logical / shard", "gaps / shard", "physical / shard", "cold wall", "warm wall", "shards"],
+            rows,
+        )
+    )
+    if visible:
+        same = [m for m in methods if not cached[m]]
+        differ = [f"{m} (by up to {cached[m] / MIB:.2f} MiB on a rank)" for m in methods if cached[m]]
+        print()
+        print(
+            "Checkpoint pages in the page cache after each cold load (`mincore`) = the physical bytes on every rank"
+            + (f" for {', '.join(same)}" if differ and same else "")
+            + (f"; they differ for {', '.join(differ)}." if differ else ".")
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="checkpoint folder (generated there if absent; default: a temp folder)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--strided",
+        action="store_true",
+        help="gate_up_proj as _StridedShard(1, split_factor=2) (dcp_hf cannot load it)",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("tp", "ep"),
+        default="tp",
+        help="tp: experts TP as above (default); ep: whole experts per rank (Shard(0))",
+    )
+    parser.add_argument("--profile", metavar="METHOD", help="cProfile rank 0's warm load with METHOD")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of all methods (fresh ranks each time)")
+    parser.add_argument("--markdown", action="store_true", help="print the table docs/benchmarks.md holds")
+    args = parser.parse_args(argv)
+    methods = args.methods.split(",")
+    for m in methods:
+        if m not in LOADERS:
+            parser.error(f"unknown method {m!r} (choose from {', '.join(LOADERS)})")
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import mdtable
+
+    watch = mdtable.LoadWatch()
+    out = args.out or tempfile.mkdtemp(prefix="tp_bench_")
+    t0 = time.perf_counter()
+    generate(out)
+    files = checkpoint_files(os.path.join(out, "r0"))
+    hf_size = sum(os.path.getsize(p) for p in files if os.sep + "hf" + os.sep in p)
+    experts = (
+        "EP (Shard(0))"
+        if args.layout == "ep"
+        else f"TP: gate_up_proj {'_StridedShard(1, 2)' if args.strided else 'Shard(1)'}, down_proj Shard(2)"
+    )
+    say = (lambda *a: None) if args.markdown else print
+    say(
+        f"checkpoint: {out} (hf/ and flat/, {hf_size / MIB:.1f} MiB each layout, ready in "
+        f"{time.perf_counter() - t0:.1f} s); qwen3_moe hidden {HIDDEN}, {LAYERS} layers, {EXPERTS} experts, "
+        f"moe_intermediate {MOE_INTERMEDIATE}, bf16; world {WORLD} (gloo, 1 torch thread per rank), "
+        f"{os.cpu_count()} CPUs; experts {experts}"
+    )
+    visible = physical_reads_visible(files)
+    if not visible:
+        print("NOTE: /proc/self/io read_bytes stays 0 here: physical bytes cannot be measured in this container")
+    rounds = []
+    for i in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = {
+                "out": out,
+                "methods": methods,
+                "strided": args.strided,
+                "profile": args.profile if i == 0 else None,
+                "layout": args.layout,
+                "store": os.path.join(tmp, "store"),
+                "results": tmp,
+            }
+            t0 = time.perf_counter()
+            mp.start_processes(rank_main, args=(WORLD, spec), nprocs=WORLD, join=True, start_method="spawn")
+            ranks = []
+            for r in range(WORLD):
+                with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                    ranks.append(json.load(f))
+            say(f"{'run ' + str(i + 1) + ' ' if args.rounds > 1 else ''}ran in {time.perf_counter() - t0:.1f} s")
+        rounds.append(ranks)
+        if not args.markdown:
+            print_plain(ranks, methods, visible)
+    load = watch.stop()
+    if args.markdown:
+        print_markdown(rounds, methods, visible, load, f"experts {experts}")
+    else:
+        print(f"load average (1 min) during the run: {load}")
     return 0
 
 

@@ -17,7 +17,8 @@ Timed warm, best (and median) of ``--repeats`` runs; the machine may be shared, 
 The first ``torch.stack`` on meta tensors imports ``torch._dynamo`` (~1.3 s, once per process); it is
 measured and reported separately, before the warm timings.
 
-Run: ``python bench/trace_bench.py`` (``--help`` for sizes).
+Run: ``python bench/trace_bench.py`` (``--help`` for sizes); ``--markdown`` prints the tables
+docs/benchmarks.md holds instead of the plain report.
 """
 
 from __future__ import annotations
@@ -85,20 +86,32 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--markdown", action="store_true", help="print the tables docs/benchmarks.md holds")
     args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import mdtable
+
+    watch = mdtable.LoadWatch()
+    say = (lambda *a: None) if args.markdown else print  # --markdown: only the tables, at the end
     E, H, I, ranks = args.experts, args.hidden, args.intermediate, args.ranks
     dtype = torch.bfloat16
-    print(f"torch {torch.__version__}, regiontrace {rt.__version__}, python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} CPUs")
-    print(f"MoE layer: {E} experts, H={H}, I={I}, bf16: {3 * E} leaves -> gate_up_proj [{E}, {2 * I}, {H}], "
-          f"down_proj [{E}, {H}, {I}]")
+    say(
+        f"torch {torch.__version__}, regiontrace {rt.__version__}, python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs"
+    )
+    say(
+        f"MoE layer: {E} experts, H={H}, I={I}, bf16: {3 * E} leaves -> gate_up_proj [{E}, {2 * I}, {H}], "
+        f"down_proj [{E}, {H}, {I}]"
+    )
 
     # one-time cost: the first torch.stack on meta tensors imports torch._dynamo
     t0 = time.perf_counter()
     torch.stack([torch.empty(2, device="meta"), torch.empty(2, device="meta")])
     first_stack = time.perf_counter() - t0
-    print(f"\none-time: first torch.stack on meta tensors (imports torch._dynamo): {first_stack * 1e3:.0f} ms "
-          "(excluded below)")
+    say(
+        f"\none-time: first torch.stack on meta tensors (imports torch._dynamo): {first_stack * 1e3:.0f} ms "
+        "(excluded below)"
+    )
 
     # warm timings
     reps = args.repeats
@@ -109,26 +122,32 @@ def main() -> None:
     *t_meta, meta_out = timed(lambda: convert(*meta_inputs), reps)
     assert all(out[k].shape == meta_out[k].shape for k in out)
 
-    print(f"\ntrace (warm; best of {reps}, median in brackets):")
+    say(f"\ntrace (warm; best of {reps}, median in brackets):")
     rows = [
         (f"create {3 * E} leaves", t_leaves, t_meta_leaves),
         ("conversion on RegionTensors", t_run, t_meta),
         ("rt.trace (run + meta check)", t_trace, t_meta),
     ]
-    print(f"  {'':30s} {'regiontrace':>18s} {'torch on meta':>18s} {'ratio':>6s}")
-    for name, (a, a_med), (b, b_med) in rows:
-        print(f"  {name:30s} {a * 1e3:6.1f} ms [{a_med * 1e3:5.1f}] {b * 1e3:6.1f} ms [{b_med * 1e3:5.1f}] "
-              f"{a / b:5.1f}x")
+    md_names = [f"create {3 * E} leaves", "conversion on RegionTensors", "`rt.trace` (conversion + meta check)"]
+    say(f"  {'':30s} {'regiontrace':>18s} {'torch on meta':>18s} {'ratio':>6s}")
+    md_steps = []
+    for md_name, (name, (a, a_med), (b, b_med)) in zip(md_names, rows):
+        say(f"  {name:30s} {a * 1e3:6.1f} ms [{a_med * 1e3:5.1f}] {b * 1e3:6.1f} ms [{b_med * 1e3:5.1f}] {a / b:5.1f}x")
+        md_steps.append(
+            [md_name, f"{a * 1e3:.1f} ms [{a_med * 1e3:.1f}]", f"{b * 1e3:.1f} ms [{b_med * 1e3:.1f}]", f"{a / b:.1f}x"]
+        )
+    pieces = []
     for name, t in out.items():
-        print(f"  {name}: shape {tuple(t.shape)}, {len(t.region.pieces)} pieces, {len(t.sources())} sources")
+        say(f"  {name}: shape {tuple(t.shape)}, {len(t.region.pieces)} pieces, {len(t.sources())} sources")
+        pieces.append(f"`{name}` {len(t.region.pieces)} pieces ({len(t.sources())} source tensors)")
 
-    print(f"\ncompile: remap_blocks for {ranks} shard boxes (warm, best of {reps} per box)")
-    print(f"  {'tensor':13s} {'layout':28s} {'blocks/box':>12s} {'ms/box':>14s} {'us/block':>9s} "
-          f"{'MiB read/box':>13s}")
+    say(f"\ncompile: remap_blocks for {ranks} shard boxes (warm, best of {reps} per box)")
+    say(f"  {'tensor':13s} {'layout':28s} {'blocks/box':>12s} {'ms/box':>14s} {'us/block':>9s} {'MiB read/box':>13s}")
     layouts = {
         "gate_up_proj": [("TP: dim 1 (2I) in chunks", 1), ("EP: experts in chunks", 0)],
         "down_proj": [("TP: dim 2 (I) in chunks", 2), ("EP: experts in chunks", 0)],
     }
+    md_layouts = []
     total_blocks = total_time = 0.0
     for name, specs in layouts.items():
         t = out[name]
@@ -145,10 +164,55 @@ def main() -> None:
                 total_time += sec
             mib = numel * t.dtype.itemsize / 2**20
             per_block = sum(times) / max(sum(counts), 1) * 1e6
-            print(f"  {name:13s} {label:28s} {min(counts):5d}-{max(counts):<6d} "
-                  f"{min(times) * 1e3:6.2f}-{max(times) * 1e3:<6.2f} {per_block:9.1f} {mib:13.0f}")
-    print(f"  all {4 * ranks} boxes: {int(total_blocks)} blocks in {total_time * 1e3:.1f} ms "
-          f"({total_time / total_blocks * 1e6:.1f} us per block)")
+            say(
+                f"  {name:13s} {label:28s} {min(counts):5d}-{max(counts):<6d} "
+                f"{min(times) * 1e3:6.2f}-{max(times) * 1e3:<6.2f} {per_block:9.1f} {mib:13.0f}"
+            )
+            kind = "TP" if dim else "EP"
+            what = f"dim {dim} ({t.shape[dim]}) in {ranks} chunks" if dim else f"{-(-E // ranks)} experts per box"
+            md_layouts.append(
+                [
+                    f"`{name}`",
+                    f"{kind}: {what}",
+                    str(min(counts)) if min(counts) == max(counts) else f"{min(counts)}–{max(counts)}",
+                    mdtable.spread([t * 1e3 for t in times], "{:.1f}", " ms").split(" [")[0].removesuffix(" ms")
+                    + " ms",
+                    f"{per_block:.0f} µs",
+                    f"{mib:.0f} MiB",
+                ]
+            )
+    say(
+        f"  all {4 * ranks} boxes: {int(total_blocks)} blocks in {total_time * 1e3:.1f} ms "
+        f"({total_time / total_blocks * 1e6:.1f} us per block)"
+    )
+    load = watch.stop()
+    if not args.markdown:
+        print(f"load average (1 min) during the run: {load}")
+        return
+    print(mdtable.run_line(load))
+    print()
+    print(f"Warm timings, best of {reps} (median in brackets):")
+    print()
+    print(mdtable.table(["step", "regiontrace", "torch on meta", "ratio"], md_steps))
+    print()
+    print(
+        "One-time, excluded above: the first `torch.stack` on meta tensors in this process, "
+        f"{first_stack * 1e3:.0f} ms. "
+        f"Resulting maps: {', '.join(pieces)}."
+    )
+    print()
+    print(
+        mdtable.table(
+            ["output", f"layout ({ranks} boxes)", "blocks per box", "compile per box", "per block", "read per box"],
+            md_layouts,
+        )
+    )
+    print()
+    print(
+        f"All {4 * ranks} boxes: {int(total_blocks)} blocks in {total_time * 1e3:.0f} ms "
+        f"({total_time / total_blocks * 1e6:.0f} µs per block); every box checked: its blocks partition it and "
+        "read exactly its elements."
+    )
 
 
 if __name__ == "__main__":

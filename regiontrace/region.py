@@ -259,9 +259,7 @@ def _interval_boxes(a0: int, a1: int, radices: tuple[int, ...], prefix: tuple, o
         _interval_boxes(0, a1 % w, radices[1:], prefix + (d1,), out)
 
 
-def box_ranges(
-    factors: Sequence[Factor], prefix: Sequence[int], lo: int, hi: int
-) -> list[tuple[int, int]] | None:
+def box_ranges(factors: Sequence[Factor], prefix: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]] | None:
     """Digit ranges of an :func:`interval_boxes` box intersected with the factors' coverage (None: empty)."""
     ranges = []
     k = len(prefix)
@@ -435,24 +433,29 @@ def cat(regions: Sequence[Region], dim: int, shape: Sequence[int]) -> Region:
 
 def cast(region: Region, dtype: torch.dtype) -> Region:
     """Record a value cast to ``dtype`` on every piece (applied on copy)."""
-    pieces = [
-        Piece(p.source, p.base, p.axes, _append_cast(p.source.dtype, p.casts, dtype)) for p in region.pieces
-    ]
+    pieces = [Piece(p.source, p.base, p.axes, _append_cast(p.source.dtype, p.casts, dtype)) for p in region.pieces]
     return Region(region.shape, merge_pieces(pieces) if len(pieces) > 1 else tuple(pieces))
 
 
 _EXACT_WIDENINGS = {
-    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float64), (torch.float16, torch.float32),
-    (torch.float16, torch.float64), (torch.float32, torch.float64),
-    (torch.int8, torch.int16), (torch.int8, torch.int32), (torch.int8, torch.int64),
-    (torch.int16, torch.int32), (torch.int16, torch.int64), (torch.int32, torch.int64),
-    (torch.uint8, torch.int16), (torch.uint8, torch.int32), (torch.uint8, torch.int64),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float32),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+    (torch.int8, torch.int16),
+    (torch.int8, torch.int32),
+    (torch.int8, torch.int64),
+    (torch.int16, torch.int32),
+    (torch.int16, torch.int64),
+    (torch.int32, torch.int64),
+    (torch.uint8, torch.int16),
+    (torch.uint8, torch.int32),
+    (torch.uint8, torch.int64),
 }
 
 
-def _append_cast(
-    src: torch.dtype, casts: tuple[torch.dtype, ...], dtype: torch.dtype
-) -> tuple[torch.dtype, ...]:
+def _append_cast(src: torch.dtype, casts: tuple[torch.dtype, ...], dtype: torch.dtype) -> tuple[torch.dtype, ...]:
     chain = (src,) + casts
     if chain[-1] == dtype:
         return casts

@@ -77,9 +77,7 @@ def reshape(region: Region, shape: Sequence[int]) -> Region:
     return _finish(shape, pieces, f"reshape {region.shape} -> {shape}")
 
 
-def _reshape_group(
-    axes: list[Axis], sizes: list[int], out_sizes: list[int]
-) -> list[tuple[int, tuple[Axis, ...]]]:
+def _reshape_group(axes: list[Axis], sizes: list[int], out_sizes: list[int]) -> list[tuple[int, tuple[Axis, ...]]]:
     if len(sizes) == 1 and len(out_sizes) == 1:
         return [(0, (axes[0],))]
     out = []

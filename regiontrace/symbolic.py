@@ -58,8 +58,7 @@ def source_index(piece: Piece) -> list[sympy.Expr]:
                 continue
             z = i - axis.start
             digit = z if w == 1 and f.radix == axis.length else sympy.Mod(sympy.floor(z / w), f.radix)
-            dims = [j for j, (st, n) in enumerate(zip(strides, shape))
-                    if f.stride % st == 0 and abs(f.stride) < st * n]
+            dims = [j for j, (st, n) in enumerate(zip(strides, shape)) if f.stride % st == 0 and abs(f.stride) < st * n]
             if not dims:
                 return _flat_index(piece)
             j = dims[0]
@@ -98,8 +97,10 @@ def explain(tensor: RegionTensor, *, as_sympy: bool = False) -> str | dict[str, 
             expr, cond = piece_expr(p)
             per_source.setdefault(p.source.name, []).append((expr, cond))
         return {name: sympy.Piecewise(*parts, (-1, True)) for name, parts in per_source.items()}
-    lines = [f"RegionTensor {tuple(tensor.shape)} {tensor.dtype}: {len(pieces)} piece(s) from "
-             f"{len(tensor.sources())} source(s)"]
+    lines = [
+        f"RegionTensor {tuple(tensor.shape)} {tensor.dtype}: {len(pieces)} piece(s) from "
+        f"{len(tensor.sources())} source(s)"
+    ]
     for p in pieces:
         box = ", ".join(f"{a.start}:{a.start + a.length}" for a in p.axes)
         idx = ", ".join(str(e) for e in source_index(p))

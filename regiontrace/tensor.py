@@ -52,8 +52,13 @@ class RegionTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, meta: torch.Tensor, region: R.Region, node: Node) -> RegionTensor:
         r = torch.Tensor._make_wrapper_subclass(
-            cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
-            device=torch.device("meta"), requires_grad=False,
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=torch.device("meta"),
+            requires_grad=False,
         )
         r._meta, r._region, r._node = meta, region, node
         return r
@@ -103,8 +108,10 @@ class RegionTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         names = ", ".join(sorted(self.sources()))
-        return (f"RegionTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"pieces={len(self._region.pieces)}, sources=[{names}])")
+        return (
+            f"RegionTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"pieces={len(self._region.pieces)}, sources=[{names}])"
+        )
 
     # -- value access is never an index mapping --------------------------------------------------------
 
@@ -135,7 +142,7 @@ class RegionTensor(torch.Tensor):
     # -- dispatch ----------------------------------------------------------------------------------------
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         flat, _ = tree_flatten((args, kwargs))
@@ -155,8 +162,7 @@ class RegionTensor(torch.Tensor):
         if isinstance(out_meta, torch.Tensor):
             return _wrap(out_meta, regions, name, parents, params)
         return type(out_meta)(
-            _wrap(m, r, name, parents, dict(params, output=i))
-            for i, (m, r) in enumerate(zip(out_meta, regions))
+            _wrap(m, r, name, parents, dict(params, output=i)) for i, (m, r) in enumerate(zip(out_meta, regions))
         )
 
 
@@ -170,7 +176,7 @@ def _wrap(meta: torch.Tensor, region: R.Region, op: str, parents: tuple, params:
     return RegionTensor(meta, region, Node(op, region.shape, meta.dtype, parents, params))
 
 
-def _bind(func, args: tuple, kwargs: dict) -> dict[str, Any]:  # noqa: ANN001
+def _bind(func, args: tuple, kwargs: dict) -> dict[str, Any]:
     bound = {}
     for i, a in enumerate(func._schema.arguments):
         if i < len(args) and not a.kwarg_only:
@@ -212,8 +218,14 @@ def _view(b: dict, out: torch.Tensor) -> R.Region:
     return reshape(_reg(b["self"]), tuple(out.shape))
 
 
-@_handles(aten.alias.default, aten.detach.default, aten.clone.default, aten.lift_fresh.default,
-          aten._to_copy.default, aten.contiguous.default)
+@_handles(
+    aten.alias.default,
+    aten.detach.default,
+    aten.clone.default,
+    aten.lift_fresh.default,
+    aten._to_copy.default,
+    aten.contiguous.default,
+)
 def _identity(b: dict, out: torch.Tensor) -> R.Region:
     return _reg(b["self"], out.dtype)
 
@@ -295,8 +307,13 @@ def _select(b: dict, out: torch.Tensor) -> R.Region:
     return R.squeeze(R.narrow(_reg(x), d, i, i + 1), [d])
 
 
-@_handles(aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
-          aten.unsafe_split_with_sizes.default, aten.split.sizes)
+@_handles(
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unsafe_split.Tensor,
+    aten.unsafe_split_with_sizes.default,
+    aten.split.sizes,
+)
 def _split(b: dict, outs: Sequence[torch.Tensor]) -> list[R.Region]:
     x = b["self"]
     d = _dim(b["dim"], x.ndim)

@@ -70,8 +70,12 @@ def random_box(shape: Sequence[int], rng: random.Random) -> tuple[tuple[int, int
     return tuple(box)
 
 
-def check_blocks(blocks: Sequence[RemapBlock], box: Sequence[tuple[int, int]],
-                 sources: Mapping[str, torch.Tensor], expected: torch.Tensor) -> None:
+def check_blocks(
+    blocks: Sequence[RemapBlock],
+    box: Sequence[tuple[int, int]],
+    sources: Mapping[str, torch.Tensor],
+    expected: torch.Tensor,
+) -> None:
     """Assert that ``blocks`` partition ``box`` exactly, read no more than the box needs, and give
     ``expected``.
 
@@ -180,9 +184,7 @@ def _factorizations(n: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _unary_ops(
-    draw: Any, shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[str, Callable, tuple[int, ...], Any]:
+def _unary_ops(draw: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, Callable, tuple[int, ...], Any]:
     """Draw one unary movement op valid for ``shape``: (description, fn, new shape, new dtype)."""
     nd = len(shape)
     kinds = ["reshape", "unsqueeze", "flip", "contiguous", "cast", "getitem", "chunk", "repeat"]
@@ -235,13 +237,18 @@ def _unary_ops(
     if kind == "cast":
         to = draw(st.sampled_from(DTYPES))
         spelled = draw(st.sampled_from(["to", "method", "type_as"]))
-        method = {torch.float32: "float", torch.bfloat16: "bfloat16", torch.float16: "half",
-                  torch.float64: "double", torch.int32: "int", torch.int64: "long"}[to]
+        method = {
+            torch.float32: "float",
+            torch.bfloat16: "bfloat16",
+            torch.float16: "half",
+            torch.float64: "double",
+            torch.int32: "int",
+            torch.int64: "long",
+        }[to]
         if spelled == "to":
             return result(f"to({to})", lambda x, to=to: x.to(to))
         if spelled == "type_as":
-            return result(f"type_as({to})",
-                          lambda x, to=to: x.type_as(torch.empty(0, dtype=to, device=x.device)))
+            return result(f"type_as({to})", lambda x, to=to: x.type_as(torch.empty(0, dtype=to, device=x.device)))
         return result(f".{method}()", lambda x, m=method: getattr(x, m)())
     if kind == "getitem":
         idx: list[Any] = []
@@ -298,8 +305,10 @@ def _unary_ops(
     if kind == "tensor_split":
         sections = draw(st.integers(1, 4))
         i = draw(st.integers(0, sections - 1))
-        return result(f"tensor_split({sections}, {dd})[{i}]",
-                      lambda x, s=sections, dd=dd, i=i: torch.tensor_split(x, s, dim=dd)[i])
+        return result(
+            f"tensor_split({sections}, {dd})[{i}]",
+            lambda x, s=sections, dd=dd, i=i: torch.tensor_split(x, s, dim=dd)[i],
+        )
     if kind == "unbind":
         n = shape[d]
         if n == 0:
@@ -352,18 +361,14 @@ def _unary_ops(
 
 
 @st.composite
-def programs(
-    draw: Any, max_leaves: int = 4, max_depth: int = 8, max_dims: int = 4, max_size: int = 6
-) -> Program:
+def programs(draw: Any, max_leaves: int = 4, max_depth: int = 8, max_dims: int = 4, max_size: int = 6) -> Program:
     """Random programs: 1-``max_leaves`` leaves and up to ``max_depth`` movement ops, incl. cat/stack."""
     nleaves = draw(st.integers(1, max_leaves))
-    shape = tuple(draw(st.lists(st.integers(1, max_size),
-                                min_size=1, max_size=max_dims)))
+    shape = tuple(draw(st.lists(st.integers(1, max_size), min_size=1, max_size=max_dims)))
     if draw(st.integers(0, 9)) == 0:
         shape = shape[:-1] + (0,)
     leaves = tuple(
-        (f"s{i}", shape, draw(st.sampled_from(DTYPES[:4]) if i else st.sampled_from(DTYPES)))
-        for i in range(nleaves)
+        (f"s{i}", shape, draw(st.sampled_from(DTYPES[:4]) if i else st.sampled_from(DTYPES))) for i in range(nleaves)
     )
     pool = [(s, d) for _, s, d in leaves]
     ops: list[Op] = []
@@ -373,23 +378,26 @@ def programs(
         partners = [i for i, (s, _) in enumerate(pool) if len(s) == len(shape_c)]
         if len(pool) > 1 and draw(st.integers(0, 3)) == 0 and len(shape_c) > 0:
             d = draw(st.integers(0, len(shape_c) - 1))
-            cand = [i for i in partners
-                    if all(a == b for j, (a, b) in enumerate(zip(pool[i][0], shape_c)) if j != d)]
+            cand = [i for i in partners if all(a == b for j, (a, b) in enumerate(zip(pool[i][0], shape_c)) if j != d)]
             other = draw(st.sampled_from(cand))
             first = draw(st.booleans())
             args = (cur, other) if first else (other, cur)
             if draw(st.booleans()):
                 name = draw(st.sampled_from(["cat", "concat", "concatenate"]))
+
                 def fn(a, b, d=d, n=name):
                     return getattr(torch, n)([a, b], dim=d)
+
                 desc = f"{name}(dim={d})"
             else:
                 same = [i for i in partners if pool[i][0] == shape_c]
                 other = draw(st.sampled_from(same))
                 args = (cur, other)
                 sd = draw(st.integers(-len(shape_c) - 1, len(shape_c)))
+
                 def fn(a, b, d=sd):
                     return torch.stack((a, b), d)
+
                 desc = f"stack({sd})"
             metas = [torch.empty(pool[i][0], dtype=pool[i][1], device="meta") for i in args]
             out = fn(*metas)

@@ -31,10 +31,18 @@ class Layout(nn.Module):
 
 def write_checkpoint(path: str, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    t = {name: torch.randn(shape, generator=g).to(torch.bfloat16) for name, shape in [
-        ("q", (H, H)), ("k", (H, H)), ("v", (H, H)), ("o_t", (H, H)), ("uneven_src", (ROWS, H)),
-        ("norm_src", (H,)), ("scaled_src", (ROWS, H)),
-    ]}
+    t = {
+        name: torch.randn(shape, generator=g).to(torch.bfloat16)
+        for name, shape in [
+            ("q", (H, H)),
+            ("k", (H, H)),
+            ("v", (H, H)),
+            ("o_t", (H, H)),
+            ("uneven_src", (ROWS, H)),
+            ("norm_src", (H,)),
+            ("scaled_src", (ROWS, H)),
+        ]
+    }
     for e in range(E):
         t[f"experts.{e}.w1"] = torch.randn(I, H, generator=g).to(torch.bfloat16)
         t[f"experts.{e}.w3"] = torch.randn(I, H, generator=g).to(torch.bfloat16)
@@ -43,15 +51,16 @@ def write_checkpoint(path: str, seed: int = 0) -> dict[str, torch.Tensor]:
     return t
 
 
-def gate_up(w1s, w3s):  # noqa: ANN001, ANN201
+def gate_up(w1s, w3s):
     return torch.cat([torch.stack(w1s), torch.stack(w3s)], dim=1)
 
 
 RULES = [
     Convert(["q", "k", "v"], "qkv.weight", lambda q, k, v: torch.cat([rope_permute(q), rope_permute(k), v])),
     Convert("o_t", "o_proj.weight", lambda w: w.t()),
-    Convert(["experts.*.w1", "experts.*.w3"], ["gate_up", "gate_up_strided"],
-            lambda a, b: (gate_up(a, b), gate_up(a, b))),
+    Convert(
+        ["experts.*.w1", "experts.*.w3"], ["gate_up", "gate_up_strided"], lambda a, b: (gate_up(a, b), gate_up(a, b))
+    ),
     Convert("experts.*.w2", "down", lambda ws: torch.stack(ws)),
     Rename("uneven_src", "uneven"),
     Rename("norm_src", "norm"),
@@ -66,7 +75,10 @@ def expected_state(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {
         "qkv.weight": torch.cat([rope_permute(t["q"]), rope_permute(t["k"]), t["v"]]).float(),
         "o_proj.weight": t["o_t"].t().float(),
-        "gate_up": gu, "gate_up_strided": gu,
+        "gate_up": gu,
+        "gate_up_strided": gu,
         "down": torch.stack([t[f"experts.{e}.w2"] for e in range(E)]).float(),
-        "uneven": t["uneven_src"].float(), "norm": t["norm_src"].float(), "scaled": (t["scaled_src"] * 2).float(),
+        "uneven": t["uneven_src"].float(),
+        "norm": t["norm_src"].float(),
+        "scaled": (t["scaled_src"] * 2).float(),
     }

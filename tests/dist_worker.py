@@ -82,7 +82,7 @@ def local_numel(t: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False, repo_id: bool = False) -> dict:  # noqa: ANN001
+def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False, repo_id: bool = False) -> dict:
     import dist_models as dm
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -119,7 +119,7 @@ def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False, repo_id: bool 
     }
 
 
-def scenario_moe(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:  # noqa: ANN001
+def scenario_moe(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -159,7 +159,7 @@ def scenario_fail_on_rank2(ctx: dict) -> dict:
 
     rank = dist.get_rank()
 
-    def norm(w):  # noqa: ANN001, ANN202
+    def norm(w):
         if rank == 2:
             raise RuntimeError("this rule only breaks on rank 2")
         return w
@@ -172,7 +172,7 @@ def scenario_fail_on_rank2(ctx: dict) -> dict:
     try:
         load_hf_checkpoint(model, ctx["layout_path"], weights_mapping=rules, progress=False)
         outcome = "no error"
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = f"{type(e).__name__}: {e}"
     unchanged = all(bool((p == 7.0).all()) for p in model.parameters())
     return {"outcome": outcome, "unchanged": unchanged}
@@ -201,7 +201,7 @@ def scenario_broadcast(ctx: dict, use_dcp: bool = False) -> dict:
     return {"bad": bad, "bytes_read": report.bytes_read, "total": sum(totals)}
 
 
-def scenario_simulation(ctx: dict, mesh_shape) -> dict:  # noqa: ANN001
+def scenario_simulation(ctx: dict, mesh_shape) -> dict:
     import dist_models as dm
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -236,7 +236,7 @@ def _unchanged(model: nn.Module, value: float = 7.0) -> bool:
     return all(bool((p == value).all()) for p in model.parameters())
 
 
-def _rules_with_scaled(fn) -> list:  # noqa: ANN001
+def _rules_with_scaled(fn) -> list:
     """dm.RULES with the deferred ``scaled`` conversion (run for real while reading) replaced by ``fn``."""
     import dist_models as dm
 
@@ -265,7 +265,7 @@ def scenario_read_fail_rollback(ctx: dict) -> dict:
     model = _filled_layout()
     wrote = []
 
-    def scaled(w):  # noqa: ANN001, ANN202
+    def scaled(w):
         if w.device.type == "meta":  # planning traces it; it runs for real while reading
             return w * 2
         wrote.append(not _unchanged(model))  # block reads have been written by now
@@ -278,7 +278,7 @@ def scenario_read_fail_rollback(ctx: dict) -> dict:
             model, ctx["layout_path"], weights_mapping=_rules_with_scaled(scaled), progress=False, rollback=True
         )
         outcome = {"type": None}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = _describe(e)
     return {**outcome, "wrote": wrote, "unchanged": _unchanged(model)}
 
@@ -294,7 +294,7 @@ def scenario_checkpoint_error_carried(ctx: dict) -> dict:
     try:
         load_hf_checkpoint(model, path, weights_mapping=dm.RULES, progress=False)
         outcome = {"type": None}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = _describe(e)
     return {**outcome, "unchanged": _unchanged(model)}
 
@@ -360,7 +360,7 @@ def scenario_hung_planning(ctx: dict) -> dict:
     try:
         load_hf_checkpoint(model, ctx["layout_path"], planner=planner, progress=False, timeout=2.5)
         outcome = {"type": None}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = _describe(e)
     if rank != HUNG:
         _caught(ctx, "hung_planning")
@@ -375,13 +375,13 @@ def scenario_hung_reading_dcp(ctx: dict) -> dict:
 
     rank = dist.get_rank()
 
-    def scaled(w):  # noqa: ANN001, ANN202
+    def scaled(w):
         if rank == HUNG and w.device.type != "meta":
             _hang_until_others_gave_up(ctx, "hung_reading_dcp")
         return w * 2
 
     class Reader(SafetensorsReader):
-        def read_data(self, plan, planner):  # noqa: ANN001, ANN201
+        def read_data(self, plan, planner):
             try:
                 return super().read_data(plan, planner)
             except BaseException:
@@ -394,7 +394,7 @@ def scenario_hung_reading_dcp(ctx: dict) -> dict:
     try:
         dcp.load(planner.state_dict_for_load(), storage_reader=Reader(ctx["layout_path"]), planner=planner)
         outcome = {"type": None}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = _describe(e)
     return outcome
 
@@ -409,7 +409,7 @@ def scenario_killed_reading(ctx: dict) -> dict:
     model = _filled_layout()
     wrote = []
 
-    def scaled(w):  # noqa: ANN001, ANN202
+    def scaled(w):
         if w.device.type != "meta":
             wrote.append(not _unchanged(model))
             if rank == HUNG:
@@ -426,7 +426,7 @@ def scenario_killed_reading(ctx: dict) -> dict:
             timeout=6,
         )
         outcome = {"type": None}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = _describe(e)
     return {**outcome, "wrote": wrote, "unchanged": _unchanged(model)}
 
@@ -451,7 +451,7 @@ def run_rank(rank: int, world: int, ctx: dict) -> None:
         t0 = time.time()
         try:
             results[name] = {"ok": True, **fn(ctx)}
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             results[name] = {"ok": False, "error": traceback.format_exc()}
         results[name]["wall"] = time.time() - t0
         torch.save(results, os.path.join(ctx["out"], f"rank{rank}.pt"))

@@ -14,20 +14,24 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local
 
-from safetensors import safe_open  # noqa: E402
-from transformers import (  # noqa: E402
+from safetensors import safe_open
+from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
 )
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers.utils import logging as hf_logging
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
 TEXT = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
     vocab_size=64,
 )
 MIXTRAL = dict(TEXT, num_local_experts=4)

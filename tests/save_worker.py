@@ -98,7 +98,7 @@ def gathered(value: object) -> list:
     return every
 
 
-def report_dict(report) -> dict:  # noqa: ANN001
+def report_dict(report) -> dict:
     return {k: getattr(report, k) for k in ("files", "keys", "total_size", "bytes_written", "header_bytes", "writes")}
 
 
@@ -182,7 +182,7 @@ def scenario_fail_writing(ctx: dict) -> dict:
     try:
         save_hf_checkpoint(model, out, weights_mapping=layout_rules(), source_shapes=ctx["layout"], progress=False)
         outcome = {"type": None}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = _describe(e)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -196,7 +196,7 @@ def _rules_failing_on(rank: int, kill: bool = False) -> list:
 
     me = dist.get_rank()
 
-    def norm(w):  # noqa: ANN001, ANN202
+    def norm(w):
         if me == rank:
             if kill:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -215,7 +215,7 @@ def scenario_fail_preparing(ctx: dict) -> dict:
     try:
         save_hf_checkpoint(model, out, weights_mapping=_rules_failing_on(FAILING), source_shapes=ctx["layout"])
         outcome = {"type": None}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = _describe(e)
     dist.barrier()
     return {**outcome, "left": sorted(n for n in os.listdir(ctx["out"]) if n.startswith("fail_preparing"))}
@@ -232,7 +232,7 @@ def scenario_killed(ctx: dict) -> dict:
             model, out, weights_mapping=_rules_failing_on(FAILING, kill=True), source_shapes=ctx["layout"], timeout=6
         )
         outcome = {"type": None}
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         outcome = _describe(e)
     return {**outcome, "left": sorted(n for n in os.listdir(ctx["out"]) if n.startswith("killed"))}
 
@@ -263,7 +263,7 @@ def run_rank(rank: int, world: int, ctx: dict) -> None:
         t0 = time.time()
         try:
             results[name] = {"ok": True, **fn(ctx)}
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             results[name] = {"ok": False, "error": traceback.format_exc()}
         results[name]["wall"] = time.time() - t0
         torch.save(results, os.path.join(ctx["out"], f"rank{rank}.pt"))

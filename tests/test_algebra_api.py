@@ -97,8 +97,10 @@ def test_execute_blocks_errors():
         rt.execute_blocks(q.remap_blocks(), {"q": torch.zeros(4, 8)}, torch.empty(8, 4))
 
 
-@pytest.mark.parametrize("box", [((0, 9), (0, 4)), ((-1, 2), (0, 4)), ((3, 2), (0, 4)), ((0, 8),),
-                                 ((0, 8), (0, 4), (0, 1)), ((0, 8), (4, 5))])
+@pytest.mark.parametrize(
+    "box",
+    [((0, 9), (0, 4)), ((-1, 2), (0, 4)), ((3, 2), (0, 4)), ((0, 8),), ((0, 8), (0, 4), (0, 1)), ((0, 8), (4, 5))],
+)
 def test_remap_blocks_rejects_boxes_outside_the_shape(box):
     with pytest.raises(ValueError):
         leaf("q", (8, 4)).remap_blocks(box=box)
@@ -339,8 +341,7 @@ def test_transposed_4x3_reshaped(shape):
 def test_flatten_across_a_cat():
     out = assert_converter_exact(lambda a, b: torch.cat([a, b]).flatten(), a=((2, 3), F32), b=((3, 3), F32))
     assert pieces(out) == 2
-    out = assert_converter_exact(lambda a, b: torch.cat([a, b], 1).flatten(), a=((2, 3), F32),
-                                 b=((2, 5), F32))
+    out = assert_converter_exact(lambda a, b: torch.cat([a, b], 1).flatten(), a=((2, 3), F32), b=((2, 5), F32))
     assert pieces(out) == 2
 
 
@@ -356,8 +357,9 @@ def test_cat_of_chunks_of_a_transposed_tensor():
     assert pieces(out) == 3
     out = assert_converter_exact(lambda a: torch.cat(a.t().chunk(2)), a=((4, 6), F32))
     assert pieces(out) == 1  # the chunks continue each other: merged back
-    out = assert_converter_exact(lambda a, b: torch.cat([*a.t().chunk(2), *b.t().chunk(3)]),
-                                 a=((4, 6), F32), b=((4, 6), F32))
+    out = assert_converter_exact(
+        lambda a, b: torch.cat([*a.t().chunk(2), *b.t().chunk(3)]), a=((4, 6), F32), b=((4, 6), F32)
+    )
     assert pieces(out) == 2
 
 
@@ -368,16 +370,16 @@ def test_permute_for_rope_is_one_piece(h, d, n):
 
     out = assert_converter_exact(rope, w=((d, n), BF16))
     assert pieces(out) == 1
-    inverse = assert_converter_exact(lambda w: w.view(h, 2, d // h // 2, n).transpose(1, 2).reshape(d, n),
-                                     w=((d, n), BF16))
+    inverse = assert_converter_exact(
+        lambda w: w.view(h, 2, d // h // 2, n).transpose(1, 2).reshape(d, n), w=((d, n), BF16)
+    )
     assert pieces(inverse) == 1
 
 
 def test_interleave_via_stack_flatten_is_two_pieces():
     out = assert_converter_exact(lambda a, b: torch.stack([a, b], -1).flatten(), a=((6,), F32), b=((6,), F32))
     assert pieces(out) == 2
-    out = assert_converter_exact(lambda a, b: torch.stack([a, b], -1).flatten(-2), a=((3, 6), F32),
-                                 b=((3, 6), F32))
+    out = assert_converter_exact(lambda a, b: torch.stack([a, b], -1).flatten(-2), a=((3, 6), F32), b=((3, 6), F32))
     assert pieces(out) == 2
 
 
@@ -536,13 +538,16 @@ def test_block_source_runs_of_flip_broadcast_and_step():
     assert b.source_span() == (0, 11) and b.source_box() is None
 
 
-@pytest.mark.parametrize("shape,fn,expected", [
-    ((4, 1, 3), lambda x: x.squeeze(1), ((0, 0, 0), (4, 1, 3), (0, 2))),
-    ((4, 1, 3), lambda x: x.squeeze(1).t(), ((0, 0, 0), (4, 1, 3), (2, 0))),
-    ((4, 1, 3), lambda x: x[1:3], ((1, 0, 0), (2, 1, 3), (0, 2))),
-    ((4, 3, 1), lambda x: x[1:3, 1:], ((1, 1, 0), (2, 2, 1), (0, 1))),
-    ((1, 1, 5), lambda x: x, ((0, 0, 0), (1, 1, 5), (2,))),
-])
+@pytest.mark.parametrize(
+    "shape,fn,expected",
+    [
+        ((4, 1, 3), lambda x: x.squeeze(1), ((0, 0, 0), (4, 1, 3), (0, 2))),
+        ((4, 1, 3), lambda x: x.squeeze(1).t(), ((0, 0, 0), (4, 1, 3), (2, 0))),
+        ((4, 1, 3), lambda x: x[1:3], ((1, 0, 0), (2, 1, 3), (0, 2))),
+        ((4, 3, 1), lambda x: x[1:3, 1:], ((1, 1, 0), (2, 2, 1), (0, 1))),
+        ((1, 1, 5), lambda x: x, ((0, 0, 0), (1, 1, 5), (2,))),
+    ],
+)
 def test_block_source_box_with_size_one_source_dims(shape, fn, expected):
     """Regression: source_box picked the size-1 dim among dims sharing a stride, so every source with a
     size-1 dim gave None."""
@@ -656,15 +661,22 @@ def test_cat_with_empty_parts():
     assert out.sources() == {"a"}
 
 
-@pytest.mark.parametrize("fn,src,dtype,casts", [
-    (lambda x: x.float().bfloat16(), BF16, BF16, ()),  # exact round trip: no cast at all
-    (lambda x: x.half().float(), F32, F32, (torch.float16, torch.float32)),  # lossy: both kept
-    (lambda x: x.half().float(), BF16, F32, (torch.float16, torch.float32)),
-    (lambda x: x.float().half(), BF16, torch.float16, (torch.float16,)),  # exact widening dropped
-    (lambda x: x.to(torch.float64).to(F32), F32, F32, ()),
-    (lambda x: x.type_as(torch.empty(0, dtype=torch.float16, device=x.device)), F32, torch.float16,
-     (torch.float16,)),
-])
+@pytest.mark.parametrize(
+    "fn,src,dtype,casts",
+    [
+        (lambda x: x.float().bfloat16(), BF16, BF16, ()),  # exact round trip: no cast at all
+        (lambda x: x.half().float(), F32, F32, (torch.float16, torch.float32)),  # lossy: both kept
+        (lambda x: x.half().float(), BF16, F32, (torch.float16, torch.float32)),
+        (lambda x: x.float().half(), BF16, torch.float16, (torch.float16,)),  # exact widening dropped
+        (lambda x: x.to(torch.float64).to(F32), F32, F32, ()),
+        (
+            lambda x: x.type_as(torch.empty(0, dtype=torch.float16, device=x.device)),
+            F32,
+            torch.float16,
+            (torch.float16,),
+        ),
+    ],
+)
 def test_cast_chains(fn, src, dtype, casts):
     out = assert_converter_exact(fn, x=((3, 4), src))
     assert out.dtype == dtype

@@ -116,7 +116,7 @@ def test_layout_of_compiled_blocks_is_brute_force(program, data):
 
 
 @st.composite
-def strided_blocks(draw) -> rt.RemapBlock:  # noqa: ANN001
+def strided_blocks(draw) -> rt.RemapBlock:
     """Arbitrary strided reads of a 1-D source: negative, zero and overlapping strides, size-0/1 dims."""
     ndim = draw(st.integers(0, 4))
     shape = tuple(

@@ -369,9 +369,7 @@ def test_index_symlinks_are_accepted(tmp_path: Path):
 
 def test_index_key_missing_from_file(tmp_path: Path):
     root = make_sharded(tmp_path)
-    index = write_index(
-        root, {"w1": "model-00001-of-00002.safetensors", "w2": "model-00001-of-00002.safetensors"}
-    )
+    index = write_index(root, {"w1": "model-00001-of-00002.safetensors", "w2": "model-00001-of-00002.safetensors"})
     expect_error(str(root), index, "'w2'", "model-00001-of-00002.safetensors")
 
 
@@ -394,9 +392,7 @@ def blob(tmp_path_factory) -> tuple[str, bytes]:
 
 
 range_lists = st.lists(
-    st.tuples(st.integers(0, 64 * 1024), st.integers(0, 9000)).map(
-        lambda t: (t[0], min(t[0] + t[1], 64 * 1024))
-    ),
+    st.tuples(st.integers(0, 64 * 1024), st.integers(0, 9000)).map(lambda t: (t[0], min(t[0] + t[1], 64 * 1024))),
     max_size=30,
 )
 

@@ -278,7 +278,7 @@ def library_accepts(path: str) -> bool:
         with safe_open(path, "pt") as f:
             f.keys()
         return True
-    except Exception:  # noqa: BLE001 - the library's own error type varies by version
+    except Exception:
         return False
 
 

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import dist_models as dm  # noqa: E402
-import dist_worker  # noqa: E402
+import dist_models as dm
+import dist_worker
 from fake_hub import add_snapshot
 
 WORLD = 4
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     import transformers
+
     root = tmp_path_factory.mktemp("dist")
     ctx = {"store": str(root / "store"), "out": str(root)}
     ctx["layout_path"] = str(root / "layout.safetensors")
@@ -64,11 +65,11 @@ def results(tmp_path_factory):
 WORLD_LIMIT = 300  # seconds; the world normally finishes in well under a minute
 
 
-def _run_world(root, ctx: dict) -> list[dict]:  # noqa: ANN001
+def _run_world(root, ctx: dict) -> list[dict]:
     """Run every rank of the world as a subprocess; each rank's results (rank 2 dies in the last scenario)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    logs = [open(root / f"rank{r}.log", "w") for r in range(WORLD)]  # noqa: SIM115
+    logs = [open(root / f"rank{r}.log", "w") for r in range(WORLD)]
     procs = [
         subprocess.Popen(
             [sys.executable, dist_worker.__file__, str(r), str(WORLD), json.dumps(ctx)],
@@ -96,7 +97,7 @@ def _run_world(root, ctx: dict) -> list[dict]:  # noqa: ANN001
     return [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
 
 
-def _logs(root) -> str:  # noqa: ANN001
+def _logs(root) -> str:
     """Each rank's output and the errors of the scenarios it saved, for a failure message."""
     parts = []
     for r in range(WORLD):

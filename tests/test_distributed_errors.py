@@ -12,10 +12,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import dist_models as dm  # noqa: E402
+import dist_models as dm
 
-from loader import CheckpointError, PeerFailure, load_hf_checkpoint  # noqa: E402
-from loader.distributed.session import _make_error, peer_errors, timeout_seconds  # noqa: E402
+from loader import CheckpointError, PeerFailure, load_hf_checkpoint
+from loader.distributed.session import _make_error, peer_errors, timeout_seconds
 
 
 def test_peer_failure_is_a_runtime_error_that_keeps_its_attributes_across_pickling():

@@ -289,7 +289,7 @@ def test_moe_expert_stack_and_gate_up_cat():
 def test_qkv_cat_rope_chunk_transpose_flip():
     round_trip(lambda q, k, v: torch.cat([q, k, v]), q=((16, 8), BF16), k=((4, 8), BF16), v=((4, 8), BF16))
     h, d, n = 4, 32, 6
-    rope = lambda w: w.view(h, 2, d // h // 2, n).transpose(1, 2).reshape(d, n)  # noqa: E731
+    rope = lambda w: w.view(h, 2, d // h // 2, n).transpose(1, 2).reshape(d, n)
     traced, _, _ = round_trip(rope, w=((d, n), BF16))
     assert len(traced.region.pieces) == 1
     round_trip(lambda w: dict(zip(("gate", "up"), w.chunk(2))), w=((12, 5), F32))

@@ -14,11 +14,11 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hf_models import build, clone_state, config_of, read_checkpoint, save  # noqa: E402
+from hf_models import build, clone_state, config_of, read_checkpoint, save
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM
 
 from loader import (
     Convert,

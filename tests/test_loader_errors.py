@@ -267,7 +267,7 @@ def test_dcp_load_reports_checkpoint_error(folder):
     net = tiny()
     before = snapshot(net)
     planner = HFLoadPlanner(net)
-    with pytest.raises(BaseException) as info:  # noqa: PT011 - torch decides the wrapper type
+    with pytest.raises(BaseException) as info:
         dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(folder), planner=planner, no_dist=True)
     assert str(path) in str(info.value) and "'a.bias'" in str(info.value)
     assert_unchanged(net, before)

@@ -81,7 +81,7 @@ class ColumnShardPlanner(HFLoadPlanner):
     ``after_plan(checkpoint, plan)`` runs after the headers were read and the plan built, before any data read.
     """
 
-    def __init__(self, model: nn.Module, after_plan=None) -> None:  # noqa: ANN001
+    def __init__(self, model: nn.Module, after_plan=None) -> None:
         super().__init__(model)
         self.after_plan = after_plan
 
@@ -92,7 +92,7 @@ class ColumnShardPlanner(HFLoadPlanner):
         boxes = ((((0, rows), (C0, C1)), ((0, rows), (0, C1 - C0))),)  # one (global box, local box) pair
         return TargetSlot(name, tuple(tensor.shape), tensor.dtype, tensor.data[:, C0:C1], boxes)
 
-    def build_plan(self, checkpoint, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+    def build_plan(self, checkpoint, *args, **kwargs):
         plan = super().build_plan(checkpoint, *args, **kwargs)
         if self.after_plan is not None:
             self.after_plan(checkpoint, plan)
@@ -149,7 +149,7 @@ def _finish(root: Path, before: dict, net: nn.Module, error: BaseException | Non
     (root / "result.json").write_text(json.dumps(result))
 
 
-def _load(root: Path, tamper, *, rollback: bool) -> None:  # noqa: ANN001
+def _load(root: Path, tamper, *, rollback: bool) -> None:
     """Load ``root`` into a Net through ``load_hf_checkpoint``; ``tamper(checkpoint, plan)`` runs after planning."""
     net = Net()
     before = state(net)
@@ -188,11 +188,11 @@ class WriterAfterFirstRead(FileReader):
             self.done = True
             overwrite_in_place(Path(file))
 
-    def pread_into(self, file, offset, out) -> None:  # noqa: ANN001
+    def pread_into(self, file, offset, out) -> None:
         super().pread_into(file, offset, out)
         self._after(file)
 
-    def read_spans(self, file, spans, out, base, *, wanted=None) -> None:  # noqa: ANN001
+    def read_spans(self, file, spans, out, base, *, wanted=None) -> None:
         super().read_spans(file, spans, out, base, wanted=wanted)
         self._after(file)
 

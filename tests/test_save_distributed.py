@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import dist_models as dm  # noqa: E402
-import save_worker  # noqa: E402
-from hf_models import build  # noqa: E402
+import dist_models as dm
+import save_worker
+from hf_models import build
 
-from loader import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from loader import load_hf_checkpoint, save_hf_checkpoint
 
 WORLD = 4
 WORLD_LIMIT = 300  # seconds; the world normally finishes in well under a minute
@@ -54,10 +54,10 @@ def world(tmp_path_factory):
     return root, _run_world(root, ctx)
 
 
-def _run_world(root, ctx: dict) -> list[dict]:  # noqa: ANN001
+def _run_world(root, ctx: dict) -> list[dict]:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    logs = [open(root / f"rank{r}.log", "w") for r in range(WORLD)]  # noqa: SIM115
+    logs = [open(root / f"rank{r}.log", "w") for r in range(WORLD)]
     procs = [
         subprocess.Popen(
             [sys.executable, save_worker.__file__, str(r), str(WORLD), json.dumps(ctx)],
@@ -85,7 +85,7 @@ def _run_world(root, ctx: dict) -> list[dict]:  # noqa: ANN001
     return [torch.load(os.path.join(ctx["out"], f"rank{r}.pt")) for r in range(WORLD)]
 
 
-def _logs(root, ctx: dict) -> str:  # noqa: ANN001
+def _logs(root, ctx: dict) -> str:
     parts = []
     for r in range(WORLD):
         parts.append(f"--- rank {r}\n{(root / f'rank{r}.log').read_text()[-3000:]}")
@@ -101,7 +101,7 @@ def _ok(results: list[dict], name: str) -> list[dict]:
     return [res[name] for res in results]
 
 
-def folder_bytes(path) -> dict[str, bytes]:  # noqa: ANN001
+def folder_bytes(path) -> dict[str, bytes]:
     return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
 
 

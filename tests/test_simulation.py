@@ -30,7 +30,7 @@ from loader.simulate import coordinate_of, simulate_load
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import dist_models as dm  # noqa: E402
+import dist_models as dm
 
 MESH = (8, 8)
 WORLD = 64
@@ -89,7 +89,7 @@ def moe_ckpt(tmp_path_factory):
     return path, cfg, reference
 
 
-def shard_meta(model: nn.Module, mesh, placements: dict) -> nn.Module:  # noqa: ANN001
+def shard_meta(model: nn.Module, mesh, placements: dict) -> nn.Module:
     """Replace the named parameters by DTensor parameters on the meta device (like dist_worker.shard_model)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -105,7 +105,7 @@ def shard_meta(model: nn.Module, mesh, placements: dict) -> nn.Module:  # noqa: 
     return model
 
 
-def layout_on_meta(mesh) -> nn.Module:  # noqa: ANN001
+def layout_on_meta(mesh) -> nn.Module:
     from dist_worker import layout_placements
 
     with torch.device("meta"):
@@ -113,7 +113,7 @@ def layout_on_meta(mesh) -> nn.Module:  # noqa: ANN001
     return shard_meta(model, mesh, layout_placements(MESH))
 
 
-def moe_on_meta(cfg, mesh, placements=None) -> nn.Module:  # noqa: ANN001
+def moe_on_meta(cfg, mesh, placements=None) -> nn.Module:
     from dist_worker import moe_placements
     from transformers import AutoModelForCausalLM
 
@@ -125,17 +125,17 @@ def moe_on_meta(cfg, mesh, placements=None) -> nn.Module:  # noqa: ANN001
 class RecordingPlanner(HFLoadPlanner):
     """Keeps each simulated rank's slots and plan."""
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.recorded: list[tuple[dict[str, TargetSlot], object]] = []
 
-    def build_plan(self, checkpoint, slots=None, *, check_devices=True):  # noqa: ANN001, ANN201
+    def build_plan(self, checkpoint, slots=None, *, check_devices=True):
         plan = super().build_plan(checkpoint, slots, check_devices=check_devices)
         self.recorded.append((dict(plan.slots), plan))
         return plan
 
 
-def read_masks(plan, checkpoint: SafetensorsCheckpoint) -> dict[str, np.ndarray]:  # noqa: ANN001
+def read_masks(plan, checkpoint: SafetensorsCheckpoint) -> dict[str, np.ndarray]:
     """Per source key, which elements the plan reads (region reads by element, deferred sources whole)."""
     masks: dict[str, np.ndarray] = {}
 
@@ -155,11 +155,11 @@ def read_masks(plan, checkpoint: SafetensorsCheckpoint) -> dict[str, np.ndarray]
     return masks
 
 
-def mask_bytes(masks: dict[str, np.ndarray], checkpoint: SafetensorsCheckpoint, keys=None) -> int:  # noqa: ANN001
+def mask_bytes(masks: dict[str, np.ndarray], checkpoint: SafetensorsCheckpoint, keys=None) -> int:
     return sum(int(m.sum()) * checkpoint[k].itemsize for k, m in masks.items() if keys is None or k in keys)
 
 
-def local_bytes(slots: dict[str, TargetSlot], names, itemsize: int = 2) -> int:  # noqa: ANN001
+def local_bytes(slots: dict[str, TargetSlot], names, itemsize: int = 2) -> int:
     return sum(slots[n].local_numel for n in names) * itemsize
 
 
@@ -292,7 +292,7 @@ def test_moe_pure_ep_group_ranks_read_identical_bytes(fake_mesh, moe_ckpt):
     model = moe_on_meta(cfg, fake_mesh)
     checkpoint = SafetensorsCheckpoint.open(path)
 
-    def placements(name: str, shape: tuple[int, ...]):  # noqa: ANN202
+    def placements(name: str, shape: tuple[int, ...]):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             return [Shard(0), Replicate()]
         if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
@@ -363,7 +363,7 @@ def test_dtensors_on_a_submesh_are_placed_on_the_root_mesh(fake_mesh, moe_ckpt):
     q = model.model.layers[0].self_attn.q_proj.weight
     assert tuple(q.data.device_mesh.shape) == (8,)  # on the submesh
 
-    def explicit(name: str, shape: tuple[int, ...]):  # noqa: ANN202
+    def explicit(name: str, shape: tuple[int, ...]):
         if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
             return [Replicate(), Shard(0)]
         if name.endswith("o_proj.weight"):
@@ -391,7 +391,7 @@ def test_dtensors_on_a_submesh_are_placed_on_the_root_mesh(fake_mesh, moe_ckpt):
 # (b) a header-only checkpoint: no data files
 
 
-def _header_only(entries) -> SafetensorsCheckpoint:  # noqa: ANN001
+def _header_only(entries) -> SafetensorsCheckpoint:
     infos, offset = {}, 0
     for key, shape, dtype in entries:
         size = math.prod(shape) * dtype.itemsize
@@ -435,7 +435,7 @@ def test_header_only_checkpoint_moe(fake_mesh, moe_ckpt):
 # (c) shard_boxes vs DTensor's own sharding
 
 
-def _oracle(shape, mesh_shape, coord, placements) -> torch.Tensor:  # noqa: ANN001
+def _oracle(shape, mesh_shape, coord, placements) -> torch.Tensor:
     """The local shard of arange(global) at ``coord``: DTensor's own splits, left to right, as
     ``distribute_tensor(..., src_data_rank=None)`` applies them."""
     t = torch.arange(math.prod(shape)).reshape(shape)
@@ -445,7 +445,7 @@ def _oracle(shape, mesh_shape, coord, placements) -> torch.Tensor:  # noqa: ANN0
     return t
 
 
-def _assemble(shape, local_shape, boxes) -> torch.Tensor:  # noqa: ANN001
+def _assemble(shape, local_shape, boxes) -> torch.Tensor:
     """Place the global elements of each box at its local box; unset elements stay -1."""
     full = torch.arange(math.prod(shape)).reshape(shape)
     out = torch.full(local_shape, -1, dtype=torch.long)
@@ -456,7 +456,7 @@ def _assemble(shape, local_shape, boxes) -> torch.Tensor:  # noqa: ANN001
     return out
 
 
-def _check(shape, mesh_shape, placements) -> list:  # noqa: ANN001
+def _check(shape, mesh_shape, placements) -> list:
     """Check every coordinate; return the per-coordinate boxes."""
     out = []
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
@@ -474,7 +474,7 @@ def _check(shape, mesh_shape, placements) -> list:  # noqa: ANN001
     return out
 
 
-def _rows(boxes) -> list:  # noqa: ANN001
+def _rows(boxes) -> list:
     return [tuple(g[0] for g, _ in b) for b in boxes]
 
 

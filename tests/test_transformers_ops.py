@@ -13,9 +13,9 @@ from copy import deepcopy
 import pytest
 import torch
 from torch import nn
-from transformers import PretrainedConfig  # noqa: E402
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: E402
-from transformers.core_model_loading import (  # noqa: E402
+from transformers import PretrainedConfig
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.core_model_loading import (
     Chunk,
     Concatenate,
     Conv3dToLinear,
@@ -35,7 +35,7 @@ from transformers.core_model_loading import (  # noqa: E402
     VisionUnfuseAndPermuteForRope,
     WeightConverter,
 )
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers.utils import logging as hf_logging
 
 import regiontrace as rt
 from regiontrace.testing import assert_converter_exact

@@ -3,7 +3,7 @@ loader and the model code already imported (spawning N fresh interpreters costs 
 
 from __future__ import annotations
 
-import torch.distributed  # noqa: F401
+import torch.distributed
 import torch.distributed.tensor  # noqa: F401
 
 import regiontrace  # noqa: F401

@@ -43,7 +43,7 @@ def run_rank(rank: int, ctx: dict[str, Any]) -> None:
         result.update(checked)
         result.update(_save(model, ctx))
         result["ok"] = not result["bad"] and not result["uncovered"]
-    except BaseException as e:  # noqa: BLE001 — reported by the main process
+    except BaseException as e:
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
     finally:

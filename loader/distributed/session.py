@@ -93,7 +93,7 @@ class LoadSession:
     def __exit__(self, *exc: object) -> None:
         try:
             self.store.set(f"done/{self.rank}", "1")  # before the beats stop: not to be taken for dead
-        except Exception:  # noqa: BLE001 - a broken store: the load is failing anyway
+        except Exception:
             log.debug("rank %d: could not mark the load done", self.rank, exc_info=True)
         self._stop.set()
         if self._thread is not None:
@@ -107,7 +107,7 @@ class LoadSession:
             while not self._stop.wait(self.dead_after / 5):
                 self.store.add(f"beat/{self.rank}", 1)
                 self._watch(seen)
-        except Exception:  # noqa: BLE001 - the store went away (group destroyed): nothing left to watch
+        except Exception:
             log.debug("rank %d: heartbeat stopped", self.rank, exc_info=True)
 
     def _watch(self, seen: dict[int, tuple[int, float]]) -> None:

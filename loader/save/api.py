@@ -184,7 +184,7 @@ def collect_writes(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _prepare(model, rules, max_shard_size, metadata, rank) -> tuple[SaveMapping, SaveLayout, RankWrites]:  # noqa: ANN001
+def _prepare(model, rules, max_shard_size, metadata, rank) -> tuple[SaveMapping, SaveLayout, RankWrites]:
     mapping = map_for_save(model, **rules)
     layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata=metadata)
     _, world = rank_and_world()
@@ -204,7 +204,7 @@ def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool |
     return writer
 
 
-def _save_distributed(model, path, rules, max_shard_size, metadata, progress, timeout) -> SaveReport:  # noqa: ANN001
+def _save_distributed(model, path, rules, max_shard_size, metadata, progress, timeout) -> SaveReport:
     """Plan on every rank; rank 0 creates the files; every rank writes its regions; rank 0 commits. Each step
     ends at an agreement point: a failure or a hang anywhere fails every rank, and rank 0 removes the files."""
     from ..distributed import LoadSession
@@ -311,7 +311,7 @@ def _total_parameters(model: torch.nn.Module) -> int:
     return sum(math.prod(p.shape) for p in model.parameters())
 
 
-def _progress_bar(enabled: bool | None, total: int):  # noqa: ANN202
+def _progress_bar(enabled: bool | None, total: int):
     if enabled is False or (enabled is None and not sys.stderr.isatty()):
         return None
     from tqdm.auto import tqdm
@@ -319,7 +319,7 @@ def _progress_bar(enabled: bool | None, total: int):  # noqa: ANN202
     return tqdm(total=total, unit="B", unit_scale=True, desc="saving", leave=False)
 
 
-def _report(path, mapping, layout, writer, header, writes, rank, world) -> SaveReport:  # noqa: ANN001
+def _report(path, mapping, layout, writer, header, writes, rank, world) -> SaveReport:
     report = SaveReport(
         path=os.fspath(path),
         files=tuple(f.name for f in layout.files),

@@ -194,7 +194,7 @@ def _reverted(model: Any, meta: dict[str, torch.Tensor], rules: dict | None) -> 
         reverted = revert_weight_conversion(model, dict(meta))
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001 - a reverse op that cannot run on meta tensors, a rule transformers rejects
+    except Exception as e:
         raise ValueError(
             f"could not derive the checkpoint layout with transformers' revert_weight_conversion "
             f"({type(e).__name__}: {e}); pass source_shapes= (checkpoint key -> shape)"
@@ -208,7 +208,7 @@ def _reverted(model: Any, meta: dict[str, torch.Tensor], rules: dict | None) -> 
     return {k: (tuple(t.shape), t.dtype, _storage(t)) for k, t in reverted.items()}
 
 
-def _transformers_rules(model: Any, weights_mapping, extra_weights_mapping, key_mapping) -> list:  # noqa: ANN001
+def _transformers_rules(model: Any, weights_mapping, extra_weights_mapping, key_mapping) -> list:
     """The rules a load uses, as transformers transforms, for ``revert_weight_conversion`` to reverse."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightRenaming

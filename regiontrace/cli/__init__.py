@@ -81,7 +81,7 @@ def run_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None
             raise
         print(f"regiontrace {args.command}: error: {e}", file=sys.stderr)
         return e.status
-    except Exception as e:  # noqa: BLE001 — every error is one line unless -v
+    except Exception as e:
         if verbose:
             raise
         print(

@@ -185,7 +185,7 @@ def first_difference(call: Any, specs: dict) -> str:
                             f"the real run holds {_decode(int(b), names, specs)}"
                         )
                     return f"{where}: traced {a.item()!r}, real {b.item()!r}"
-    except Exception:  # noqa: BLE001 — a best-effort hint only
+    except Exception:
         return ""
     return ""
 
