@@ -16,13 +16,13 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 import regiontrace as rt
 from regiontrace.execute import dest_view
+from regiontrace.layout import split_block
 
 from .layout import SaveLayout, TensorPlace
 
@@ -160,7 +160,7 @@ class RegionWriter:
         place = self.layout.tensors[block.source]
         if block.numel == 0:
             return
-        for chunk in _chunks(block, max(1, self.staging_bytes // place.itemsize)):
+        for chunk in split_block(block, max(1, self.staging_bytes // place.itemsize)):  # no broadcast: reads = writes
             direct = _direct_view(chunk, values)
             if direct is not None:  # the model's own memory (a device tensor: one staged copy of the chunk)
                 offset, view = direct
@@ -233,23 +233,3 @@ def _direct_view(block: rt.RemapBlock, values: torch.Tensor) -> tuple[int, torch
     if not view.is_contiguous():
         return None
     return block.src_offset, view
-
-
-def _chunks(block: rt.RemapBlock, max_elements: int) -> list[rt.RemapBlock]:
-    """``block`` cut along its outer dims (largest source stride first) into pieces of at most ``max_elements``."""
-    if block.numel <= max_elements:
-        return [block]
-    order = sorted(range(len(block.shape)), key=lambda j: -abs(block.src_strides[j]))
-    j = next(j for j in order if block.shape[j] > 1)
-    inner = block.numel // block.shape[j]
-    step = max(1, max_elements // max(inner, 1))
-    out = []
-    for a in range(0, block.shape[j], step):
-        n = min(step, block.shape[j] - a)
-        shape = block.shape[:j] + (n,) + block.shape[j + 1 :]
-        dst = list(block.dst_offset)
-        dst[block.dst_dims[j]] += a * block.dst_steps[j]
-        start = block.src_offset + a * block.src_strides[j]
-        piece = replace(block, shape=shape, src_offset=start, dst_offset=tuple(dst))
-        out.extend(_chunks(piece, max_elements) if piece.numel > max_elements and n == 1 else [piece])
-    return out
