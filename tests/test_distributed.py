@@ -6,11 +6,8 @@ scenario kills rank 2) and a regression that hangs fails the tests instead of bl
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -21,8 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import dist_models as dm
 import dist_worker
 from fake_hub import add_snapshot
+from gloo_world import WORLD, ok, run_world
 
-WORLD = 4
 pytestmark = pytest.mark.dist
 
 
@@ -59,64 +56,12 @@ def results(tmp_path_factory):
     model.save_pretrained(ctx["moe_path"])
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, root / "moe_ref.pt")
     ctx["moe_ref"] = str(root / "moe_ref.pt")
-    return _run_world(root, ctx)
-
-
-WORLD_LIMIT = 300  # seconds; the world normally finishes in well under a minute
-
-
-def _run_world(root, ctx: dict) -> list[dict]:
-    """Run every rank of the world as a subprocess; each rank's results (rank 2 dies in the last scenario)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    logs = [open(root / f"rank{r}.log", "w") for r in range(WORLD)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, dist_worker.__file__, str(r), str(WORLD), json.dumps(ctx)],
-            cwd=repo,
-            env=env,
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(WORLD)
-    ]
-    try:
-        for p in procs:
-            p.wait(timeout=WORLD_LIMIT)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 4-rank world did not finish within {WORLD_LIMIT} s: a rank hangs\n" + _logs(root))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0, -signal.SIGKILL, 0], f"exit codes {codes}\n" + _logs(root)
-    return [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
-
-
-def _logs(root) -> str:
-    """Each rank's output and the errors of the scenarios it saved, for a failure message."""
-    parts = []
-    for r in range(WORLD):
-        parts.append(f"--- rank {r}\n{(root / f'rank{r}.log').read_text()[-3000:]}")
-        if (root / f"rank{r}.pt").exists():
-            saved = torch.load(root / f"rank{r}.pt")
-            parts += [f"{name}: {res['error'][-1500:]}" for name, res in saved.items() if not res["ok"]]
-    return "\n".join(parts)
-
-
-def _ok(results, name):
-    for r, res in enumerate(results):
-        assert res[name]["ok"], f"rank {r}:\n{res[name].get('error')}"
-    return [res[name] for res in results]
+    return run_world(dist_worker.__file__, root, str(root), ctx)
 
 
 @pytest.mark.parametrize("name", ["layout_1d", "layout_2d", "layout_dcp_2d", "layout_repo_id"])
 def test_layout_shards_equal_single_process_load(results, name):
-    per_rank = _ok(results, name)
+    per_rank = ok(results, name)
     for r, res in enumerate(per_rank):
         assert res["bad"] == [], f"rank {r}: {res['bad']}"
         assert res["deferred"] == ("scaled",)
@@ -127,7 +72,7 @@ def test_layout_shards_equal_single_process_load(results, name):
 
 @pytest.mark.parametrize("name", ["moe_1d", "moe_2d", "moe_dcp_1d"])
 def test_moe_model_shards(results, name):
-    per_rank = _ok(results, name)
+    per_rank = ok(results, name)
     for r, res in enumerate(per_rank):
         assert res["bad"] == [], f"rank {r}: {res['bad']}"
         assert res["deferred"] == ()
@@ -137,7 +82,7 @@ def test_moe_model_shards(results, name):
 
 
 def test_planning_failure_on_one_rank_fails_every_rank(results):
-    per_rank = _ok(results, "fail_on_rank2")
+    per_rank = ok(results, "fail_on_rank2")
     for r, res in enumerate(per_rank):
         assert "Planning the load failed on rank 2" in res["outcome"], (r, res["outcome"])
         assert "only breaks on rank 2" in res["outcome"]
@@ -146,7 +91,7 @@ def test_planning_failure_on_one_rank_fails_every_rank(results):
 
 @pytest.mark.parametrize("name", ["broadcast", "broadcast_dcp"])
 def test_broadcast_replicated_reads_checkpoint_once(results, name):
-    per_rank = _ok(results, name)
+    per_rank = ok(results, name)
     for res in per_rank:
         assert res["bad"] == []
     data_bytes = _checkpoint_data_bytes()
@@ -163,7 +108,7 @@ def _checkpoint_data_bytes() -> int:
 
 
 def test_simulation_matches_real_plans(results):
-    per_rank = _ok(results, "simulation_2d")
+    per_rank = ok(results, "simulation_2d")
     for res in per_rank:
         assert res["ranks"] == WORLD
         assert res["sim_blocks"] == res["blocks"]
@@ -179,7 +124,7 @@ def _truncated_copy(path: str, folder: str) -> str:
 
 
 def test_read_failure_with_rollback_restores_every_rank(results):
-    per_rank = _ok(results, "read_fail_rollback")
+    per_rank = ok(results, "read_fail_rollback")
     for r, res in enumerate(per_rank):
         assert res["type"] == "RuntimeError", (r, res)
         assert "Reading the checkpoint failed on rank 2" in res["message"], (r, res["message"])
@@ -191,7 +136,7 @@ def test_read_failure_with_rollback_restores_every_rank(results):
 def test_checkpoint_error_carries_failing_ranks_path_and_key(results):
     from loader import CheckpointError, SafetensorsCheckpoint
 
-    per_rank = _ok(results, "checkpoint_error_carried")
+    per_rank = ok(results, "checkpoint_error_carried")
     bad = per_rank[2]["path"]
     with pytest.raises(CheckpointError) as single:  # what one process says about that file
         SafetensorsCheckpoint.open(bad)
@@ -208,7 +153,7 @@ def test_checkpoint_error_carries_failing_ranks_path_and_key(results):
 
 
 def test_hung_rank_in_planning_is_named_on_every_rank(results):
-    per_rank = _ok(results, "hung_planning")
+    per_rank = ok(results, "hung_planning")
     for r, res in enumerate(per_rank):
         assert res["type"] == "PeerFailure", (r, res)
         assert (res["stage"], res["ranks"], res["reason"]) == ("planning", (2,), "timeout"), (r, res)
@@ -220,7 +165,7 @@ def test_hung_rank_in_planning_is_named_on_every_rank(results):
 
 
 def test_hung_rank_inside_dcp_load_is_named(results):
-    per_rank = _ok(results, "hung_reading_dcp")
+    per_rank = ok(results, "hung_reading_dcp")
     for r, res in enumerate(per_rank):
         # dcp.load gathers every rank's failure into one CheckpointException, raised on every rank
         assert res["type"] == "CheckpointException", (r, res)

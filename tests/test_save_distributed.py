@@ -8,11 +8,8 @@ fails every rank and leaves no checkpoint behind.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -23,12 +20,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import dist_models as dm
 import save_worker
+from gloo_world import ok, run_world
 from hf_models import build
 
 from loader import load_hf_checkpoint, save_hf_checkpoint
 
-WORLD = 4
-WORLD_LIMIT = 300  # seconds; the world normally finishes in well under a minute
 MOE_SHARD_SIZE = "20KB"
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 
@@ -51,54 +47,7 @@ def world(tmp_path_factory):
         "port": port, "out": str(out), "layout": str(root / "layout" / "model.safetensors"),
         "moe": str(root / "moe"), "moe_shard_size": MOE_SHARD_SIZE,
     }  # fmt: skip
-    return root, _run_world(root, ctx)
-
-
-def _run_world(root, ctx: dict) -> list[dict]:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    logs = [open(root / f"rank{r}.log", "w") for r in range(WORLD)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, save_worker.__file__, str(r), str(WORLD), json.dumps(ctx)],
-            cwd=repo,
-            env=env,
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        for r in range(WORLD)
-    ]
-    try:
-        for p in procs:
-            p.wait(timeout=WORLD_LIMIT)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 4-rank world did not finish within {WORLD_LIMIT} s: a rank hangs\n" + _logs(root, ctx))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0, -signal.SIGKILL, 0], f"exit codes {codes}\n" + _logs(root, ctx)
-    return [torch.load(os.path.join(ctx["out"], f"rank{r}.pt")) for r in range(WORLD)]
-
-
-def _logs(root, ctx: dict) -> str:
-    parts = []
-    for r in range(WORLD):
-        parts.append(f"--- rank {r}\n{(root / f'rank{r}.log').read_text()[-3000:]}")
-        path = os.path.join(ctx["out"], f"rank{r}.pt")
-        if os.path.exists(path):
-            parts += [f"{n}: {res['error'][-1500:]}" for n, res in torch.load(path).items() if not res["ok"]]
-    return "\n".join(parts)
-
-
-def _ok(results: list[dict], name: str) -> list[dict]:
-    for r, res in enumerate(results):
-        assert res[name]["ok"], f"rank {r}:\n{res[name].get('error')}"
-    return [res[name] for res in results]
+    return root, run_world(save_worker.__file__, root, ctx["out"], ctx)
 
 
 def folder_bytes(path) -> dict[str, bytes]:
@@ -116,7 +65,7 @@ def _each_rank_writes_its_shards_once(per_rank: list[dict]) -> None:
 
 def test_layout_shards_write_the_original_file(world):
     root, results = world
-    per_rank = _ok(results, "layout_1d")
+    per_rank = ok(results, "layout_1d")
     _each_rank_writes_its_shards_once(per_rank)
     out = per_rank[0]["out"]
     assert os.listdir(out) == ["model.safetensors"]  # a plain module: no config
@@ -125,7 +74,7 @@ def test_layout_shards_write_the_original_file(world):
 
 def test_sharded_files_from_a_2d_mesh_equal_a_one_process_save(world, tmp_path):
     root, results = world
-    per_rank = _ok(results, "layout_2d")
+    per_rank = ok(results, "layout_2d")
     _each_rank_writes_its_shards_once(per_rank)
     assert len(per_rank[0]["files"]) > 2
     model = save_worker.NoScaled()
@@ -141,7 +90,7 @@ def test_moe_shards_write_save_pretrained_files(world, name):
     """TP attention, EP x TP experts (Shard + _StridedShard gate_up), vocab-sharded embedding, replicated norms:
     the shards, the index and the config equal what save_pretrained wrote."""
     root, results = world
-    per_rank = _ok(results, name)
+    per_rank = ok(results, name)
     _each_rank_writes_its_shards_once(per_rank)
     ours, original = folder_bytes(per_rank[0]["out"]), folder_bytes(root / "moe")
     assert list(ours) == list(original) and len(per_rank[0]["files"]) > 1
@@ -153,7 +102,7 @@ def test_moe_shards_write_save_pretrained_files(world, name):
 
 def test_a_write_failure_on_one_rank_fails_every_rank(world):
     _, results = world
-    for r, res in enumerate(_ok(results, "fail_writing")):
+    for r, res in enumerate(ok(results, "fail_writing")):
         assert res["type"] == "RuntimeError", (r, res)
         assert "Writing the checkpoint failed on rank 2: OSError" in res["message"], res["message"]
         assert res["left"] == [], f"rank {r} sees {res['left']}"  # no folder, no temporary folder
@@ -161,7 +110,7 @@ def test_a_write_failure_on_one_rank_fails_every_rank(world):
 
 def test_a_planning_failure_on_one_rank_removes_the_files_rank_0_created(world):
     _, results = world
-    for r, res in enumerate(_ok(results, "fail_preparing")):
+    for r, res in enumerate(ok(results, "fail_preparing")):
         assert res["type"] == "RuntimeError", (r, res)
         assert "Preparing the save failed on rank 2" in res["message"] and "only breaks on rank 2" in res["message"]
         assert res["left"] == [], f"rank {r} sees {res['left']}"

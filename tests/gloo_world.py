@@ -1,0 +1,70 @@
+"""One shared gloo world of subprocess ranks for the distributed tests: spawn, bound, collect results.
+
+A worker script is run once per rank as ``python WORKER RANK WORLD CTX_JSON``; it runs every scenario in order
+and saves ``{scenario: {"ok": bool, "error": str, ...}}`` to ``RESULTS/rank{r}.pt`` after each one. The last
+scenario of each world kills rank 2 (a dead peer), so the expected exit codes are ``[0, 0, -SIGKILL, 0]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD = 4
+LIMIT = 300  # seconds; a world normally finishes in well under a minute
+EXPECTED_CODES = [0, 0, -signal.SIGKILL, 0]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_world(worker: str, logs_dir: Path, results_dir: str, ctx: dict) -> list[dict]:
+    """Run every rank of the world as a subprocess and return each rank's saved results.
+
+    Fails the test (with every rank's log and failed scenarios) when a rank hangs past ``LIMIT`` or the exit
+    codes are not ``EXPECTED_CODES``.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    logs = [open(logs_dir / f"rank{r}.log", "w") for r in range(WORLD)]
+    argv = [[sys.executable, worker, str(r), str(WORLD), json.dumps(ctx)] for r in range(WORLD)]
+    procs = [subprocess.Popen(a, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT) for a, log in zip(argv, logs)]
+    try:
+        for p in procs:
+            p.wait(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"the {WORLD}-rank world did not finish within {LIMIT} s: a rank hangs\n" + logs_of(logs_dir, results_dir)
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    codes = [p.returncode for p in procs]
+    assert codes == EXPECTED_CODES, f"exit codes {codes}\n" + logs_of(logs_dir, results_dir)
+    return [torch.load(os.path.join(results_dir, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+def logs_of(logs_dir: Path, results_dir: str) -> str:
+    """Each rank's output and the errors of the scenarios it saved, for a failure message."""
+    parts = []
+    for r in range(WORLD):
+        parts.append(f"--- rank {r}\n{(logs_dir / f'rank{r}.log').read_text()[-3000:]}")
+        path = os.path.join(results_dir, f"rank{r}.pt")
+        if os.path.exists(path):
+            parts += [f"{n}: {res['error'][-1500:]}" for n, res in torch.load(path).items() if not res["ok"]]
+    return "\n".join(parts)
+
+
+def ok(results: list[dict], name: str) -> list[dict]:
+    """Scenario ``name``'s results on every rank, asserting it ran without error everywhere."""
+    for r, res in enumerate(results):
+        assert res[name]["ok"], f"rank {r}:\n{res[name].get('error')}"
+    return [res[name] for res in results]
