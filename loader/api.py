@@ -13,6 +13,7 @@ from .checkpoint import FileReader, SafetensorsCheckpoint
 from .distributed import timeout_seconds
 from .execute import execute_plan
 from .load import load_distributed
+from .materialize import initialize_rest, materialize
 from .placements import rank_and_world
 from .plan import describe
 from .planner import HFLoadPlanner
@@ -35,6 +36,7 @@ def load_hf_checkpoint(
     broadcast_replicated_tensors: bool = False,
     timeout: float | datetime.timedelta | None = 300.0,
     revision: str | None = None,
+    device: str | torch.device | None = None,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
 
@@ -56,17 +58,22 @@ def load_hf_checkpoint(
             the load on every rank with :class:`~loader.errors.PeerFailure`. None: no limit. Used instead of
             ``planner.timeout`` when a ``planner`` is given.
         revision: the revision (branch, tag or commit) of a repo id ``path``; None: the default branch.
+        device: where to materialise the tensors of ``model`` still on the meta device (a DTensor allocates
+            its local shard only) before loading; the tensors the checkpoint does not hold are then initialised
+            by the model's own init (a transformers model's ``initialize_weights``). None: a meta tensor is an error.
 
     Returns:
         A :class:`LoadReport` for this rank.
 
     Raises:
         CheckpointError: a bad checkpoint file (names the file and tensor); nothing was written.
-        ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``).
+        ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``), or, with
+            ``device`` and ``strict``, a materialised tensor nothing loaded or initialised.
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
     timeout_seconds(timeout)  # a bad timeout is refused in one process too
+    made = materialize(model, device) if device is not None else {}
     planner = planner or HFLoadPlanner(
         model,
         weights_mapping=weights_mapping,
@@ -78,7 +85,11 @@ def load_hf_checkpoint(
     )
     rank, world = rank_and_world()
     if world > 1:
-        return load_distributed(planner, path, progress=progress, rollback=rollback, timeout=timeout, revision=revision)
+        report = load_distributed(
+            planner, path, progress=progress, rollback=rollback, timeout=timeout, revision=revision
+        )
+        initialize_rest(model, made, report.loaded_keys, strict=strict)
+        return report
     plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision))
     log.info(describe(plan))
     with FileReader() as reader:
@@ -86,5 +97,6 @@ def load_hf_checkpoint(
         bytes_read = reader.bytes_read
     plan.keyplan.record_on_model(model)
     report = load_report(plan, bytes_read, rank, world)
+    initialize_rest(model, made, report.loaded_keys, strict=strict)
     log.info("loaded %d tensors, read %d bytes", len(report.loaded_keys), bytes_read)
     return report
