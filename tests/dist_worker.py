@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from gloo_world import run_scenarios
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -445,18 +445,7 @@ def run_rank(rank: int, world: int, ctx: dict) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
-    results = {}
-    everything = SCENARIOS + FAULT_SCENARIOS
-    for name, fn in everything:
-        t0 = time.time()
-        try:
-            results[name] = {"ok": True, **fn(ctx)}
-        except BaseException:
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        results[name]["wall"] = time.time() - t0
-        torch.save(results, os.path.join(ctx["out"], f"rank{rank}.pt"))
-        if name != everything[-1][0]:
-            dist.barrier()
+    run_scenarios(SCENARIOS + FAULT_SCENARIOS, ctx, rank)
 
 
 if __name__ == "__main__":  # run by tests/test_distributed.py: dist_worker.py RANK WORLD CTX_JSON

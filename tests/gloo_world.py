@@ -68,3 +68,27 @@ def ok(results: list[dict], name: str) -> list[dict]:
     for r, res in enumerate(results):
         assert res[name]["ok"], f"rank {r}:\n{res[name].get('error')}"
     return [res[name] for res in results]
+
+
+def run_scenarios(scenarios: list, ctx: dict, rank: int) -> None:
+    """The worker side: run ``(name, fn)`` scenarios in order, saving every result after each one.
+
+    A barrier separates scenarios (not after the last one, which kills rank 2). The results file is what
+    :func:`run_world` collects.
+    """
+    import time
+    import traceback
+
+    import torch.distributed as dist
+
+    results = {}
+    for name, fn in scenarios:
+        t0 = time.time()
+        try:
+            results[name] = {"ok": True, **fn(ctx)}
+        except BaseException:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        results[name]["wall"] = time.time() - t0
+        torch.save(results, os.path.join(ctx["out"], f"rank{rank}.pt"))
+        if name != scenarios[-1][0]:
+            dist.barrier()

@@ -12,12 +12,12 @@ import os
 import resource
 import signal
 import time
-import traceback
 from datetime import timedelta
 
 import dist_models as dm
 import torch
 import torch.distributed as dist
+from gloo_world import run_scenarios
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -258,17 +258,7 @@ def run_rank(rank: int, world: int, ctx: dict) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{ctx['port']}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
     )
-    results = {}
-    for name, fn in SCENARIOS:
-        t0 = time.time()
-        try:
-            results[name] = {"ok": True, **fn(ctx)}
-        except BaseException:
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        results[name]["wall"] = time.time() - t0
-        torch.save(results, os.path.join(ctx["out"], f"rank{rank}.pt"))
-        if name != SCENARIOS[-1][0]:
-            dist.barrier()
+    run_scenarios(SCENARIOS, ctx, rank)
     # rank 0 hosts the TCP store: it stays until the other survivors are done with it (rank 2 is dead)
     store = dist.distributed_c10d._get_default_store()
     store.add("finished", 1)
