@@ -8,6 +8,9 @@ from typing import Any
 
 from regiontrace.cli.common import CLIError, parse_shape
 
+#: the per-rank load table's columns, shared by ``plan`` and ``demo`` (each adds its own last column)
+LOAD_COLUMNS = ("rank", "coord", "tensors", "blocks", "bytes read", "shard bytes", "whole tensors", "read/shard")
+
 
 def parse_mesh(text: str) -> tuple[int, ...]:
     """``2x4`` → ``(2, 4)``."""

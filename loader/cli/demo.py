@@ -30,7 +30,7 @@ from regiontrace.cli.common import CLIError, HelpFormatter
 
 from .. import SafetensorsCheckpoint, load_hf_checkpoint
 from ..placements import placement_text, plan_placements
-from .common import have_transformers, human_bytes, parse_mesh, table
+from .common import LOAD_COLUMNS, have_transformers, human_bytes, parse_mesh, table
 from .demo_models import build_model, loader_kwargs, write_checkpoint
 from .demo_rank import run_rank
 from .plan_cmd import plan_model
@@ -334,17 +334,7 @@ def _report(
     print()
     print(
         table(
-            [
-                "rank",
-                "coord",
-                "tensors",
-                "blocks",
-                "bytes read",
-                "shard bytes",
-                "whole tensors",
-                "read/shard",
-                "check vs reference",
-            ],
+            [*LOAD_COLUMNS, "check vs reference"],
             rows,
             right=[True] * 8 + [False],
         )

@@ -20,7 +20,7 @@ from ..errors import CheckpointNotFoundError
 from ..placements import placement_text, plan_placements
 from ..simulate import coordinate_of, rank_figures, simulate_plans
 from . import geometry
-from .common import have_transformers, human_bytes, parse_mesh, quiet_transformers, table
+from .common import LOAD_COLUMNS, have_transformers, human_bytes, parse_mesh, quiet_transformers, table
 from .models import build_meta_model, read_config
 from .save_plan import write_plan, write_plan_json, write_plan_text
 from .svg import render
@@ -193,17 +193,7 @@ def plan_model(
     text += [
         "",
         table(
-            [
-                "rank",
-                "coord",
-                "tensors",
-                "blocks",
-                "bytes read",
-                "shard bytes",
-                "whole tensors",
-                "read/shard",
-                "deferred",
-            ],
+            [*LOAD_COLUMNS, "deferred"],
             rows,
             right=[True] * 9,
         ),
