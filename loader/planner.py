@@ -34,9 +34,11 @@ __all__ = ["HFLoadPlanner", "LoadReport", "checkpoint_from_metadata"]
 
 @dataclass(frozen=True)
 class _BlockItem:
-    """A ``ReadItem`` standing for one region read."""
+    """A ``ReadItem`` standing for one region read; ``box`` is its :meth:`~regiontrace.RemapBlock.source_box`
+    (None for a strided read), computed once."""
 
     read: BlockRead
+    box: tuple | None
 
 
 @dataclass(frozen=True)
@@ -221,15 +223,16 @@ class HFLoadPlanner(LoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         state = self._state()
         plan = state.plan
+        blocks = [_BlockItem(r, r.block.source_box()) for r in plan.reads]
         if state.boxes_only:
-            for r in plan.reads:
-                if r.block.source_box() is None:
-                    raise _strided_error(r)
+            for item in blocks:
+                if item.box is None:
+                    raise _strided_error(item.read)
         items = []
-        for i, r in enumerate(plan.reads):
+        for i, item in enumerate(blocks):
             fqn = f"__block__/{i}"
-            state.items[fqn] = _BlockItem(r)
-            items.append(_block_item(fqn, r))
+            state.items[fqn] = item
+            items.append(_block_item(fqn, item))
         for j, d in enumerate(plan.deferred):
             if not d.boxes:
                 continue
@@ -266,9 +269,9 @@ class HFLoadPlanner(LoadPlanner):
         if isinstance(item, _SourceItem):
             return item.staged
         r = item.read
-        if r.block.source_box() is None:
+        if item.box is None:
             raise _strided_error(r)
-        dest = _box_dest(r, state.plan.slots)
+        dest = _box_dest(item, state.plan.slots)
         if dest is None:  # staged: commit_tensor copies it into place
             return torch.empty(tuple(read_item.lengths), dtype=r.block.source_dtype)
         return dest
@@ -281,7 +284,7 @@ class HFLoadPlanner(LoadPlanner):
         state.bytes_read += tensor.numel() * plan.checkpoint[read_item.storage_index.fqn].itemsize
         if isinstance(item, _BlockItem):
             r = item.read
-            if _box_dest(r, plan.slots) is None:  # a staged box: copy it through the block, relative to the box
+            if _box_dest(item, plan.slots) is None:  # a staged box: copy it through the block, relative to the box
                 dest = dest_view(r.block, box_view(plan.slots[r.target].local, r.local_box))
                 dest.copy_(apply_casts(source_view(r.block.box_relative(), tensor), r.block.casts))
             return
@@ -332,9 +335,8 @@ class HFLoadPlanner(LoadPlanner):
         return self._dcp
 
 
-def _block_item(fqn: str, r: BlockRead) -> ReadItem:
-    b = r.block
-    box = b.source_box()
+def _block_item(fqn: str, item: _BlockItem) -> ReadItem:
+    b, box = item.read.block, item.box
     if box is None:  # a strided read: only SafetensorsReader executes it (it asks the planner for the reads)
         lo, hi = b.source_span()
         offsets, lengths = _span_box(b.source_shape, lo, hi)
@@ -351,13 +353,14 @@ def _block_item(fqn: str, r: BlockRead) -> ReadItem:
     )
 
 
-def _box_dest(r: BlockRead, slots: Mapping[str, TargetSlot]) -> torch.Tensor | None:
+def _box_dest(item: _BlockItem, slots: Mapping[str, TargetSlot]) -> torch.Tensor | None:
     """The model memory a box-shaped block writes, arranged as the source box; None when the block casts
     values or its writes are no view of that shape (block dims splitting one source dim)."""
+    r = item.read
     if r.block.casts:
         return None
     view = dest_view(r.block, box_view(slots[r.target].local, r.local_box))
-    return _box_shaped(view, r.block.source_box())
+    return _box_shaped(view, item.box)
 
 
 def _strided_error(r: BlockRead) -> ValueError:
