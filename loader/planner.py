@@ -28,6 +28,7 @@ from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, plan_rank
 from .plan.slots import TargetSlot, box_view, model_slots
 from .report import LoadReport, load_report
 from .rules import Conversion, KeyPlan, plan_keys
+from .rules.fp8 import dequantized_keyplan
 
 __all__ = ["HFLoadPlanner", "LoadReport", "checkpoint_from_metadata"]
 
@@ -167,6 +168,7 @@ class HFLoadPlanner(LoadPlanner):
             map_checkpoint_key=mapper,
             select_converter=selector,
         )
+        keyplan = dequantized_keyplan(keyplan, checkpoint, self.model)
         self._key_plan_memo = (checkpoint, keyplan)
         return keyplan
 
@@ -176,6 +178,7 @@ class HFLoadPlanner(LoadPlanner):
         slots: Mapping[str, TargetSlot] | None = None,
         *,
         check_devices: bool = True,
+        values: bool = True,
     ) -> RankPlan:
         """Plan this rank's load of ``checkpoint``; validates everything, reads nothing.
 
@@ -184,6 +187,8 @@ class HFLoadPlanner(LoadPlanner):
             slots: the model tensors as some rank sees them (default: this rank, from the model through
                 :meth:`target_slot`).
             check_devices: refuse targets on the meta device (off for simulations).
+            values: compile conversions ending in pointwise ops (FP8 dequantization) into value reads; False
+                defers them.
 
         Returns:
             The plan: everything the load executes and reports.
@@ -201,6 +206,7 @@ class HFLoadPlanner(LoadPlanner):
             supports_symbolic=self.supports_symbolic,
             cache=self.cache,
             check_devices=check_devices,
+            values=values,
         )
 
     # -- torch.distributed.checkpoint LoadPlanner ---------------------------------------------------------
@@ -218,7 +224,9 @@ class HFLoadPlanner(LoadPlanner):
         # plain boxes only, which create_local_plan checks before anything is read
         storage = getattr(metadata, "storage_data", None) or {}
         boxes_only = not any(isinstance(i, TensorInfo) for i in storage.values())
-        self._dcp = _DcpLoad(self.build_plan(checkpoint_from_metadata(metadata)), boxes_only)
+        # inside dcp.load a ReadItem stands for bytes copied into a model tensor: values computed by pointwise ops
+        # (FP8 dequantization) are deferred (their sources read whole, run for real)
+        self._dcp = _DcpLoad(self.build_plan(checkpoint_from_metadata(metadata), values=False), boxes_only)
 
     def create_local_plan(self) -> LoadPlan:
         state = self._state()

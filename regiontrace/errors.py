@@ -14,7 +14,7 @@ class NotInvertible(Untraceable):
 
     Attributes:
         source: the source whose elements are dropped, read twice or cast inexactly (None if not one source).
-        reason: ``"dropped"``, ``"duplicate"``, ``"broadcast"``, ``"cast"`` or ``"unverifiable"``.
+        reason: ``"dropped"``, ``"duplicate"``, ``"broadcast"``, ``"cast"``, ``"computed"`` or ``"unverifiable"``.
     """
 
     def __init__(self, message: str, source: str | None = None, reason: str = "") -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .blocks import RemapBlock
+from .values import ValueProgram, fill_inputs
 
 if TYPE_CHECKING:
     from .tensor import RegionTensor
@@ -74,4 +75,24 @@ def materialize(tensor: RegionTensor, sources: Mapping[str, torch.Tensor]) -> to
     """
     device = next((s.device for s in sources.values()), torch.device("cpu"))
     out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
-    return execute_blocks(tensor.remap_blocks(), sources, out)
+    if tensor.is_index_map:
+        return execute_blocks(tensor.remap_blocks(), sources, out)
+    return execute_program(tensor.value_program(), sources, out)
+
+
+def execute_program(program: ValueProgram, sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (the program's box shape) with values computed by pointwise ops, from real source tensors.
+
+    Args:
+        program: an Apply compiled for one box (:meth:`RegionTensor.value_program`).
+        sources: real tensors by source name.
+        out: destination tensor of the box's shape (any strides); the values are cast to its dtype.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        KeyError: a source is missing. ValueError: a source has the wrong shape.
+    """
+    inputs = fill_inputs(program, lambda blocks, t: execute_blocks(blocks, sources, t), out.device)
+    return out.copy_(program.evaluate(inputs))

@@ -147,8 +147,8 @@ def invert(outputs: RegionTensor | Mapping[str, RegionTensor], sources: Sources)
 
     Raises:
         NotInvertible: a source element is never written (dropped, e.g. by a slice) or written more than once
-            (a broadcast, or a source used twice), or a cast is not an exact widening; the message names the
-            source and the output.
+            (a broadcast, or a source used twice), a cast is not an exact widening, or an output is computed
+            by pointwise ops; the message names the source and the output.
         ValueError: an output reads a source that is not given, or with another shape or dtype.
     """
     outs = {None: outputs} if isinstance(outputs, RegionTensor) else dict(outputs)
@@ -156,6 +156,9 @@ def invert(outputs: RegionTensor | Mapping[str, RegionTensor], sources: Sources)
     names = list(outs)
     lattices: dict[str, list[_Lattice]] = {name: [] for name in specs}
     for owner, (oname, tensor) in enumerate(outs.items()):
+        if not tensor.is_index_map:
+            what = f"computed by `{tensor.value.name}`"
+            raise NotInvertible(f"{_label(oname)} is {what}, not an index map: no exact inverse", reason="computed")
         for piece in tensor.region.pieces:
             src = piece.source
             if src.name not in specs:

@@ -6,9 +6,11 @@ import math
 
 import networkx as nx
 import sympy
+import torch
 
 from .region import Axis, Piece
 from .tensor import Node, RegionTensor
+from .values import describe, leaves
 
 
 def _symbols(ndim: int) -> list[sympy.Symbol]:
@@ -89,7 +91,11 @@ def explain(tensor: RegionTensor, *, as_sympy: bool = False) -> str | dict[str, 
 
     Returns:
         Text with one line per piece (output box, source and source index), or the Piecewise per source.
+        Values computed by pointwise ops: their expression over operands ``v0, v1, …``, then each operand's
+        index map (as text, or ``{"v0": {source: Piecewise}, …}``).
     """
+    if not tensor.is_index_map:
+        return _explain_values(tensor, as_sympy)
     pieces = tensor.region.pieces
     if as_sympy:
         per_source: dict[str, list] = {}
@@ -109,6 +115,21 @@ def explain(tensor: RegionTensor, *, as_sympy: bool = False) -> str | dict[str, 
         cast = f" as {' -> '.join(str(c).replace('torch.', '') for c in p.casts)}" if p.casts else ""
         lines.append(f"  out[{box}] <- {p.source.name}[{idx}]{cast}{where}")
     return "\n".join(lines)
+
+
+def _explain_values(tensor: RegionTensor, as_sympy: bool) -> str | dict:
+    regions = [(r, d) for r, d, _ in leaves(tensor.value, tensor.dtype)]
+    names = {id(r): f"v{i}" for i, (r, _) in enumerate(regions)}
+    operands = {
+        f"v{i}": explain(RegionTensor(torch.empty(r.shape, dtype=d, device="meta"), r, tensor.node), as_sympy=as_sympy)
+        for i, (r, d) in enumerate(regions)
+    }
+    if as_sympy:
+        return operands
+    expr = describe(tensor.value, lambda r: names[id(r)])
+    head = f"RegionTensor {tuple(tensor.shape)} {tensor.dtype}: values {expr}"
+    body = [f"  {k} = " + v.replace("\n", "\n  ") for k, v in operands.items()]
+    return "\n".join([head, *body])
 
 
 def _trivial(axes: tuple[Axis, ...]) -> list[bool]:

@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import region as R
+from . import values as V
 from .blocks import RemapBlock, compile_blocks
 from .errors import TraceMismatch, Untraceable
 from .reshape import reshape
@@ -44,13 +45,13 @@ class RegionTensor(torch.Tensor):
     """
 
     _meta: torch.Tensor
-    _region: R.Region
+    _value: V.Value
     _node: Node
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, meta: torch.Tensor, region: R.Region, node: Node) -> RegionTensor:
+    def __new__(cls, meta: torch.Tensor, value: V.Value, node: Node) -> RegionTensor:
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             meta.shape,
@@ -60,7 +61,7 @@ class RegionTensor(torch.Tensor):
             device=torch.device("meta"),
             requires_grad=False,
         )
-        r._meta, r._region, r._node = meta, region, node
+        r._meta, r._value, r._node = meta, value, node
         return r
 
     @classmethod
@@ -82,9 +83,24 @@ class RegionTensor(torch.Tensor):
     # -- reading the map ------------------------------------------------------------------------------
 
     @property
+    def value(self) -> V.Value:
+        """What this tensor stands for: an index map (a :class:`~regiontrace.Region`), or values computed from
+        index maps by pointwise ops (an :class:`~regiontrace.values.Apply`)."""
+        return self._value
+
+    @property
+    def is_index_map(self) -> bool:
+        """Whether every element is a checkpoint element (possibly cast): no pointwise arithmetic."""
+        return isinstance(self._value, R.Region)
+
+    @property
     def region(self) -> R.Region:
-        """The index map (pieces partitioning the output)."""
-        return self._region
+        """The index map (pieces partitioning the output).
+
+        Raises:
+            Untraceable: the values are computed by pointwise ops (see :attr:`value`).
+        """
+        return self._index_map("region")
 
     @property
     def node(self) -> Node:
@@ -93,7 +109,7 @@ class RegionTensor(torch.Tensor):
 
     def sources(self) -> frozenset[str]:
         """Names of the sources this tensor reads."""
-        return frozenset(p.source.name for p in self._region.pieces)
+        return frozenset(p.source.name for r, _, _ in V.leaves(self._value, self.dtype) for p in r.pieces)
 
     def remap_blocks(self, box: Sequence[Sequence[int]] | None = None) -> tuple[RemapBlock, ...]:
         """Compile the map for ``box`` (half-open ``(start, stop)`` per dim; default: everything).
@@ -103,15 +119,38 @@ class RegionTensor(torch.Tensor):
 
         Raises:
             ValueError: the box lies outside the shape.
+            Untraceable: the values are computed by pointwise ops (compile them with :meth:`value_program`).
         """
-        return compile_blocks(self._region, box)
+        return compile_blocks(self._index_map("remap_blocks"), box)
+
+    def value_program(self, box: Sequence[Sequence[int]] | None = None) -> V.ValueProgram:
+        """Compile values computed by pointwise ops for ``box`` (default: everything).
+
+        Returns:
+            Per leaf, the blocks filling a box-shaped input, and the ops that turn the inputs into the box.
+
+        Raises:
+            ValueError: the box lies outside the shape, or this tensor is an index map (use :meth:`remap_blocks`).
+        """
+        if isinstance(self._value, R.Region):
+            raise ValueError("this tensor is an index map: compile it with remap_blocks()")
+        return V.compile_values(self._value, box)
+
+    def _index_map(self, what: str) -> R.Region:
+        if isinstance(self._value, V.Apply):
+            raise Untraceable(
+                f"`{what}`: the values are computed by `{self._value.name}`, not an index map "
+                "(see .value and .value_program())"
+            )
+        return self._value
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         names = ", ".join(sorted(self.sources()))
-        return (
-            f"RegionTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"pieces={len(self._region.pieces)}, sources=[{names}])"
-        )
+        if isinstance(self._value, V.Apply):
+            what = f"values={V.describe(self._value, lambda r: '·')}"
+        else:
+            what = f"pieces={len(self._value.pieces)}"
+        return f"RegionTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {what}, sources=[{names}])"
 
     # -- value access is never an index mapping --------------------------------------------------------
 
@@ -146,17 +185,22 @@ class RegionTensor(torch.Tensor):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         flat, _ = tree_flatten((args, kwargs))
-        if any(isinstance(x, torch.Tensor) and not isinstance(x, RegionTensor) for x in flat):
-            raise Untraceable(f"`{name}` ({func}) mixes a RegionTensor with a real tensor")
         handler = _HANDLERS.get(func)
-        if handler is None:
-            raise Untraceable(f"`{name}` ({func}) is not a pure index mapping")
+        pointwise = handler is None and V.is_value_op(func)
+        if handler is None and not pointwise:
+            raise Untraceable(f"`{name}` ({func}) is not a pure index mapping or a pointwise op")
+        for x in flat:  # a pointwise op may take real scalars (``x - 127.0`` passes a 0-dim tensor)
+            if isinstance(x, torch.Tensor) and not isinstance(x, RegionTensor) and (x.dim() or not pointwise):
+                raise Untraceable(f"`{name}` ({func}) mixes a RegionTensor with a real tensor")
         margs, mkwargs = tree_map_only(RegionTensor, lambda r: r._meta, (args, kwargs))
         if func is aten._to_copy.default:
             mkwargs = {k: v for k, v in mkwargs.items() if k not in ("device", "pin_memory", "non_blocking")}
         out_meta = func(*margs, **mkwargs)
         bound = _bind(func, args, kwargs)
-        regions = handler(bound, out_meta)
+        if pointwise:
+            regions = V.apply(func, args, kwargs, out_meta, lambda x: getattr(x, "_value", None))
+        else:
+            regions = handler(bound, out_meta)
         parents = tuple(x._node for x in flat if isinstance(x, RegionTensor))
         params = {k: v for k, v in bound.items() if not _has_tensor(v)}
         if isinstance(out_meta, torch.Tensor):
@@ -170,10 +214,10 @@ def _has_tensor(v: Any) -> bool:
     return any(isinstance(x, torch.Tensor) for x in tree_flatten(v)[0])
 
 
-def _wrap(meta: torch.Tensor, region: R.Region, op: str, parents: tuple, params: dict) -> RegionTensor:
-    if tuple(meta.shape) != region.shape:
-        raise TraceMismatch(f"`{op}`: traced shape {region.shape} differs from torch's {tuple(meta.shape)}")
-    return RegionTensor(meta, region, Node(op, region.shape, meta.dtype, parents, params))
+def _wrap(meta: torch.Tensor, value: V.Value, op: str, parents: tuple, params: dict) -> RegionTensor:
+    if tuple(meta.shape) != value.shape:
+        raise TraceMismatch(f"`{op}`: traced shape {value.shape} differs from torch's {tuple(meta.shape)}")
+    return RegionTensor(meta, value, Node(op, value.shape, meta.dtype, parents, params))
 
 
 def _bind(func, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -204,9 +248,14 @@ def _handles(*ops: Any) -> Callable[[Handler], Handler]:
     return register
 
 
-def _reg(t: RegionTensor, dtype: torch.dtype | None = None) -> R.Region:
-    region = t._region
-    return R.cast(region, dtype) if dtype is not None and dtype != t.dtype else region
+def _val(t: RegionTensor, dtype: torch.dtype | None = None) -> V.Value:
+    """``t``'s value, cast to ``dtype`` when given."""
+    return t._value if dtype is None else V.cast(t._value, dtype, t.dtype)
+
+
+def _move(t: RegionTensor, fn: Callable[[R.Region], R.Region]) -> V.Value:
+    """A movement op on ``t``'s value: on its region, or pushed down to the leaves of its pointwise ops."""
+    return V.move(t._value, fn)
 
 
 def _dim(d: int, ndim: int) -> int:
@@ -214,8 +263,8 @@ def _dim(d: int, ndim: int) -> int:
 
 
 @_handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default)
-def _view(b: dict, out: torch.Tensor) -> R.Region:
-    return reshape(_reg(b["self"]), tuple(out.shape))
+def _view(b: dict, out: torch.Tensor) -> V.Value:
+    return _move(b["self"], lambda r: reshape(r, tuple(out.shape)))
 
 
 @_handles(
@@ -226,51 +275,52 @@ def _view(b: dict, out: torch.Tensor) -> R.Region:
     aten._to_copy.default,
     aten.contiguous.default,
 )
-def _identity(b: dict, out: torch.Tensor) -> R.Region:
-    return _reg(b["self"], out.dtype)
+def _identity(b: dict, out: torch.Tensor) -> V.Value:
+    return _val(b["self"], out.dtype)
 
 
 @_handles(aten.permute.default)
-def _permute(b: dict, out: torch.Tensor) -> R.Region:
+def _permute(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
-    return R.permute(_reg(x), [_dim(d, x.ndim) for d in b["dims"]])
+    return _move(x, lambda r: R.permute(r, [_dim(d, x.ndim) for d in b["dims"]]))
 
 
 @_handles(aten.transpose.int)
-def _transpose(b: dict, out: torch.Tensor) -> R.Region:
+def _transpose(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
     dims = list(range(x.ndim))
     d0, d1 = _dim(b["dim0"], x.ndim), _dim(b["dim1"], x.ndim)
     dims[d0], dims[d1] = dims[d1], dims[d0]
-    return R.permute(_reg(x), dims)
+    return _move(x, lambda r: R.permute(r, dims))
 
 
 @_handles(aten.t.default)
-def _t(b: dict, out: torch.Tensor) -> R.Region:
+def _t(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
-    return R.permute(_reg(x), [1, 0]) if x.ndim == 2 else _reg(x)
+    return _move(x, lambda r: R.permute(r, [1, 0])) if x.ndim == 2 else _val(x)
 
 
 @_handles(aten.unsqueeze.default)
-def _unsqueeze(b: dict, out: torch.Tensor) -> R.Region:
+def _unsqueeze(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
-    return R.unsqueeze(_reg(x), b["dim"] % (x.ndim + 1))
+    return _move(x, lambda r: R.unsqueeze(r, b["dim"] % (x.ndim + 1)))
 
 
 @_handles(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
-def _squeeze(b: dict, out: torch.Tensor) -> R.Region:
+def _squeeze(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
     dims = b.get("dims", b.get("dim"))
     if dims is None:
         dims = range(x.ndim)
     elif isinstance(dims, int):
         dims = [dims]
-    return R.squeeze(_reg(x), [_dim(d, x.ndim) for d in dims])
+    dims = [_dim(d, x.ndim) for d in dims]
+    return _move(x, lambda r: R.squeeze(r, dims))
 
 
 @_handles(aten.expand.default)
-def _expand(b: dict, out: torch.Tensor) -> R.Region:
-    return R.expand(_reg(b["self"]), tuple(out.shape))
+def _expand(b: dict, out: torch.Tensor) -> V.Value:
+    return _move(b["self"], lambda r: R.expand(r, tuple(out.shape)))
 
 
 def _clamp(start: int | None, end: int | None, n: int) -> tuple[int, int]:
@@ -284,27 +334,27 @@ def _clamp(start: int | None, end: int | None, n: int) -> tuple[int, int]:
 
 
 @_handles(aten.slice.Tensor)
-def _slice(b: dict, out: torch.Tensor) -> R.Region:
+def _slice(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
     d = _dim(b["dim"], x.ndim)
     start, end = _clamp(b["start"], b["end"], x.shape[d])
-    return R.narrow(_reg(x), d, start, end, b["step"])
+    return _move(x, lambda r: R.narrow(r, d, start, end, b["step"]))
 
 
 @_handles(aten.narrow.default)
-def _narrow(b: dict, out: torch.Tensor) -> R.Region:
+def _narrow(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
     d = _dim(b["dim"], x.ndim)
     start = b["start"] + x.shape[d] if b["start"] < 0 else b["start"]
-    return R.narrow(_reg(x), d, start, start + b["length"])
+    return _move(x, lambda r: R.narrow(r, d, start, start + b["length"]))
 
 
 @_handles(aten.select.int)
-def _select(b: dict, out: torch.Tensor) -> R.Region:
+def _select(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
     d = _dim(b["dim"], x.ndim)
     i = b["index"] + x.shape[d] if b["index"] < 0 else b["index"]
-    return R.squeeze(R.narrow(_reg(x), d, i, i + 1), [d])
+    return _move(x, lambda r: R.squeeze(R.narrow(r, d, i, i + 1), [d]))
 
 
 @_handles(
@@ -314,53 +364,58 @@ def _select(b: dict, out: torch.Tensor) -> R.Region:
     aten.unsafe_split_with_sizes.default,
     aten.split.sizes,
 )
-def _split(b: dict, outs: Sequence[torch.Tensor]) -> list[R.Region]:
+def _split(b: dict, outs: Sequence[torch.Tensor]) -> list[V.Value]:
     x = b["self"]
     d = _dim(b["dim"], x.ndim)
-    regions, start = [], 0
+    bounds, start = [], 0
     for o in outs:
-        regions.append(R.narrow(_reg(x), d, start, start + o.shape[d]))
+        bounds.append((start, start + o.shape[d]))
         start += o.shape[d]
-    return regions
+    return V.move_many(x._value, lambda r: [R.narrow(r, d, a, e) for a, e in bounds], len(bounds))
 
 
 @_handles(aten.unbind.int)
-def _unbind(b: dict, outs: Sequence[torch.Tensor]) -> list[R.Region]:
+def _unbind(b: dict, outs: Sequence[torch.Tensor]) -> list[V.Value]:
     x = b["self"]
-    d = _dim(b["dim"], x.ndim)
-    return [R.squeeze(R.narrow(_reg(x), d, i, i + 1), [d]) for i in range(x.shape[d])]
+    d, n = _dim(b["dim"], x.ndim), x.shape[_dim(b["dim"], x.ndim)]
+    return V.move_many(x._value, lambda r: [R.squeeze(R.narrow(r, d, i, i + 1), [d]) for i in range(n)], n)
 
 
-def _inputs(tensors: Sequence[RegionTensor], out: torch.Tensor) -> list[R.Region]:
+def _inputs(tensors: Sequence[RegionTensor], out: torch.Tensor) -> list[V.Value]:
     kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0 and out.ndim != 1)]
-    return [_reg(t, out.dtype) for t in kept]
+    return [_val(t, out.dtype) for t in kept]
 
 
 @_handles(aten.cat.default)
-def _cat(b: dict, out: torch.Tensor) -> R.Region:
-    return R.cat(_inputs(b["tensors"], out), _dim(b["dim"], out.ndim), tuple(out.shape))
+def _cat(b: dict, out: torch.Tensor) -> V.Value:
+    return V.cat(_inputs(b["tensors"], out), _dim(b["dim"], out.ndim), tuple(out.shape))
 
 
 @_handles(aten.stack.default)
-def _stack(b: dict, out: torch.Tensor) -> R.Region:
+def _stack(b: dict, out: torch.Tensor) -> V.Value:
     d = _dim(b["dim"], out.ndim)
-    return R.cat([R.unsqueeze(r, d) for r in _inputs(b["tensors"], out)], d, tuple(out.shape))
+    parts = [V.move(v, lambda r: R.unsqueeze(r, d)) for v in _inputs(b["tensors"], out)]
+    return V.cat(parts, d, tuple(out.shape))
 
 
 @_handles(aten.flip.default)
-def _flip(b: dict, out: torch.Tensor) -> R.Region:
+def _flip(b: dict, out: torch.Tensor) -> V.Value:
     x = b["self"]
-    return R.flip(_reg(x), sorted({_dim(d, x.ndim) for d in b["dims"]}))
+    return _move(x, lambda r: R.flip(r, sorted({_dim(d, x.ndim) for d in b["dims"]})))
 
 
 @_handles(aten.repeat.default)
-def _repeat(b: dict, out: torch.Tensor) -> R.Region:
+def _repeat(b: dict, out: torch.Tensor) -> V.Value:
     x, reps = b["self"], list(b["repeats"])
     shape = (1,) * (len(reps) - x.ndim) + tuple(x.shape)
-    region = reshape(_reg(x), shape)
-    for i in range(len(reps)):
-        region = R.unsqueeze(region, 2 * i)
     tiled = []
     for rep, n in zip(reps, shape):
         tiled += [rep, n]
-    return reshape(R.expand(region, tiled), tuple(out.shape))
+
+    def tile(region: R.Region) -> R.Region:
+        region = reshape(region, shape)
+        for i in range(len(reps)):
+            region = R.unsqueeze(region, 2 * i)
+        return reshape(R.expand(region, tiled), tuple(out.shape))
+
+    return _move(x, tile)

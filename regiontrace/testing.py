@@ -8,7 +8,8 @@ unique integer codes per source element (the *code oracle*) wherever the functio
     bf16 = torch.bfloat16
     assert_converter_exact(lambda q, k: torch.cat([q, k]), q=((8, 4), bf16), k=((8, 4), bf16))
 
-The strategies (:func:`programs`, :func:`boxes`) generate random movement-op programs for property tests.
+The strategies (:func:`programs`, :func:`value_programs`, :func:`boxes`) generate random programs of movement
+ops (and, for :func:`value_programs`, pointwise ops) for property tests.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from hypothesis import strategies as st
 
 from .blocks import RemapBlock, check_box
-from .execute import dest_view, execute_blocks, materialize
+from .execute import dest_view, execute_blocks, execute_program, materialize
 from .tensor import RegionTensor
 from .trace import trace
 
@@ -53,7 +54,8 @@ def code_tensors(specs: Mapping[str, Spec]) -> dict[str, torch.Tensor]:
 
 
 def _has_casts(out: Any) -> bool:
-    return any(p.casts for t in _tensors(out) for p in t.region.pieces)
+    """Whether values are cast or computed (the code oracle needs values equal to their codes)."""
+    return any(not t.is_index_map or any(p.casts for p in t.region.pieces) for t in _tensors(out))
 
 
 def _tensors(out: Any) -> list[Any]:
@@ -82,6 +84,18 @@ def check_blocks(
     Raises:
         AssertionError: with a description of the first violation.
     """
+    check_partition(blocks, box)
+    out = torch.empty(tuple(b - a for a, b in box), dtype=expected.dtype)
+    execute_blocks(blocks, sources, out)
+    assert torch.equal(out, expected), "executed blocks differ from the real slice"
+
+
+def check_partition(blocks: Sequence[RemapBlock], box: Sequence[tuple[int, int]]) -> None:
+    """Assert that ``blocks`` partition ``box`` exactly and read no more source elements than it holds.
+
+    Raises:
+        AssertionError: with a description of the first violation.
+    """
     shape = tuple(b - a for a, b in box)
     numel = math.prod(shape)
     written = sum(b.numel for b in blocks)
@@ -91,13 +105,27 @@ def check_blocks(
         dest_view(b, hits).add_(1)
     assert bool((hits == 1).all()), "blocks overlap or leave gaps in the box"
     assert sum(b.read_numel for b in blocks) <= numel, "blocks read more source elements than the box holds"
-    out = torch.empty(shape, dtype=expected.dtype)
-    execute_blocks(blocks, sources, out)
-    assert torch.equal(out, expected), "executed blocks differ from the real slice"
+
+
+def check_values(
+    tensor: RegionTensor, box: Sequence[tuple[int, int]], sources: Mapping[str, torch.Tensor], expected: torch.Tensor
+) -> None:
+    """Assert that ``tensor``'s box compiles to blocks or a value program giving ``expected`` bit for bit.
+
+    Raises:
+        AssertionError: with a description of the first violation.
+    """
+    if tensor.is_index_map:
+        return check_blocks(tensor.remap_blocks(box), box, sources, expected)
+    program = tensor.value_program(box)
+    for i in program.inputs:
+        check_partition(i.blocks, box if i.shape == program.shape else ())
+    got = execute_program(program, sources, torch.empty_like(expected))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True, msg="value program differs")
 
 
 def assert_converter_exact(fn: Callable[..., Any], *, boxes: int = 8, seed: int = 0, **inputs: Spec) -> Any:
-    """Check that ``fn`` traces to an exact index map.
+    """Check that ``fn`` traces exactly: an index map, or pointwise ops over index maps (bit for bit).
 
     Args:
         fn: the converter; called with one tensor per keyword of ``inputs``.
@@ -130,11 +158,12 @@ def assert_converter_exact(fn: Callable[..., Any], *, boxes: int = 8, seed: int 
         for i, (t, r) in enumerate(zip(outs, reals)):
             assert tuple(t.shape) == tuple(r.shape) and t.dtype == r.dtype, f"output {i}: shape/dtype differ"
             got = materialize(t, data)
-            assert torch.equal(got, r), f"output {i}: materialize differs from the real result"
+            torch.testing.assert_close(
+                got, r, rtol=0, atol=0, equal_nan=True, msg=f"output {i}: materialize differs from the real result"
+            )
             for _ in range(boxes):
                 box = check_box(t.shape, random_box(t.shape, rng))
-                slices = tuple(slice(a, b) for a, b in box)
-                check_blocks(t.remap_blocks(box), box, data, r[slices])
+                check_values(t, box, data, r[tuple(slice(a, b) for a, b in box)])
     return traced
 
 
@@ -411,6 +440,36 @@ def programs(draw: Any, max_leaves: int = 4, max_depth: int = 8, max_dims: int =
         pool.append((new_shape, new_dtype))
     if not ops:
         ops.append(Op("contiguous()", (len(pool) - 1,), lambda x: x.contiguous()))
+    return Program(leaves, tuple(ops))
+
+
+#: pointwise ops :func:`value_programs` draws: ``(name, fn(x, s))`` with ``s`` the broadcast leaf
+VALUE_OPS: tuple[tuple[str, Callable[..., torch.Tensor]], ...] = (
+    ("mul", lambda x, s: x * s),
+    ("float-mul-cast", lambda x, s: (x.float() * s.float()).to(x.dtype)),
+    ("sub-scalar-add", lambda x, s: (x - 3) + s),
+    ("where-gt", lambda x, s: torch.where(s > 0, x, -x)),
+    ("div-sqrt-abs", lambda x, s: x / torch.sqrt(s.abs().double() + 1)),
+)
+
+
+@st.composite
+def value_programs(draw: Any, max_after: int = 3) -> Program:
+    """Random programs that end in pointwise ops: a :func:`programs` chain, a pointwise op with a leaf ``s``
+    broadcast against its result, then up to ``max_after`` movement ops (pushed down through the op)."""
+    base = draw(programs(max_depth=5))
+    meta = base(**{n: torch.empty(sh, dtype=d, device="meta") for n, sh, d in base.leaves})
+    shape = tuple(meta.shape)
+    s_shape = tuple(draw(st.sampled_from([n, 1])) for n in shape)[draw(st.integers(0, len(shape))) :]
+    leaves = (("s", s_shape, draw(st.sampled_from(DTYPES[:4]))), *base.leaves)
+    ops = [Op(o.name, tuple(i + 1 for i in o.args), o.fn) for o in base.ops]  # pool index 0 is now ``s``
+    name, fn = draw(st.sampled_from(VALUE_OPS))
+    ops.append(Op(name, (len(leaves) + len(ops) - 1, 0), fn))
+    out = fn(meta, torch.empty(s_shape, dtype=leaves[0][2], device="meta"))
+    for _ in range(draw(st.integers(0, max_after))):
+        desc, unary, new_shape, new_dtype = _unary_ops(draw, tuple(out.shape), out.dtype)
+        ops.append(Op(desc, (len(leaves) + len(ops) - 1,), unary))
+        out = torch.empty(new_shape, dtype=new_dtype, device="meta")
     return Program(leaves, tuple(ops))
 
 

@@ -64,7 +64,7 @@ RULES = [
     Convert("experts.*.w2", "down", lambda ws: torch.stack(ws)),
     Rename("uneven_src", "uneven"),
     Rename("norm_src", "norm"),
-    Convert("scaled_src", "scaled", lambda w: w * 2),
+    Convert("scaled_src", "scaled", lambda w: torch.stack([w, w]).sum(0)),  # `sum`: deferred
 ]
 
 

@@ -267,11 +267,11 @@ def scenario_read_fail_rollback(ctx: dict) -> dict:
 
     def scaled(w):
         if w.device.type == "meta":  # planning traces it; it runs for real while reading
-            return w * 2
+            return torch.stack([w, w]).sum(0)  # `sum`: not traceable, deferred
         wrote.append(not _unchanged(model))  # block reads have been written by now
         if rank == 2:
             raise RuntimeError("reads break on rank 2")
-        return w * 2
+        return torch.stack([w, w]).sum(0)  # `sum`: not traceable, deferred
 
     try:
         load_hf_checkpoint(
@@ -378,7 +378,7 @@ def scenario_hung_reading_dcp(ctx: dict) -> dict:
     def scaled(w):
         if rank == HUNG and w.device.type != "meta":
             _hang_until_others_gave_up(ctx, "hung_reading_dcp")
-        return w * 2
+        return torch.stack([w, w]).sum(0)  # `sum`: not traceable, deferred
 
     class Reader(SafetensorsReader):
         def read_data(self, plan, planner):
@@ -414,7 +414,7 @@ def scenario_killed_reading(ctx: dict) -> dict:
             wrote.append(not _unchanged(model))
             if rank == HUNG:
                 os.kill(os.getpid(), signal.SIGKILL)
-        return w * 2
+        return torch.stack([w, w]).sum(0)  # `sum`: not traceable, deferred
 
     try:
         load_hf_checkpoint(

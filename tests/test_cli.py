@@ -35,6 +35,9 @@ CONVERTERS = textwrap.dedent("""
     def scaled(w):
         return w * 2
 
+    def summed(w):
+        return w.sum(0)
+
     def sneaky(w):
         # tracing runs on the meta device and sees this branch; a real run flips the rows
         return w if w.device.type == "meta" else w.flip(0)
@@ -88,11 +91,17 @@ def test_trace_prints_map_blocks_and_dot(converters):
 
 
 def test_trace_untraceable_names_the_op(converters):
-    r = algebra("trace", "conv.py:scaled", "--input", "w=4x4", cwd=str(converters))
+    r = algebra("trace", "conv.py:summed", "--input", "w=4x4", cwd=str(converters))
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Untraceable" in lines[0] and "aten.mul.Tensor" in lines[0], r.stderr
+    assert len(lines) == 1 and "Untraceable" in lines[0] and "aten.sum.dim_IntList" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_trace_pointwise_values_shows_each_operands_blocks(converters):
+    r = algebra("trace", "conv.py:scaled", "--input", "w=4x4", "--box", "1:3,0:4", cwd=str(converters))
+    assert r.returncode == 0, r.stderr
+    assert "values mul(v0, 2)" in r.stdout and "#0   w[1:3, 0:4]  ->  v0[1:3, 0:4]" in r.stdout
 
 
 def test_check_finds_and_minimises_a_counterexample(converters):

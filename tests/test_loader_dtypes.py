@@ -95,7 +95,7 @@ def test_a_conversions_own_output_dtype_is_what_counts(tmp_path):
     ]
     model = Mixed()
     report, _ = load_recording(model, tmp_path, weights_mapping=rules)
-    assert report.deferred == ("mask",)  # `m * 1` is no index mapping: run for real
+    assert report.deferred == () and "mask" in report.traced  # `m * 1`: pointwise, a value read
     assert report.cast_keys == (("mask", torch.int64, torch.float32),)
     assert torch.equal(model.mask, torch.tensor([1.0, 0.0, 1.0, 1.0]))
 
@@ -135,11 +135,9 @@ class Proj(nn.Module):
         self.proj.weight.data = self.proj.weight.data.to(dtype)
 
 
-@pytest.mark.parametrize("with_scales", [True, False])
-def test_fp8_codes_into_a_non_fp8_model_are_refused_before_any_write(tmp_path, with_scales):
+def test_fp8_codes_without_scales_into_a_non_fp8_model_are_refused_before_any_write(tmp_path):
     ckpt = fp8_checkpoint()
-    if not with_scales:
-        del ckpt["proj.weight_scale_inv"]
+    del ckpt["proj.weight_scale_inv"]
     path = write(tmp_path, ckpt)
     model = Proj()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -148,8 +146,21 @@ def test_fp8_codes_into_a_non_fp8_model_are_refused_before_any_write(tmp_path, w
     e = err.value
     assert e.path == path and e.key == "proj.weight"
     assert path in str(e) and "'proj.weight'" in str(e) and "float8_e4m3fn" in str(e)
-    assert "block-quantized FP8 dequantization is not supported yet" in str(e)
+    assert "dequantize on load only with block scales stored beside them" in str(e)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_fp8_codes_with_scales_into_a_non_fp8_model_dequantize(tmp_path):
+    """No config: the block is inferred from the scale grid (1 x 1 here: one block of 4 x 8), as transformers does."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    ckpt = fp8_checkpoint()
+    write(tmp_path, ckpt)
+    model = Proj()
+    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    want = Fp8Dequantize(None)._dequantize_one(ckpt["proj.weight"], ckpt["proj.weight_scale_inv"], torch.bfloat16)
+    assert torch.equal(model.proj.weight.view(torch.int16), want.view(torch.int16))
+    assert report.deferred == () and report.unexpected_keys == ()
 
 
 def test_fp8_into_fp8_loads_the_codes_unchanged(tmp_path):
@@ -200,7 +211,9 @@ def test_a_converter_that_dequantizes_with_the_scales_is_allowed(tmp_path):
 
 
 def test_dcp_load_refuses_fp8_codes_while_planning(tmp_path):
-    write(tmp_path, fp8_checkpoint())
+    ckpt = fp8_checkpoint()
+    del ckpt["proj.weight_scale_inv"]
+    write(tmp_path, ckpt)
     model = Proj()
     planner = HFLoadPlanner(model, strict=False)
     with pytest.raises(CheckpointException) as err:
@@ -210,5 +223,5 @@ def test_dcp_load_refuses_fp8_codes_while_planning(tmp_path):
             planner=planner,
             no_dist=True,
         )
-    assert "block-quantized FP8 dequantization is not supported yet" in str(err.value)
+    assert "dequantize on load only with block scales" in str(err.value)
     assert torch.equal(model.proj.weight.float(), torch.full((4, 8), 7.0))

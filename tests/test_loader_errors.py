@@ -401,7 +401,7 @@ def test_file_truncated_after_planning_deferred_rollback(folder):
     victim, keep = sabotaged(folder)
     net = tiny()
     before = snapshot(net)
-    rules = [Convert("^steps", "steps", lambda s: s * 1)]  # untraceable: read whole, run for real
+    rules = [Convert("^steps", "steps", lambda s: s.cumsum(0))]  # untraceable: read whole, run for real
     planner = Sabotage(net, victim, keep, extra_weights_mapping=rules)
     with pytest.raises(CheckpointError, match="changed underneath"):
         load_hf_checkpoint(net, folder, planner=planner, rollback=True, progress=False)

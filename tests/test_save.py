@@ -178,7 +178,7 @@ def test_tied_plain_tensors_are_saved_once(tmp_path):
 @pytest.mark.parametrize(
     ("fn", "source", "says"),
     [
-        (lambda w: w * 2, (8, 8), "not a pure index mapping"),
+        (lambda w: w * 2, (8, 8), "computed by `mul`, not an index map"),
         (lambda w: w[:, :8], (8, 10), "not a bijection (dropped): source 'src' (8, 10): 16 of 80 elements"),
         (lambda w: w.expand(8, 8), (8, 1), "not a bijection (broadcast)"),
         (lambda w: w.to(torch.bfloat16).float(), (8, 8), "not a bijection (cast)"),

@@ -182,7 +182,7 @@ def test_layout_64_ranks(fake_mesh, layout_ckpt):
         masks = read_masks(plan, checkpoint)
         assert f.bytes_read == mask_bytes(masks, checkpoint) == plan.planned_bytes()
         assert f.blocks == len(plan.reads)
-        assert f.traced == 7 and f.deferred == 1  # "scaled" (x * 2) is not an index map
+        assert f.traced == 7 and f.deferred == 1  # "scaled" (a `sum`) is not traceable
         # traced targets read at most their shard bytes (+2 %): deferred sources are read whole
         traced = [t for t in slots if t != "scaled"]
         deferred_bytes = mask_bytes(masks, checkpoint, {"scaled_src"})

@@ -475,8 +475,7 @@ def test_non_index_ops_are_untraceable():
     gguf = pytest.importorskip("transformers.integrations.gguf.gguf_conversion_mapping")
     x = rt.RegionTensor.leaf("w", (4, 4), BF16)
     cases = [
-        (_direct(gguf.SubtractOne(), [x], ["w"], ["w"]), "sub"),
-        (_direct(gguf.LogNegate(), [x], ["w"], ["w"]), "neg"),
+        (_direct(gguf.LogNegate(), [x], ["w"], ["w"]), "log"),  # pointwise, but not exactly rounded
         (_direct(gguf.PermuteRows(torch.tensor([2, 0, 1, 3])), [x], ["w"], ["w"]), "index"),
         (_direct(gguf.TiledToGroupedInputs(2, 2), [x], ["w"], ["w"]), "index"),
         (
@@ -490,9 +489,18 @@ def test_non_index_ops_are_untraceable():
             call()
 
 
+def test_gguf_subtract_one_traces_to_exact_values():
+    gguf = pytest.importorskip("transformers.integrations.gguf.gguf_conversion_mapping")
+    op = gguf.SubtractOne()
+    out = op.convert({"w": rt.RegionTensor.leaf("w", (4, 4), BF16)}, source_patterns=["w"], target_patterns=["w"])
+    real = torch.randn(4, 4, dtype=BF16)
+    want = op.convert({"w": real.clone()}, source_patterns=["w"], target_patterns=["w"])["w"]
+    assert not out["w"].is_index_map and torch.equal(rt.materialize(out["w"], {"w": real}), want)
+
+
 def test_dequantize_experts_is_untraceable():
     weight = rt.RegionTensor.leaf("w", (2, 4, 32), torch.float8_e4m3fn)
     scale = rt.RegionTensor.leaf("s", (2, 4, 1), torch.uint8)
     op = Inkling2LoopDequantizeExperts()
-    with pytest.raises(rt.Untraceable, match="`sub`|`mul`"):
+    with pytest.raises(rt.Untraceable, match="`sub`|`mul`|`copy_`|`exp2`"):
         op.convert({"w": [weight], "s": [scale]}, source_patterns=["w", "s", "amax", "den"], target_patterns=["e"])

@@ -1,6 +1,8 @@
 """Checkpoint I/O: safetensors headers (:mod:`.header`), byte-range reads (:mod:`.files`), checkpoints
-(one file or a sharded folder, :mod:`.folder`) and Hub repo ids resolved to cached snapshots (:mod:`.hub`)."""
+(one file or a sharded folder, :mod:`.folder`), the ``quantization_config`` of its ``config.json``
+(:mod:`.config`) and Hub repo ids resolved to cached snapshots (:mod:`.hub`)."""
 
+from .config import quantization_config
 from .files import FileReader, coalesce_ranges, read_ranges, read_tensor
 from .folder import INDEX_NAME, MAX_INDEX_BYTES, SINGLE_NAME, SafetensorsCheckpoint
 from .header import (
@@ -28,6 +30,7 @@ __all__ = [
     "TensorInfo",
     "coalesce_ranges",
     "open_regular_file",
+    "quantization_config",
     "read_header",
     "read_header_file",
     "read_ranges",

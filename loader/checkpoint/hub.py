@@ -1,7 +1,8 @@
 """Checkpoint paths that are Hugging Face Hub repo ids (``"org/name"``), resolved to a local snapshot folder.
 
 The local cache is tried first, so a cached repo resolves offline (``HF_HUB_OFFLINE=1``); only a repo
-that is not cached is downloaded, and then only its ``*.safetensors`` files and index. ``huggingface_hub``
+that is not cached is downloaded, and then only its ``*.safetensors`` files, index and ``config.json``
+(its ``quantization_config`` tells how FP8 weights dequantize). ``huggingface_hub``
 (which comes with transformers) is imported only when a repo id is resolved. The cache folder and the
 offline switch are read from the environment at each call (``HF_HUB_CACHE``, ``HF_HOME``,
 ``HF_HUB_OFFLINE``), not only when ``huggingface_hub`` was first imported.
@@ -18,7 +19,7 @@ from loader.errors import CheckpointError, CheckpointNotFoundError
 log = logging.getLogger(__name__)
 
 #: the files a checkpoint needs from a repo: weights and their index, nothing else
-HUB_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+HUB_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json")
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?"
 _REPO_ID = re.compile(rf"(?:{_PART}/)?{_PART}")
 _TRUE = {"1", "ON", "YES", "TRUE"}

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from ..checkpoint import FileReader
-from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot
+from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
 from .deferred import run_deferred
 from .reads import BlockExecutor
+from .values import run_values
 
 
 def _progress_bar(enabled: bool | None, total: int) -> Any:
@@ -30,8 +31,10 @@ def execute_plan(
     rollback: bool = False,
     reads: Sequence[BlockRead] | None = None,
     deferred: Sequence[DeferredRead] | None = None,
+    values: Sequence[ValueRead] | None = None,
 ) -> None:
-    """Run ``plan`` (or the given subsets of its reads) against the checkpoint files, writing the model tensors.
+    """Run ``plan`` (or the given subsets of its reads) against the checkpoint files, writing the model tensors:
+    region reads, then value reads, then deferred conversions.
 
     Args:
         plan: this rank's plan.
@@ -40,6 +43,7 @@ def execute_plan(
         rollback: restore every tensor the plan writes if a read fails.
         reads: the region reads to run (default: all of the plan's).
         deferred: the deferred conversions to run (default: all of the plan's).
+        values: the value reads to run (default: all of the plan's).
 
     Raises:
         CheckpointError: a file is short, or changed since its header was read (with ``rollback``, after the
@@ -48,10 +52,12 @@ def execute_plan(
     checkpoint, slots = plan.checkpoint, plan.slots
     reads = plan.reads if reads is None else reads
     deferred = plan.deferred if deferred is None else deferred
+    values = plan.values if values is None else values
     saved = snapshot(plan) if rollback else None
     bar = _progress_bar(progress, plan.planned_bytes())
     try:
         BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None).run(reads)
+        run_values(values, checkpoint, slots, reader, progress=bar.update if bar else None)
         for d in deferred:
             if d.boxes:
                 run_deferred(d, checkpoint, slots, reader)

@@ -9,9 +9,11 @@ from .rank import (
     BlockRead,
     DeferredRead,
     RankPlan,
+    ValueRead,
     deferred_inputs,
     describe,
     plan_rank,
+    split_box,
     unique_read_bytes,
 )
 from .slots import Box, TargetSlot, box_view, full_box, iter_model_tensors, model_slots, plain_slot
@@ -26,6 +28,7 @@ __all__ = [
     "TraceCache",
     "Traced",
     "Untraced",
+    "ValueRead",
     "box_view",
     "deferred_inputs",
     "describe",
@@ -34,5 +37,6 @@ __all__ = [
     "model_slots",
     "plain_slot",
     "plan_rank",
+    "split_box",
     "unique_read_bytes",
 ]

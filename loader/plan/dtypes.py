@@ -11,18 +11,8 @@ import torch
 from ..checkpoint import SafetensorsCheckpoint
 from ..errors import CheckpointError
 from ..rules import KeyPlan
+from ..rules.fp8 import FLOAT8, SCALE_SUFFIX
 from .slots import TargetSlot
-
-#: float8 dtypes this torch build has: their elements are codes whose value needs the checkpoint's scales
-FLOAT8 = frozenset(
-    getattr(torch, n)
-    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, n)
-)
-
-
-#: suffix of the block-scale tensor stored beside a float8 weight (``x.weight`` + ``x.weight_scale_inv``)
-SCALE_SUFFIX = "_scale_inv"
 
 
 def value_kind(dtype: torch.dtype) -> str:
@@ -80,9 +70,9 @@ def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Map
 
 def _fp8_error(path: str, key: str, what: str) -> CheckpointError:
     return CheckpointError(
-        f"{path}: tensor {key!r}: float8 checkpoint tensor {what}; block-quantized FP8 "
-        "dequantization is not supported yet (load into float8 model tensors, or dequantize "
-        "the checkpoint first)",
+        f"{path}: tensor {key!r}: float8 checkpoint tensor {what}; float8 weights dequantize on load only "
+        f"with block scales stored beside them as '<weight>{SCALE_SUFFIX}' (quantization_config "
+        "quant_method 'fp8'); load into float8 model tensors, or dequantize the checkpoint first",
         path=path,
         key=key,
     )

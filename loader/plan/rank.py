@@ -24,6 +24,9 @@ from .dtypes import check_float8, kind_cast
 from .slots import Box, TargetSlot
 from .traces import TraceCache, Traced, Untraced
 
+#: the most bytes a value read's inputs hold at once (a larger box is split)
+VALUE_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class BlockRead:
@@ -32,6 +35,15 @@ class BlockRead:
     target: str
     local_box: Box
     block: rt.RemapBlock
+
+
+@dataclass(frozen=True)
+class ValueRead:
+    """Fill ``program``'s inputs (box-shaped reads), compute its pointwise ops, copy into ``local_box``."""
+
+    target: str
+    local_box: Box
+    program: rt.values.ValueProgram
 
 
 @dataclass(frozen=True)
@@ -52,10 +64,11 @@ class RankPlan:
         slots: the model tensors as this rank sees them, by name.
         keyplan: which checkpoint keys feed which model tensors (:func:`loader.rules.plan_keys`).
         conversions: ``keyplan.conversions``; outcomes: each one's :class:`Traced` or :class:`Untraced`.
-        reads: the region reads; deferred: the deferred conversions (``boxes`` empty when this rank owns
-            nothing of their targets).
+        reads: the region reads; values: the value reads (boxes of targets computed by pointwise ops, e.g. FP8
+            dequantization); deferred: the deferred conversions (``boxes`` empty when this rank owns nothing of
+            their targets).
         loaded_keys, missing_keys, unexpected_keys: the key report (tied aliases loaded with their tensor).
-        traced, deferred_targets: model tensors loaded by region reads, and by deferred conversions.
+        traced, deferred_targets: model tensors loaded by region or value reads, and by deferred conversions.
         casts: ``(model tensor, dtype its values come in, model dtype)`` for loads across value kinds
             (see :func:`~loader.plan.dtypes.kind_cast`).
     """
@@ -66,6 +79,7 @@ class RankPlan:
     conversions: tuple[Conversion, ...]
     outcomes: tuple[Traced | Untraced, ...]
     reads: tuple[BlockRead, ...]
+    values: tuple[ValueRead, ...]
     deferred: tuple[DeferredRead, ...]
     loaded_keys: tuple[str, ...]
     missing_keys: tuple[str, ...]
@@ -75,8 +89,9 @@ class RankPlan:
     casts: tuple[tuple[str, torch.dtype, torch.dtype], ...]
 
     def planned_bytes(self) -> int:
-        """Bytes of checkpoint data this plan reads (region reads by element, deferred sources whole)."""
-        total = unique_read_bytes([r.block for r in self.reads], self.checkpoint)
+        """Bytes of checkpoint data this plan reads (region and value reads by element, deferred sources whole)."""
+        blocks = [r.block for r in self.reads] + [b for v in self.values for b in v.program.blocks]
+        total = unique_read_bytes(blocks, self.checkpoint)
         keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
         return total + sum(self.checkpoint[k].nbytes for k in keys)
 
@@ -98,6 +113,8 @@ def plan_rank(
     supports_symbolic: Callable[[Conversion], bool] = lambda conv: True,
     cache: TraceCache | None = None,
     check_devices: bool = True,
+    values: bool = True,
+    value_bytes: int = VALUE_BYTES,
 ) -> RankPlan:
     """Plan this rank's part of a load.
 
@@ -109,6 +126,8 @@ def plan_rank(
         supports_symbolic: hook; False sends a conversion to a deferred read.
         cache: trace cache shared across plans (e.g. simulated ranks).
         check_devices: refuse targets still on the meta device.
+        values: compile conversions that end in pointwise ops into value reads; False defers them.
+        value_bytes: the most bytes of inputs one value read holds at once (larger boxes are split).
 
     Returns:
         The rank's plan. Nothing has been read or written.
@@ -123,6 +142,7 @@ def plan_rank(
     check_float8(keyplan, checkpoint, slots)
     outcomes: list[Traced | Untraced] = []
     reads: list[BlockRead] = []
+    value_reads: list[ValueRead] = []
     deferred: list[DeferredRead] = []
     casts: list[tuple[str, torch.dtype, torch.dtype]] = []
     for conv in keyplan.conversions:
@@ -131,9 +151,12 @@ def plan_rank(
             outcome = cache.trace(conv, checkpoint)
         else:
             outcome = Untraced("rejected by supports_symbolic")
+        if isinstance(outcome, Traced) and not values and not outcome.is_index_map:
+            outcome = Untraced("values computed by pointwise ops are read whole here (values=False)")
         outcomes.append(outcome)
         if isinstance(outcome, Traced):
             reads += _compiled(conv, outcome, slots, cache)
+            value_reads += _compiled_values(conv, outcome, slots, cache, value_bytes)
         else:
             owned = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
             deferred.append(DeferredRead(conv, outcome.reason, owned))
@@ -159,6 +182,7 @@ def plan_rank(
         conversions=conversions,
         outcomes=tuple(outcomes),
         reads=tuple(reads),
+        values=tuple(value_reads),
         deferred=tuple(deferred),
         loaded_keys=tuple(sorted(loaded | aliases)),
         missing_keys=missing,
@@ -202,10 +226,63 @@ def _compiled(conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot],
     reads = []
     for i, t in enumerate(conv.targets):
         out = traced.outputs[t]
+        if not out.is_index_map:
+            continue
         for g, lb in slots[t].boxes:
             if _nonempty(g):
                 reads.extend(BlockRead(t, lb, block) for block in cache.blocks(traced.key, i, out, g, conv.sources))
     return reads
+
+
+def _compiled_values(
+    conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot], cache: TraceCache, value_bytes: int
+) -> list[ValueRead]:
+    """The value reads of a traced conversion: a program per owned box of its computed targets, boxes split so
+    that a program's inputs hold at most ``value_bytes``."""
+    reads = []
+    for i, t in enumerate(conv.targets):
+        out = traced.outputs[t]
+        if out.is_index_map:
+            continue
+        per_element = sum(d.itemsize for _, d, _ in rt.values.leaves(out.value, out.dtype))
+        for g, lb in slots[t].boxes:
+            for gp, lp in split_box(g, lb, max(1, value_bytes // per_element)):
+                reads.append(ValueRead(t, lp, cache.program(traced.key, i, out, gp, conv.sources)))
+    return reads
+
+
+def split_box(g: Box, local: Box, numel: int, align: int = 128) -> list[tuple[Box, Box]]:
+    """``(global, local)`` box pairs splitting ``g`` (and ``local`` alike) along its first dims into parts of at
+    most ``numel`` elements; cuts fall on multiples of ``align`` when a part spans more than that."""
+    if not _nonempty(g):
+        return []
+    if math.prod(b - a for a, b in g) <= numel:
+        return [(g, local)]
+    for d, (a, b) in enumerate(g):
+        inner = math.prod(hi - lo for lo, hi in g[d + 1 :])
+        if inner <= numel or d == len(g) - 1:
+            step = max(1, numel // max(inner, 1))
+            if step > align:
+                step -= step % align
+            out = []
+            for s in range(a, b, step):
+                e = min(b, s + step)
+                gp = g[:d] + ((s, e),) + g[d + 1 :]
+                lo = local[d][0] + s - a
+                out.append((gp, local[:d] + ((lo, lo + e - s),) + local[d + 1 :]))
+            return out
+        # even one index of dim d is too large: split that index's sub-box further
+        return [
+            part
+            for s in range(a, b)
+            for part in split_box(
+                g[:d] + ((s, s + 1),) + g[d + 1 :],
+                local[:d] + ((local[d][0] + s - a, local[d][0] + s - a + 1),) + local[d + 1 :],
+                numel,
+                align,
+            )
+        ]
+    return [(g, local)]
 
 
 def _check_materialized(loaded: set[str], slots: Mapping[str, TargetSlot]) -> None:

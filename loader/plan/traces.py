@@ -34,6 +34,11 @@ class Traced:
     outputs: Mapping[str, rt.RegionTensor]
     key: int
 
+    @property
+    def is_index_map(self) -> bool:
+        """Whether every output is an index map (no output computed by pointwise ops)."""
+        return all(t.is_index_map for t in self.outputs.values())
+
 
 @dataclass(frozen=True)
 class Untraced:
@@ -57,6 +62,7 @@ class TraceCache:
     def __init__(self) -> None:
         self._traces: dict[int, tuple[rt.RegionTensor, ...] | str] = {}
         self._blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = {}
+        self._programs: dict[tuple, rt.values.ValueProgram] = {}
         self._keys: dict[tuple[int, int], tuple[Conversion, SafetensorsCheckpoint, int, MetaRun]] = {}
         self._interned: dict[Hashable, int] = {}
         self._reruns: dict[int, MetaRun] = {}
@@ -123,6 +129,16 @@ class TraceCache:
             blocks = traced.remap_blocks(box)
             self._blocks[key] = blocks
         return tuple(_rename(b, names) for b in blocks)
+
+    def program(
+        self, sig: int, target_index: int, traced: rt.RegionTensor, box: Box, names: tuple[str, ...]
+    ) -> rt.values.ValueProgram:
+        """The value program for ``box``, compiled once per signature and renamed to this conversion's sources."""
+        key = (sig, target_index, box)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = traced.value_program(box)
+        return program.with_blocks(lambda b: _rename(b, names))
 
 
 class _Unique:

@@ -68,12 +68,16 @@ def run(args: argparse.Namespace) -> int:
     for name, t in outputs:
         print()
         print(f"{name}: {rt.explain(t)}")
+        shown = box if box is not None else tuple((0, n) for n in t.shape)
         try:
-            blocks = t.remap_blocks(box)
+            if t.is_index_map:
+                print(describe_blocks(name, t.remap_blocks(box), shown, args.max_blocks))
+                continue
+            program = t.value_program(box)
         except ValueError as e:
             raise CLIError(f"{name}: {e}") from e
-        shown = box if box is not None else tuple((0, n) for n in t.shape)
-        print(describe_blocks(name, blocks, shown, args.max_blocks))
+        for i, value_input in enumerate(program.inputs):  # each operand of the pointwise ops, for the box
+            print(describe_blocks(f"v{i}", value_input.blocks, shown, args.max_blocks))
     if args.dot:
         with open(args.dot, "w") as f:
             f.write(to_dot([t for _, t in outputs], [n for n, _ in outputs]))

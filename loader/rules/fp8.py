@@ -1,0 +1,234 @@
+"""FP8 block-quantized checkpoints: dequantize on load where the model's tensor is not FP8.
+
+Vocabulary:
+
+- a **quantized weight** is a float8 checkpoint tensor ``<key>`` stored with its **block scales**
+  ``<key>_scale_inv``: one scale per **block** of ``(bm, bn)`` elements of the last two dims, on a **scale grid**
+  of ``ceil(rows / bm) x ceil(cols / bn)`` (leading dims, e.g. experts, match).
+- its value is ``w.float() * scale_inv[..., i // bm, j // bn]`` cast to the model tensor's dtype: the float32
+  product and the cast of transformers' fine-grained FP8 dequantization (``Fp8Dequantize``), so the values are
+  bit-identical to it wherever its block divides the shape (it infers the block from the grid; ours comes from
+  ``quantization_config.weight_block_size``, so shapes the block does not divide dequantize exactly too).
+
+:func:`dequantize_fp8` rewrites the conversions of a key plan: each one that reads a quantized weight into a
+model tensor that is not FP8 reads the weight's scales too and dequantizes the weight before its own ops. The
+dequantization is pointwise over index maps, so it traces (:mod:`regiontrace.values`): each rank reads its
+weight region and the scale blocks that region touches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..checkpoint import SafetensorsCheckpoint, quantization_config
+from ..errors import CheckpointError
+from .conversion import Conversion
+from .keys import KeyPlan
+
+#: float8 dtypes this torch build has: their elements are codes whose value needs the checkpoint's scales
+FLOAT8 = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)
+)
+
+#: suffix of the block-scale tensor stored beside a float8 weight (``x.weight`` + ``x.weight_scale_inv``)
+SCALE_SUFFIX = "_scale_inv"
+
+#: scale dtypes whose cast to float32 is their value (``uint8`` E8M0 exponents need ``exp2``: not traceable)
+_VALUE_SCALES = (torch.float32, torch.bfloat16, torch.float16, getattr(torch, "float8_e8m0fnu", torch.float32))
+
+
+def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> Any:
+    """Block dequantization: ``w.float() * scale_inv`` broadcast over ``block`` of the last two dims, cast to
+    ``dtype``. Works on real tensors and on RegionTensors (it is index maps and exact pointwise ops).
+
+    Args:
+        w: float8 codes ``(..., rows, cols)``.
+        scale_inv: scales ``(..., ceil(rows / bm), ceil(cols / bn))``; ``uint8`` holds E8M0 exponents
+            (``2 ** (b - 127)``, as transformers reads them).
+        block: ``(bm, bn)``.
+        dtype: the result's dtype.
+    """
+    rows, cols = w.shape[-2:]
+    bm, bn = block
+    if scale_inv.dtype == torch.uint8:
+        s = (scale_inv.to(torch.float32) - 127.0).exp2()
+    else:
+        s = scale_inv.to(torch.float32)
+    s = s.repeat_interleave(bm, -2)[..., :rows, :].repeat_interleave(bn, -1)[..., :cols]
+    return (w.to(torch.float32) * s).to(dtype)
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """How a checkpoint's FP8 weights are quantized.
+
+    Attributes:
+        block: ``(bm, bn)`` from ``quantization_config.weight_block_size``; None: inferred per weight from its
+            scale grid (only where the grid divides the shape, as transformers does).
+        where: where it was read from, for messages.
+    """
+
+    block: tuple[int, int] | None
+    where: str
+
+
+def fp8_blocks(quantization_config: Mapping[str, Any] | None, where: str) -> Fp8Blocks:
+    """The FP8 block scheme a ``quantization_config`` declares (none, or ``quant_method: fp8``).
+
+    Raises:
+        CheckpointError: another quantization method with float8 weights, or a malformed ``weight_block_size``
+            (naming ``where``).
+    """
+    if not quantization_config:
+        return Fp8Blocks(None, where)
+    method = quantization_config.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(
+            f"{where}: quantization_config.quant_method is {method!r}; only block-quantized 'fp8' checkpoints "
+            "dequantize on load (load into a model quantized the same way, or dequantize the checkpoint first)",
+            path=where,
+        )
+    block = quantization_config.get("weight_block_size")
+    if block is None:
+        return Fp8Blocks(None, where)
+    ok = isinstance(block, list | tuple) and len(block) == 2
+    if not ok or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block):
+        raise CheckpointError(
+            f"{where}: quantization_config.weight_block_size must be two positive integers, got {block!r}", path=where
+        )
+    return Fp8Blocks((block[0], block[1]), where)
+
+
+def dequantize_fp8(
+    conversions: list[Conversion],
+    checkpoint: SafetensorsCheckpoint,
+    model_dtypes: Mapping[str, torch.dtype],
+    scheme: Fp8Blocks,
+) -> tuple[list[Conversion], list[str]]:
+    """Rewrite the conversions that load quantized weights into model tensors that are not FP8.
+
+    Args:
+        conversions: a key plan's conversions.
+        checkpoint: the checkpoint headers.
+        model_dtypes: each model tensor's dtype, by name.
+        scheme: the checkpoint's block scheme (:func:`fp8_blocks`).
+
+    Returns:
+        The conversions (rewritten ones read ``<key>_scale_inv`` too, after their own sources), and the scale
+        keys they consume.
+
+    Raises:
+        CheckpointError: a scale grid that does not fit its weight or the declared block, or a scale dtype that
+            cannot scale (naming the file and tensor).
+    """
+    out, consumed = [], []
+    for conv in conversions:
+        quantized = [k for k in conv.sources if checkpoint[k].dtype in FLOAT8 and k + SCALE_SUFFIX in checkpoint]
+        scales = {k: k + SCALE_SUFFIX for k in quantized}
+        dtype = model_dtypes.get(conv.targets[0])
+        if not scales or dtype is None or dtype in FLOAT8 or any(s in conv.sources for s in scales.values()):
+            out.append(conv)
+            continue
+        blocks = {k: _block_of(checkpoint, k, s, scheme) for k, s in scales.items()}
+        out.append(_dequantizing(conv, blocks, dtype))
+        consumed += scales.values()
+    return out, consumed
+
+
+def dequantized_keyplan(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, model: torch.nn.Module) -> KeyPlan:
+    """``keyplan`` with FP8 dequantization wherever a quantized weight loads into a tensor that is not FP8.
+
+    The scheme is read from the ``quantization_config`` of the checkpoint's ``config.json``, else of the model's
+    config. Scale keys the rewritten conversions read are no longer unexpected.
+
+    Raises:
+        CheckpointError: see :func:`fp8_blocks` and :func:`dequantize_fp8`.
+    """
+    if not any(info.dtype in FLOAT8 for info in checkpoint.tensors.values()):
+        return keyplan  # the usual case: nothing to read or rewrite
+    quant = quantization_config(checkpoint.root)
+    where = os.path.join(checkpoint.root, "config.json")
+    if quant is None:
+        config = getattr(getattr(model, "config", None), "quantization_config", None)
+        quant = config.to_dict() if hasattr(config, "to_dict") else config
+        where = f"the model's config ({type(model).__name__}.config)"
+    dtypes = {name: t.dtype for name, t in model.state_dict(keep_vars=True).items()}
+    conversions, consumed = dequantize_fp8(keyplan.conversions, checkpoint, dtypes, fp8_blocks(quant, where))
+    if not consumed:
+        return keyplan
+    used = set(consumed)
+    unexpected = [k for k in keyplan.unexpected_keys if k not in used]
+    return replace(keyplan, conversions=conversions, unexpected_keys=unexpected)
+
+
+def _block_of(checkpoint: SafetensorsCheckpoint, key: str, scale_key: str, scheme: Fp8Blocks) -> tuple[int, int]:
+    """The block of one quantized weight, checked against its scale grid."""
+    w, s = checkpoint[key], checkpoint[scale_key]
+
+    def refuse(what: str) -> CheckpointError:
+        return CheckpointError(f"{s.file}: tensor {scale_key!r}: {what}", path=s.file, key=scale_key)
+
+    if s.dtype not in _VALUE_SCALES and s.dtype != torch.uint8:
+        raise refuse(f"block scales of dtype {s.dtype} are not understood")
+    if len(w.shape) < 2 or len(s.shape) != len(w.shape) or s.shape[:-2] != w.shape[:-2]:
+        raise refuse(f"scale grid {s.shape} does not fit the float8 weight {key!r} of shape {w.shape}")
+    (rows, cols), (sr, sc) = w.shape[-2:], s.shape[-2:]
+    if scheme.block is not None:
+        bm, bn = scheme.block
+        if (sr, sc) != (math.ceil(rows / bm), math.ceil(cols / bn)):
+            raise refuse(
+                f"scale grid {(sr, sc)} does not fit weight {key!r} {w.shape} in blocks of {scheme.block} "
+                f"(weight_block_size of {scheme.where})"
+            )
+        return bm, bn
+    if sr == 0 or sc == 0 or rows % sr or cols % sc:
+        raise refuse(
+            f"cannot infer the block size of weight {key!r} {w.shape} from scale grid {(sr, sc)}: "
+            f"set quantization_config.weight_block_size in {scheme.where}"
+        )
+    return rows // sr, cols // sc
+
+
+def _dequantizing(conv: Conversion, blocks: Mapping[str, tuple[int, int]], dtype: torch.dtype) -> Conversion:
+    """``conv`` reading its quantized weights' scales too and dequantizing them to ``dtype`` first."""
+    inner = conv
+    cast_rest = type(conv.rule).__module__.startswith("transformers")  # transformers casts sources to the target
+
+    def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
+        given = {}
+        for k in inner.sources:
+            t = tensors[k]
+            if k in blocks:
+                t = dequantize_blocks(t, tensors[k + SCALE_SUFFIX], blocks[k], dtype)
+            elif cast_rest and t.is_floating_point():
+                t = t.to(dtype)
+            given[k] = t
+        return inner.run(given)
+
+    scale_keys = tuple(k + SCALE_SUFFIX for k in blocks)
+    signature = None if conv.signature is None else ("fp8", conv.signature, tuple(blocks.values()), dtype)
+    return replace(
+        conv,
+        sources=conv.sources + scale_keys,
+        description=f"{conv.description} (FP8 block dequantization)",
+        is_rename=False,
+        rule=Fp8Dequantization(conv.rule),
+        meta=None,
+        signature=signature,
+        _runner=run,
+    )
+
+
+@dataclass(frozen=True)
+class Fp8Dequantization:
+    """The rule of a rewritten conversion: ``rule`` applied to dequantized weights."""
+
+    rule: Any
