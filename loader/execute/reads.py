@@ -1,10 +1,15 @@
 """Executing a rank's plan: read exactly the byte ranges its blocks need, copy them into model tensors.
 
-Region reads are grouped per file in source order and read with ``os.preadv`` into bounded staging buffers
-(at most ``STAGING_BYTES`` at a time), or straight into the model tensor when the block is one contiguous
-run of the same dtype into a contiguous destination. A block of many short runs (a column shard) is read
-as its byte span, one call per stretch of runs whose gaps hold no page the runs do not touch, then copied
-out in one strided copy. No file is memory-mapped: a file that shrinks mid-load is a short read and a
+Region reads are grouped per file in source order and read with ``os.preadv`` into the reused buffers of a
+:class:`~.staging.StagingRing` (two of at most ``STAGING_BYTES`` each), or, for a host destination, straight
+into the model tensor when the block is one contiguous run of the same dtype into a contiguous destination.
+A buffer mirrors a stretch of the file: blocks read together (a batch) are read at their file offsets
+relative to the batch's first byte, one call per run of touching byte ranges (bytes that several blocks need
+are read once), and each block's values are a strided view of the buffer. A block of many short runs (a
+column shard) is read alone as its byte span, one call per stretch of runs whose gaps hold no page the runs
+do not touch. The ring copies each view into its destination: a plain strided copy into host memory; for a
+CUDA destination a ``non_blocking`` copy out of pinned memory that overlaps the next batch's reads (see
+:mod:`.staging`). No file is memory-mapped: a file that shrinks mid-load is a short read and a
 ``CheckpointError``, never a SIGBUS. Each file's identity (recorded with its header) is checked when it is
 opened for data and again after its last read. Deferred conversions read their sources whole, run, and
 copy the owned boxes of their outputs.
@@ -14,17 +19,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import regiontrace as rt
-from regiontrace.execute import apply_casts, dest_view
+from regiontrace.execute import dest_view
 
-from ..checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, read_ranges
+from ..checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, box_view
 from .layout import ReadLayout, page_spans, read_layout, split_span
+from .staging import GATHER_OVERREAD, Stage, StagingRing, align
 
 STAGING_BYTES = 64 << 20
 
@@ -74,8 +81,51 @@ def _alone(items: list[tuple[BlockRead, TensorInfo]]) -> list[bool]:
     return [sizes[c] == 1 for c in clusters]
 
 
+def _pack_bytes(block: rt.RemapBlock, span: int, wanted: int, room: int) -> int:
+    """Bytes to reserve for packing ``block`` on the host before a copy to a device: its values' bytes when its
+    span is sparse (more than :data:`~.staging.GATHER_OVERREAD` times the ``wanted`` bytes it reads) and they
+    fit in ``room``, else 0 (its span is gathered on the device). Decided for every destination, so that host
+    loads batch exactly as device loads do."""
+    packed = block.numel * block.source_dtype.itemsize  # broadcast dims are packed expanded
+    return packed if span > GATHER_OVERREAD * wanted and align(packed) <= room else 0
+
+
+@dataclass
+class _Batch:
+    """Blocks read together into one buffer: file bytes ``[base, end)`` at offset 0, then their pack areas."""
+
+    base: int = 0
+    end: int = 0
+    pack: int = 0
+    items: list = field(default_factory=list)
+
+    def need(self, start: int, end: int, pack: int) -> int:
+        """Bytes the buffer needs with a block of bytes ``[start, end)`` and ``pack`` bytes of pack area added."""
+        if not self.items:
+            return align(end - start) + align(pack)
+        return align(max(self.end, end) - self.base) + self.pack + align(pack)
+
+    def add(self, item: tuple, start: int, end: int, pack: int) -> None:
+        if not self.items:
+            self.base, self.end = start, end
+        self.end = max(self.end, end)
+        self.pack += align(pack)
+        self.items.append((*item, start, pack))
+
+
 class BlockExecutor:
-    """Runs BlockReads against checkpoint files, tracking bytes read."""
+    """Runs BlockReads against checkpoint files, tracking bytes read.
+
+    Args:
+        checkpoint: the checkpoint the reads' sources are in.
+        slots: the target slots by name (their ``local`` tensors are written, on any device).
+        reader: the open file reader (counts the bytes read).
+        staging_bytes: bytes per staging buffer at most (blocks are split to fit).
+        progress: called with the bytes of each block once it is read.
+        staging: a ring of staging buffers to use (e.g. shared by several executors, so that pinned buffers
+            are allocated once); its ``capacity`` then replaces ``staging_bytes``. Default: a new
+            :class:`~.staging.StagingRing` of two buffers of ``staging_bytes``.
+    """
 
     def __init__(
         self,
@@ -85,14 +135,15 @@ class BlockExecutor:
         *,
         staging_bytes: int = STAGING_BYTES,
         progress: Callable[[int], None] | None = None,
+        staging: StagingRing | None = None,
     ) -> None:
         self.checkpoint, self.slots, self.reader = checkpoint, slots, reader
-        self.staging_bytes = staging_bytes
+        self.ring = staging if staging is not None else StagingRing(staging_bytes)
+        self.staging_bytes = self.ring.capacity
         self.progress = progress or (lambda n: None)
-        self._stage: torch.Tensor | None = None  # reused staging buffer of span reads
 
     def run(self, reads: Iterable[BlockRead]) -> None:
-        """Execute ``reads``, file by file in source order.
+        """Execute ``reads``, file by file in source order; every copy has finished when it returns.
 
         Raises:
             CheckpointError: a file is short, or changed since its header was read (checked when it is
@@ -100,86 +151,104 @@ class BlockExecutor:
         """
         identities = getattr(self.checkpoint, "identities", None) or {}
         by_file: dict[str, list[tuple[BlockRead, TensorInfo]]] = {}
+        targets, hint = set(), 0
         for r in reads:
             info = self.checkpoint[r.block.source]
+            targets.add(r.target)
             for block in split_span(r.block, max(1, self.staging_bytes // info.itemsize)):
                 by_file.setdefault(info.file, []).append((BlockRead(r.target, r.local_box, block), info))
-        for file, items in by_file.items():
-            self.reader.expect(file, identities.get(file))
-            self._run_file(file, items)
-            self.reader.verify(file)  # rewritten during the reads: the bytes read may be garbage
+                if hint < self.staging_bytes:
+                    lo, hi = block.source_span()
+                    hint += align((hi - lo) * info.itemsize)
+        locals_ = (self.slots[t].local for t in targets)
+        self.ring.prepare({t.device for t in locals_ if t is not None}, hint)
+        try:
+            for file, items in by_file.items():
+                self.reader.expect(file, identities.get(file))
+                self._run_file(file, items)
+                self.reader.verify(file)  # rewritten during the reads: the bytes read may be garbage
+        finally:
+            self.ring.finish()  # no copy may land after run returns (rollback restores after a failure)
 
     def _run_file(self, file: str, items: list[tuple[BlockRead, TensorInfo]]) -> None:
         items.sort(key=lambda it: it[1].data_start + it[0].block.source_span()[0] * it[1].itemsize)
         wanted = sum(r.block.read_numel * info.itemsize for r, info in items)
         if wanted < SPARSE_FRACTION * os.path.getsize(file):
             self.reader.advise_sparse(file)  # readahead would read what other ranks need
-        batch, size = [], 0
+        cap, batch = self.staging_bytes, _Batch()
         for (r, info), alone in zip(items, _alone(items)):
             dest = box_view(self.slots[r.target].local, r.local_box)
             layout = read_layout(r.block)
-            # a block whose bytes may overlap another's is staged, where overlapping ranges are read once
-            direct = _direct_target(r.block, dest, layout) if alone else None
+            # a block whose bytes may overlap another's is batched, where overlapping ranges are read once
+            direct = _direct_target(r.block, dest, layout) if alone and self.ring.link_for(dest) is None else None
             if direct is not None:
                 start = info.data_start + layout.runs[0] * info.itemsize
                 self.reader.pread_into(file, start, _bytes_view(direct))
                 self.progress(direct.numel() * info.itemsize)
                 continue
-            lo, hi = r.block.source_span()
-            if alone and len(layout.runs) > STRIDED_RUNS and (hi - lo) * info.itemsize <= self.staging_bytes:
+            item = info.itemsize
+            span, want = (layout.end - layout.base) * item, layout.count * layout.run * item
+            if alone and layout.count > STRIDED_RUNS and align(span) <= cap:
                 self._spanned(file, r, info, dest, layout)
                 continue
-            batch.append((r, info, dest, layout))
-            size += len(layout.runs) * layout.run * info.itemsize
-            if size >= self.staging_bytes:
-                self._staged(file, batch)
-                batch, size = [], 0
-        if batch:
+            start = info.data_start + layout.base * item
+            pack = _pack_bytes(r.block, span, want, cap - align(span))
+            if batch.items and (batch.need(start, start + span, pack) > cap or (start - batch.base) % item):
+                self._staged(file, batch)  # full, or the block's values would not be aligned for its dtype
+                batch = _Batch()
+            batch.add((r, info, dest, layout), start, start + span, pack)
+        if batch.items:
             self._staged(file, batch)
 
     def _spanned(self, file: str, r: BlockRead, info: TensorInfo, dest: torch.Tensor, layout: ReadLayout) -> None:
         """Read a block of many short runs by its byte span (gaps on pages it touches anyway) and copy it
         out in one strided copy: one read call per stretch of runs, not one per run."""
-        item, block = info.itemsize, r.block
-        lo, hi = block.source_span()
-        base = info.data_start + lo * item
-        if self._stage is None or self._stage.numel() < (hi - lo) * item:
-            self._stage = torch.empty((hi - lo) * item, dtype=torch.uint8)
-        stage = self._stage[: (hi - lo) * item]
+        item, cap = info.itemsize, self.staging_bytes
+        span, wanted = (layout.end - layout.base) * item, layout.count * layout.run * item
+        if span > GATHER_OVERREAD * wanted and align(span) + align(wanted) > cap:
+            # too sparse to copy its span to a device, too large to pack beside it: parts that fit both
+            for block in split_span(r.block, max(1, cap * 3 // 4 // item)):
+                self._spanned_part(file, BlockRead(r.target, r.local_box, block), info, dest, read_layout(block))
+            return
+        self._spanned_part(file, r, info, dest, layout)
+
+    def _spanned_part(self, file: str, r: BlockRead, info: TensorInfo, dest: torch.Tensor, layout: ReadLayout) -> None:
+        item = info.itemsize
+        span, wanted = (layout.end - layout.base) * item, layout.count * layout.run * item
+        pack = _pack_bytes(r.block, span, wanted, self.staging_bytes - align(span))
+        stage = self.ring.acquire(align(span) + align(pack))
+        base = info.data_start + layout.base * item
         starts = info.data_start + np.asarray(layout.runs, dtype=np.int64) * item
-        wanted = len(layout.runs) * layout.run * item
         spans = page_spans(starts, layout.run * item)
         if len(spans) > 1:  # queue every stretch's pages at once rather than one synchronous read after another
             for a, b in spans:
                 self.reader.advise_willneed(file, a, b)
-        self.reader.read_spans(file, spans, memoryview(stage.numpy()), base, wanted=wanted)
-        flips = [j for j, st in enumerate(block.src_strides) if st < 0]
-        first = block.src_offset + sum((block.shape[j] - 1) * block.src_strides[j] for j in flips) - lo
-        src = torch.as_strided(stage.view(info.dtype), block.shape, [abs(st) for st in block.src_strides], first)
-        if flips:
-            src = src.flip(flips)
-        dest_view(block, dest).copy_(apply_casts(src, block.casts))
+        self.reader.read_spans(file, spans, _bytes_view(stage.data[:span]), base, wanted=wanted)
+        self._deliver(stage, r, info, dest, layout, 0, align(span) if pack else None)
+        self.ring.release(stage)
         self.progress(wanted)
 
-    def _staged(self, file: str, batch: list) -> None:
+    def _staged(self, file: str, batch: _Batch) -> None:
+        """Read a batch's runs at their offsets from ``batch.base`` (touching ranges in one call), copy each out."""
+        stage = self.ring.acquire(batch.need(batch.base, batch.end, 0))
         ranges = []
-        for _, info, _, layout in batch:
+        for _, info, _, layout, _, _ in batch.items:
             nbytes = layout.run * info.itemsize
             ranges.extend(
                 (info.data_start + s * info.itemsize, info.data_start + s * info.itemsize + nbytes) for s in layout.runs
             )
-        views = read_ranges(file, ranges, max_gap=0, max_overread=1.0, reader=self.reader)
-        pos = 0
-        for r, info, dest, layout in batch:
-            n = len(layout.runs)
-            raw = bytearray().join(views[pos : pos + n])  # one copy out of the read buffers
-            pos += n
-            if raw:
-                packed = torch.frombuffer(raw, dtype=torch.uint8).view(info.dtype)
-                src = torch.as_strided(packed, r.block.shape, layout.strides)
-            else:
-                src = torch.empty(r.block.shape, dtype=info.dtype)
-            if layout.flips:
-                src = src.flip(layout.flips)
-            dest_view(r.block, dest).copy_(apply_casts(src, r.block.casts))
-            self.progress(len(raw))
+        for a, b, _ in coalesce_ranges(ranges, max_gap=0, max_overread=1.0):
+            self.reader.pread_into(file, a, _bytes_view(stage.data[a - batch.base : b - batch.base]))
+        pack_at = align(batch.end - batch.base)
+        for r, info, dest, layout, start, pack in batch.items:
+            self._deliver(stage, r, info, dest, layout, start - batch.base, pack_at if pack else None)
+            pack_at += align(pack)
+            self.progress(layout.count * layout.run * info.itemsize)
+        self.ring.release(stage)
+
+    def _deliver(
+        self, stage: Stage, r: BlockRead, info: TensorInfo, dest: torch.Tensor, layout: ReadLayout, at: int, pack_at
+    ) -> None:
+        """Copy the block whose first byte is at ``stage.data[at]`` into its destination."""
+        src = torch.as_strided(stage.data.view(info.dtype), layout.shape, layout.steps, at // info.itemsize)
+        self.ring.deliver(stage, src, layout.flips, dest_view(r.block, dest), r.block.casts, pack_at)

@@ -11,7 +11,8 @@ import torch
 from ..checkpoint import FileReader
 from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
 from .deferred import run_deferred
-from .reads import BlockExecutor
+from .reads import STAGING_BYTES, BlockExecutor
+from .staging import StagingRing
 from .values import run_values
 
 
@@ -56,8 +57,9 @@ def execute_plan(
     saved = snapshot(plan) if rollback else None
     bar = _progress_bar(progress, plan.planned_bytes())
     try:
-        BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None).run(reads)
-        run_values(values, checkpoint, slots, reader, progress=bar.update if bar else None)
+        ring = StagingRing(STAGING_BYTES)  # one ring of staging buffers (pinned for GPU targets) for every read
+        BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring).run(reads)
+        run_values(values, checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring)
         for d in deferred:
             if d.boxes:
                 run_deferred(d, checkpoint, slots, reader)

@@ -17,7 +17,8 @@ from regiontrace.values import fill_inputs
 from ..checkpoint import FileReader, SafetensorsCheckpoint
 from ..plan import BlockRead, TargetSlot, ValueRead, full_box
 from ..plan.slots import box_view
-from .reads import BlockExecutor
+from .reads import STAGING_BYTES, BlockExecutor
+from .staging import StagingRing
 
 
 def run_values(
@@ -27,19 +28,27 @@ def run_values(
     reader: FileReader,
     *,
     progress: Callable[[int], None] | None = None,
+    staging: StagingRing | None = None,
 ) -> None:
     """Execute value reads: fill each program's inputs from the files, compute, copy into the model tensor.
+
+    Args:
+        values: the value reads.
+        checkpoint, slots, reader: as for :class:`~.reads.BlockExecutor`.
+        progress: called with the bytes of each read.
+        staging: the staging ring the inputs are read through (default: one for these reads).
 
     Raises:
         CheckpointError: a file is short, or changed since its header was read.
     """
+    staging = staging if staging is not None else StagingRing(STAGING_BYTES)
     for v in values:
         dest = box_view(slots[v.target].local, v.local_box)
 
         def fill(blocks: tuple, tensor: torch.Tensor) -> None:
             slot = TargetSlot("#input", tuple(tensor.shape), tensor.dtype, tensor, ())
             box = full_box(tuple(tensor.shape))
-            BlockExecutor(checkpoint, {"#input": slot}, reader, progress=progress).run(
+            BlockExecutor(checkpoint, {"#input": slot}, reader, progress=progress, staging=staging).run(
                 BlockRead("#input", box, b) for b in blocks
             )
 

@@ -1,0 +1,269 @@
+"""Staging buffers between file reads and destination tensors: a small ring of reused host buffers.
+
+The executor reads checkpoint bytes into a buffer of a :class:`StagingRing` and hands each block's values,
+a (strided) view of that buffer, to :meth:`StagingRing.deliver`, which writes them into the destination view.
+For a destination in host memory that is one ``copy_``. For one on a device (CUDA), the buffers are pinned
+and the copy to the device is queued with ``non_blocking=True``: the host goes on to read the next batch
+into the next buffer while the copy engine drains this one. After a batch, :meth:`StagingRing.release`
+records an event per device on the buffer; :meth:`StagingRing.acquire` waits on it before the buffer is
+written again (double-buffered with the default two buffers), and :meth:`StagingRing.finish` waits for every
+copy. What runs on the device side goes through a :class:`Link`; a test can pass its own (a CPU stand-in with
+events that record their order) to run the device path, and its reuse checks, on a machine without a GPU.
+
+How a block's values reach the device:
+
+* its values lie packed in the buffer (one contiguous run, same dtype, no casts or flips) and the destination
+  view is contiguous: one copy straight into the destination, no device temporary;
+* its byte span is at most ``GATHER_OVERREAD`` times the bytes it reads: the span is copied to a device
+  temporary and gathered (strided copy, flips, casts) on the device, off the host's critical path;
+* a sparser block (a column shard: short runs far apart) is first packed on the host into the pack area of
+  its buffer (one strided copy), so that only the bytes it needs cross the bus.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from regiontrace.execute import apply_casts
+
+#: default number of staging buffers (double-buffered: read into one while the other is copied)
+BUFFERS = 2
+
+#: buffers, spans and pack areas start at multiples of this many bytes (any dtype can be viewed there)
+ALIGN = 16
+
+#: a block whose byte span exceeds this many times the bytes it reads is packed on the host before its
+#: copy to a device; a denser one is copied whole and gathered on the device
+GATHER_OVERREAD = 4
+
+
+def align(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-n // ALIGN) * ALIGN
+
+
+class Event(Protocol):
+    """Marks the point of a device stream after the copies queued so far."""
+
+    def synchronize(self) -> None: ...
+
+
+class Link(Protocol):
+    """The host-to-device side of a :class:`StagingRing`: queues copies and records events.
+
+    Attributes:
+        pin: whether host buffers copied through this link should be pinned.
+    """
+
+    pin: bool
+
+    def copy(self, dest: torch.Tensor, host: torch.Tensor) -> None:
+        """Queue ``dest.copy_(host)`` (same shape and dtype, ``host`` contiguous in a staging buffer)."""
+
+    def record(self) -> Event:
+        """An event that completes once everything queued so far has run."""
+
+    def synchronize(self) -> None:
+        """Wait until everything queued so far has run."""
+
+
+class CudaLink:
+    """:class:`Link` to one CUDA device, on its current stream.
+
+    Args:
+        device: the CUDA device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pin = True
+
+    def copy(self, dest: torch.Tensor, host: torch.Tensor) -> None:
+        dest.copy_(host, non_blocking=True)
+
+    def record(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+@dataclass(eq=False)
+class Stage:
+    """One staging buffer of a ring.
+
+    Attributes:
+        index: its place in the ring (-1: a one-off buffer larger than the ring's).
+        data: the buffer, a flat ``uint8`` tensor (pinned when copied to a CUDA device).
+        events: events to wait on before the buffer is written again.
+        links: links that copied out of the buffer since it was last released.
+    """
+
+    index: int
+    data: torch.Tensor
+    events: list[Event] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
+
+
+class StagingRing:
+    """A bounded ring of reused host staging buffers, and the copies out of them into destination tensors.
+
+    At most ``count`` buffers of at most ``capacity`` bytes (rounded up to a multiple of :data:`ALIGN`) are
+    held; a larger request (a block that could not be split to fit) gets a one-off buffer, dropped after use.
+    Buffers are allocated on first use, no larger than the ``hint`` of :meth:`prepare` asks for, and grow
+    (doubling, up to the capacity) when a batch needs more.
+
+    Args:
+        capacity: bytes per buffer at most (the executor's ``staging_bytes``).
+        count: number of buffers (2: double-buffered).
+        link: the :class:`Link` every destination is copied through (a test's stand-in device); default
+            :class:`CudaLink` for CUDA destinations and plain ``copy_`` for host ones.
+
+    Attributes:
+        counts: how many times each route ran: ``acquire``, ``wait`` (events waited on before a reuse),
+            ``host`` (copy into a host tensor), ``straight`` (straight into the destination), ``gather``
+            (span to a device temporary, gathered there), ``pack`` (packed on the host first).
+    """
+
+    def __init__(self, capacity: int, count: int = BUFFERS, *, link: Link | None = None) -> None:
+        if capacity < 1 or count < 1:
+            raise ValueError(f"a staging ring needs capacity >= 1 and count >= 1, got {capacity}, {count}")
+        self.capacity, self.count, self.link = capacity, count, link
+        self.pin = False
+        self.hint = capacity
+        self.stages: list[Stage | None] = [None] * count
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._next = 0
+        self._links: dict[torch.device, Link] = {}
+
+    # ------------------------------------------------------------------------------------ buffers
+
+    def prepare(self, devices: Iterable[torch.device], hint: int | None = None) -> None:
+        """Get ready to copy into tensors on ``devices``: pin the buffers if one of them is a CUDA device.
+
+        Args:
+            devices: the devices of the destinations.
+            hint: bytes the coming reads need at most in one buffer (smaller buffers for small loads).
+        """
+        pin = (self.link.pin if self.link is not None else any(d.type == "cuda" for d in devices)) and (
+            torch.cuda.is_available()
+        )
+        if pin != self.pin:  # buffers of the other kind are dropped (after their copies finished)
+            self.finish()
+            self.stages = [None] * self.count
+            self.pin = pin
+        self.hint = self.capacity if hint is None else max(1, min(self.capacity, hint))
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The ring's allocated buffers."""
+        return [s.data for s in self.stages if s is not None]
+
+    def acquire(self, nbytes: int) -> Stage:
+        """The next buffer, once the copies out of it have finished, with at least ``nbytes`` bytes.
+
+        Raises:
+            ValueError: ``nbytes`` is negative.
+        """
+        if nbytes < 0:
+            raise ValueError(f"negative staging size {nbytes}")
+        self.counts["acquire"] += 1
+        if nbytes > align(self.capacity):  # one block that could not be split to fit: a buffer of its own, unpinned
+            self.counts["oversized"] += 1
+            return Stage(-1, torch.empty(align(nbytes), dtype=torch.uint8))
+        i, self._next = self._next, (self._next + 1) % self.count
+        stage = self.stages[i]
+        if stage is not None:
+            self._wait(stage)
+        if stage is None or stage.data.numel() < nbytes:
+            grown = self.hint if stage is None else min(self.capacity, 2 * stage.data.numel())
+            size = align(max(nbytes, grown))
+            stage = self.stages[i] = Stage(i, torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+        return stage
+
+    def release(self, stage: Stage) -> None:
+        """Mark the end of the copies out of ``stage`` queued so far: it may be acquired again once they ran."""
+        for link in stage.links:
+            stage.events.append(link.record())
+        stage.links.clear()
+
+    def finish(self) -> None:
+        """Wait until every copy queued through the ring has run (the destinations hold their final values)."""
+        for stage in self.stages:
+            if stage is not None:
+                self.release(stage)
+                self._wait(stage)
+        for link in [*self._links.values(), *([self.link] if self.link is not None else [])]:
+            link.synchronize()
+
+    def _wait(self, stage: Stage) -> None:
+        for event in stage.events:
+            self.counts["wait"] += 1
+            event.synchronize()
+        stage.events.clear()
+
+    # ------------------------------------------------------------------------------------ copies
+
+    def link_for(self, dest: torch.Tensor) -> Link | None:
+        """The link ``dest`` is written through (None: a host tensor, written with a plain ``copy_``)."""
+        if self.link is not None:
+            return self.link
+        if dest.device.type != "cuda":
+            return None
+        link = self._links.get(dest.device)
+        if link is None:
+            link = self._links[dest.device] = CudaLink(dest.device)
+        return link
+
+    def deliver(
+        self,
+        stage: Stage,
+        src: torch.Tensor,
+        flips: Sequence[int],
+        dest: torch.Tensor,
+        casts: Sequence[torch.dtype] = (),
+        pack_at: int | None = None,
+    ) -> None:
+        """Write ``src`` (flipped along ``flips``, cast through ``casts``) into ``dest``.
+
+        Args:
+            stage: the buffer ``src`` is a view of.
+            src: the block's values: a view of ``stage.data`` (any non-negative strides), block-shaped.
+            flips: dims of ``src`` to reverse.
+            dest: the destination view, of ``src``'s shape.
+            casts: value casts applied in order before writing.
+            pack_at: byte offset in ``stage.data`` of ``src.nbytes`` free bytes to pack ``src`` into before a
+                copy to a device (None: copy its span whole and gather on the device).
+        """
+        link = self.link_for(dest)
+        if link is None:
+            self.counts["host"] += 1
+            dest.copy_(apply_casts(src.flip(list(flips)) if flips else src, casts))
+            return
+        if src.numel() == 0:
+            return
+        if link not in stage.links:
+            stage.links.append(link)
+        item = src.element_size()
+        host = src
+        if pack_at is not None and not src.is_contiguous():
+            self.counts["pack"] += 1
+            host = stage.data[pack_at : pack_at + src.numel() * item].view(src.dtype).view(src.shape)
+            host.copy_(src)
+        if not flips and not casts and host.is_contiguous() and dest.is_contiguous() and host.dtype == dest.dtype:
+            self.counts["straight"] += 1
+            link.copy(dest, host)
+            return
+        self.counts["gather"] += 1
+        first = host.storage_offset()
+        last = first + sum((n - 1) * s for n, s in zip(host.shape, host.stride())) + 1
+        temp = torch.empty((last - first) * item, dtype=torch.uint8, device=dest.device)
+        link.copy(temp, stage.data[first * item : last * item])
+        values = torch.as_strided(temp.view(src.dtype), host.shape, host.stride(), 0)
+        dest.copy_(apply_casts(values.flip(list(flips)) if flips else values, casts))
