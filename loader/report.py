@@ -23,7 +23,7 @@ class LoadReport:
         bytes_read: bytes this process read from checkpoint files.
         traced: model tensors loaded by region reads.
         deferred: model tensors loaded through deferred (run-for-real) conversions.
-        blocks: RemapBlocks executed.
+        blocks: RemapBlocks executed (region reads and value reads' inputs).
         planned_bytes: bytes the plan needed.
         deferred_reasons: why each deferred conversion could not be traced.
         rank, world_size: this process's rank and the world size.
@@ -68,7 +68,7 @@ def load_report(plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int 
         bytes_read=bytes_read,
         traced=natural_sorted(plan.traced),
         deferred=natural_sorted(plan.deferred_targets),
-        blocks=len(plan.reads),
+        blocks=len(plan.block_reads()),
         planned_bytes=plan.planned_bytes(),
         deferred_reasons={", ".join(d.conversion.targets): d.reason for d in plan.deferred},
         rank=rank,

@@ -21,6 +21,7 @@ from .plan import RankPlan
 from .plan.slots import TargetSlot, full_box, iter_model_tensors
 from .planner import HFLoadPlanner
 from .rules import Conversion
+from .rules.fp8 import SCALE_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -201,13 +202,15 @@ def rank_figures(
     for conv in plan.conversions:
         item = itemsizes.get(id(conv))
         if item is None or item[0] is not conv:  # once per conversion, not per rank
-            item = itemsizes[id(conv)] = (conv, max(checkpoint[k].itemsize for k in conv.sources))
+            values = [k for k in conv.sources if not k.endswith(SCALE_SUFFIX)] or conv.sources  # FP8: the codes
+            item = itemsizes[id(conv)] = (conv, max(checkpoint[k].itemsize for k in values))
         shard_bytes += sum(slots[t].local_numel for t in conv.targets) * item[1]
-    touched = {r.block.source for r in plan.reads} | {k for d in plan.deferred if d.boxes for k in d.conversion.sources}
+    blocks = plan.block_reads()
+    touched = {b.source for _, b in blocks} | {k for d in plan.deferred if d.boxes for k in d.conversion.sources}
     return RankFigures(
         rank=rank,
         coordinate=coordinate,
-        blocks=len(plan.reads),
+        blocks=len(blocks),
         bytes_read=plan.planned_bytes(),
         shard_bytes=shard_bytes,
         whole_tensor_bytes=sum(checkpoint[k].nbytes for k in touched),

@@ -253,8 +253,8 @@ def collect(
             views[name].owners[rank] = merge_rects([r for g, _ in boxes for r in box_rects(shape, g)])
         plan = planner.build_plan(checkpoint, slots, check_devices=False)
         by_target: dict[str, dict[str, list]] = {}
-        for r in plan.reads:
-            by_target.setdefault(r.target, {}).setdefault(r.block.source, []).append(r.block)
+        for target, block in plan.block_reads():
+            by_target.setdefault(target, {}).setdefault(block.source, []).append(block)
         for name, srcs in by_target.items():
             for src, blocks in srcs.items():
                 sv = _source(per_source, views[name], src, checkpoint)

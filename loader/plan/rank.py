@@ -88,10 +88,14 @@ class RankPlan:
     deferred_targets: tuple[str, ...]
     casts: tuple[tuple[str, torch.dtype, torch.dtype], ...]
 
+    def block_reads(self) -> list[tuple[str, rt.RemapBlock]]:
+        """``(target, block)`` for every block this plan reads: region reads and value reads' inputs."""
+        values = [(v.target, b) for v in self.values for b in v.program.blocks]
+        return [(r.target, r.block) for r in self.reads] + values
+
     def planned_bytes(self) -> int:
         """Bytes of checkpoint data this plan reads (region and value reads by element, deferred sources whole)."""
-        blocks = [r.block for r in self.reads] + [b for v in self.values for b in v.program.blocks]
-        total = unique_read_bytes(blocks, self.checkpoint)
+        total = unique_read_bytes([b for _, b in self.block_reads()], self.checkpoint)
         keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
         return total + sum(self.checkpoint[k].nbytes for k in keys)
 
