@@ -324,9 +324,16 @@ def _evaluate(value: Value, inputs: Any) -> torch.Tensor:
     if isinstance(value, R.Region):
         return next(inputs)
     operands = [_evaluate(o, inputs) for o in value.operands]
+    # a box of no dims (the op's output moved down to 0-dim): its operands still count as dimensioned next to
+    # the scalar ones in torch's type promotion, as they did when traced
+    lift = any(value.scalars) and not any(o.dim() for o, sc in zip(operands, value.scalars) if not sc)
+    if lift:
+        operands = [o if sc else o.reshape(1) for o, sc in zip(operands, value.scalars)]
     flat = [operands[c.index] if isinstance(c, Operand) else c for c in value.constants]
     args, kwargs = tree_unflatten(flat, value.spec)
     out = value.func(*args, **kwargs)
+    if lift:
+        out = out.reshape(())
     if out.dtype != value.dtype:  # never silently wrong: a replay must round as the traced op did
         raise RuntimeError(f"`{value.name}` replayed to {out.dtype}, traced as {value.dtype}")
     return out

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import regiontrace as rt
 from regiontrace.testing import assert_converter_exact, check_values, random_box, random_tensor, value_programs
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 E4M3 = torch.float8_e4m3fn
 F32, BF16 = torch.float32, torch.bfloat16
 
