@@ -289,3 +289,19 @@ def test_fp8_checkpoints_we_cannot_interpret_are_refused_before_any_write(tmp_pa
         load_hf_checkpoint(model, str(tmp_path), progress=False)
     assert err.value.key == key
     assert torch.equal(model.weight.data, torch.zeros(64, 64, dtype=BF16))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "oversized"])
+def test_a_hostile_config_json_is_refused_without_hanging(tmp_path, kind):
+    save_file({"weight": CODES, "weight_scale_inv": torch.ones(2, 2)}, os.path.join(tmp_path, "model.safetensors"))
+    path = os.path.join(tmp_path, "config.json")
+    if kind == "fifo":
+        os.mkfifo(path)  # nothing writes to it: a blocking open would hang the load
+    elif kind == "directory":
+        os.mkdir(path)
+    else:
+        with open(path, "w") as f:
+            f.write('{"pad": "' + "x" * (5 << 20) + '"}')
+    with pytest.raises(CheckpointError, match="config.json") as err:
+        load_hf_checkpoint(Weight((64, 64)), str(tmp_path), progress=False)
+    assert err.value.path == path

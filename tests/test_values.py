@@ -1,4 +1,5 @@
-"""Pointwise value ops over regions (regiontrace.values): traced vs real torch, bit for bit, for every box."""
+"""Pointwise value ops over regions (regiontrace.values): FP8 block dequantization traced and compiled per box,
+bit for bit against torch and transformers; what is refused. Random chains: tests/test_algebra_properties.py."""
 
 from __future__ import annotations
 
@@ -7,35 +8,14 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import regiontrace as rt
-from regiontrace.testing import assert_converter_exact, check_values, random_box, random_tensor, value_programs
+from regiontrace.testing import assert_converter_exact, check_values, random_box
 
-SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 E4M3 = torch.float8_e4m3fn
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-def _run_real(program, data):
-    return program(**{n: t.clone() for n, t in data.items()})
-
-
-@SETTINGS
-@given(value_programs(), st.integers(0, 2**31 - 1))
-def test_value_programs_match_torch_in_every_box(program, seed):
-    leaves = {n: rt.RegionTensor.leaf(n, s, d) for n, s, d in program.leaves}
-    traced = rt.trace(program, **leaves)
-    gen = torch.Generator().manual_seed(seed)
-    data = {n: random_tensor(s, d, gen) for n, s, d in program.leaves}
-    real = _run_real(program, data)
-    assert tuple(traced.shape) == tuple(real.shape) and traced.dtype == real.dtype, program
-    torch.testing.assert_close(rt.materialize(traced, data), real, rtol=0, atol=0, equal_nan=True)
-    rng = random.Random(seed)
-    for _ in range(4):
-        box = random_box(real.shape, rng)
-        check_values(traced, box, data, real[tuple(slice(a, b) for a, b in box)])
 
 
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype=BF16) -> torch.Tensor:

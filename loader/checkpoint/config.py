@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from .untrusted import err, loads_json, open_regular_file, pread_exact
+from .untrusted import err, read_json_file
 
 CONFIG_NAME = "config.json"
 #: a config larger than this is refused before it is read (real ones are a few KiB)
@@ -26,14 +26,7 @@ def quantization_config(root: str) -> dict | None:
     path = os.path.join(root, CONFIG_NAME)
     if not os.path.lexists(path):
         return None
-    fd, st = open_regular_file(path)
-    try:
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise err(path, f"config is {st.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit")
-        raw = pread_exact(fd, path, st.st_size, 0)
-    finally:
-        os.close(fd)
-    config = loads_json(path, raw, "config")
+    config = read_json_file(path, MAX_CONFIG_BYTES, "config")
     if not isinstance(config, dict):
         raise err(path, f"config must be a JSON object, got {type(config).__name__}")
     quant = config.get("quantization_config")

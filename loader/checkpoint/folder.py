@@ -13,7 +13,7 @@ from collections.abc import Iterator, KeysView, Mapping, Sequence
 
 from .header import FileIdentity, TensorInfo, read_header_file
 from .hub import resolve_checkpoint
-from .untrusted import err, loads_json, open_regular_file, pread_exact
+from .untrusted import err, read_json_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -28,14 +28,7 @@ def read_index(index_path: str) -> object:
     Raises:
         CheckpointError: not a regular file, over :data:`MAX_INDEX_BYTES`, or not valid UTF-8 JSON.
     """
-    fd, st = open_regular_file(index_path)
-    try:
-        if st.st_size > MAX_INDEX_BYTES:
-            raise err(index_path, f"index is {st.st_size} bytes, over the {MAX_INDEX_BYTES}-byte limit")
-        raw = pread_exact(fd, index_path, st.st_size, 0)
-    finally:
-        os.close(fd)
-    return loads_json(index_path, raw, "index")
+    return read_json_file(index_path, MAX_INDEX_BYTES, "index")
 
 
 def _shard_path(root: str, index_path: str, key: str, name: object) -> str:

@@ -93,6 +93,22 @@ def pread_exact(fd: int, path: str, size: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+def read_json_file(path: str, limit: int, what: str) -> object:
+    """Read and parse a small JSON file (an index, a config), refusing it before reading when over ``limit``.
+
+    Raises:
+        CheckpointError: not a regular file, over ``limit`` bytes, or not valid UTF-8 JSON (see :func:`loads_json`).
+    """
+    fd, st = open_regular_file(path)
+    try:
+        if st.st_size > limit:
+            raise err(path, f"{what} is {st.st_size} bytes, over the {limit}-byte limit")
+        raw = pread_exact(fd, path, st.st_size, 0)
+    finally:
+        os.close(fd)
+    return loads_json(path, raw, what)
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (restored on exit if it was enabled)."""
