@@ -25,7 +25,7 @@ from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from .distributed import DEFAULT_TIMEOUT, LoadSession, broadcast_owned, owned_subset, peer_errors
 from .execute import execute_plan, restore, snapshot
 from .placements import rank_and_world
-from .plan import BlockRead, DeferredRead, RankPlan, describe
+from .plan import BlockRead, DeferredRead, RankPlan, ValueRead, describe
 from .planner import HFLoadPlanner
 from .report import LoadReport, load_report
 
@@ -38,6 +38,7 @@ def read_together(
     reads: Sequence[BlockRead],
     deferred: Sequence[DeferredRead],
     *,
+    values: Sequence[ValueRead] | None = None,
     broadcast: bool = False,
     timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
     progress: bool | None = None,
@@ -51,6 +52,7 @@ def read_together(
         reader: the open file reader.
         reads: this rank's block reads (of ``plan``).
         deferred: this rank's deferred conversions (of ``plan``).
+        values: this rank's value reads (default: all of ``plan``'s).
         broadcast: read each region several ranks hold identically on one of them, and broadcast it.
         timeout: seconds each rank waits for the others, when no ``session`` is given.
         progress: tqdm progress bar.
@@ -70,6 +72,7 @@ def read_together(
                 reader,
                 reads,
                 deferred,
+                values=values,
                 broadcast=broadcast,
                 progress=progress,
                 rollback=rollback,
@@ -77,13 +80,14 @@ def read_together(
             )
         return
     owners: dict = {}
+    values = plan.values if values is None else values
     if broadcast:
         with peer_errors("reading", "assigning replicated tensors"):
-            reads, deferred, owners = owned_subset(plan, reads, deferred)
+            reads, deferred, values, owners = owned_subset(plan, reads, deferred, values)
     saved = snapshot(plan) if rollback else None
     error = None
     try:
-        execute_plan(plan, reader, progress=progress, reads=reads, deferred=deferred)
+        execute_plan(plan, reader, progress=progress, reads=reads, deferred=deferred, values=values)
     except Exception as e:  # agreed below: every rank raises, none hangs
         error = e
     try:

@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..placements import rank_and_world
-from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot
+from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
 
 #: ``{target: (owner rank, ranks sharing it)}``
 Owners = dict[str, tuple[int, tuple[int, ...]]]
@@ -77,15 +77,15 @@ def _all_groups(owners: Owners) -> list[tuple[int, ...]]:
 
 
 def owned_subset(
-    plan: RankPlan, reads: Sequence[BlockRead], deferred: Sequence[DeferredRead]
-) -> tuple[list[BlockRead], list[DeferredRead], Owners]:
-    """The reads and deferred conversions this rank owns, and the owners of the shared targets.
+    plan: RankPlan, reads: Sequence[BlockRead], deferred: Sequence[DeferredRead], values: Sequence[ValueRead] = ()
+) -> tuple[list[BlockRead], list[DeferredRead], list[ValueRead], Owners]:
+    """The reads, deferred conversions and value reads this rank owns, and the owners of the shared targets.
 
     Collective (all ranks call it, after planning succeeded everywhere). In one process: everything, no owners.
     """
     rank, world = rank_and_world()
     if world < 2:
-        return list(reads), list(deferred), {}
+        return list(reads), list(deferred), list(values), {}
     owners = assign_owners(plan)
     skip = {n for n, (owner, _) in owners.items() if owner != rank}
     for g in _all_groups(owners):
@@ -93,6 +93,7 @@ def owned_subset(
     return (
         [r for r in reads if r.target not in skip],
         [d for d in deferred if not set(d.conversion.targets) <= skip],
+        [v for v in values if v.target not in skip],
         owners,
     )
 
