@@ -104,6 +104,12 @@ def test_trace_pointwise_values_shows_each_operands_blocks(converters):
     assert "values mul(v0, 2)" in r.stdout and "#0   w[1:3, 0:4]  ->  v0[1:3, 0:4]" in r.stdout
 
 
+def test_check_passes_pointwise_values(converters):
+    r = algebra("check", "conv.py:scaled", "--input", "w=6x4:bfloat16", "--examples", "5", cwd=str(converters))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: 5 example(s) passed" in r.stdout
+
+
 def test_check_finds_and_minimises_a_counterexample(converters):
     r = algebra("check", "conv.py:sneaky", "--input", "w=6x4", "--examples", "20", cwd=str(converters))
     assert r.returncode == 1, r.stdout + r.stderr

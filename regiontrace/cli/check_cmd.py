@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         from hypothesis import strategies as st
     except ImportError:
         raise CLIError("`check` needs hypothesis: pip install hypothesis") from None
-    from regiontrace.testing import _tensors, assert_converter_exact, boxes, check_blocks, random_tensor  # hypothesis
+    from regiontrace.testing import _tensors, assert_converter_exact, boxes, check_values, random_tensor  # hypothesis
 
     if args.examples < 1:
         raise CLIError("--examples must be at least 1")
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         real = _tensors(call(**{n: t.clone() for n, t in sources.items()}))
         for i, (t, r) in enumerate(zip(_tensors(traced), real)):
             box = data.draw(boxes(tuple(t.shape)), label=f"box of output {i}")
-            check_blocks(t.remap_blocks(box), box, sources, r[tuple(slice(a, b) for a, b in box)])
+            check_values(t, box, sources, r[tuple(slice(a, b) for a, b in box)])
 
     home = tempfile.mkdtemp(prefix="regiontrace-hypothesis-")  # leave no .hypothesis/ in the user's folder
     previous, set_home = None, None
