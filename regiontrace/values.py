@@ -235,15 +235,10 @@ def cat(values: Sequence[Value], dim: int, shape: Sequence[int]) -> Value:
                 raise Untraceable(f"`cat` of values computed by `{first.name}` with different scalar operands")
             operands.append(parts[0])
             continue
-        sizes = [shape_of(p)[dim] for p in parts]
-        op_shape = list(shape_of(parts[0]))
-        op_shape[dim] = sum(sizes)
+        op_shape = list(parts[0].shape)
+        op_shape[dim] = sum(p.shape[dim] for p in parts)
         operands.append(cat(parts, dim, op_shape))
     return replace(first, operands=tuple(operands), shape=tuple(shape))
-
-
-def shape_of(value: Value) -> tuple[int, ...]:
-    return value.shape
 
 
 def leaves(value: Value, dtype: torch.dtype, scalar: bool = False) -> list[tuple[R.Region, torch.dtype, bool]]:
