@@ -391,6 +391,28 @@ def scenario_fp8_weights(ctx: dict) -> dict:
     return {"loads": loads}
 
 
+def scenario_fp8_broadcast(ctx: dict) -> dict:
+    """A replicated FP8 weight with ``broadcast_replicated_tensors``: one rank reads and dequantizes it (a value
+    read on its owner only), the others receive it."""
+    from safetensors.torch import load_file
+
+    from loader import load_hf_checkpoint
+    from loader.rules.fp8 import dequantize_blocks
+
+    case = ctx["fp8_weights"][0]
+    path, shape, block = case["path"], tuple(case["shape"]), tuple(case["block"])
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    model = Weight(shape)
+    report = load_hf_checkpoint(model, path, progress=False, broadcast_replicated_tensors=True)
+    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
+    return {
+        "ok": torch.equal(model.weight.data, want),
+        "deferred": report.deferred,
+        "bytes_read": report.bytes_read,
+        "whole": stored["weight"].numel() + 4 * stored["weight_scale_inv"].numel(),
+    }
+
+
 SCENARIOS = [
     ("llama_tp4", lambda ctx: scenario_load(ctx, "llama", (4,), vocab_size=70)),
     ("llama_2x2", lambda ctx: scenario_load(ctx, "llama", (2, 2), vocab_size=70)),
@@ -399,6 +421,7 @@ SCENARIOS = [
     ("fp8_moe_tp4", fp8_moe("qwen3_moe_fp8_tp4", (4,), moe_placements)),
     ("fp8_moe_2x2", fp8_moe("qwen3_moe_fp8_2x2", (2, 2))),
     ("fp8_weights", scenario_fp8_weights),
+    ("fp8_broadcast", scenario_fp8_broadcast),
     ("without_device", scenario_without_device),
     ("killed_planning", scenario_killed_planning),  # last: rank 2 dies
 ]

@@ -259,3 +259,11 @@ def test_killed_rank_during_a_meta_load_is_reported_dead(world):
         assert (res["stage"], res["ranks"], res["reason"]) == ("planning", (2,), "died"), (r, res)
         assert res["still_meta"] == [], (r, res)  # materialised before planning
     assert "killed_planning" not in results[2]
+
+
+def test_a_replicated_fp8_weight_is_dequantized_by_one_rank_and_broadcast(world):
+    _, results = world
+    per_rank = ok(results, "fp8_broadcast")
+    assert all(res["ok"] and res["deferred"] == () for res in per_rank), per_rank
+    reads = sorted(res["bytes_read"] for res in per_rank)
+    assert reads == [0, 0, 0, per_rank[0]["whole"]], reads  # its owner reads codes and scales once
