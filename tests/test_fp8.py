@@ -305,3 +305,20 @@ def test_a_hostile_config_json_is_refused_without_hanging(tmp_path, kind):
     with pytest.raises(CheckpointError, match="config.json") as err:
         load_hf_checkpoint(Weight((64, 64)), str(tmp_path), progress=False)
     assert err.value.path == path
+
+
+def test_an_expert_stored_without_its_scales_fails_the_whole_merge(tmp_path):
+    """Every float8 source of a conversion needs its own scales: one expert without them would load raw codes."""
+    from loader import Convert
+
+    g = torch.Generator().manual_seed(6)
+    experts = [(torch.randn(8, 16, generator=g) * 10).to(E4M3) for _ in range(3)]
+    tensors = {f"experts.{e}.w": w for e, w in enumerate(experts)}
+    tensors.update({f"experts.{e}.w_scale_inv": torch.ones(1, 1) for e in range(2)})  # expert 2 has none
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    model = Weight((3, 8, 16))
+    rules = [Convert("experts.*.w", "weight", lambda ws: torch.stack(ws))]
+    with pytest.raises(CheckpointError, match="as the values of its torch.float8_e4m3fn codes") as err:
+        load_hf_checkpoint(model, str(tmp_path), weights_mapping=rules, progress=False)
+    assert err.value.key == "experts.2.w"
+    assert torch.equal(model.weight.data, torch.zeros(3, 8, 16, dtype=BF16))

@@ -34,8 +34,9 @@ def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Map
     """Refuse, before anything is read, a plan that would load FP8 codes as values.
 
     A float8 checkpoint tensor may load into float8 model tensors only (codes unchanged), unless its conversion
-    also takes a ``*_scale_inv`` tensor (a converter that dequantizes); and a float8 weight stored beside a
-    ``<weight>_scale_inv`` block scale may load only if that scale loads too.
+    also takes its own ``<key>_scale_inv`` tensor (a converter that dequantizes it; every float8 source of a
+    conversion needs its own); and a float8 weight stored beside a ``<weight>_scale_inv`` block scale may load
+    only if that scale loads too.
 
     Raises:
         CheckpointError: naming the file and the float8 tensor.
@@ -46,11 +47,10 @@ def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Map
     loaded: set[str] = set()
     for conv in keyplan.conversions:
         loaded.update(conv.sources)
-        if any(k.endswith(SCALE_SUFFIX) for k in conv.sources):
-            continue
+        sources = set(conv.sources)
         for key in conv.sources:
             info = checkpoint[key]
-            if info.dtype not in FLOAT8:
+            if info.dtype not in FLOAT8 or key + SCALE_SUFFIX in sources:
                 continue
             for t in conv.targets:
                 slot = slots.get(t)
