@@ -230,6 +230,20 @@ def test_e8m0_exponent_scales_dequantize_as_transformers_does(tmp_path):
     assert torch.equal(model.weight.data, Fp8Dequantize(None)._dequantize_one(codes, exps, BF16))
 
 
+def test_float8_e8m0_scales_are_traced_and_match_transformers(tmp_path):
+    """``float8_e8m0fnu`` scales (powers of two) are themselves float8: their cast to float32 is their value."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    g = torch.Generator().manual_seed(7)
+    codes = (torch.randn(64, 96, generator=g) * 10).to(E4M3)
+    scales = (2.0 ** torch.randint(-5, 5, (2, 3), generator=g).float()).to(torch.float8_e8m0fnu)
+    save_file({"weight": codes, "weight_scale_inv": scales}, os.path.join(tmp_path, "model.safetensors"))
+    model = Weight((64, 96))
+    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    assert report.deferred == ()
+    assert torch.equal(model.weight.data, Fp8Dequantize(None)._dequantize_one(codes, scales, BF16))
+
+
 def _write_raw(tmp_path, tensors, quant):
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
     if quant is not None:

@@ -50,7 +50,8 @@ def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Map
         sources = set(conv.sources)
         for key in conv.sources:
             info = checkpoint[key]
-            if info.dtype not in FLOAT8 or key + SCALE_SUFFIX in sources:
+            scale_of_a_source = key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in sources  # E8M0 scales
+            if info.dtype not in FLOAT8 or key + SCALE_SUFFIX in sources or scale_of_a_source:
                 continue
             for t in conv.targets:
                 slot = slots.get(t)
