@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from regiontrace.execute import apply_casts, dest_view, source_view
+from regiontrace.execute import copy_cast, dest_view, source_view
 
 from .checkpoint import SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred
@@ -294,7 +294,7 @@ class HFLoadPlanner(LoadPlanner):
             r = item.read
             if _box_dest(item, plan.slots) is None:  # a staged box: copy it through the block, relative to the box
                 dest = dest_view(r.block, box_view(plan.slots[r.target].local, r.local_box))
-                dest.copy_(apply_casts(source_view(r.block.box_relative(), tensor), r.block.casts))
+                copy_cast(dest, source_view(r.block.box_relative(), tensor), r.block.casts)
             return
         pending = state.pending[item.index]
         pending[item.key] = item.staged

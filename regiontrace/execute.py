@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from .blocks import RemapBlock
-from .values import ValueProgram, fill_inputs
+from .values import ValueProgram, evaluate_into, fill_inputs
 
 if TYPE_CHECKING:
     from .tensor import RegionTensor
@@ -38,6 +38,18 @@ def apply_casts(view: torch.Tensor, casts: Iterable[torch.dtype]) -> torch.Tenso
     return view
 
 
+def copy_cast(dest: torch.Tensor, src: torch.Tensor, casts: Sequence[torch.dtype]) -> torch.Tensor:
+    """``dest.copy_(src)`` with ``src``'s values cast through ``casts`` first; a last cast into ``dest``'s dtype is
+    left to ``copy_`` (the same conversion, without a temporary tensor).
+
+    Returns:
+        ``dest``.
+    """
+    if casts and casts[-1] == dest.dtype:
+        casts = casts[:-1]
+    return dest.copy_(apply_casts(src, casts))
+
+
 def execute_blocks(
     blocks: Iterable[RemapBlock], sources: Mapping[str, torch.Tensor], out: torch.Tensor
 ) -> torch.Tensor:
@@ -57,8 +69,7 @@ def execute_blocks(
     for block in blocks:
         if block.source not in sources:
             raise KeyError(f"no tensor given for source {block.source!r}")
-        view = apply_casts(source_view(block, sources[block.source]), block.casts)
-        dest_view(block, out).copy_(view)
+        copy_cast(dest_view(block, out), source_view(block, sources[block.source]), block.casts)
     return out
 
 
@@ -95,4 +106,4 @@ def execute_program(program: ValueProgram, sources: Mapping[str, torch.Tensor], 
         KeyError: a source is missing. ValueError: a source has the wrong shape.
     """
     inputs = fill_inputs(program, lambda blocks, t: execute_blocks(blocks, sources, t), out.device)
-    return out.copy_(program.evaluate(inputs))
+    return evaluate_into(program, inputs, out)

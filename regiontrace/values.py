@@ -315,6 +315,22 @@ class ValueProgram:
         return _evaluate(self.apply, it)
 
 
+def evaluate_into(program: ValueProgram, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Write ``program``'s values for its box into ``out`` (cast to ``out``'s dtype).
+
+    A final cast into ``out``'s dtype is left to ``copy_`` (the same conversion, one pass less).
+
+    Returns:
+        ``out``.
+    """
+    top = program.apply
+    if top.func is aten._to_copy.default and top.dtype == out.dtype and len(top.operands) == 1:
+        if len(inputs) != len(program.inputs):
+            raise ValueError(f"expected {len(program.inputs)} inputs, got {len(inputs)}")
+        return out.copy_(_evaluate(top.operands[0], iter(inputs)))
+    return out.copy_(program.evaluate(inputs))
+
+
 def _evaluate(value: Value, inputs: Any) -> torch.Tensor:
     if isinstance(value, R.Region):
         return next(inputs)
@@ -352,12 +368,23 @@ def compile_values(value: Apply, box: Sequence[Sequence[int]] | None = None) -> 
 
 
 def fill_inputs(
-    program: ValueProgram, fill: Callable[[tuple[RemapBlock, ...], torch.Tensor], None], device: torch.device
+    program: ValueProgram,
+    fill: Callable[[tuple[RemapBlock, ...], torch.Tensor], None],
+    device: torch.device,
+    empty: Callable[[int, ValueInput], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Allocate the program's inputs on ``device`` and fill each with ``fill(blocks, tensor)``."""
+    """Allocate the program's inputs on ``device`` and fill each with ``fill(blocks, tensor)``.
+
+    Args:
+        program: the compiled program.
+        fill: writes an input's blocks into its tensor (every element: the blocks partition the box).
+        device: where the inputs live.
+        empty: ``empty(index, input)`` returns the tensor for input ``index`` (e.g. a reused buffer); default a
+            new one.
+    """
     tensors = []
-    for i in program.inputs:
-        t = torch.empty(i.shape, dtype=i.dtype, device=device)
+    for n, i in enumerate(program.inputs):
+        t = empty(n, i) if empty is not None else torch.empty(i.shape, dtype=i.dtype, device=device)
         fill(i.blocks, t)
         tensors.append(t)
     return tensors

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from regiontrace.execute import apply_casts
+from regiontrace.execute import copy_cast
 
 #: default number of staging buffers (double-buffered: read into one while the other is copied)
 BUFFERS = 2
@@ -244,7 +244,7 @@ class StagingRing:
         link = self.link_for(dest)
         if link is None:
             self.counts["host"] += 1
-            dest.copy_(apply_casts(src.flip(list(flips)) if flips else src, casts))
+            copy_cast(dest, src.flip(list(flips)) if flips else src, casts)
             return
         if src.numel() == 0:
             return
@@ -266,4 +266,4 @@ class StagingRing:
         temp = torch.empty((last - first) * item, dtype=torch.uint8, device=dest.device)
         link.copy(temp, stage.data[first * item : last * item])
         values = torch.as_strided(temp.view(src.dtype), host.shape, host.stride(), 0)
-        dest.copy_(apply_casts(values.flip(list(flips)) if flips else values, casts))
+        copy_cast(dest, values.flip(list(flips)) if flips else values, casts)

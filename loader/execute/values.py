@@ -8,11 +8,12 @@ pointwise ops on them and copies the result into the model tensor's box. A value
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from regiontrace.values import fill_inputs
+from regiontrace.values import ValueInput, evaluate_into, fill_inputs
 
 from ..checkpoint import FileReader, SafetensorsCheckpoint
 from ..plan import BlockRead, TargetSlot, ValueRead, full_box
@@ -42,16 +43,25 @@ def run_values(
         CheckpointError: a file is short, or changed since its header was read.
     """
     staging = staging if staging is not None else StagingRing(STAGING_BYTES)
+    buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}  # inputs reused across value reads
+
+    def empty(index: int, value_input: ValueInput, device: torch.device) -> torch.Tensor:
+        numel = math.prod(value_input.shape)
+        key = (index, value_input.dtype, device)
+        buf = buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = buffers[key] = torch.empty(numel, dtype=value_input.dtype, device=device)
+        return buf[:numel].view(value_input.shape)
+
+    def fill(blocks: tuple, tensor: torch.Tensor) -> None:
+        slot = TargetSlot("#input", tuple(tensor.shape), tensor.dtype, tensor, ())
+        box = full_box(tuple(tensor.shape))
+        BlockExecutor(checkpoint, {"#input": slot}, reader, progress=progress, staging=staging).run(
+            BlockRead("#input", box, b) for b in blocks
+        )
+
     for v in values:
         dest = box_view(slots[v.target].local, v.local_box)
-
-        def fill(blocks: tuple, tensor: torch.Tensor) -> None:
-            slot = TargetSlot("#input", tuple(tensor.shape), tensor.dtype, tensor, ())
-            box = full_box(tuple(tensor.shape))
-            BlockExecutor(checkpoint, {"#input": slot}, reader, progress=progress, staging=staging).run(
-                BlockRead("#input", box, b) for b in blocks
-            )
-
-        inputs = fill_inputs(v.program, fill, dest.device)
+        inputs = fill_inputs(v.program, fill, dest.device, lambda i, vi, d=dest.device: empty(i, vi, d))
         with torch.no_grad():
-            dest.copy_(v.program.evaluate(inputs))
+            evaluate_into(v.program, inputs, dest)
