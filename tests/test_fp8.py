@@ -28,7 +28,7 @@ from loader.rules.fp8 import dequantize_blocks
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from hf_models import build, read_checkpoint, save
+from hf_models import FAMILIES, build, read_checkpoint, save
 
 E4M3, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 
@@ -336,3 +336,42 @@ def test_an_expert_stored_without_its_scales_fails_the_whole_merge(tmp_path):
         load_hf_checkpoint(model, str(tmp_path), weights_mapping=rules, progress=False)
     assert err.value.key == "experts.2.w"
     assert torch.equal(model.weight.data, torch.zeros(3, 8, 16, dtype=BF16))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_loads_an_fp8_checkpoint_like_from_pretrained(tmp_path, family):
+    """Each transformers family of tests/hf_models.py, its 2-D weights quantized in blocks that cut through every
+    dim: loaded on meta with ``device="cpu"``, nothing deferred, every tensor equal to ``from_pretrained`` of the
+    checkpoint dequantized up front to float32 (which rounds it to bf16, or keeps float32 where the model keeps a
+    router in float32: transformers' ``Fp8Dequantize`` dequantizes to the parameter's dtype, so do we)."""
+    auto, model = build(family, seed=4)
+    plain = tmp_path / "plain"
+    save(model, plain, dtype=BF16)
+    quantized = tmp_path / "fp8"
+    os.makedirs(quantized)
+    (quantized / "config.json").write_text((plain / "config.json").read_text())
+
+    def quantize(name, t):
+        return t.dim() >= 2 and t.is_floating_point() and not any(s in name for s in ("embed", "norm", "lm_head"))
+
+    stored = write_fp8(quantized, read_checkpoint(plain), (16, 8), quantize=quantize)
+    reference_dir = tmp_path / "reference"
+    save(model, reference_dir, dtype=BF16)
+    for name in os.listdir(reference_dir):
+        if name.endswith((".safetensors", ".index.json")):
+            os.remove(reference_dir / name)
+    dequantized = {
+        k: dequantize_blocks(v, stored[k + "_scale_inv"], (16, 8), F32)  # from_pretrained rounds to bf16
+        if k + "_scale_inv" in stored
+        else v
+        for k, v in stored.items()
+        if not k.endswith("_scale_inv")
+    }
+    save_file(dequantized, os.path.join(reference_dir, "model.safetensors"), metadata={"format": "pt"})
+    reference = auto.from_pretrained(reference_dir, dtype=BF16)
+    with torch.device("meta"):
+        target = auto.from_config(reference.config, dtype=BF16)
+    report = load_hf_checkpoint(target, str(quantized), device="cpu", progress=False, strict=False)
+    assert report.deferred == () and report.unexpected_keys == ()
+    got, want = target.state_dict(), reference.state_dict()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
