@@ -21,7 +21,7 @@ from .plan import RankPlan
 from .plan.slots import TargetSlot, full_box, iter_model_tensors
 from .planner import HFLoadPlanner
 from .rules import Conversion
-from .rules.fp8 import SCALE_SUFFIX
+from .rules.fp8 import weight_of_scale
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def rank_figures(
     for conv in plan.conversions:
         item = itemsizes.get(id(conv))
         if item is None or item[0] is not conv:  # once per conversion, not per rank
-            values = [k for k in conv.sources if not k.endswith(SCALE_SUFFIX)] or conv.sources  # FP8: the codes
+            values = [k for k in conv.sources if weight_of_scale(k) not in conv.sources] or conv.sources  # FP8: codes
             item = itemsizes[id(conv)] = (conv, max(checkpoint[k].itemsize for k in values))
         shard_bytes += sum(slots[t].local_numel for t in conv.targets) * item[1]
     blocks = plan.block_reads()

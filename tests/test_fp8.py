@@ -375,3 +375,23 @@ def test_every_family_loads_an_fp8_checkpoint_like_from_pretrained(tmp_path, fam
     assert report.deferred == () and report.unexpected_keys == ()
     got, want = target.state_dict(), reference.state_dict()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+@pytest.mark.parametrize("scale_name", ["proj.weight_scale_inv", "proj.scale", "proj.qscale_weight"])
+def test_block_scales_under_the_names_transformers_renames(tmp_path, scale_name):
+    """``x.scale`` (DeepSeek-V4-Flash) and ``x.qscale_weight`` (Mistral Large 4) are the block scales of
+    ``x.weight``, as transformers' FP8 quantizer renames them."""
+    codes, scales = quantize_blocks(torch.randn(40, 24), (16, 8))
+    _write_raw(
+        tmp_path, {"proj.weight": codes, scale_name: scales}, {"quant_method": "fp8", "weight_block_size": [16, 8]}
+    )
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = Weight((40, 24))
+
+    model = Model()
+    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    assert report.deferred == () and report.unexpected_keys == ()
+    assert torch.equal(model.proj.weight.data, dequantize_blocks(codes, scales, (16, 8), BF16))

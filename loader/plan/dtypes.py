@@ -11,7 +11,7 @@ import torch
 from ..checkpoint import SafetensorsCheckpoint
 from ..errors import CheckpointError
 from ..rules import KeyPlan
-from ..rules.fp8 import FLOAT8, SCALE_SUFFIX
+from ..rules.fp8 import FLOAT8, SCALE_SUFFIX, scale_names, weight_of_scale
 from .slots import TargetSlot
 
 
@@ -50,8 +50,8 @@ def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Map
         sources = set(conv.sources)
         for key in conv.sources:
             info = checkpoint[key]
-            scale_of_a_source = key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in sources  # E8M0 scales
-            if info.dtype not in FLOAT8 or key + SCALE_SUFFIX in sources or scale_of_a_source:
+            scale_of_a_source = weight_of_scale(key) in sources  # float8 (E8M0) scales
+            if info.dtype not in FLOAT8 or any(n in sources for n in scale_names(key)) or scale_of_a_source:
                 continue
             for t in conv.targets:
                 slot = slots.get(t)
@@ -60,8 +60,8 @@ def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Map
                         info.file, key, f"would load into {t!r} ({slot.dtype}) as the values of its {info.dtype} codes"
                     )
     for key in checkpoint.keys():
-        weight = key[: -len(SCALE_SUFFIX)]
-        if key.endswith(SCALE_SUFFIX) and weight in loaded and key not in loaded and checkpoint[weight].dtype in FLOAT8:
+        weight = weight_of_scale(key)
+        if weight in loaded and key not in loaded and checkpoint[weight].dtype in FLOAT8:
             raise _fp8_error(
                 checkpoint[weight].file,
                 weight,

@@ -41,6 +41,25 @@ FLOAT8 = frozenset(
 #: suffix of the block-scale tensor stored beside a float8 weight (``x.weight`` + ``x.weight_scale_inv``)
 SCALE_SUFFIX = "_scale_inv"
 
+
+def scale_names(key: str) -> tuple[str, ...]:
+    """The names the block scales of float8 weight ``key`` may be stored under, in order: ``<key>_scale_inv``,
+    and for ``<x>.weight`` also ``<x>.scale`` (DeepSeek-V4-Flash) and ``<x>.qscale_weight`` (Mistral Large 4),
+    the names transformers' FP8 quantizer renames to ``_scale_inv``."""
+    if not key.endswith(".weight"):
+        return (key + SCALE_SUFFIX,)
+    stem = key[: -len(".weight")]
+    return key + SCALE_SUFFIX, stem + ".scale", stem + ".qscale_weight"
+
+
+def weight_of_scale(key: str) -> str | None:
+    """The float8 weight a scale name of :func:`scale_names` belongs to (None: not a scale name)."""
+    for suffix, weight in ((SCALE_SUFFIX, ""), (".scale", ".weight"), (".qscale_weight", ".weight")):
+        if key.endswith(suffix) and len(key) > len(suffix):
+            return key[: -len(suffix)] + weight
+    return None
+
+
 #: scale dtypes whose cast to float32 is their value (``uint8`` E8M0 exponents need ``exp2``: not traceable)
 _VALUE_SCALES = (torch.float32, torch.bfloat16, torch.float16, getattr(torch, "float8_e8m0fnu", torch.float32))
 
@@ -122,23 +141,28 @@ def dequantize_fp8(
         scheme: the checkpoint's block scheme (:func:`fp8_blocks`).
 
     Returns:
-        The conversions (rewritten ones read ``<key>_scale_inv`` too, after their own sources), and the scale
-        keys they consume.
+        The conversions (rewritten ones read each weight's scales too — the first of :func:`scale_names` in the
+        checkpoint that no conversion loads — after their own sources), and the scale keys they consume.
 
     Raises:
         CheckpointError: a scale grid that does not fit its weight or the declared block, or a scale dtype that
             cannot scale (naming the file and tensor).
     """
     out, consumed = [], []
+    loaded = {k for conv in conversions for k in conv.sources}
     for conv in conversions:
-        quantized = [k for k in conv.sources if checkpoint[k].dtype in FLOAT8 and k + SCALE_SUFFIX in checkpoint]
-        scales = {k: k + SCALE_SUFFIX for k in quantized}
+        scales = {}
+        for k in conv.sources:
+            if checkpoint[k].dtype in FLOAT8:
+                found = [n for n in scale_names(k) if n in checkpoint and n not in loaded]
+                if found:
+                    scales[k] = found[0]
         dtype = model_dtypes.get(conv.targets[0])
         if not scales or dtype is None or dtype in FLOAT8 or any(s in conv.sources for s in scales.values()):
             out.append(conv)
             continue
         blocks = {k: _block_of(checkpoint, k, s, scheme) for k, s in scales.items()}
-        out.append(_dequantizing(conv, blocks, dtype))
+        out.append(_dequantizing(conv, scales, blocks, dtype))
         consumed += scales.values()
     return out, consumed
 
@@ -197,7 +221,9 @@ def _block_of(checkpoint: SafetensorsCheckpoint, key: str, scale_key: str, schem
     return rows // sr, cols // sc
 
 
-def _dequantizing(conv: Conversion, blocks: Mapping[str, tuple[int, int]], dtype: torch.dtype) -> Conversion:
+def _dequantizing(
+    conv: Conversion, scales: Mapping[str, str], blocks: Mapping[str, tuple[int, int]], dtype: torch.dtype
+) -> Conversion:
     """``conv`` reading its quantized weights' scales too and dequantizing them to ``dtype`` first."""
     inner = conv
     cast_rest = type(conv.rule).__module__.startswith("transformers")  # transformers casts sources to the target
@@ -207,13 +233,13 @@ def _dequantizing(conv: Conversion, blocks: Mapping[str, tuple[int, int]], dtype
         for k in inner.sources:
             t = tensors[k]
             if k in blocks:
-                t = dequantize_blocks(t, tensors[k + SCALE_SUFFIX], blocks[k], dtype)
+                t = dequantize_blocks(t, tensors[scales[k]], blocks[k], dtype)
             elif cast_rest and t.is_floating_point():
                 t = t.to(dtype)
             given[k] = t
         return inner.run(given)
 
-    scale_keys = tuple(k + SCALE_SUFFIX for k in blocks)
+    scale_keys = tuple(scales[k] for k in blocks)
     signature = None if conv.signature is None else ("fp8", conv.signature, tuple(blocks.values()), dtype)
     return replace(
         conv,
