@@ -37,6 +37,7 @@ def load_hf_checkpoint(
     timeout: float | datetime.timedelta | None = 300.0,
     revision: str | None = None,
     device: str | torch.device | None = None,
+    staging_bytes: int | None = None,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
 
@@ -61,6 +62,8 @@ def load_hf_checkpoint(
         device: where to materialise the tensors of ``model`` still on the meta device (a DTensor allocates
             its local shard only) before loading; the tensors the checkpoint does not hold are then initialised
             by the model's own init (a transformers model's ``initialize_weights``). None: a meta tensor is an error.
+        staging_bytes: bytes per host staging buffer reads land in (two are held: double-buffered; pinned when
+            a target is on a GPU). None: ``planner.staging_bytes`` (64 MiB by default).
 
     Returns:
         A :class:`LoadReport` for this rank.
@@ -83,6 +86,10 @@ def load_hf_checkpoint(
         broadcast_replicated_tensors=broadcast_replicated_tensors,
         timeout=timeout,
     )
+    if staging_bytes is not None:
+        if staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be at least 1, got {staging_bytes}")
+        planner.staging_bytes = staging_bytes
     rank, world = rank_and_world()
     if world > 1:
         report = load_distributed(
@@ -93,7 +100,7 @@ def load_hf_checkpoint(
     plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision))
     log.info(describe(plan))
     with FileReader() as reader:
-        execute_plan(plan, reader, progress=progress, rollback=rollback)
+        execute_plan(plan, reader, progress=progress, rollback=rollback, staging_bytes=planner.staging_bytes)
         bytes_read = reader.bytes_read
     plan.keyplan.record_on_model(model)
     report = load_report(plan, bytes_read, rank, world)

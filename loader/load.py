@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from .checkpoint import FileReader, SafetensorsCheckpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from .distributed import DEFAULT_TIMEOUT, LoadSession, broadcast_owned, owned_subset, peer_errors
-from .execute import execute_plan, restore, snapshot
+from .execute import STAGING_BYTES, execute_plan, restore, snapshot
 from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead, describe
 from .planner import HFLoadPlanner
@@ -39,6 +39,7 @@ def read_together(
     deferred: Sequence[DeferredRead],
     *,
     values: Sequence[ValueRead] | None = None,
+    staging_bytes: int = STAGING_BYTES,
     broadcast: bool = False,
     timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
     progress: bool | None = None,
@@ -53,6 +54,7 @@ def read_together(
         reads: this rank's block reads (of ``plan``).
         deferred: this rank's deferred conversions (of ``plan``).
         values: this rank's value reads (default: all of ``plan``'s).
+        staging_bytes: bytes per staging buffer (see :func:`~loader.execute.execute_plan`).
         broadcast: read each region several ranks hold identically on one of them, and broadcast it.
         timeout: seconds each rank waits for the others, when no ``session`` is given.
         progress: tqdm progress bar.
@@ -73,6 +75,7 @@ def read_together(
                 reads,
                 deferred,
                 values=values,
+                staging_bytes=staging_bytes,
                 broadcast=broadcast,
                 progress=progress,
                 rollback=rollback,
@@ -87,7 +90,9 @@ def read_together(
     saved = snapshot(plan) if rollback else None
     error = None
     try:
-        execute_plan(plan, reader, progress=progress, reads=reads, deferred=deferred, values=values)
+        execute_plan(
+            plan, reader, progress=progress, reads=reads, deferred=deferred, values=values, staging_bytes=staging_bytes
+        )
     except Exception as e:  # agreed below: every rank raises, none hangs
         error = e
     try:
@@ -143,6 +148,7 @@ def load_distributed(
                 reader,
                 plan.reads,
                 plan.deferred,
+                staging_bytes=planner.staging_bytes,
                 broadcast=planner.broadcast_replicated_tensors,
                 progress=progress,
                 rollback=rollback,

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from regiontrace.execute import copy_cast, dest_view, source_view
 
 from .checkpoint import SafetensorsCheckpoint, TensorInfo
-from .execute import apply_deferred
+from .execute import STAGING_BYTES, apply_deferred
 from .placements import rank_and_world, slot_for
 from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, plan_rank
 from .plan.slots import TargetSlot, box_view, model_slots
@@ -78,6 +78,8 @@ class HFLoadPlanner(LoadPlanner):
         timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others where
             outcomes are agreed (inside ``dcp.load``: the end of reading); a hung or dead rank then fails the
             load with :class:`~loader.errors.PeerFailure`. None: no limit.
+        staging_bytes: bytes per staging buffer reads land in (two are used: double-buffered; pinned for GPU
+            targets).
 
     Override the hooks :meth:`default_weights_mapping`, :meth:`map_checkpoint_key`, :meth:`select_converter`,
     :meth:`supports_symbolic` and :meth:`target_slot` to customise planning.
@@ -99,8 +101,12 @@ class HFLoadPlanner(LoadPlanner):
         strict: bool = True,
         broadcast_replicated_tensors: bool = False,
         timeout: float | datetime.timedelta | None = 300.0,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
+        if staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be at least 1, got {staging_bytes}")
         self.model = model
+        self.staging_bytes = staging_bytes
         self.weights_mapping = weights_mapping
         self.extra_weights_mapping = tuple(extra_weights_mapping)
         self.key_mapping = key_mapping

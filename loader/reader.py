@@ -132,8 +132,14 @@ def _read_planned(dcp_plan: LoadPlan, planner: HFLoadPlanner, reader: FileReader
     before = reader.bytes_read
     if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
         read_together(
-            plan, reader, reads, deferred, broadcast=planner.broadcast_replicated_tensors, timeout=planner.timeout
+            plan,
+            reader,
+            reads,
+            deferred,
+            staging_bytes=planner.staging_bytes,
+            broadcast=planner.broadcast_replicated_tensors,
+            timeout=planner.timeout,
         )
     else:
-        execute_plan(plan, reader, reads=reads, deferred=deferred)
+        execute_plan(plan, reader, reads=reads, deferred=deferred, staging_bytes=planner.staging_bytes)
     planner.add_bytes_read(reader.bytes_read - before)

@@ -291,3 +291,36 @@ def test_gpu_bench_runs_on_the_cpu(tmp_path):
     proc = subprocess.run([*cmd, "--repeat", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check: every tensor equals from_pretrained's" in proc.stdout, proc.stdout
+
+
+def test_fp8_value_reads_through_a_small_ring_on_a_stand_in_device(tmp_path):
+    """FP8 dequantization (value reads) through 4 KiB buffers on the stand-in device: the codes' cast to
+    float32 happens on the "device", the result equals dequantizing the whole weight."""
+    from test_fp8 import write_fp8
+
+    from loader.execute.values import run_values
+    from loader.rules.fp8 import dequantize_blocks
+
+    stored = write_fp8(tmp_path, {"weight": torch.randn(96, 80)}, (32, 16))
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.zeros(96, 80, dtype=torch.bfloat16))
+    plan = HFLoadPlanner(model).build_plan(SafetensorsCheckpoint.open(str(tmp_path)))
+    assert plan.values and not plan.reads and not plan.deferred
+    link = FakeLink()
+    ring = StagingRing(STAGING, link=link)
+    with FileReader() as reader:
+        run_values(plan.values, plan.checkpoint, plan.slots, reader, staging=ring)
+    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], (32, 16), torch.bfloat16)
+    assert torch.equal(model.weight.data, want)
+    assert ring.counts["gather"] + ring.counts["pack"] > 0 and not link.pending  # copies done when run returns
+
+
+def test_staging_bytes_is_a_load_option(tmp_path):
+    _, source = build("qwen3_moe", seed=0)
+    save(source, tmp_path, dtype=torch.bfloat16)
+    _, model = build("qwen3_moe", seed=1)
+    with pytest.raises(ValueError, match="staging_bytes"):
+        load_hf_checkpoint(model, str(tmp_path), staging_bytes=0, progress=False)
+    load_hf_checkpoint(model, str(tmp_path), staging_bytes=4096, progress=False)
+    for name, value in clone_state(source).items():
+        assert torch.equal(model.state_dict()[name], value.to(torch.bfloat16).float()), name

@@ -33,6 +33,7 @@ def execute_plan(
     reads: Sequence[BlockRead] | None = None,
     deferred: Sequence[DeferredRead] | None = None,
     values: Sequence[ValueRead] | None = None,
+    staging_bytes: int = STAGING_BYTES,
 ) -> None:
     """Run ``plan`` (or the given subsets of its reads) against the checkpoint files, writing the model tensors:
     region reads, then value reads, then deferred conversions.
@@ -45,6 +46,7 @@ def execute_plan(
         reads: the region reads to run (default: all of the plan's).
         deferred: the deferred conversions to run (default: all of the plan's).
         values: the value reads to run (default: all of the plan's).
+        staging_bytes: bytes per staging buffer (two are used: double-buffered; pinned for GPU targets).
 
     Raises:
         CheckpointError: a file is short, or changed since its header was read (with ``rollback``, after the
@@ -57,7 +59,7 @@ def execute_plan(
     saved = snapshot(plan) if rollback else None
     bar = _progress_bar(progress, plan.planned_bytes())
     try:
-        ring = StagingRing(STAGING_BYTES)  # one ring of staging buffers (pinned for GPU targets) for every read
+        ring = StagingRing(staging_bytes)  # one ring of staging buffers (pinned for GPU targets) for every read
         BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring).run(reads)
         run_values(values, checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring)
         for d in deferred:
