@@ -65,6 +65,8 @@ import sys
 import tempfile
 import time
 
+from common import pread_all, safetensors_files
+
 H, I = 7168, 2048  # DeepSeek-V3 hidden size and moe_intermediate_size
 BLOCK = (128, 128)
 WORLD = 4
@@ -158,20 +160,6 @@ def build_model(experts: int):
     return root
 
 
-def _files(directory: str) -> list[str]:
-    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
-
-
-def _pread_all(path: str, view: memoryview, size: int) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        pos = 0
-        while pos < size:
-            pos += os.preadv(fd, [view[pos:size]], pos)
-    finally:
-        os.close(fd)
-
-
 def _has(module: str) -> bool:
     import importlib.util
 
@@ -201,7 +189,7 @@ def load_peer(model, directory: str) -> int:
     params = dict(model.named_parameters())
     taken = 0
     with torch.no_grad():
-        for f in _files(directory):
+        for f in safetensors_files(directory):
             state = load_file(f)
             for key, w in state.items():
                 taken += w.numel() * w.element_size()
@@ -396,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     generate(directory, args.experts, args.shards)
     made = time.perf_counter() - t0
-    files = [(f, os.path.getsize(f)) for f in _files(directory)]
+    files = [(f, os.path.getsize(f)) for f in safetensors_files(directory)]
     size = sum(n for _, n in files)
     biggest = max(n for _, n in files)
     weights = layout(args.experts)
@@ -408,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     watch = mdtable.LoadWatch()
     for f, n in files:  # warm the page cache
-        _pread_all(f, memoryview(bytearray(n)), n)
+        pread_all(f, memoryview(bytearray(n)), n)
 
     buffer = torch.zeros(biggest, dtype=torch.uint8)
     view = memoryview(buffer.numpy())
@@ -417,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def floor():
         for f, n in files:
-            _pread_all(f, view, n)
+            pread_all(f, view, n)
         return size
 
     def ours():

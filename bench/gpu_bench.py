@@ -39,6 +39,8 @@ import sys
 import tempfile
 import time
 
+from common import pread_all, safetensors_files
+
 MIB = 1 << 20
 SIZES = {  # qwen3_moe config fields (head_dim, kv heads, ...) per size; "gb" gets its layers from --gb
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_experts=8, moe_intermediate_size=64, head_dim=32,
@@ -128,20 +130,6 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _shards(directory: str) -> list[str]:
-    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
-
-
-def _pread_all(path: str, view: memoryview, size: int) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        pos = 0
-        while pos < size:
-            pos += os.preadv(fd, [view[pos:size]], pos)
-    finally:
-        os.close(fd)
-
-
 def methods(directory: str, device, config) -> dict:
     """``{name: run}``: each ``run()`` loads once and returns what it loaded."""
     import torch
@@ -151,7 +139,7 @@ def methods(directory: str, device, config) -> dict:
     from loader import load_hf_checkpoint
 
     cuda = device.type == "cuda"
-    files = [(f, os.path.getsize(f)) for f in _shards(directory)]
+    files = [(f, os.path.getsize(f)) for f in safetensors_files(directory)]
     biggest = max(n for _, n in files)
     host = torch.zeros(biggest, dtype=torch.uint8, pin_memory=cuda)  # allocated and touched before timing
     target = torch.zeros(biggest, dtype=torch.uint8, device=device)
@@ -159,7 +147,7 @@ def methods(directory: str, device, config) -> dict:
 
     def floor():
         for f, n in files:
-            _pread_all(f, view, n)
+            pread_all(f, view, n)
             target[:n].copy_(host[:n], non_blocking=True)
             if cuda:
                 torch.cuda.synchronize(device)  # the one buffer is read into again next
@@ -266,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     generate(directory, c)
     made = time.perf_counter() - t0
-    files = _shards(directory)
+    files = safetensors_files(directory)
     size = sum(os.path.getsize(f) for f in files)
     for f in files:  # warm the page cache
-        _pread_all(f, memoryview(bytearray(os.path.getsize(f))), os.path.getsize(f))
+        pread_all(f, memoryview(bytearray(os.path.getsize(f))), os.path.getsize(f))
     watch = mdtable.LoadWatch()
     config = AutoConfig.from_pretrained(directory)
     runs = methods(directory, device, config)

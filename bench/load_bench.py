@@ -49,22 +49,11 @@ import tempfile
 import time
 import zlib
 
-HIDDEN, LAYERS, EXPERTS, MOE_INTERMEDIATE = 1024, 4, 32, 512
-CONFIG = dict(
-    hidden_size=HIDDEN,
-    num_hidden_layers=LAYERS,
-    num_experts=EXPERTS,
-    moe_intermediate_size=MOE_INTERMEDIATE,
-    num_experts_per_tok=4,
-    intermediate_size=2048,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=128,
-    vocab_size=8192,
-    tie_word_embeddings=False,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-)
+from common import QWEN3_MOE, pread_all, safetensors_files
+
+CONFIG = QWEN3_MOE
+HIDDEN, LAYERS = CONFIG["hidden_size"], CONFIG["num_hidden_layers"]
+EXPERTS, MOE_INTERMEDIATE = CONFIG["num_experts"], CONFIG["moe_intermediate_size"]
 MIB = 1 << 20
 METHODS = ("copy", "ours", "dcp_hf", "from_pretrained")
 
@@ -91,10 +80,6 @@ def _reset_peak() -> int:
 
 def _peak() -> int:
     return _status()["VmHWM"]
-
-
-def _shards(directory: str) -> list[str]:
-    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
 
 
 def generate(out: str) -> None:
@@ -137,7 +122,7 @@ def generate(out: str) -> None:
 
 def _warm(directory: str) -> int:
     size = 0
-    for name in _shards(directory):
+    for name in safetensors_files(directory):
         with open(name, "rb", buffering=0) as f:
             while chunk := f.read(64 * MIB):
                 size += len(chunk)
@@ -253,7 +238,7 @@ def worker(method: str, directory: str, repeat: int, profile: bool) -> dict:
             return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
 
     else:
-        files = _shards(directory)
+        files = safetensors_files(directory)
 
         def run():
             out = {}
@@ -329,19 +314,13 @@ def _read_floor(directory: str) -> float:
     """``pread`` every shard whole into one already-touched buffer: what any copying reader must pay."""
     import torch
 
-    files = _shards(directory)
+    files = safetensors_files(directory)
     sizes = [os.path.getsize(f) for f in files]
     buf = torch.zeros(max(sizes), dtype=torch.uint8)
     view = memoryview(buf.numpy())
     t0 = time.perf_counter()
     for f, size in zip(files, sizes):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            pos = 0
-            while pos < size:
-                pos += os.preadv(fd, [view[pos:size]], pos)
-        finally:
-            os.close(fd)
+        pread_all(f, view, size)
     return time.perf_counter() - t0
 
 
@@ -552,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(directory, exist_ok=True)
     t0 = time.perf_counter()
     generate(directory)
-    shards = _shards(directory)
+    shards = safetensors_files(directory)
     size = sum(os.path.getsize(n) for n in shards)
     if not args.markdown:
         print(

@@ -61,22 +61,11 @@ import tempfile
 import time
 from datetime import timedelta
 
-HIDDEN, LAYERS, EXPERTS, MOE_INTERMEDIATE = 1024, 4, 32, 512
-CONFIG = dict(
-    hidden_size=HIDDEN,
-    num_hidden_layers=LAYERS,
-    num_experts=EXPERTS,
-    moe_intermediate_size=MOE_INTERMEDIATE,
-    num_experts_per_tok=4,
-    intermediate_size=2048,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=128,
-    vocab_size=8192,
-    tie_word_embeddings=False,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-)
+from common import QWEN3_MOE
+
+CONFIG = QWEN3_MOE
+HIDDEN, LAYERS = CONFIG["hidden_size"], CONFIG["num_hidden_layers"]
+EXPERTS, MOE_INTERMEDIATE = CONFIG["num_experts"], CONFIG["moe_intermediate_size"]
 WORLD = 4
 PAGE = 4096
 MIB = 1 << 20
