@@ -1,7 +1,7 @@
 """Benchmark: saving a model as a Hugging Face checkpoint, one process and 4 gloo ranks.
 
     python bench/save_bench.py [--dir DIR] [--hidden 1024] [--layers 4] [--experts 32] [--repeat 3]
-                               [--mesh 2x2] [--skip-single] [--skip-dist]
+                               [--mesh 2x2] [--skip-single] [--skip-dist] [--markdown]
 
 The model is a Qwen3-MoE (bf16; hidden 1024, 4 layers, 32 experts of moe_intermediate 512, vocab 32000: about
 460 MB) with fused expert tensors; its Hugging Face layout has one tensor per expert (``save_pretrained``
@@ -42,6 +42,8 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+
+import mdtable
 
 MIB = 1 << 20
 
@@ -99,7 +101,8 @@ def timed(methods: dict, repeat: int, root: str) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def single(args: argparse.Namespace) -> None:
+def single(args: argparse.Namespace) -> str:
+    """Time the one-process saves; returns the markdown table (printed as plain text too)."""
     from safetensors.torch import save_file
 
     from loader import save_hf_checkpoint
@@ -119,6 +122,21 @@ def single(args: argparse.Namespace) -> None:
         print(f"  {name:16s} {wall:7.3f} s  {nbytes / MIB / wall:7.0f} MiB/s  {wall / walls['save_file']:5.2f}x floor")
     print(f"  ours / save_pretrained: {walls['ours'] / walls['save_pretrained']:.2f}x; files identical: {same}")
     shutil.rmtree(args.dir, ignore_errors=True)
+    labels = {
+        "ours": "ours (`save_hf_checkpoint`)",
+        "save_pretrained": "`save_pretrained`",
+        "save_file": "`safetensors.torch.save_file` of the state dict (the floor)",
+    }
+    rows = [
+        [labels[n], f"{w:.3f} s", f"{nbytes / MIB / w:.0f}", f"{w / walls['save_file']:.2f}x"] for n, w in walls.items()
+    ]
+    return (
+        f"One process, Qwen3-MoE bf16, {nbytes / MIB:.0f} MiB of tensors; median of {args.repeat} interleaved runs, "
+        "each into a fresh folder:\n\n"
+        + mdtable.table(["method", "wall", "MiB/s", "vs the `save_file` floor"], rows)
+        + f"\n\nours / save_pretrained {walls['ours'] / walls['save_pretrained']:.2f}x; files identical to "
+        f"`save_pretrained`'s: {same}."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -202,7 +220,26 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         ours, gather = max(r["ours"] for r in rows), max(r["gather"] for r in rows)
         print(f"  sum written / checkpoint bytes: {sum(r['written'] for r in rows) / rows[0]['total']:.3f}")
         print(f"  wall: ours {ours:.3f} s, gather to rank 0 + save_pretrained {gather:.3f} s ({gather / ours:.2f}x)")
-        print(f"  files identical: {folder_equal(ours_dir, gather_dir)}")
+        same = folder_equal(ours_dir, gather_dir)
+        print(f"  files identical: {same}")
+        if args.markdown:
+            rows_md = [
+                [r["rank"], f"{r['local'] / MIB:.1f}", f"{r['owned'] / MIB:.1f}", f"{r['written'] / MIB:.1f}",
+                 f"{r['written'] / r['owned']:.3f}", f"{r['written'] / r['local']:.3f}", r["writes"]]
+                for r in rows
+            ]  # fmt: skip
+            md = (
+                f"{world} gloo ranks, mesh {args.mesh}, checkpoint {rows[0]['total'] / MIB:.0f} MiB:\n\n"
+                + mdtable.table(
+                    ["rank", "local MiB", "shard MiB", "written MiB", "written/shard", "written/local", "writes"],
+                    rows_md,
+                )
+                + f"\n\nsum written / checkpoint bytes {sum(r['written'] for r in rows) / rows[0]['total']:.3f}; "
+                f"wall (slowest rank, from a barrier): ours {ours:.3f} s, gather to rank 0 + `save_pretrained` "
+                f"{gather:.3f} s ({gather / ours:.2f}x); files identical: {same}."
+            )
+            with open(os.path.join(args.dir, "table.md"), "w") as f:
+                f.write(md)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -222,7 +259,8 @@ def _owned_bytes(model) -> int:
                                                                              if e[n] == boxes) == rank)  # fmt: skip
 
 
-def distributed(args: argparse.Namespace) -> None:
+def distributed(args: argparse.Namespace) -> str:
+    """Run the ranks; returns rank 0's markdown table (with ``--markdown``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -231,14 +269,17 @@ def distributed(args: argparse.Namespace) -> None:
         world *= int(n)
     cmd = [sys.executable, __file__, "--worker", "--port", str(port), "--world", str(world)]
     cmd += ["--dir", args.dir, "--hidden", str(args.hidden), "--layers", str(args.layers)]
-    cmd += ["--experts", str(args.experts), "--mesh", args.mesh]
+    cmd += ["--experts", str(args.experts), "--mesh", args.mesh] + (["--markdown"] if args.markdown else [])
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": repo}
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env) for r in range(world)]
     codes = [p.wait() for p in procs]
+    md_path = os.path.join(args.dir, "table.md")
+    md = open(md_path).read() if os.path.exists(md_path) else ""
     shutil.rmtree(args.dir, ignore_errors=True)
     if any(codes):
         raise SystemExit(f"ranks exited with {codes}")
+    return md
 
 
 def main() -> None:
@@ -251,6 +292,7 @@ def main() -> None:
     p.add_argument("--mesh", default="2x2")
     p.add_argument("--skip-single", action="store_true")
     p.add_argument("--skip-dist", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print the tables docs/benchmarks.md holds")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -260,13 +302,23 @@ def main() -> None:
         worker(args.rank, args.world, args.port, args)
         return
     base = args.dir or tempfile.mkdtemp(prefix="save_bench-")
+    watch = mdtable.LoadWatch()
+    tables = []
     if not args.skip_single:
         args.dir = os.path.join(base, "single")
-        single(args)
+        tables.append(single(args))
     if not args.skip_dist:
         args.dir = os.path.join(base, "dist")
-        distributed(args)
-    print(json.dumps({"hidden": args.hidden, "layers": args.layers, "experts": args.experts, "mesh": args.mesh}))
+        tables.append(distributed(args))
+    load = watch.stop()
+    if args.markdown:
+        print()
+        print(mdtable.run_line(load, ("torch", "transformers", "safetensors")))
+        for t in tables:
+            print()
+            print(t)
+    if not args.markdown:
+        print(json.dumps({"hidden": args.hidden, "layers": args.layers, "experts": args.experts, "mesh": args.mesh}))
 
 
 if __name__ == "__main__":
