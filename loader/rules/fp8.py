@@ -81,8 +81,7 @@ def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
         s = (scale_inv.to(torch.float32) - 127.0).exp2()
     else:
         s = scale_inv.to(torch.float32)
-    # each scale repeated over its block: expand + reshape (``repeat_interleave`` would import torch._dynamo on
-    # its first meta call, 0.7 s of a cold process), then cut to the weight's shape
+    # each scale repeated over its block (expand + reshape: plain movement ops), then cut to the weight's shape
     *lead, sr, sc = s.shape
     s = s[..., :, None, :, None].expand(*lead, sr, bm, sc, bn).reshape(*lead, sr * bm, sc * bn)
     return (w.to(torch.float32) * s[..., :rows, :cols]).to(dtype)
