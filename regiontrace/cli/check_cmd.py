@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         from hypothesis import strategies as st
     except ImportError:
         raise CLIError("`check` needs hypothesis: pip install hypothesis") from None
-    from regiontrace.testing import _tensors, assert_converter_exact, boxes, check_values, random_tensor  # hypothesis
+    from regiontrace.testing import assert_converter_exact, boxes, check_values, random_tensor  # hypothesis
+    from regiontrace.testing.checks import _tensors
 
     if args.examples < 1:
         raise CLIError("--examples must be at least 1")
@@ -157,7 +158,8 @@ def first_difference(call: Any, specs: dict) -> str:
     Runs the function on unique int64 codes per source element (when it has no value casts), so that the
     real result names the source element it holds; otherwise compares values of random data.
     """
-    from regiontrace.testing import _has_casts, _tensors, code_tensors, random_tensor
+    from regiontrace.testing import code_tensors, random_tensor
+    from regiontrace.testing.checks import _has_casts, _tensors
 
     names = list(specs)
     try:
