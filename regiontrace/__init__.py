@@ -7,9 +7,10 @@ every output element comes from and compiles, for any box of the output, into :c
 from .blocks import Box, RemapBlock, compile_blocks
 from .errors import NotInvertible, TraceMismatch, Untraceable
 from .execute import execute_blocks, materialize
-from .invert import Inverse, PackedRuns, invert, packed_source_runs, scatter_blocks, unmaterialize
+from .invert import Inverse, invert, unmaterialize
 from .layout import ReadLayout
 from .region import PIECE_BUDGET, Region
+from .scatter import PackedRuns, packed_source_runs, scatter_blocks
 from .tensor import RegionTensor
 from .trace import check_trace, run_on_meta, trace
 
