@@ -142,8 +142,13 @@ class BlockExecutor:
         self.staging_bytes = self.ring.capacity
         self.progress = progress or (lambda n: None)
 
-    def run(self, reads: Iterable[BlockRead]) -> None:
+    def run(self, reads: Iterable[BlockRead], *, finish: bool = True) -> None:
         """Execute ``reads``, file by file in source order; every copy has finished when it returns.
+
+        Args:
+            reads: the block reads.
+            finish: wait for every copy to a device before returning; False leaves them queued (work queued
+                after them on the device's stream sees their values; :meth:`StagingRing.finish` waits).
 
         Raises:
             CheckpointError: a file is short, or changed since its header was read (checked when it is
@@ -168,7 +173,8 @@ class BlockExecutor:
                 self._run_file(file, items)
                 self.reader.verify(file)  # rewritten during the reads: the bytes read may be garbage
         finally:
-            self.ring.finish()  # no copy may land after run returns (rollback restores after a failure)
+            if finish:
+                self.ring.finish()  # no copy may land after run returns (rollback restores after a failure)
 
     def _run_file(self, file: str, items: list[tuple[BlockRead, TensorInfo]]) -> None:
         items.sort(key=lambda it: it[1].data_start + it[0].block.source_span()[0] * it[1].itemsize)

@@ -56,12 +56,16 @@ def run_values(
     def fill(blocks: tuple, tensor: torch.Tensor) -> None:
         slot = TargetSlot("#input", tuple(tensor.shape), tensor.dtype, tensor, ())
         box = full_box(tuple(tensor.shape))
+        # copies to a device stay queued: the program's ops run after them on the same stream
         BlockExecutor(checkpoint, {"#input": slot}, reader, progress=progress, staging=staging).run(
-            BlockRead("#input", box, b) for b in blocks
+            (BlockRead("#input", box, b) for b in blocks), finish=False
         )
 
-    for v in values:
-        dest = box_view(slots[v.target].local, v.local_box)
-        inputs = fill_inputs(v.program, fill, dest.device, lambda i, vi, d=dest.device: empty(i, vi, d))
-        with torch.no_grad():
-            evaluate_into(v.program, inputs, dest)
+    try:
+        for v in values:
+            dest = box_view(slots[v.target].local, v.local_box)
+            inputs = fill_inputs(v.program, fill, dest.device, lambda i, vi, d=dest.device: empty(i, vi, d))
+            with torch.no_grad():
+                evaluate_into(v.program, inputs, dest)
+    finally:
+        staging.finish()  # every copy has landed before this returns (or raises: rollback restores after it)
