@@ -395,3 +395,19 @@ def test_block_scales_under_the_names_transformers_renames(tmp_path, scale_name)
     report = load_hf_checkpoint(model, str(tmp_path), progress=False)
     assert report.deferred == () and report.unexpected_keys == ()
     assert torch.equal(model.proj.weight.data, dequantize_blocks(codes, scales, (16, 8), BF16))
+
+
+@pytest.mark.parametrize("scale_shape", [(), (1,)])
+def test_a_per_tensor_scale_dequantizes_like_transformers(tmp_path, scale_shape):
+    """One scale for the whole weight (0-d or one element): one block of the whole weight, whatever the config's
+    ``weight_block_size`` says — as transformers' ``Fp8Dequantize`` reads it."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    codes = (torch.randn(40, 24, generator=torch.Generator().manual_seed(8)) * 10).to(E4M3)
+    scale = torch.full(scale_shape, 0.0123)
+    quant = {"quant_method": "fp8", "weight_block_size": [16, 8]}
+    _write_raw(tmp_path, {"weight": codes, "weight_scale_inv": scale}, quant)
+    model = Weight((40, 24))
+    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    assert report.deferred == ()
+    assert torch.equal(model.weight.data, Fp8Dequantize(None)._dequantize_one(codes, scale, BF16))

@@ -70,13 +70,15 @@ def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 
     Args:
         w: float8 codes ``(..., rows, cols)``.
-        scale_inv: scales ``(..., ceil(rows / bm), ceil(cols / bn))``; ``uint8`` holds E8M0 exponents
-            (``2 ** (b - 127)``, as transformers reads them).
+        scale_inv: scales ``(..., ceil(rows / bm), ceil(cols / bn))``, or one scale (0-d or one element) for the
+            whole weight; ``uint8`` holds E8M0 exponents (``2 ** (b - 127)``, as transformers reads them).
         block: ``(bm, bn)``.
         dtype: the result's dtype.
     """
     rows, cols = w.shape[-2:]
     bm, bn = block
+    if scale_inv.dim() < 2:  # a per-tensor scale: one block of the whole weight
+        scale_inv = scale_inv.reshape((1,) * w.dim())
     if scale_inv.dtype == torch.uint8:
         s = (scale_inv.to(torch.float32) - 127.0).exp2()
     else:
@@ -204,6 +206,8 @@ def _block_of(checkpoint: SafetensorsCheckpoint, key: str, scale_key: str, schem
 
     if s.dtype not in _VALUE_SCALES and s.dtype != torch.uint8:
         raise refuse(f"block scales of dtype {s.dtype} are not understood")
+    if len(s.shape) < 2 and math.prod(s.shape) == 1 and len(w.shape) >= 2:
+        return w.shape[-2], w.shape[-1]  # one scale for the whole weight (as transformers reads it)
     if len(w.shape) < 2 or len(s.shape) != len(w.shape) or s.shape[:-2] != w.shape[:-2]:
         raise refuse(f"scale grid {s.shape} does not fit the float8 weight {key!r} of shape {w.shape}")
     (rows, cols), (sr, sc) = w.shape[-2:], s.shape[-2:]
