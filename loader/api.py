@@ -86,21 +86,26 @@ def load_hf_checkpoint(
         broadcast_replicated_tensors=broadcast_replicated_tensors,
         timeout=timeout,
     )
-    if staging_bytes is not None:
-        if staging_bytes < 1:
-            raise ValueError(f"staging_bytes must be at least 1, got {staging_bytes}")
-        planner.staging_bytes = staging_bytes
+    staging_bytes = planner.staging_bytes if staging_bytes is None else staging_bytes
+    if staging_bytes < 1:
+        raise ValueError(f"staging_bytes must be at least 1, got {staging_bytes}")
     rank, world = rank_and_world()
     if world > 1:
         report = load_distributed(
-            planner, path, progress=progress, rollback=rollback, timeout=timeout, revision=revision
+            planner,
+            path,
+            progress=progress,
+            rollback=rollback,
+            timeout=timeout,
+            revision=revision,
+            staging_bytes=staging_bytes,
         )
         initialize_rest(model, made, report.loaded_keys, strict=strict)
         return report
     plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision))
     log.info(describe(plan))
     with FileReader() as reader:
-        execute_plan(plan, reader, progress=progress, rollback=rollback, staging_bytes=planner.staging_bytes)
+        execute_plan(plan, reader, progress=progress, rollback=rollback, staging_bytes=staging_bytes)
         bytes_read = reader.bytes_read
     plan.keyplan.record_on_model(model)
     report = load_report(plan, bytes_read, rank, world)

@@ -113,6 +113,7 @@ def load_distributed(
     rollback: bool = False,
     timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
     revision: str | None = None,
+    staging_bytes: int | None = None,
 ) -> LoadReport:
     """Plan on every rank, agree on the outcome, then read each rank's own byte ranges.
 
@@ -123,6 +124,7 @@ def load_distributed(
         rollback: restore every tensor this rank wrote when reading fails on any rank.
         timeout: seconds each rank waits for the others at the end of planning and of reading.
         revision: the revision of a repo id.
+        staging_bytes: bytes per staging buffer (default: ``planner.staging_bytes``).
 
     Returns:
         This rank's :class:`~loader.LoadReport`.
@@ -148,7 +150,7 @@ def load_distributed(
                 reader,
                 plan.reads,
                 plan.deferred,
-                staging_bytes=planner.staging_bytes,
+                staging_bytes=planner.staging_bytes if staging_bytes is None else staging_bytes,
                 broadcast=planner.broadcast_replicated_tensors,
                 progress=progress,
                 rollback=rollback,

@@ -411,3 +411,18 @@ def test_a_per_tensor_scale_dequantizes_like_transformers(tmp_path, scale_shape)
     report = load_hf_checkpoint(model, str(tmp_path), progress=False)
     assert report.deferred == ()
     assert torch.equal(model.weight.data, Fp8Dequantize(None)._dequantize_one(codes, scale, BF16))
+
+
+@pytest.mark.parametrize("numel", [1, 5, 10, 24, 70, 10_000])
+def test_split_box_tiles_the_box_in_bounded_parts(numel):
+    from loader.plan import split_box
+
+    g, local = ((10, 13), (2, 6), (0, 6)), ((0, 3), (0, 4), (1, 7))
+    parts = split_box(g, local, numel)
+    covered = torch.zeros(3, 4, 6, dtype=torch.int32)
+    for gp, lp in parts:
+        assert math.prod(b - a for a, b in gp) <= max(numel, 1)
+        assert [b - a for a, b in gp] == [b - a for a, b in lp]
+        assert all(lo - l0 == go - g0 for (go, _), (lo, _), (g0, _), (l0, _) in zip(gp, lp, g, local))
+        covered[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(gp, g))] += 1
+    assert bool((covered == 1).all())

@@ -34,9 +34,9 @@ def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Map
     """Refuse, before anything is read, a plan that would load FP8 codes as values.
 
     A float8 checkpoint tensor may load into float8 model tensors only (codes unchanged), unless its conversion
-    also takes its own ``<key>_scale_inv`` tensor (a converter that dequantizes it; every float8 source of a
-    conversion needs its own); and a float8 weight stored beside a ``<weight>_scale_inv`` block scale may load
-    only if that scale loads too.
+    also takes its own block scales (one of :func:`~loader.rules.fp8.scale_names`: a converter that dequantizes
+    it; every float8 source of a conversion needs its own); and a float8 weight stored beside its block scales
+    may load only if those load too.
 
     Raises:
         CheckpointError: naming the file and the float8 tensor.

@@ -19,7 +19,7 @@ import regiontrace as rt
 
 from ..checkpoint import SafetensorsCheckpoint
 from ..rules import Conversion, KeyPlan
-from ..rules.conversion import MetaRun
+from ..rules.conversion import MetaRun, cast_like_transformers
 from .dtypes import check_float8, kind_cast
 from .slots import Box, TargetSlot
 from .traces import TraceCache, Traced, Untraced
@@ -262,31 +262,18 @@ def split_box(g: Box, local: Box, numel: int, align: int = 128) -> list[tuple[Bo
         return []
     if math.prod(b - a for a, b in g) <= numel:
         return [(g, local)]
-    for d, (a, b) in enumerate(g):
-        inner = math.prod(hi - lo for lo, hi in g[d + 1 :])
-        if inner <= numel or d == len(g) - 1:
-            step = max(1, numel // max(inner, 1))
-            if step > align:
-                step -= step % align
-            out = []
-            for s in range(a, b, step):
-                e = min(b, s + step)
-                gp = g[:d] + ((s, e),) + g[d + 1 :]
-                lo = local[d][0] + s - a
-                out.append((gp, local[:d] + ((lo, lo + e - s),) + local[d + 1 :]))
-            return out
-        # even one index of dim d is too large: split that index's sub-box further
-        return [
-            part
-            for s in range(a, b)
-            for part in split_box(
-                g[:d] + ((s, s + 1),) + g[d + 1 :],
-                local[:d] + ((local[d][0] + s - a, local[d][0] + s - a + 1),) + local[d + 1 :],
-                numel,
-                align,
-            )
-        ]
-    return [(g, local)]
+    (a, b), rest = g[0], g[1:]
+    inner = math.prod(hi - lo for lo, hi in rest)
+    step = max(1, numel // inner)
+    if step > align:
+        step -= step % align
+    # one index of the first dim may still be too large: then each is split along the dims after it
+    tails = [(rest, local[1:])] if inner <= numel else split_box(rest, local[1:], numel, align)
+    out = []
+    for s in range(a, b, step):
+        e, lo = min(b, s + step), local[0][0] + s - a
+        out += [(((s, e), *gt), ((lo, lo + e - s), *lt)) for gt, lt in tails]
+    return out
 
 
 def _check_materialized(loaded: set[str], slots: Mapping[str, TargetSlot]) -> None:
@@ -309,16 +296,9 @@ def _shape_error(target: str, got: tuple[int, ...], want: tuple[int, ...], conv:
 def deferred_inputs(
     conv: Conversion, tensors: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]
 ) -> dict[str, torch.Tensor]:
-    """Source tensors for running a deferred conversion for real.
-
-    transformers casts every source to the dtype of the group's first target before its ops run; for its
-    rules we do the same, so non-index ops round exactly as ``from_pretrained``. Our ``Convert`` functions get
-    the checkpoint dtype.
-    """
-    if not type(conv.rule).__module__.startswith("transformers"):
-        return dict(tensors)
-    dtype = slots[conv.targets[0]].dtype
-    return {k: t.to(dtype) if t.is_floating_point() and dtype.is_floating_point else t for k, t in tensors.items()}
+    """Source tensors for running a deferred conversion for real (see
+    :func:`~loader.rules.conversion.cast_like_transformers`)."""
+    return cast_like_transformers(conv.rule, tensors, slots[conv.targets[0]].dtype)
 
 
 def _nonempty(box: Box) -> bool:

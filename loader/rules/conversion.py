@@ -239,6 +239,15 @@ class Conversion:
         return self._runner(tensors)
 
 
+def cast_like_transformers(rule: Any, tensors: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Sources as a rule's ops receive them: transformers casts every floating-point source to the dtype of the
+    group's first target (``dtype``) before its ops run, so for its rules we do the same (non-index ops then round
+    exactly as ``from_pretrained``); our ``Convert`` functions get the checkpoint dtype."""
+    if not type(rule).__module__.startswith("transformers") or not dtype.is_floating_point:
+        return dict(tensors)
+    return {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+
+
 def run_on_meta(conv: Conversion, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...]) -> MetaRun:
     """Run ``conv`` on meta tensors of the given shape and dtype per source (device moves stay on meta).
 

@@ -28,7 +28,7 @@ import torch
 
 from ..checkpoint import SafetensorsCheckpoint, quantization_config
 from ..errors import CheckpointError
-from .conversion import Conversion
+from .conversion import Conversion, cast_like_transformers
 from .keys import KeyPlan
 
 #: float8 dtypes this torch build has: their elements are codes whose value needs the checkpoint's scales
@@ -231,22 +231,17 @@ def _dequantizing(
     conv: Conversion, scales: Mapping[str, str], blocks: Mapping[str, tuple[int, int]], dtype: torch.dtype
 ) -> Conversion:
     """``conv`` reading its quantized weights' scales too and dequantizing them to ``dtype`` first."""
-    inner = conv
-    cast_rest = type(conv.rule).__module__.startswith("transformers")  # transformers casts sources to the target
 
     def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
-        given = {}
-        for k in inner.sources:
-            t = tensors[k]
-            if k in blocks:
-                t = dequantize_blocks(t, tensors[scales[k]], blocks[k], dtype)
-            elif cast_rest and t.is_floating_point():
-                t = t.to(dtype)
-            given[k] = t
-        return inner.run(given)
+        given = {
+            k: dequantize_blocks(tensors[k], tensors[scales[k]], blocks[k], dtype) if k in blocks else tensors[k]
+            for k in conv.sources
+        }
+        return conv.run(cast_like_transformers(conv.rule, given, dtype))
 
     scale_keys = tuple(scales[k] for k in blocks)
-    signature = None if conv.signature is None else ("fp8", conv.signature, tuple(blocks.values()), dtype)
+    where = tuple((conv.sources.index(k), block) for k, block in blocks.items())  # which sources, which blocks
+    signature = None if conv.signature is None else ("fp8", conv.signature, where, dtype)
     return replace(
         conv,
         sources=conv.sources + scale_keys,
