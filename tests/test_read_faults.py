@@ -120,6 +120,30 @@ def overwrite_in_place(path: Path) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
 
 
+def overwrite_mtime_put_back(path: Path) -> None:
+    """Same inode, same size, other data bytes, and the old atime and mtime put back with ``os.utime``."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        n = min(4096, st.st_size // 4)
+        f.seek(st.st_size - n)
+        f.write((bytes(range(256)) * 16)[:n])
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def recreate_same_mtime(path: Path) -> None:
+    """Deleted and written anew (the filesystem may hand out the freed inode number again) with the same size
+    and the old mtime put back: only the ctime tells the two apart when the inode number is reused."""
+    st = os.stat(path)
+    data = bytearray(path.read_bytes())
+    n = min(4096, len(data) // 4)
+    data[-n:] = (bytes(range(256)) * 16)[:n]
+    os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def replace_file(path: Path) -> None:
     """A new file (new inode) renamed over ``path``: other values, a longer header (every offset moves)."""
     t = checkpoint_tensors(seed=7)
@@ -173,6 +197,14 @@ def scenario_replaced(root: Path, rollback: bool) -> None:
 
 def scenario_overwritten(root: Path) -> None:
     _load(root, lambda ckpt, plan: overwrite_in_place(root / SECOND), rollback=True)
+
+
+def scenario_overwritten_mtime_put_back(root: Path) -> None:
+    _load(root, lambda ckpt, plan: overwrite_mtime_put_back(root / SECOND), rollback=True)
+
+
+def scenario_recreated_same_mtime(root: Path) -> None:
+    _load(root, lambda ckpt, plan: recreate_same_mtime(root / SECOND), rollback=True)
 
 
 class WriterAfterFirstRead(FileReader):
@@ -331,6 +363,15 @@ def test_overwritten_in_place_same_size_is_refused(root):
     result = run_scenario(root, "scenario_overwritten(root)")
     assert os.path.getsize(root / SECOND) == size
     assert_names_victim(result, root, "changed underneath", "mtime_ns")
+    assert bit_equal(result["after"], result["before"])
+
+
+@pytest.mark.parametrize("scenario", ["scenario_overwritten_mtime_put_back", "scenario_recreated_same_mtime"])
+def test_rewritten_with_the_old_mtime_put_back_is_refused(root, scenario):
+    """Rewritten in place (or deleted and recreated, perhaps on the same inode number) with size and mtime put
+    back by ``os.utime``: the ctime, which no user-space call can set back, still tells; model restored."""
+    result = run_scenario(root, f"{scenario}(root)")
+    assert_names_victim(result, root, "changed underneath", "ctime_ns")
     assert bit_equal(result["after"], result["before"])
 
 

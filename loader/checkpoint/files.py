@@ -82,7 +82,7 @@ class FileReader:
         """Check that ``file``, if open and expected, is still the identity it was expected to be.
 
         Raises:
-            CheckpointError: it was replaced, resized or rewritten (a change of size or mtime).
+            CheckpointError: it was replaced, resized or rewritten (a change of inode, size, mtime or ctime).
         """
         fd = self._fds.get(file)
         if fd is not None:

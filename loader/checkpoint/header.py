@@ -2,7 +2,7 @@
 
 Vocabulary: a *header* is the JSON object after the 8-byte length prefix; each *entry* gives a tensor's
 ``dtype``, ``shape`` and ``data_offsets`` relative to the *data section* that follows the header. A file's
-*identity* (device, inode, size, mtime) is recorded when its header is read, so later reads can tell the
+*identity* (device, inode, size, mtime, ctime) is recorded when its header is read, so later reads can tell the
 file changed underneath.
 
 Files are opened through :mod:`.untrusted` (regular files only, never blocking). Parsing is linear in the
@@ -52,17 +52,21 @@ class FileIdentity:
         inode: ``st_ino``.
         size: ``st_size`` in bytes.
         mtime_ns: ``st_mtime_ns``.
+        ctime_ns: ``st_ctime_ns``: the kernel sets it on every write, rename or ``utime``, and no user-space call
+            can set it back, so a file rewritten in place with its mtime restored (``os.utime``), or replaced by
+            a new file that reuses the inode number, still differs.
     """
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
         """The identity of a ``stat``/``fstat`` result."""
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True)
