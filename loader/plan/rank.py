@@ -19,7 +19,7 @@ import regiontrace as rt
 
 from ..checkpoint import SafetensorsCheckpoint
 from ..rules import Conversion, KeyPlan
-from ..rules.conversion import MetaRun, cast_like_transformers
+from ..rules.conversion import MetaRun, cast_like_transformers, source_cast
 from .dtypes import check_float8, kind_cast
 from .slots import Box, TargetSlot
 from .traces import TraceCache, Traced, Untraced
@@ -152,7 +152,7 @@ def plan_rank(
     for conv in keyplan.conversions:
         casts += _checked_outputs(conv, cache.meta(conv, checkpoint), slots)
         if supports_symbolic(conv):
-            outcome = cache.trace(conv, checkpoint)
+            outcome = cache.trace(conv, checkpoint, source_cast(conv.rule, slots[conv.targets[0]].dtype))
         else:
             outcome = Untraced("rejected by supports_symbolic")
         if isinstance(outcome, Traced) and not values and not outcome.is_index_map:

@@ -5,6 +5,11 @@ A conversion is traced by running it once on RegionTensors (canonical leaves ``#
 sources) and checking the result against its meta run (:attr:`~loader.rules.Conversion.meta`, made by the
 rules for its signature): each conversion runs on meta once per signature, and the trace reuses that run.
 The outcome is :class:`Traced` (region maps of its outputs) or :class:`Untraced` (why not).
+
+A transformers rule's ops receive their sources cast to the model tensor's dtype
+(:func:`~loader.rules.conversion.source_cast`). For an index map the cast commutes with every movement op, so it is
+left to the final copy; a conversion that computes values is traced again on cast leaves, so its arithmetic rounds
+in the dtype ``from_pretrained`` (and the deferred path) rounds in.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import regiontrace as rt
 
 from ..checkpoint import SafetensorsCheckpoint
 from ..rules import Conversion
-from ..rules.conversion import MetaRun, run_on_meta
+from ..rules.conversion import MetaRun, cast_like_transformers, meta_tensors, run_on_meta
 from .slots import Box
 
 
@@ -73,8 +78,14 @@ class TraceCache:
         """``conv``'s meta run on ``checkpoint``'s shapes and dtypes (its own, when it was made on those)."""
         return self._key(conv, checkpoint)[1]
 
-    def trace(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> Traced | Untraced:
+    def trace(
+        self, conv: Conversion, checkpoint: SafetensorsCheckpoint, cast: torch.dtype | None = None
+    ) -> Traced | Untraced:
         """Trace ``conv`` on canonical leaves, once per signature.
+
+        Args:
+            cast: the dtype the conversion's floating-point sources are cast to before it runs
+                (:func:`~loader.rules.conversion.source_cast`); None: they are not.
 
         Raises:
             the exception ``conv`` raised on meta tensors (a broken conversion fails planning).
@@ -82,15 +93,25 @@ class TraceCache:
         key, meta = self._key(conv, checkpoint)
         if meta.error is not None:
             raise meta.error
-        cached = self._traces.get(key)
-        if cached is None:
-            self.misses += 1
-            cached = self._traces[key] = _trace(conv, meta)
-        else:
-            self.hits += 1
+        cached = self._traced(key, conv, meta, None)
+        if cast is not None and not isinstance(cached, str) and not all(t.is_index_map for t in cached):
+            if any(d.is_floating_point and d != cast for d in meta.dtypes):
+                key = self._intern((key, "cast", cast))
+                cached = self._traced(key, conv, meta, cast)
         if isinstance(cached, str):
             return Untraced(cached)
         return Traced(dict(zip(conv.targets, cached)), key)
+
+    def _traced(
+        self, key: int, conv: Conversion, meta: MetaRun, cast: torch.dtype | None
+    ) -> tuple[rt.RegionTensor, ...] | str:
+        cached = self._traces.get(key)
+        if cached is None:
+            self.misses += 1
+            cached = self._traces[key] = _trace(conv, meta, cast)
+        else:
+            self.hits += 1
+        return cached
 
     def _key(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> tuple[int, MetaRun]:
         """A small int standing for ``conv``'s signature on ``checkpoint`` (equal signatures, equal ints), and its
@@ -150,16 +171,23 @@ class _Unique:
         self.obj = obj
 
 
-def _trace(conv: Conversion, meta: MetaRun) -> tuple[rt.RegionTensor, ...] | str:
-    """Run ``conv`` on RegionTensor leaves, check it against ``meta``; its outputs in target order, or the reason
-    it does not trace."""
+def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> tuple[rt.RegionTensor, ...] | str:
+    """Run ``conv`` on RegionTensor leaves (cast to ``cast`` first when given), check it against its meta run;
+    its outputs in target order, or the reason it does not trace."""
     leaves = {
         k: rt.RegionTensor.leaf(f"#{i}", shape, dtype)
         for i, (k, shape, dtype) in enumerate(zip(conv.sources, meta.shapes, meta.dtypes))
     }
     try:
-        out = conv.run(leaves)
-        rt.check_trace(out, _meta_outputs(conv, meta))
+        if cast is None:
+            out, expected = conv.run(leaves), _meta_outputs(conv, meta)
+        else:
+            out = conv.run(cast_like_transformers(conv.rule, leaves, cast))
+            expected = rt.run_on_meta(
+                lambda t: conv.run(cast_like_transformers(conv.rule, t, cast)),
+                meta_tensors(conv.sources, meta.shapes, meta.dtypes),
+            )
+        rt.check_trace(out, expected)
     except (rt.Untraceable, rt.TraceMismatch) as e:
         return f"{type(e).__name__}: {e}"
     if not isinstance(out, Mapping) or set(out) - set(conv.targets):

@@ -239,13 +239,23 @@ class Conversion:
         return self._runner(tensors)
 
 
-def cast_like_transformers(rule: Any, tensors: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """Sources as a rule's ops receive them: transformers casts every floating-point source to the dtype of the
-    group's first target (``dtype``) before its ops run, so for its rules we do the same (non-index ops then round
-    exactly as ``from_pretrained``); our ``Convert`` functions get the checkpoint dtype."""
+def source_cast(rule: Any, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a rule's floating-point sources are cast to before its ops run, or None (not cast).
+
+    transformers casts every floating-point source to the dtype of the group's first target (``dtype``) before
+    its ops run, so for its rules we do the same (non-index ops then round exactly as ``from_pretrained``); our
+    ``Convert`` functions get the checkpoint dtype."""
     if not type(rule).__module__.startswith("transformers") or not dtype.is_floating_point:
+        return None
+    return dtype
+
+
+def cast_like_transformers(rule: Any, tensors: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Sources as a rule's ops receive them (see :func:`source_cast`): real tensors or RegionTensors."""
+    to = source_cast(rule, dtype)
+    if to is None:
         return dict(tensors)
-    return {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+    return {k: t.to(to) if t.is_floating_point() else t for k, t in tensors.items()}
 
 
 def run_on_meta(conv: Conversion, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...]) -> MetaRun:
