@@ -97,7 +97,8 @@ def save_hf_checkpoint(
         progress: tqdm progress bar; default on when stderr is a terminal.
         timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others at each
             agreement point (end of preparing, of writing, of finishing); None waits without limit (a rank that
-            dies is still detected by its heartbeat).
+            dies is still detected by its heartbeat); in any run, also the most the commit waits for another
+            save's commit into ``path`` (saves into one path commit one at a time).
         source_shapes: the checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint (path or
             ``SafetensorsCheckpoint``) to take keys, shapes and dtypes from: needed when they cannot be found from
             the model and the rules alone (a ``Convert`` rule).
@@ -108,12 +109,13 @@ def save_hf_checkpoint(
     Raises:
         ValueError: the layout cannot be derived or a conversion is not invertible (nothing is written).
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left.
-        OSError, RuntimeError: a write failed (on any rank, in a distributed run); no complete-looking
-            checkpoint is left at ``path``.
+        OSError, RuntimeError: a write failed (on any rank, in a distributed run); ``path`` is left as it was
+            (no folder, or the old checkpoint, whole).
+        TimeoutError: another save into ``path`` was committing for more than ``timeout``.
     """
     from ..distributed import timeout_seconds
 
-    timeout_seconds(timeout)
+    lock_wait = timeout_seconds(timeout)
     meta = {"format": "pt", **(metadata or {})}
     rules = dict(
         weights_mapping=weights_mapping,
@@ -130,7 +132,7 @@ def save_hf_checkpoint(
         header = create_files(folder, layout)
         writer = _write(folder, layout, writes, progress)
         write_extras(folder, layout, model, _total_parameters(model))
-        commit(folder, path, layout)
+        commit(folder, path, layout, lock_wait)
     except BaseException:
         remove_folder(folder)
         raise
@@ -207,7 +209,7 @@ def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool |
 def _save_distributed(model, path, rules, max_shard_size, metadata, progress, timeout) -> SaveReport:
     """Plan on every rank; rank 0 creates the files; every rank writes its regions; rank 0 commits. Each step
     ends at an agreement point: a failure or a hang anywhere fails every rank, and rank 0 removes the files."""
-    from ..distributed import LoadSession
+    from ..distributed import LoadSession, timeout_seconds
 
     rank, world = rank_and_world()
     folder = header = None
@@ -240,7 +242,7 @@ def _save_distributed(model, path, rules, max_shard_size, metadata, progress, ti
         if rank == 0:
             try:
                 write_extras(folder, layout, model, _total_parameters(model))
-                commit(folder, path, layout)
+                commit(folder, path, layout, timeout_seconds(timeout))
             except Exception as e:
                 error = e
                 remove_folder(folder)

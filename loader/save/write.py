@@ -1,5 +1,5 @@
 """Writing a :class:`~loader.save.layout.SaveLayout`: preallocated files, headers, positional writes of the byte
-regions a rank's shards map to, and the final rename that makes the checkpoint appear.
+regions a rank's shards map to, and the commit that makes the checkpoint appear (:mod:`.commit`).
 
 A region is written with one ``os.pwrite`` per run of contiguous file bytes: straight from the model tensor's
 memory when the block reads a contiguous source range in order (a rename, a whole expert of a fused tensor, a
@@ -10,9 +10,7 @@ row shard), else from a staging copy in source order (:func:`regiontrace.packed_
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -24,18 +22,17 @@ import regiontrace as rt
 from regiontrace.execute import dest_view
 from regiontrace.layout import split_block
 
+from .commit import commit_folder, destination
 from .layout import SaveLayout, TensorPlace
 
 #: Most bytes of packed values one block chunk stages before it is written.
 STAGING_BYTES = 64 << 20
 
-_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
 
 def make_temp_folder(path: str) -> str:
     """A new empty folder ``<path>.tmp-XXXXXXXX`` next to ``path`` (same filesystem, so a rename commits it),
     with the permissions ``os.makedirs`` would give."""
-    path = os.path.abspath(path)
+    path = destination(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"cannot save to {path!r}: it is a file, not a folder")
     parent = os.path.dirname(path)
@@ -86,31 +83,11 @@ def write_extras(folder: str, layout: SaveLayout, model: torch.nn.Module, total_
         model.generation_config.save_pretrained(folder)
 
 
-def commit(folder: str, path: str, layout: SaveLayout) -> None:
-    """Make the checkpoint in ``folder`` appear at ``path``: a rename when ``path`` does not exist; into an existing
-    folder, the old index first goes (the folder stops looking complete), then each file is replaced, weight
-    files of an earlier save that this one does not overwrite are removed, and the index comes last."""
-    path = os.path.abspath(path)
-    try:
-        os.rename(folder, path)
-        return
-    except OSError as e:
-        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR) or not os.path.isdir(path):
-            raise
-    names = [f.name for f in layout.files]
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(path, layout.index_name))
-    for name in sorted(os.listdir(folder), key=lambda n: n == layout.index_name):
-        if name == layout.index_name:
-            continue
-        os.replace(os.path.join(folder, name), os.path.join(path, name))
-    for name in os.listdir(path):
-        stale = _SHARD_FILE.fullmatch(name) or (name == "model.safetensors" and layout.is_sharded)
-        if stale and name not in names and os.path.isfile(os.path.join(path, name)):
-            os.remove(os.path.join(path, name))
-    if layout.is_sharded:
-        os.replace(os.path.join(folder, layout.index_name), os.path.join(path, layout.index_name))
-    os.rmdir(folder)
+def commit(folder: str, path: str, layout: SaveLayout, timeout: float | None = None) -> None:
+    """Make the checkpoint in ``folder`` appear at ``path`` in one step (:func:`loader.save.commit.commit_folder`:
+    under a lock, an existing folder's non-checkpoint files carried over, then one atomic exchange of the two
+    folders); ``timeout``: most seconds to wait for another save's commit into ``path``."""
+    commit_folder(folder, path, timeout)
 
 
 def remove_folder(folder: str | None) -> None:

@@ -1,0 +1,292 @@
+"""The commit of a save: the finished checkpoint in its staging folder takes the place of ``path`` in one step.
+
+Under a lock (``fcntl.flock`` on ``<parent>/.<name>.lock``, so concurrent saves into one path commit one after
+the other), the files of the old folder that are not part of a checkpoint (a README, tokenizer files, …) are
+carried into the staging folder (hard links, else copies), the staging folder is renamed to
+``<path>.old-XXXXXXXX`` and the two folders are exchanged with one ``renameat2(RENAME_EXCHANGE)``; the old
+folder, now under the ``.old-`` name, is removed. Where the exchange is unavailable (not Linux, or a
+filesystem answering ``EINVAL``/``ENOSYS``) the old folder is renamed aside to ``<path>.old-XXXXXXXX`` and the
+new one renamed in: a kill between the two renames leaves no ``path`` and the old checkpoint at the ``.old-``
+name, which :func:`recover` (run by the next commit into ``path``, under the lock) puts back.
+
+:data:`STEP_HOOK`, when set, is called with each step's name just before the step (tests kill the process or
+raise there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import os
+import platform
+import re
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger("loader")
+
+#: called with each commit step's name just before the step is taken (None: nothing)
+STEP_HOOK: Callable[[str], None] | None = None
+#: False: always the two-rename fallback, as where ``RENAME_EXCHANGE`` is unavailable
+USE_EXCHANGE = True
+#: weight files of a checkpoint besides the index: what a new checkpoint replaces, never carried over
+WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+INDEX_NAME = "model.safetensors.index.json"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "arm64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
+_exchange_fn: Callable[[str, str], None] | None | bool = False  # False: not looked up yet
+
+
+def destination(path: str | os.PathLike[str]) -> str:
+    """The absolute folder a save into ``path`` commits to (a symlink to a folder: the folder it names)."""
+    path = os.path.abspath(os.fspath(path))
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+def commit_folder(staging: str, path: str, timeout: float | None = None) -> None:
+    """Make the finished checkpoint in ``staging`` (a folder beside ``path``) appear at ``path`` in one step;
+    an existing folder's files that are not checkpoint weights or index are kept.
+
+    Raises:
+        TimeoutError: another save into ``path`` held the lock for more than ``timeout`` seconds.
+        OSError: the commit failed: ``path`` holds the old checkpoint, whole (or the new one, where the
+            failure came after the swap and only the removal of the old folder was left).
+    """
+    path = destination(path)
+    with _locked(path, timeout):
+        _step("recover")
+        recover(path)
+        if not os.path.lexists(path):
+            _step("rename")
+            try:
+                os.rename(staging, path)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not os.path.isdir(path):
+                    raise
+            else:
+                return _finish(path, None)
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise NotADirectoryError(errno.ENOTDIR, "cannot save there: it is not a folder", path)
+        _carry_over(path, staging)
+        with contextlib.suppress(OSError):
+            os.chmod(staging, stat.S_IMODE(os.stat(path).st_mode))
+        aside = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=os.path.dirname(path))
+        try:
+            if not _swap(staging, path, aside):
+                _fallback(staging, path, aside)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(aside)  # the empty placeholder: ``path`` still holds the old checkpoint
+            raise
+        _finish(path, aside)
+
+
+def recover(path: str) -> list[str]:
+    """Finish what an interrupted commit into ``path`` left (call under the lock): with no ``path``, the newest
+    ``<path>.old-XXXXXXXX`` folder is put back; every other such folder is removed. Returns what was done."""
+    parent, name = os.path.split(destination(path))
+    pattern = re.compile(re.escape(name) + r"\.old-[A-Za-z0-9_]{8}")
+    try:
+        found = [os.path.join(parent, n) for n in os.listdir(parent) if pattern.fullmatch(n)]
+    except FileNotFoundError:
+        return []
+    found = [f for f in found if os.path.isdir(f) and not os.path.islink(f)]
+    done = []
+    if found and not os.path.lexists(os.path.join(parent, name)):
+        newest = max(found, key=lambda f: os.stat(f).st_mtime_ns)
+        if os.listdir(newest):  # an empty one is a placeholder, never a checkpoint
+            os.rename(newest, os.path.join(parent, name))
+            found.remove(newest)
+            done.append(f"restored {newest}")
+            log.warning("an interrupted save left the previous checkpoint at %s: restored to %s", newest, path)
+    for f in found:
+        shutil.rmtree(f, ignore_errors=True)
+        done.append(f"removed {f}")
+    return done
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _step(name: str) -> None:
+    if STEP_HOOK is not None:
+        STEP_HOOK(name)
+
+
+def _swap(staging: str, path: str, aside: str) -> bool:
+    """The new folder to ``aside`` (onto its empty placeholder), then one exchange of ``aside`` and ``path``.
+    False (and ``staging`` as it was) where the exchange is unavailable; on an error ``staging`` is put back."""
+    exchange = _exchange()
+    if exchange is None:
+        return False
+    _step("stage")
+    os.rename(staging, aside)
+    try:
+        _step("exchange")
+        exchange(aside, path)
+        return True
+    except OSError as e:
+        os.rename(aside, staging)
+        if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            log.info("renameat2(RENAME_EXCHANGE) is unavailable for %s (%s): two renames instead", path, e)
+            return False
+        raise
+    except BaseException:
+        os.rename(aside, staging)
+        raise
+
+
+def _fallback(staging: str, path: str, aside: str) -> None:
+    """Two renames: ``path`` aside (to ``aside``), then ``staging`` to ``path``; a failure of the second puts the
+    old folder back. A kill between them leaves no ``path``: :func:`recover` puts the old folder back."""
+    _step("move-aside")
+    os.rename(path, aside)
+    try:
+        _step("move-in")
+        os.rename(staging, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+
+
+def _finish(path: str, aside: str | None) -> None:
+    """After the commit: the old folder (now ``aside``) goes, best effort (a leftover goes at the next commit)."""
+    try:
+        if aside is not None:
+            _step("remove-old")
+            shutil.rmtree(aside)
+        _step("done")
+    except OSError as e:
+        log.warning("the checkpoint is saved at %s, but removing the old folder %s failed: %s", path, aside, e)
+
+
+def _carry_over(old: str, new: str) -> None:
+    """Link (else copy) into ``new`` every entry of ``old`` that ``new`` lacks and that is no checkpoint weight
+    file or index (those the new checkpoint replaces)."""
+    have = set(os.listdir(new))
+    for name in sorted(os.listdir(old)):
+        src = os.path.join(old, name)
+        if name in have or ((WEIGHT_FILE.fullmatch(name) or name == INDEX_NAME) and not os.path.isdir(src)):
+            continue
+        _step(f"carry {name}")
+        _link_tree(src, os.path.join(new, name))
+
+
+def _link_tree(src: str, dst: str) -> None:
+    st = os.lstat(src)
+    if stat.S_ISDIR(st.st_mode):
+        os.mkdir(dst)
+        for name in sorted(os.listdir(src)):
+            _link_tree(os.path.join(src, name), os.path.join(dst, name))
+        shutil.copystat(src, dst)
+        return
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # no hard links here (or not allowed): a copy
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+
+
+def _exchange() -> Callable[[str, str], None] | None:
+    """``exchange(a, b)``: swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); None where the C
+    library and the kernel offer no way to ask."""
+    global _exchange_fn
+    if not USE_EXCHANGE:
+        return None
+    if _exchange_fn is False:
+        _exchange_fn = _find_exchange()
+    return _exchange_fn  # type: ignore[return-value]
+
+
+def _find_exchange() -> Callable[[str, str], None] | None:
+    if platform.system() != "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    renameat2 = getattr(libc, "renameat2", None)
+    number = _SYS_RENAMEAT2.get(platform.machine())
+    if renameat2 is None and number is None:
+        return None
+
+    def exchange(a: str, b: str) -> None:
+        args = (ctypes.c_int(_AT_FDCWD), os.fsencode(a), ctypes.c_int(_AT_FDCWD), os.fsencode(b))
+        flags = ctypes.c_uint(_RENAME_EXCHANGE)
+        if renameat2 is not None:
+            rc = renameat2(*args, flags)
+        else:
+            rc = libc.syscall(ctypes.c_long(number), *args, flags)
+        if rc != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), a, None, b)
+
+    return exchange
+
+
+@contextlib.contextmanager
+def _locked(path: str, timeout: float | None) -> Iterator[None]:
+    """Hold ``<parent>/.<name>.lock`` (``flock``), waiting at most ``timeout`` seconds (None: no limit). The lock
+    file is removed on release; a waiter that wakes on a removed file tries again."""
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    lock_path = os.path.join(parent, f".{name}.lock")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        _step("lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            _flock(fd, path, deadline)
+            st = os.fstat(fd)
+            try:
+                same = os.stat(lock_path)
+            except FileNotFoundError:
+                same = None
+            if same is not None and (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the holder before us removed the file: lock the new one
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(fd)
+
+
+def _flock(fd: int, path: str, deadline: float | None) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    _step("wait")
+    log.info("another save into %s is committing: waiting for it", path)
+    if deadline is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    pause = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"cannot commit the checkpoint to {path}: another save into it held its lock "
+                    f"{os.path.join(os.path.dirname(path), '.' + os.path.basename(path) + '.lock')} past the timeout"
+                ) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
