@@ -287,6 +287,19 @@ CODES = (torch.randn(64, 64) * 10).to(E4M3)
             "not understood",
             "weight_scale_inv",
         ),
+        (
+            {"weight": CODES, "weight_scale_inv": torch.ones(1, 1)},
+            {"quant_method": "fp8", "weight_block_size": [2**62, 2**62]},
+            r"config.json: quantization_config.weight_block_size \[4611686018427387904, 4611686018427387904\] is "
+            "unreasonable",
+            None,
+        ),
+        (
+            {"weight": CODES, "weight_scale_inv": torch.ones(1, 1)},
+            {"quant_method": "fp8", "weight_block_size": [32, 2**31]},
+            "unreasonable: each side must be at most 2147483647",
+            None,
+        ),
         ({"weight": CODES, "weight_scale_inv": torch.ones(2, 2)}, "[1, 2", "not valid UTF-8 JSON", None),
         (
             {"weight": CODES, "weight_scale_inv": torch.ones(2, 2)},
@@ -303,6 +316,27 @@ def test_fp8_checkpoints_we_cannot_interpret_are_refused_before_any_write(tmp_pa
         load_hf_checkpoint(model, str(tmp_path), progress=False)
     assert err.value.key == key
     assert torch.equal(model.weight.data, torch.zeros(64, 64, dtype=BF16))
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.uint8])  # traced; deferred (E8M0 exponents)
+def test_a_block_larger_than_the_weight_is_one_block_of_the_weight(tmp_path, scale_dtype):
+    """A ``weight_block_size`` past the weight's edges (up to 2**31 - 1, the largest accepted) puts the whole
+    weight in one block: it loads with the one scale (the expanded grid is a view, never block-sized)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    scale = torch.full((1, 1), 2.0) if scale_dtype == torch.float32 else torch.full((1, 1), 129, dtype=torch.uint8)
+    _write_raw(
+        tmp_path,
+        {"weight": CODES, "weight_scale_inv": scale},
+        {"quant_method": "fp8", "weight_block_size": [2**31 - 1, 2**30]},
+    )
+    model = Weight((64, 64))
+    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    assert report.deferred == (() if scale_dtype == torch.float32 else ("weight",))
+    assert torch.equal(
+        model.weight.data, (CODES.float() * 4.0 if scale_dtype == torch.uint8 else CODES.float() * 2.0).to(BF16)
+    )
+    assert torch.equal(model.weight.data, Fp8Dequantize(None)._dequantize_one(CODES, scale, BF16))
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "oversized"])

@@ -60,6 +60,9 @@ def weight_of_scale(key: str) -> str | None:
     return None
 
 
+#: the largest side of a ``weight_block_size`` accepted (2**31 - 1: no tensor dimension is longer in practice)
+MAX_BLOCK = 2**31 - 1
+
 #: scale dtypes whose cast to float32 is their value (``uint8`` E8M0 exponents need ``exp2``: not traceable)
 _VALUE_SCALES = (torch.float32, torch.bfloat16, torch.float16, getattr(torch, "float8_e8m0fnu", torch.float32))
 
@@ -107,7 +110,8 @@ def fp8_blocks(quantization_config: Mapping[str, Any] | None, where: str) -> Fp8
     """The FP8 block scheme a ``quantization_config`` declares (none, or ``quant_method: fp8``).
 
     Raises:
-        CheckpointError: another quantization method with float8 weights, or a malformed ``weight_block_size``
+        CheckpointError: another quantization method with float8 weights, or a malformed or unreasonable
+            (over :data:`MAX_BLOCK`) ``weight_block_size``
             (naming ``where``).
     """
     if not quantization_config:
@@ -126,6 +130,12 @@ def fp8_blocks(quantization_config: Mapping[str, Any] | None, where: str) -> Fp8
     if not ok or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block):
         raise CheckpointError(
             f"{where}: quantization_config.weight_block_size must be two positive integers, got {block!r}", path=where
+        )
+    if max(block) > MAX_BLOCK:
+        raise CheckpointError(
+            f"{where}: quantization_config.weight_block_size {list(block)!r} is unreasonable: each side must be at "
+            f"most {MAX_BLOCK} (real checkpoints use blocks such as [128, 128])",
+            path=where,
         )
     return Fp8Blocks((block[0], block[1]), where)
 
