@@ -111,8 +111,7 @@ def fp8_blocks(quantization_config: Mapping[str, Any] | None, where: str) -> Fp8
 
     Raises:
         CheckpointError: another quantization method with float8 weights, or a malformed or unreasonable
-            (over :data:`MAX_BLOCK`) ``weight_block_size``
-            (naming ``where``).
+            (over :data:`MAX_BLOCK`) ``weight_block_size`` (naming ``where``).
     """
     if not quantization_config:
         return Fp8Blocks(None, where)
