@@ -8,6 +8,7 @@ cache links ``snapshots/<rev>/*`` into ``../../blobs``; a user's symlink farm do
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Iterator, KeysView, Mapping, Sequence
 
@@ -19,6 +20,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: an index larger than this is refused before it is read (real ones are well under 10 MiB)
 MAX_INDEX_BYTES = 64 << 20
+#: the file names of a sharded save (``save_pretrained``'s), which are never loaded without their index
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _Meta = dict[str, dict[str, str]]
 
 
@@ -73,6 +76,13 @@ def _folder_files(root: str) -> list[str]:
     except OSError as e:
         raise err(root, f"cannot list the folder: {e.strerror or e}") from e
     files = sorted(os.path.join(root, n) for n in names if n.endswith(".safetensors"))
+    shards = sorted(n for n in names if _SHARD_NAME.fullmatch(n))
+    if shards:  # a sharded save whose index is missing: some shards may be missing or of another save too
+        raise err(
+            root,
+            f"holds sharded weight files ({shards[0]}, … {len(shards)} in all) but no {INDEX_NAME}: an incomplete "
+            "or interrupted save? (from_pretrained refuses it too; the index says which file holds which tensor)",
+        )
     if not files:
         raise err(root, "folder holds no .safetensors files")
     return files
@@ -119,7 +129,8 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         ``path`` may be a ``.safetensors`` file, a ``model.safetensors.index.json`` file, a folder, or a
         Hugging Face Hub repo id (``"org/name"``, see :func:`~loader.checkpoint.hub.resolve_checkpoint`).
         In a folder the index is used if present (exactly the files and keys it names; keys a shard has
-        beyond the index are ignored), else ``model.safetensors``, else every ``*.safetensors`` (sorted).
+        beyond the index are ignored), else ``model.safetensors``, else every ``*.safetensors`` (sorted) —
+        unless there are ``model-0000i-of-0000n.safetensors`` shards, which without their index are refused.
         Files may be symlinks to regular files anywhere; the names an index gives must stay in the folder.
 
         Args:
@@ -134,7 +145,7 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
             CheckpointNotFoundError: ``path`` is not a file, a folder or a repo id that could be resolved
                 (also a :class:`FileNotFoundError`).
             CheckpointError: A file or the index is malformed, not a regular file, names missing files or
-                keys, escapes the folder, or two files hold the same key.
+                keys, escapes the folder, or two files hold the same key; a folder holds shards but no index.
         """
         if allow_external_symlinks is not None:
             warnings.warn(
