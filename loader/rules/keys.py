@@ -61,6 +61,8 @@ class KeyPlan:
     ignored_unexpected_keys: list[str] = field(default_factory=list)
     #: rules that matched at least one checkpoint key, in mapping order (what transformers records)
     used_rules: list[Any] = field(default_factory=list, repr=False)
+    #: whether the rules were given (``weights_mapping``, ``extra_weights_mapping`` or ``key_mapping``)
+    custom_rules: bool = False
 
     def by_target(self) -> dict[str, Conversion]:
         return {t: c for c in self.conversions for t in c.targets}
@@ -73,8 +75,12 @@ class KeyPlan:
         (``was_used()``), in mapping order; ``save_pretrained`` reverses them (``revert_weight_conversion``).
         Our ``Rename`` is recorded as a ``WeightRenaming``; a ``Convert`` has no reverse and is not recorded
         (its tensors are saved in the model layout). No-op for modules that are not a transformers
-        ``PreTrainedModel``."""
+        ``PreTrainedModel``.
+
+        When the rules were given, the rules applied (ours and transformers', as given) are also recorded on any
+        module as :data:`APPLIED_RULES`, so that ``save_hf_checkpoint`` reverses exactly them."""
         hf.record_on_model(model, self.used_rules)
+        setattr(model, APPLIED_RULES, tuple(self.used_rules) if self.custom_rules else None)
 
 
 class _Group:
@@ -98,6 +104,22 @@ class _Group:
 
 def _duplicate(first: str, second: str, target: str) -> ValueError:
     return ValueError(f"checkpoint keys {first!r} and {second!r} both map to model tensor {target!r}")
+
+
+#: the attribute a load records the given rules it applied under (see :meth:`KeyPlan.record_on_model`)
+APPLIED_RULES = "_regiontrace_applied_rules"
+
+
+def rules_in_order(
+    model: torch.nn.Module,
+    weights_mapping: Sequence[Any] | None = None,
+    extra_weights_mapping: Sequence[Any] = (),
+    key_mapping: Mapping[str, str] | None = None,
+) -> list:
+    """Every rule :func:`plan_keys` tries for these arguments, in precedence order."""
+    adapters = _hf()
+    is_pretrained = adapters is not None and adapters.is_pretrained_model(model)
+    return [*extra_weights_mapping, *_default_rules(model, adapters, is_pretrained, weights_mapping, key_mapping)]
 
 
 def _default_rules(model, hf, is_pretrained, weights_mapping, key_mapping) -> list:
@@ -157,10 +179,7 @@ def plan_keys(
     """
     adapters = _hf()
     is_pretrained = adapters is not None and adapters.is_pretrained_model(model)
-    rules = [
-        Rule(r)
-        for r in [*extra_weights_mapping, *_default_rules(model, adapters, is_pretrained, weights_mapping, key_mapping)]
-    ]
+    rules = [Rule(r) for r in rules_in_order(model, weights_mapping, extra_weights_mapping, key_mapping)]
     state = model.state_dict(keep_vars=True)
     mapped, keys, skipped = _visit_order(checkpoint_shapes, map_checkpoint_key)
     groups, unexpected = _group_keys(mapped, keys, rules, state, _base_prefix(model, is_pretrained), select_converter)
@@ -206,6 +225,7 @@ def plan_keys(
         ignored_missing_keys=ignored_missing,
         ignored_unexpected_keys=ignored_unexpected,
         used_rules=[r.impl if r.hf else r.orig for r in rules if r.used],
+        custom_rules=weights_mapping is not None or bool(extra_weights_mapping) or bool(key_mapping),
     )
 
 

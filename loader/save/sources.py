@@ -25,6 +25,7 @@ import regiontrace as rt
 from ..rules import Conversion, Convert, Rename, dot_natural_key, plan_keys
 from ..rules import hf as hf_rules
 from .layout import TensorSpec
+from .recorded import rules_to_reverse
 
 SourceShapes = Mapping[str, Sequence[int] | tuple[Sequence[int], torch.dtype]]
 
@@ -90,7 +91,8 @@ def map_for_save(
 
     Args:
         model: the model (plain or DTensor tensors; only shapes and dtypes are read here).
-        weights_mapping, extra_weights_mapping, key_mapping: the rules, as for ``load_hf_checkpoint``.
+        weights_mapping, extra_weights_mapping, key_mapping: the rules, as for ``load_hf_checkpoint``; for a model
+            a load recorded its rules on, only those of them the load applied (none given: all it applied).
         source_shapes: the checkpoint keys to save, with their shapes (or ``(shape, dtype)``; without a dtype, the
             dtype of the model tensors they convert to), or a checkpoint (path or ``SafetensorsCheckpoint``) whose
             keys, shapes and dtypes to use. Needed when a ``Convert`` rule is used.
@@ -106,6 +108,9 @@ def map_for_save(
     meta = _saved_state(model, state)
     rules = dict(weights_mapping=weights_mapping, extra_weights_mapping=extra_weights_mapping, key_mapping=key_mapping)
     custom = weights_mapping is not None or bool(extra_weights_mapping) or bool(key_mapping)
+    recorded = rules_to_reverse(model, weights_mapping, extra_weights_mapping, key_mapping)
+    if recorded is not None:  # a load recorded the rules it applied: reverse exactly those
+        rules, custom = recorded, True
     if source_shapes is not None:
         originals, derived_by = _from_source_shapes(source_shapes), "source_shapes"
     elif hf_rules.is_pretrained_model(model):
