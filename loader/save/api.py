@@ -19,7 +19,8 @@ import regiontrace as rt
 
 from ..placements import rank_and_world, slot_for
 from ..rules import dot_natural_key
-from .layout import SaveLayout, plan_layout
+from .agreement import RankAgreement
+from .layout import SaveLayout, parse_size, plan_layout
 from .sources import SaveMapping, SourceShapes, map_for_save
 from .write import RegionWriter, commit, create_files, make_temp_folder, remove_folder, write_extras
 
@@ -171,6 +172,7 @@ def collect_writes(
             if shard is None:
                 continue
             boxes, local = shard
+            local = _with_values_in_memory(target, local)
             for global_box, local_box in boxes:
                 if any(b <= a for a, b in global_box):
                     continue
@@ -187,6 +189,7 @@ def collect_writes(
 
 
 def _prepare(model, rules, max_shard_size, metadata, rank) -> tuple[SaveMapping, SaveLayout, RankWrites]:
+    max_shard_size = parse_size(max_shard_size)  # a bad one is refused first: nothing planned, nothing created
     mapping = map_for_save(model, **rules)
     layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata=metadata)
     _, world = rank_and_world()
@@ -217,11 +220,12 @@ def _save_distributed(model, path, rules, max_shard_size, metadata, progress, ti
         error = None
         try:
             mapping, layout, writes = _prepare(model, rules, max_shard_size, metadata, rank)
+            agreement = RankAgreement(mapping.tensors, layout)
+            agreement.publish(session.store, rank)
             if rank == 0:
                 folder = make_temp_folder(path)
                 header = create_files(folder, layout)
                 session.store.set("save/folder", folder)
-                session.store.set("save/layout", layout.digest())
         except Exception as e:  # agreed below: every rank raises, none hangs
             error = e
         _agree(session, error, "preparing", folder)
@@ -229,12 +233,8 @@ def _save_distributed(model, path, rules, max_shard_size, metadata, progress, ti
         try:
             if rank != 0:
                 folder = session.store.get("save/folder").decode()
-                if session.store.get("save/layout").decode() != layout.digest():
-                    raise ValueError(
-                        "this rank computed another checkpoint layout than rank 0 (different models or rules "
-                        "on different ranks?)"
-                    )
-            writer = _write(folder, layout, writes, progress)
+            if agreement.check(session.store, rank, world):  # else another rank raises: write nothing
+                writer = _write(folder, layout, writes, progress)
         except Exception as e:
             error = e
         _agree(session, error, "writing", folder if rank == 0 else None)
@@ -297,6 +297,26 @@ def _on_root(mesh: Any, placements: tuple) -> tuple[Any, tuple]:
     for name, p in zip(names, placements):
         out[root_names.index(name)] = p
     return root, tuple(out)
+
+
+def _with_values_in_memory(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a copy with its conjugate or negative bit resolved where ``save_pretrained`` writes the
+    resolved values (a non-contiguous view: its ``.contiguous()`` copy resolves them).
+
+    Raises:
+        ValueError: a contiguous tensor with the conjugate or negative bit: ``save_pretrained`` (safetensors) would
+            write its memory, which holds other values than the tensor (the unconjugated or unnegated ones).
+    """
+    if not (t.is_conj() or t.is_neg()):
+        return t
+    if t.is_contiguous():
+        bit, fix = ("conjugate", "resolve_conj") if t.is_conj() else ("negative", "resolve_neg")
+        raise ValueError(
+            f"model tensor {name!r} has its {bit} bit set (a lazy view): its memory holds other values than the "
+            f"tensor, and save_pretrained would write that memory; resolve it first (param.data = "
+            f"param.data.{fix}()) to save its values"
+        )
+    return t.resolve_conj().resolve_neg()
 
 
 def _box_view(t: torch.Tensor, box: Box) -> torch.Tensor:

@@ -11,12 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+#: binary units, as transformers' ``convert_file_size_to_int`` reads them
+BINARY_UNITS = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10}
+
+#: the header entry safetensors reserves for the file's metadata: no tensor can have this name
+METADATA_KEY = "__metadata__"
 
 #: safetensors' dtype names.
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -37,22 +43,47 @@ _DTYPE_RANK = {name: i for i, name in enumerate(_ENUM_ORDER.split())}
 
 
 def parse_size(size: int | str) -> int:
-    """``max_shard_size`` in bytes: an int, or digits and a unit as ``huggingface_hub`` reads them (``"5GB"``
-    is 5 * 10**9 bytes; units KB, MB, GB, TB).
+    """``max_shard_size`` in bytes: a positive int, or a number and a unit as ``save_pretrained`` reads it
+    (``huggingface_hub``'s rule: ``"5GB"`` is 5 * 10**9 bytes, ``"1.5MB"`` 1 500 000; units KB, MB, GB, TB in
+    any case), or a binary unit as transformers' ``convert_file_size_to_int`` reads it (``"10GiB"``: 10 * 2**30).
 
     Raises:
-        ValueError: an unknown unit or an unreadable number.
+        ValueError: anything else — None, a float, a bool, no or an unknown unit, a number that is not finite
+            (``"infGB"``, ``"1e400GB"``), or a size under one byte — naming the argument and its value.
     """
-    if isinstance(size, int):
-        return size
+    if isinstance(size, str):
+        return _parse_size_text(size)
+    if isinstance(size, bool) or not hasattr(size, "__index__"):  # an int, or a numpy integer
+        raise _size_error(size, f"a {type(size).__name__}, not an int or a str")
+    value = operator.index(size)
+    if value < 1:
+        raise _size_error(size, "a file holds at least one byte")
+    return value
+
+
+def _parse_size_text(size: str) -> int:
     text = size.strip()
-    unit = text[-2:].upper()
-    if unit not in SIZE_UNITS:
-        raise ValueError(f"unit {unit!r} not supported in max_shard_size {size!r}: use TB, GB, MB or KB")
+    units = {**BINARY_UNITS, **SIZE_UNITS}
+    unit = next((u for u in BINARY_UNITS if text.upper().endswith(u)), text[-2:].upper())
+    if unit not in units:
+        raise _size_error(size, f"no known unit ({text[-len(unit) :]!r})")
+    number = text[: -len(unit)].strip()
     try:
-        return int(float(text[:-2].strip()) * SIZE_UNITS[unit])
-    except ValueError as e:
-        raise ValueError(f"could not read the size value of max_shard_size {size!r}: {e}") from e
+        value = float(number) * units[unit]  # huggingface_hub's arithmetic: the same split as save_pretrained
+    except ValueError:
+        raise _size_error(size, f"{number!r} is not a number") from None
+    if not math.isfinite(value):
+        raise _size_error(size, "not a finite number of bytes")
+    if int(value) < 1:
+        raise _size_error(size, "a file holds at least one byte")
+    return int(value)
+
+
+def _size_error(size: object, why: str) -> ValueError:
+    return ValueError(
+        f"max_shard_size={size!r} is not a file size ({why}): give an int number of bytes or a number with a "
+        'unit ("5GB", "500MB", "10GiB"; units KB, MB, GB, TB, KiB, MiB, GiB, TiB)'
+    )
 
 
 @dataclass(frozen=True)
@@ -235,11 +266,18 @@ def plan_layout(
         filename_pattern: file names, ``{suffix}`` replaced by ``""`` or ``"-0000i-of-0000n"``.
 
     Raises:
-        ValueError: no tensors, a duplicate key, an unknown dtype, or a bad ``max_shard_size``.
+        ValueError: no tensors, a duplicate key, the key ``__metadata__``, an unknown dtype, or a bad
+            ``max_shard_size``.
     """
     specs = list(specs)
     if not specs:
         raise ValueError("nothing to save: no tensors")
+    if any(s.key == METADATA_KEY for s in specs):
+        raise ValueError(
+            f"checkpoint key {METADATA_KEY!r} is the header entry safetensors reserves for the file's metadata: a "
+            "file holding a tensor of that name cannot be read back; rename the tensor (or map it to another "
+            "checkpoint key with the rules)"
+        )
     by_key = {s.key: s for s in specs}
     if len(by_key) != len(specs):
         seen: set[str] = set()
