@@ -80,8 +80,9 @@ def _folder_files(root: str) -> list[str]:
     if shards:  # a sharded save whose index is missing: some shards may be missing or of another save too
         raise err(
             root,
-            f"holds sharded weight files ({shards[0]}, … {len(shards)} in all) but no {INDEX_NAME}: an incomplete "
-            "or interrupted save? (from_pretrained refuses it too; the index says which file holds which tensor)",
+            f"holds sharded weight files ({', '.join(shards[:3])}{', …' if len(shards) > 3 else ''}: {len(shards)} "
+            f"in all) but no {INDEX_NAME}: an incomplete or interrupted save? (from_pretrained refuses it too; the "
+            "index says which file holds which tensor)",
         )
     if not files:
         raise err(root, "folder holds no .safetensors files")
