@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import os
 import shutil
 import tempfile
@@ -14,7 +12,6 @@ from typing import Any
 import torch
 
 import regiontrace as rt
-from regiontrace.execute import materialize
 
 from .common import (
     CLIError,
@@ -92,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     )
     @given(seed=st.integers(0, 2**31 - 1), data=st.data())
     def converter_is_exact(seed: int, data: Any) -> None:
-        traced = assert_converter_exact(call, boxes=args.boxes, seed=seed, **specs)
+        traced = assert_converter_exact(call, specs, boxes=args.boxes, seed=seed)
         # one more box per output, drawn by hypothesis so that a failure shrinks to the smallest box
         gen = torch.Generator().manual_seed(seed + 1)
         sources = {n: random_tensor(s, d, gen) for n, (s, d) in specs.items()}
@@ -115,9 +112,10 @@ def run(args: argparse.Namespace) -> int:
         converter_is_exact()
     except (AssertionError, rt.Untraceable, rt.TraceMismatch) as e:
         _report_counterexample(e)
-        where = first_difference(call, specs)
-        if where:
-            print(f"  first difference: {where}")
+        if "first difference:" not in str(e):  # e.g. a box's blocks differ: say where whole outputs differ
+            where = whole_output_difference(call, specs)
+            if where:
+                print(f"  {where}")
         return 1
     finally:
         if set_home is not None:
@@ -133,11 +131,13 @@ def _report_counterexample(e: BaseException) -> None:
     for note in notes:
         for line in note.splitlines():
             print(f"  {line}")
-    message = str(e) or "(no message)"
-    print(f"  {type(e).__name__}: {message}")
+    first, *more = (str(e) or "(no message)").splitlines()
+    print(f"  {type(e).__name__}: {first}")
     frame = _user_frame(e)
     if frame:
         print(f"  raised at {frame}")
+    for line in more:  # the kit's "first difference: ..."
+        print(f"  {line}")
 
 
 def _user_frame(e: BaseException) -> str:
@@ -152,56 +152,15 @@ def _user_frame(e: BaseException) -> str:
     return ""
 
 
-def first_difference(call: Any, specs: dict) -> str:
-    """Where the traced map and a real run first disagree, in words (``""`` when it cannot tell).
+def whole_output_difference(call: Any, specs: dict) -> str:
+    """``first difference: ...``: where the traced map and a real run first disagree on whole outputs, in the
+    words of :func:`regiontrace.testing.assert_converter_exact` (``""`` when they agree or it cannot tell)."""
+    from regiontrace.testing import assert_converter_exact
 
-    Runs the function on unique int64 codes per source element (when it has no value casts), so that the
-    real result names the source element it holds; otherwise compares values of random data.
-    """
-    from regiontrace.testing import code_tensors, random_tensor
-    from regiontrace.testing.checks import _has_casts, _tensors
-
-    names = list(specs)
     try:
-        code_specs = {n: (s, torch.int64) for n, (s, _) in specs.items()}
-        traced = rt.trace(call, **{n: rt.RegionTensor.leaf(n, s, d) for n, (s, d) in code_specs.items()})
-        use_codes = not _has_casts(traced)
-        if use_codes:
-            data = code_tensors(code_specs)
-        else:
-            traced = rt.trace(call, **{n: rt.RegionTensor.leaf(n, s, d) for n, (s, d) in specs.items()})
-            gen = torch.Generator().manual_seed(0)
-            data = {n: random_tensor(s, d, gen) for n, (s, d) in specs.items()}
-        real = _tensors(call(**{n: t.clone() for n, t in data.items()}))
-        for i, (t, r) in enumerate(zip(_tensors(traced), real)):
-            if tuple(t.shape) != tuple(r.shape):
-                return f"output {i}: traced shape {tuple(t.shape)}, real shape {tuple(r.shape)}"
-            got = materialize(t, data)
-            for idx in itertools.product(*(range(n) for n in t.shape)):
-                a, b = got[idx], r[idx]
-                if not torch.equal(a, b):
-                    where = f"output {i}[{', '.join(map(str, idx))}]"
-                    if use_codes:
-                        return (
-                            f"{where}: the trace reads {_decode(int(a), names, specs)}, "
-                            f"the real run holds {_decode(int(b), names, specs)}"
-                        )
-                    return f"{where}: traced {a.item()!r}, real {b.item()!r}"
+        assert_converter_exact(call, specs, boxes=0)
+    except AssertionError as e:
+        return next((line for line in str(e).splitlines() if line.startswith("first difference: ")), "")
     except Exception:
         return ""
     return ""
-
-
-def _decode(code: int, names: list, specs: dict) -> str:
-    sid, flat = divmod(code, 2**40)
-    if not 1 <= sid <= len(names):
-        return f"the value {code}"
-    name = names[sid - 1]
-    shape = specs[name][0]
-    if flat >= math.prod(shape):
-        return f"the value {code}"
-    idx = []
-    for n in reversed(shape):
-        idx.append(flat % n)
-        flat //= n
-    return f"{name}[{', '.join(map(str, reversed(idx)))}]"

@@ -6,7 +6,10 @@ unique integer codes per source element (the *code oracle*) wherever the functio
 
     from regiontrace.testing import assert_converter_exact
     bf16 = torch.bfloat16
-    assert_converter_exact(lambda q, k: torch.cat([q, k]), q=((8, 4), bf16), k=((8, 4), bf16))
+    assert_converter_exact(lambda q, k: torch.cat([q, k]), {"q": ((8, 4), bf16), "k": ((8, 4), bf16)})
+
+Pass the converter's inputs as one mapping (any argument name, a list of specs for a list of tensors) or as
+keywords; ``reference=`` checks the converter against an independent implementation.
 
 The strategies (:func:`programs`, :func:`value_programs`, :func:`boxes`) generate random programs of movement
 ops (and, for :func:`value_programs`, pointwise ops) for property tests.
@@ -24,6 +27,7 @@ from .checks import (
     random_tensor,
     same_values,
 )
+from .difference import first_difference
 from .strategies import VALUE_OPS, Op, Program, boxes, leaves, programs, value_programs
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "check_partition",
     "check_values",
     "code_tensors",
+    "first_difference",
     "leaves",
     "programs",
     "random_box",
