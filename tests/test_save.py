@@ -12,6 +12,7 @@ import os
 import resource
 import signal
 
+import numpy as np
 import pytest
 import torch
 from hf_models import FAMILIES, build, read_checkpoint
@@ -25,7 +26,7 @@ import regiontrace as rt
 from loader import Convert, Rename, SafetensorsCheckpoint, SaveReport, load_hf_checkpoint, save_hf_checkpoint
 from loader.rules import dot_natural_key
 from loader.save import TensorSpec, map_for_save, plan_layout, plan_rank_writes
-from loader.save.layout import header_bytes, split_into_files
+from loader.save.layout import header_bytes, parse_size, split_into_files
 from loader.save.write import RegionWriter, create_files
 from regiontrace.testing import programs, random_tensor
 
@@ -315,3 +316,103 @@ def test_random_bijections_write_their_sources_back(tmp_path_factory, program, s
     written = load_file(folder / layout.files[0].name)
     for name, t in sources.items():
         assert torch.equal(bits(written[name]), bits(t)), (program, name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs save_pretrained would write wrong or not at all: a clear ValueError, and nothing on disk
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+
+ONE_BYTE = "a file holds at least one byte"
+
+
+@pytest.mark.parametrize(
+    ("size", "why"),
+    [
+        ("infGB", "not a finite number of bytes"), ("1e400GB", "not a finite number of bytes"),
+        ("1e300GB", "not a finite number of bytes"), ("nanGB", "not a finite number of bytes"),
+        (None, "a NoneType, not an int or a str"), (1e9, "a float, not an int or a str"),
+        (True, "a bool, not an int or a str"), (-5, ONE_BYTE), (0, ONE_BYTE), ("-1GB", ONE_BYTE),
+        ("0.0001KB", ONE_BYTE), ("garbage", "no known unit ('ge')"),
+        ("5XB", "no known unit ('XB')"), ("5", "no known unit ('5')"), ("GB", "'' is not a number"),
+        ("five GB", "'five' is not a number"),
+    ],
+)  # fmt: skip
+def test_a_bad_max_shard_size_is_a_value_error_before_anything_is_written(tmp_path, size, why):
+    with pytest.raises(ValueError) as err:
+        save_hf_checkpoint(Tiny(), tmp_path / "out", max_shard_size=size, progress=False)
+    assert str(err.value).startswith(f"max_shard_size={size!r} is not a file size ({why})"), str(err.value)
+    assert os.listdir(tmp_path) == []  # no folder, no temporary folder
+
+
+def test_max_shard_size_reads_like_save_pretrained_and_binary_units(tmp_path):
+    """Decimal units as huggingface_hub reads them for save_pretrained (its float arithmetic: the same split),
+    binary units as transformers' convert_file_size_to_int; files equal save_pretrained's with the byte count."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+    from transformers.utils.hub import convert_file_size_to_int
+
+    for text in ["5GB", "500MB", "1.5KB", "1.001MB", " 5 gb ", "20kb", "1e3KB", "2TB"]:
+        assert parse_size(text) == parse_size_to_int(text), text
+    for text in ["10GiB", "3MiB", "20KiB", "2kib"]:
+        assert parse_size(text) == convert_file_size_to_int(text), text
+    assert parse_size("1TiB") == 2**40 and parse_size(np.int64(4096)) == 4096 and parse_size(1) == 1
+
+    _, model = build("llama")
+    report = save_hf_checkpoint(model, tmp_path / "ours", max_shard_size="20KiB", progress=False)
+    model.save_pretrained(tmp_path / "theirs", max_shard_size=20 * 1024)
+    assert len(report.files) > 2 and folder_bytes(tmp_path / "ours") == folder_bytes(tmp_path / "theirs")
+
+
+@pytest.mark.parametrize("kind", ["parameter", "buffer"])
+def test_a_tensor_named_metadata_is_refused_before_anything_is_written(tmp_path, kind):
+    """safetensors keeps its header metadata under ``__metadata__``: a tensor of that name makes a file it cannot
+    read (as save_file itself writes it)."""
+    model = Tiny()
+    value = torch.ones(2)
+    if kind == "parameter":
+        model.register_parameter("__metadata__", nn.Parameter(value))
+    else:
+        model.register_buffer("__metadata__", value)
+    with pytest.raises(ValueError, match=r"checkpoint key '__metadata__' is the header entry safetensors reserves"):
+        save_hf_checkpoint(model, tmp_path / "out", progress=False)
+    assert os.listdir(tmp_path) == []
+    save_file({"__metadata__": value}, tmp_path / "raw.safetensors")  # why: the file safetensors writes
+    with pytest.raises(Exception, match="header"):
+        load_file(tmp_path / "raw.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("make", "bit", "fix"),
+    [
+        (lambda: torch.randn(5, dtype=torch.complex64).conj(), "conjugate", "resolve_conj"),
+        (lambda: torch._neg_view(torch.randn(5)), "negative", "resolve_neg"),
+    ],
+)
+def test_a_contiguous_conj_or_neg_view_is_refused(tmp_path, make, bit, fix):
+    """Its memory holds the unconjugated (unnegated) values, and save_pretrained writes that memory: refused."""
+    _, model = build("llama")
+    model.register_buffer("lazy", make())
+    model.save_pretrained(tmp_path / "theirs")
+    assert not torch.equal(load_file(tmp_path / "theirs" / "model.safetensors")["lazy"], model.lazy)  # why
+    with pytest.raises(ValueError) as err:
+        save_hf_checkpoint(model, tmp_path / "ours", progress=False)
+    assert f"model tensor 'lazy' has its {bit} bit set" in str(err.value) and f".{fix}()" in str(err.value)
+    assert sorted(os.listdir(tmp_path)) == ["theirs"]
+
+
+def test_a_strided_conj_or_neg_view_saves_its_values_as_save_pretrained_does(tmp_path):
+    """A non-contiguous conj / neg view: save_pretrained's .contiguous() resolves it; the same bytes here."""
+    _, model = build("llama")
+    model.register_buffer("conj_t", torch.randn(3, 5, dtype=torch.complex64).conj().t())
+    model.register_buffer("neg_imag", torch.randn(6, dtype=torch.complex64).conj().imag)
+    assert model.conj_t.is_conj() and model.neg_imag.is_neg() and not model.conj_t.is_contiguous()
+    save_hf_checkpoint(model, tmp_path / "ours", progress=False)
+    model.save_pretrained(tmp_path / "theirs")
+    assert folder_bytes(tmp_path / "ours") == folder_bytes(tmp_path / "theirs")
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
+    assert torch.equal(saved["conj_t"], model.conj_t.resolve_conj()) and torch.equal(saved["neg_imag"], model.neg_imag)
