@@ -220,6 +220,87 @@ def test_without_huggingface_hub_a_repo_id_is_a_clear_error(tmp_path: Path):
     assert r.stdout.startswith("CheckpointNotFoundError") and "pip install huggingface_hub" in r.stdout
 
 
+# ----------------------------------------------------------------------------------------------- hostile revisions
+
+
+def evil_folder(tmp_path: Path) -> Path:
+    """A checkpoint outside the cache (model(2)): what a traversal would load."""
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "model.safetensors").write_bytes(save(model(2).state_dict()))
+    return evil
+
+
+@pytest.mark.parametrize(
+    ("revision", "why"),
+    [
+        ("../../../evil_ref", "has a '..' component"),
+        ("main/../../../../evil_ref", "has a '..' component"),
+        ("..", "has a '..' component"),
+        ("/tmp/evil_ref", "is an absolute path"),
+        ("..\\..\\evil_ref", "holds a backslash"),
+        ("ma\0in", "holds a NUL byte"),
+    ],
+)
+def test_a_revision_that_leaves_refs_is_refused(cache: Path, tmp_path: Path, revision: str, why: str):
+    """``huggingface_hub`` reads ``refs/<revision>`` as a path: ``../../../evil_ref`` reads a file of the
+    attacker's, whose content leads to a folder outside the cache, which then loaded. Refused before any read."""
+    evil_folder(tmp_path)
+    (tmp_path / "evil_ref").write_text("../../../evil")  # refs/../../../evil_ref; snapshots/../../../evil
+    net = model(7)
+    with pytest.raises(CheckpointError, match="revision=.* " + why.replace("(", r"\(")) as info:
+        load_hf_checkpoint(net, REPO, revision=revision, progress=False)
+    assert f"revision={revision!r}" in str(info.value)
+    assert not isinstance(info.value, FileNotFoundError)
+    assert_loaded(net, 7)  # untouched
+    with pytest.raises(CheckpointError, match=why):
+        resolve_checkpoint(REPO, revision=revision)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "../../../evil",
+        "../../../evil\n",
+        "/abs/evil",
+        "A" * 40,
+        "a" * 39,
+        "",
+        pytest.param("x" * 5000, id="5000-bytes"),
+    ],
+)
+def test_a_cached_ref_that_is_not_a_commit_hash_is_refused(cache: Path, tmp_path: Path, content: str):
+    """A ``refs/main`` holding a path led ``huggingface_hub`` to ``snapshots/<path>``: a folder outside the cache."""
+    evil_folder(tmp_path)
+    (repo_folder(cache, REPO) / "refs" / "main").write_text(content)
+    net = model(7)
+    with pytest.raises(CheckpointError, match="the ref of revision 'main' holds .*, not a 40-hex commit hash") as info:
+        load_hf_checkpoint(net, REPO, progress=False)
+    assert info.value.path == str(repo_folder(cache, REPO) / "refs" / "main")
+    assert_loaded(net, 7)
+
+
+def test_a_ref_hash_with_a_trailing_newline_is_accepted(cache: Path):
+    """A ref's content is stripped of whitespace (an editor's newline) before it is checked and used."""
+    (repo_folder(cache, REPO) / "refs" / "v1").write_text(f"  {OLD}\n")
+    net = model(7)
+    load_hf_checkpoint(net, REPO, revision="v1", progress=False)
+    assert_loaded(net, 1)
+
+
+def test_a_snapshot_folder_linked_out_of_the_cache_is_refused(cache: Path, tmp_path: Path):
+    """``snapshots/<commit>`` itself a symlink to a folder elsewhere: the snapshot must lie in ``snapshots/``."""
+    evil = evil_folder(tmp_path)
+    commit = "c" * 40
+    os.symlink(evil, repo_folder(cache, REPO) / "snapshots" / commit)
+    (repo_folder(cache, REPO) / "refs" / "evil").write_text(commit)
+    for revision in ("evil", commit):
+        net = model(7)
+        with pytest.raises(CheckpointError, match=f"resolves to {evil}, outside the repo's snapshots folder"):
+            load_hf_checkpoint(net, REPO, revision=revision, progress=False)
+        assert_loaded(net, 7)
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 
 
