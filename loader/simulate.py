@@ -23,6 +23,9 @@ from .planner import HFLoadPlanner
 from .rules import Conversion
 from .rules.fp8 import weight_of_scale
 
+#: the endings of the scale names :func:`~loader.rules.fp8.weight_of_scale` knows (a cheap test before it)
+_SCALE_ENDINGS = ("_scale_inv", ".scale", ".qscale_weight")
+
 
 @dataclass(frozen=True)
 class RankFigures:
@@ -202,7 +205,10 @@ def rank_figures(
     for conv in plan.conversions:
         item = itemsizes.get(id(conv))
         if item is None or item[0] is not conv:  # once per conversion, not per rank
-            values = [k for k in conv.sources if weight_of_scale(k) not in conv.sources] or conv.sources  # FP8: codes
+            named = [k for k in conv.sources if k.endswith(_SCALE_ENDINGS)]
+            sources = set(conv.sources) if named else set()
+            scales = {k for k in named if weight_of_scale(k) in sources}
+            values = [k for k in conv.sources if k not in scales] or conv.sources  # FP8: the codes, not their scales
             item = itemsizes[id(conv)] = (conv, max(checkpoint[k].itemsize for k in values))
         shard_bytes += sum(slots[t].local_numel for t in conv.targets) * item[1]
     blocks = plan.block_reads()
