@@ -23,7 +23,7 @@ from loader.checkpoint import (
     read_ranges,
     read_tensor,
 )
-from loader.errors import CheckpointError
+from loader.errors import CheckpointError, CheckpointNotFoundError
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -323,8 +323,30 @@ def test_duplicate_key_across_files(tmp_path: Path):
     expect_error(str(tmp_path), "key 'k' in both a.safetensors and b.safetensors", "b.safetensors")
 
 
-def test_empty_folder(tmp_path: Path):
-    expect_error(str(tmp_path), str(tmp_path), "no .safetensors")
+@pytest.mark.parametrize("kind", ["empty folder", "no safetensors", "missing path"])
+def test_no_checkpoint_is_checkpoint_not_found(tmp_path: Path, kind: str):
+    """An empty folder, a folder without ``.safetensors`` files and a missing path are all
+    :class:`CheckpointNotFoundError`: a :class:`FileNotFoundError` (as the peers raise) and a CheckpointError;
+    the load leaves the model untouched."""
+    from torch import nn
+
+    from loader import load_hf_checkpoint
+
+    path = tmp_path / "ckpt"
+    if kind != "missing path":
+        path.mkdir()
+    if kind == "no safetensors":
+        (path / "config.json").write_text("{}")
+        torch.save({"w": torch.ones(2)}, path / "pytorch_model.bin")
+        (path / "model.safetensors.bak").write_bytes(b"")
+    err = expect_error(str(path), str(path), "no such file or folder" if kind == "missing path" else "no .safetensors")
+    assert isinstance(err, CheckpointNotFoundError) and isinstance(err, FileNotFoundError)
+    assert err.path == str(path)
+    model = nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointNotFoundError, match=str(path)):
+        load_hf_checkpoint(model, str(path), progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 # ----------------------------------------------------------------------------------------------- bad index

@@ -12,6 +12,7 @@ import re
 import warnings
 from collections.abc import Iterator, KeysView, Mapping, Sequence
 
+from ..errors import CheckpointNotFoundError
 from .header import FileIdentity, TensorInfo, read_header_file
 from .hub import resolve_checkpoint
 from .untrusted import err, read_json_file
@@ -84,8 +85,8 @@ def _folder_files(root: str) -> list[str]:
             f"in all) but no {INDEX_NAME}: an incomplete or interrupted save? (from_pretrained refuses it too; the "
             "index says which file holds which tensor)",
         )
-    if not files:
-        raise err(root, "folder holds no .safetensors files")
+    if not files:  # FileNotFoundError as well, as from_pretrained and load_file raise
+        raise CheckpointNotFoundError(f"{root}: folder holds no .safetensors files", path=root)
     return files
 
 
@@ -143,8 +144,8 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
             The opened checkpoint.
 
         Raises:
-            CheckpointNotFoundError: ``path`` is not a file, a folder or a repo id that could be resolved
-                (also a :class:`FileNotFoundError`).
+            CheckpointNotFoundError: ``path`` is not a file, a folder or a repo id that could be resolved, or
+                is a folder without ``.safetensors`` files (also a :class:`FileNotFoundError`).
             CheckpointError: A file or the index is malformed, not a regular file, names missing files or
                 keys, escapes the folder, or two files hold the same key; a folder holds shards but no index.
         """
