@@ -59,7 +59,7 @@ class Worker:
         return json.loads(line)
 
     def start(self, seed: int, out: Path, control: Path, hook: str = "none", at: int | str = -1, **kw) -> int:
-        control.mkdir(exist_ok=True)
+        control.mkdir(parents=True, exist_ok=True)
         cmd = dict(seed=seed, out=str(out), shard=SHARDS[seed], control=str(control), hook=hook, at=at, **kw)
         return self.ask(op="start", **cmd)["pid"]
 
