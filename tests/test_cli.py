@@ -184,6 +184,30 @@ def test_demo_timeout_bounds_the_whole_command(tmp_path):
     assert "OK:" not in r.stdout
 
 
+def test_demo_removes_its_temporary_folder_unless_keep(tmp_path):
+    """Without --out the demo works in a `regiontrace-demo-*` folder of the temporary directory: removed at the end,
+    after a success or a failure, unless --keep, which says where it is (here TMPDIR is the test's own)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp_path))
+
+    def demo(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "loader", "demo", "--world-size", "1", *args]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+    def left() -> list[pathlib.Path]:
+        return sorted(tmp_path.glob("regiontrace-demo-*"))
+
+    r = demo("--model", "builtin")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("output: ")]
+    assert line.startswith(f"output: {tmp_path}/regiontrace-demo-") and "removed at exit: --keep keeps it" in line
+    assert left() == []
+    r = demo("--timeout", "0.5")  # a failure, too, leaves nothing
+    assert r.returncode == 1 and "gave up after 0.5 s" in r.stderr and left() == [], r.stderr
+    r = demo("--timeout", "0.5", "--keep")
+    (kept,) = left()
+    assert r.returncode == 1 and r.stderr.strip().endswith(f"(output kept in {kept})"), r.stderr
+
+
 def test_every_command_has_help():
     script = textwrap.dedent("""
         import contextlib, io

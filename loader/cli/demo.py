@@ -57,7 +57,10 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help=HELP, description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--world-size", "-w", type=int, metavar="N", help="ranks to spawn (default 4, or the mesh's)")
     p.add_argument("--mesh", metavar="AxB", help="mesh shape (default: 1-D of the world size)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default: a new temporary folder, kept)")
+    p.add_argument(
+        "--out", metavar="DIR", help="output folder, kept (default: a new temporary folder, removed at the end)"
+    )
+    p.add_argument("--keep", action="store_true", help="keep the temporary output folder (and print where it is)")
     p.add_argument(
         "--model",
         choices=("auto", "transformers", "builtin"),
@@ -74,11 +77,21 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise CLIError(f"--world-size must be at least 1, not {args.world_size}")
     deadline = Deadline(args.timeout)
+    temporary = None if args.out else tempfile.mkdtemp(prefix="regiontrace-demo-")
+    kept = f" (output kept in {temporary})" if temporary and args.keep else ""
     try:
         with deadline:
-            return _run(args, deadline)
+            return _run(args, deadline, temporary)
     except TimedOut:
-        raise CLIError(f"gave up after {args.timeout:g} s (--timeout) while {deadline.stage}", status=1) from None
+        message = f"gave up after {args.timeout:g} s (--timeout) while {deadline.stage}{kept}"
+        raise CLIError(message, status=1) from None
+    except CLIError as e:
+        if kept:
+            raise CLIError(f"{e}{kept}", e.status) from e
+        raise
+    finally:
+        if temporary and not args.keep:  # whatever happened: leave nothing in the temporary directory
+            shutil.rmtree(temporary, ignore_errors=True)
 
 
 class TimedOut(BaseException):
@@ -127,7 +140,8 @@ class Deadline:
         raise TimedOut
 
 
-def _run(args: argparse.Namespace, deadline: Deadline) -> int:
+def _run(args: argparse.Namespace, deadline: Deadline, temporary: str | None) -> int:
+    """The demo, into ``args.out`` or the ``temporary`` folder (removed by the caller unless ``--keep``)."""
     t0 = time.time()
     deadline.enter("starting the fork server")
     _start_fork_server()
@@ -142,7 +156,7 @@ def _run(args: argparse.Namespace, deadline: Deadline) -> int:
         kind = "transformers" if have_transformers() else "builtin"
     elif kind == "transformers" and not have_transformers():
         raise CLIError("--model transformers needs transformers: pip install 'transformers>=5'")
-    out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="regiontrace-demo-"))
+    out = os.path.abspath(args.out or temporary)
     os.makedirs(out, exist_ok=True)
     work = os.path.join(out, ".work")
     shutil.rmtree(work, ignore_errors=True)
@@ -204,6 +218,8 @@ def _run(args: argparse.Namespace, deadline: Deadline) -> int:
         for p in procs.processes if procs is not None else ():
             if p.is_alive():
                 p.terminate()
+        for p in procs.processes if procs is not None else ():
+            p.join(timeout=10)  # stopped before the output folder is removed
     results = []
     for r in range(world):
         path = os.path.join(work, f"rank{r}.json")
@@ -217,7 +233,8 @@ def _run(args: argparse.Namespace, deadline: Deadline) -> int:
     # the built-in model's config.json is the demo's marker, not a config the save writes
     skip = () if kind == "transformers" else ("config.json",)
     compared = compare_checkpoints(checkpoint, saved, skip) if os.path.isdir(saved) else None
-    return _report(results, sim["figures"], writes, compared, ref_ok, ref_msg, svg, out, time.time() - t0)
+    kept = "" if args.out else "  (a temporary folder, kept: --keep)" if args.keep else None
+    return _report(results, sim["figures"], writes, compared, ref_ok, ref_msg, svg, out, kept, time.time() - t0)
 
 
 def _save_kwargs(kind: str, checkpoint: str) -> dict:
@@ -296,6 +313,7 @@ def _report(
     ref_msg: str,
     svg: str,
     out: str,
+    kept: str | None,
     seconds: float,
 ) -> int:
     sim = {f.rank: f for f in figures}
@@ -356,8 +374,11 @@ def _report(
         failures.append(f"the saved checkpoint differs from the original in {compared[1]}")
     else:
         print(f"saved checkpoint: {saved}: {', '.join(compared[0])} equal to the original's, byte for byte")
-    print(f"plan picture: {svg}")
-    print(f"output: {out}   ({seconds:.1f} s)")
+    if kept is None:
+        print(f"output: {out}  (a temporary folder, removed at exit: --keep keeps it)   ({seconds:.1f} s)")
+    else:
+        print(f"plan picture: {svg}")
+        print(f"output: {out}{kept}   ({seconds:.1f} s)")
     if failures:
         print()
         for msg in failures:
