@@ -13,7 +13,7 @@ from .checkpoint import FileReader, SafetensorsCheckpoint
 from .distributed import timeout_seconds
 from .execute import execute_plan
 from .load import load_distributed
-from .materialize import initialize_rest, materialize
+from .materialize import MetaAllocation, on_meta
 from .placements import rank_and_world
 from .plan import describe
 from .planner import HFLoadPlanner
@@ -60,8 +60,10 @@ def load_hf_checkpoint(
             ``planner.timeout`` when a ``planner`` is given.
         revision: the revision (branch, tag or commit) of a repo id ``path``; None: the default branch.
         device: where to materialise the tensors of ``model`` still on the meta device (a DTensor allocates
-            its local shard only) before loading; the tensors the checkpoint does not hold are then initialised
-            by the model's own init (a transformers model's ``initialize_weights``). None: a meta tensor is an error.
+            its local shard only), once the load is planned and validated; the tensors the checkpoint does not
+            hold are initialised as the model would (a transformers model's ``initialize_weights``, else
+            ``reset_parameters()`` of their module, else zeros) before anything is read. On any error the model is
+            left on the meta device. None: a meta tensor is an error.
         staging_bytes: bytes per host staging buffer reads land in (two are held: double-buffered; pinned when
             a target is on a GPU). None: ``planner.staging_bytes`` (64 MiB by default).
 
@@ -71,12 +73,11 @@ def load_hf_checkpoint(
     Raises:
         CheckpointError: a bad checkpoint file (names the file and tensor); nothing was written.
         ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``), or, with
-            ``device`` and ``strict``, a materialised tensor nothing loaded or initialised.
+            ``device`` and ``strict``, a meta tensor nothing loads or initialises (before anything is read).
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
     timeout_seconds(timeout)  # a bad timeout is refused in one process too
-    made = materialize(model, device) if device is not None else {}
     planner = planner or HFLoadPlanner(
         model,
         weights_mapping=weights_mapping,
@@ -90,25 +91,34 @@ def load_hf_checkpoint(
     if staging_bytes < 1:
         raise ValueError(f"staging_bytes must be at least 1, got {staging_bytes}")
     rank, world = rank_and_world()
-    if world > 1:
-        report = load_distributed(
-            planner,
-            path,
-            progress=progress,
-            rollback=rollback,
-            timeout=timeout,
-            revision=revision,
-            staging_bytes=staging_bytes,
-        )
-        initialize_rest(model, made, report.loaded_keys, strict=strict)
-        return report
-    plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision))
-    log.info(describe(plan))
-    with FileReader() as reader:
-        execute_plan(plan, reader, progress=progress, rollback=rollback, staging_bytes=staging_bytes)
-        bytes_read = reader.bytes_read
+    # a meta model is planned on meta and allocated (and initialised) only once its plan is valid; on any error
+    # after that its meta tensors are put back
+    allocate = None
+    if device is not None and on_meta(model):
+        allocate = MetaAllocation(model, device, strict=strict, slot_for=planner.target_slot)
+    try:
+        if world > 1:
+            return load_distributed(
+                planner,
+                path,
+                progress=progress,
+                rollback=rollback,
+                timeout=timeout,
+                revision=revision,
+                staging_bytes=staging_bytes,
+                allocate=allocate,
+            )
+        plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision), check_devices=allocate is None)
+        plan = allocate(plan) if allocate is not None else plan
+        log.info(describe(plan))
+        with FileReader() as reader:
+            execute_plan(plan, reader, progress=progress, rollback=rollback, staging_bytes=staging_bytes)
+            bytes_read = reader.bytes_read
+    except BaseException:
+        if allocate is not None:
+            allocate.undo()
+        raise
     plan.keyplan.record_on_model(model)
     report = load_report(plan, bytes_read, rank, world)
-    initialize_rest(model, made, report.loaded_keys, strict=strict)
     log.info("loaded %d tensors, read %d bytes", len(report.loaded_keys), bytes_read)
     return report

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .checkpoint import FileReader, SafetensorsCheckpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
@@ -114,6 +114,7 @@ def load_distributed(
     timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
     revision: str | None = None,
     staging_bytes: int | None = None,
+    allocate: Callable[[RankPlan], RankPlan] | None = None,
 ) -> LoadReport:
     """Plan on every rank, agree on the outcome, then read each rank's own byte ranges.
 
@@ -125,6 +126,10 @@ def load_distributed(
         timeout: seconds each rank waits for the others at the end of planning and of reading.
         revision: the revision of a repo id.
         staging_bytes: bytes per staging buffer (default: ``planner.staging_bytes``).
+        allocate: for a model on the meta device: the plan is made against its meta tensors, then
+            ``allocate(plan)`` allocates them and returns the plan bound to them (a
+            :class:`~loader.materialize.MetaAllocation`), before the outcome of planning is agreed; undoing it
+            when this raises is the caller's.
 
     Returns:
         This rank's :class:`~loader.LoadReport`.
@@ -138,7 +143,10 @@ def load_distributed(
         _resolve_on_rank_zero_first(session, path, revision)
         error = plan = None
         try:
-            plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision))
+            plan = planner.build_plan(
+                SafetensorsCheckpoint.open(path, revision=revision), check_devices=allocate is None
+            )
+            plan = allocate(plan) if allocate is not None else plan
         except Exception as e:  # agreed below: every rank raises, none hangs
             error = e
         session.agree(error, "planning")

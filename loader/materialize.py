@@ -1,22 +1,29 @@
-"""Models on the meta device: allocate their tensors before a load, initialise what the checkpoint lacks after it.
+"""Models on the meta device: plan against their meta tensors, allocate after, initialise what the checkpoint lacks.
 
-:func:`materialize` replaces every meta parameter/buffer, in place on its module, by an empty tensor on a device
-(a DTensor keeps its mesh and placements and allocates only its local shard; tied tensors stay one tensor).
-:func:`initialize_rest` then gives the tensors the load did not write their values the way the model would: a
-transformers ``PreTrainedModel`` runs its own ``initialize_weights`` (rotary ``inv_freq`` and the like), skipping
-what was loaded, as ``from_pretrained`` does for a meta-initialised model.
+:class:`MetaAllocation` is what ``load_hf_checkpoint(..., device=...)`` runs on a model with meta tensors once its
+plan is made (every header, mapping and strictness check passed): :func:`materialize` replaces every meta
+parameter/buffer, in place on its module, by a tensor on the device (a DTensor keeps its mesh and placements and
+allocates only its local shard; tied tensors stay one tensor), the plan's slots are bound to the new tensors, and
+:func:`initialize_rest` gives the tensors the checkpoint does not hold their values the way the model would,
+before anything is read. When the load fails after that, :meth:`MetaAllocation.undo` puts the meta tensors back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from .plan import RankPlan, TargetSlot
 from .plan.slots import storage_of
 
 log = logging.getLogger("loader")
+
+#: ``(table, name, tensor)``: a module's ``_parameters`` or ``_buffers`` entry as it was before :func:`materialize`
+Undo = list[tuple[dict, str, torch.Tensor]]
 
 
 def on_meta(model: torch.nn.Module) -> bool:
@@ -25,8 +32,15 @@ def on_meta(model: torch.nn.Module) -> bool:
     return any(storage_of(t).device.type == "meta" for t in tensors)
 
 
-def materialize(model: torch.nn.Module, device: str | torch.device) -> dict[str, torch.Tensor]:
+def materialize(
+    model: torch.nn.Module, device: str | torch.device, undo: Undo | None = None
+) -> dict[str, torch.Tensor]:
     """Replace each meta tensor of ``model`` by an uninitialised one on ``device``, in place.
+
+    Args:
+        model: the module.
+        device: where the new tensors are allocated.
+        undo: when given, each replaced entry is appended to it as it was (see :meth:`MetaAllocation.undo`).
 
     Returns:
         The new tensors by every name (parameters and all buffers, tied aliases included) that was on meta.
@@ -42,8 +56,54 @@ def materialize(model: torch.nn.Module, device: str | torch.device) -> dict[str,
                         continue
                     if id(t) not in done:
                         done[id(t)] = _empty_like(t, device)
+                    if undo is not None:
+                        undo.append((table, leaf, t))
                     table[leaf] = made[f"{prefix}.{leaf}" if prefix else leaf] = done[id(t)]
     return made
+
+
+class MetaAllocation:
+    """Allocates a meta model for a plan made against its meta tensors; puts the meta tensors back on failure.
+
+    Args:
+        model: the model, some of its tensors on the meta device.
+        device: where to allocate them.
+        strict: raise (before anything is read) when a tensor is neither loaded nor initialised by the model.
+        slot_for: the planner's :meth:`~loader.HFLoadPlanner.target_slot`, to bind the plan to the new tensors.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: str | torch.device,
+        *,
+        strict: bool,
+        slot_for: Callable[[str, torch.Tensor], TargetSlot],
+    ) -> None:
+        self.model, self.device, self.strict, self.slot_for = model, device, strict, slot_for
+        self._undo: Undo = []
+
+    def __call__(self, plan: RankPlan) -> RankPlan:
+        """Allocate the meta tensors, initialise those ``plan`` does not load; returns ``plan`` bound to them.
+
+        Raises:
+            ValueError: with ``strict``, naming each tensor nothing loads or initialises (nothing read yet).
+        """
+        made = materialize(self.model, self.device, self._undo)
+        slots = dict(plan.slots)
+        for name, t in made.items():
+            if name in slots:  # the plan's reads are compiled for the boxes of the meta tensor: the same ones
+                old, slots[name] = slots[name], self.slot_for(name, t)
+                if (slots[name].shape, slots[name].dtype, slots[name].boxes) != (old.shape, old.dtype, old.boxes):
+                    raise RuntimeError(f"target_slot gave {name!r} other boxes once allocated than on meta")
+        initialize_rest(self.model, made, plan.loaded_keys, strict=self.strict)
+        return dataclasses.replace(plan, slots=slots)
+
+    def undo(self) -> None:
+        """Put every meta tensor back where :meth:`__call__` replaced it (the model is as it was)."""
+        for table, leaf, t in reversed(self._undo):
+            table[leaf] = t
+        self._undo.clear()
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -70,43 +130,38 @@ def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def initialize_rest(
     model: torch.nn.Module, made: dict[str, torch.Tensor], loaded: Iterable[str], *, strict: bool
 ) -> tuple[str, ...]:
-    """Initialise the materialised tensors the load did not write, through the model's own init.
+    """Initialise the materialised tensors the load does not write, the way the model would.
+
+    Each is zeroed first, then: a transformers ``PreTrainedModel`` runs its ``initialize_weights`` (skipping every
+    other tensor, as ``from_pretrained`` does); what is still untouched gets ``reset_parameters()`` of the module
+    holding it, where defined (torch's convention for meta-device models; the module's other tensors are kept).
+    A tensor counts as initialised when an init wrote its memory (through any alias, ``.data`` included).
 
     Args:
-        model: the model :func:`materialize` was run on, now loaded.
+        model: the model :func:`materialize` was run on.
         made: what :func:`materialize` returned.
-        loaded: the names the load wrote (tied aliases included).
-        strict: raise when a parameter or buffer is left uninitialised.
+        loaded: the names the load writes (tied aliases included).
+        strict: raise when a tensor is left neither loaded nor initialised.
 
     Returns:
-        The names left uninitialised (with ``strict=False``; they are logged too).
+        The names left neither loaded nor initialised: zeros (with ``strict=False``; they are logged too).
 
     Raises:
-        ValueError: with ``strict``, naming each tensor nothing loaded or initialised.
+        ValueError: with ``strict``, naming each such tensor.
     """
     loaded = set(loaded)
     done = {id(t) for name, t in made.items() if name in loaded}
-    rest = {name: t for name, t in made.items() if id(t) not in done}
+    rest = {id(t): t for t in made.values() if id(t) not in done}
     if not rest:
         return ()
-    versions = {name: storage_of(t)._version for name, t in rest.items()}
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedModel = ()
-    if isinstance(model, PreTrainedModel):
-        flagged = list({id(t): t for t in made.values() if id(t) in done}.values())
-        for t in flagged:  # transformers' init functions skip these, as in from_pretrained
-            t._is_hf_initialized = True
-        try:
-            model.initialize_weights()
-        finally:
-            for t in flagged:
-                del t._is_hf_initialized
-            for mod in model.modules():
-                mod.__dict__.pop("_is_hf_initialized", None)
-    # an init writes in place, which bumps the version counter of the tensor it wrote
-    left = tuple(sorted(name for name, t in rest.items() if storage_of(t)._version == versions[name]))
+    with torch.no_grad():
+        for t in rest.values():
+            storage_of(t).zero_()
+    with _Writes() as writes:
+        if _is_transformers_model(model):
+            _transformers_init(model, rest)
+        _reset_parameters(model, rest, done, writes)
+    left = tuple(sorted(name for name, t in made.items() if id(t) in rest and not writes.wrote(t)))
     if left:
         shown = ", ".join(left[:8]) + (" …" if len(left) > 8 else "")
         message = (
@@ -114,6 +169,74 @@ def initialize_rest(
             f"model: {shown}"
         )
         if strict:
-            raise ValueError(message + " (pass strict=False to leave them uninitialised)")
-        log.warning(message)
+            raise ValueError(message + " (pass strict=False to load them as zeros)")
+        log.warning(message + "; they hold zeros")
     return left
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _transformers_init(model: torch.nn.Module, rest: dict[int, torch.Tensor]) -> None:
+    """``model.initialize_weights()`` with every tensor but ``rest`` flagged as initialised (as ``from_pretrained``
+    flags what it loaded); the flags it did not carry before are removed after."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in rest}
+    flagged = [t for t in tensors.values() if not hasattr(t, "_is_hf_initialized")]
+    modules = [m for m in model.modules() if "_is_hf_initialized" not in m.__dict__]
+    for t in flagged:
+        t._is_hf_initialized = True
+    try:
+        model.initialize_weights()
+    finally:
+        for t in flagged:
+            del t._is_hf_initialized
+        for m in modules:
+            m.__dict__.pop("_is_hf_initialized", None)
+
+
+def _reset_parameters(model: torch.nn.Module, rest: dict[int, torch.Tensor], loaded: set[int], writes: _Writes) -> None:
+    """``reset_parameters()`` of each module holding a ``rest`` tensor no init wrote yet; the module's tensors that
+    are neither such a tensor nor ``loaded`` (overwritten by the load anyway) keep their values."""
+    for mod in model.modules():
+        reset = getattr(mod, "reset_parameters", None)
+        own = [t for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None and id(t) in rest]
+        pending = {id(t) for t in own if not writes.wrote(t)}
+        if not callable(reset) or not pending:
+            continue
+        kept = {id(t): t for t in [*mod.parameters(), *mod.buffers()] if id(t) not in pending and id(t) not in loaded}
+        saved = [(storage_of(t), storage_of(t).clone()) for t in kept.values()]
+        with torch.no_grad():
+            reset()
+            for t, value in saved:
+                t.copy_(value)
+
+
+class _Writes(TorchDispatchMode):
+    """Records the memory every op writes (its mutated arguments: in-place, ``out=``), through any alias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        self.storages.add(_storage_ptr(t))
+        return func(*args, **kwargs)
+
+    def wrote(self, t: torch.Tensor) -> bool:
+        """Whether an op wrote the memory of ``t`` (a tensor without elements needs no init)."""
+        return storage_of(t).numel() == 0 or _storage_ptr(t) in self.storages
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return storage_of(t).untyped_storage().data_ptr()

@@ -201,13 +201,95 @@ def scenario_without_device(ctx: dict) -> dict:
     return {**outcome, "materialised": left}
 
 
-def scenario_killed_planning(ctx: dict) -> dict:
-    """A sharded meta llama loaded with ``device="cpu"``; rank 2 is SIGKILLed while planning (after its tensors
-    were materialised): the others raise PeerFailure (died). Last: the world ends with it."""
+def _meta_state(model: nn.Module, before: dict[str, torch.Tensor]) -> dict:
+    """What of ``model`` is no longer on meta, and which names no longer hold the very tensor of ``before``."""
+    after = _tensors(model)
+    return {
+        "not_meta": sorted(n for n, t in after.items() if storage_of(t).device.type != "meta"),
+        "replaced": sorted(n for n in before if after.get(n) is not before[n]),
+    }
+
+
+def scenario_strict_on_one_rank(ctx: dict) -> dict:
+    """Rank 1's planner maps no key to ``model.norm.weight``: a strict error on rank 1 alone, which every rank
+    raises; the other ranks had allocated their model (their ``target_slot`` saw allocated tensors) and put the
+    meta tensors back, so every rank's model is on meta again, the very tensors it had."""
     from loader import HFLoadPlanner, load_hf_checkpoint
 
     rank = dist.get_rank()
     model, _, _ = sharded_meta_model("llama", (4,), vocab_size=70)
+    before = _tensors(model)
+
+    class Dropping(HFLoadPlanner):
+        allocated = False
+
+        def map_checkpoint_key(self, key: str) -> str | None:
+            return None if rank == 1 and key == "model.norm.weight" else key
+
+        def target_slot(self, name, tensor):
+            self.allocated |= storage_of(tensor).device.type != "meta"
+            return super().target_slot(name, tensor)
+
+    planner = Dropping(model)
+    try:
+        load_hf_checkpoint(model, ctx["llama_path"], planner=planner, device="cpu", progress=False, timeout=60)
+        outcome = {"type": None}
+    except BaseException as e:
+        outcome = _describe(e)
+    return {**outcome, **_meta_state(model, before), "allocated": planner.allocated}
+
+
+def scenario_missing_initialised(ctx: dict) -> dict:
+    """``strict=False`` with the norms ``MISSING`` (sharded here) mapped from no key on every rank: the model's own
+    init gives them ones (written in place into each local shard), nothing is reported uninitialised, the rest
+    loads."""
+    import logging
+
+    from loader import HFLoadPlanner, load_hf_checkpoint
+
+    def placements_of(model: nn.Module, mesh_shape: tuple[int, ...]) -> dict:
+        return {**plan_placements(model, mesh_shape)[0], **{n: (Shard(0),) for n in MISSING}}
+
+    model, _, _ = sharded_meta_model("llama", (4,), placements_of, vocab_size=70)
+
+    class Dropping(HFLoadPlanner):
+        def map_checkpoint_key(self, key: str) -> str | None:
+            return None if key in MISSING else key
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("loader").addHandler(handler)
+    try:
+        report = load_hf_checkpoint(
+            model, ctx["llama_path"], planner=Dropping(model, strict=False), device="cpu", strict=False, progress=False
+        )
+    finally:
+        logging.getLogger("loader").removeHandler(handler)
+    sd = model.state_dict()
+    full = {n: sd[n].full_tensor() if isinstance(sd[n], DTensor) else sd[n] for n in sorted(sd)}  # collective
+    ref = torch.load(ctx["llama_ref"])["state"]
+    return {
+        "missing_keys": report.missing_keys,
+        "dtensors": sorted(n for n in MISSING if isinstance(sd[n], DTensor)),
+        "not_ones": sorted(n for n in MISSING if not torch.equal(full[n], torch.ones_like(full[n]))),
+        "bad_loaded": sorted(n for n in full if n not in MISSING and not torch.equal(full[n], ref[n])),
+        "warned": [r.getMessage() for r in records if "neither loaded nor initialised" in r.getMessage()],
+    }
+
+
+#: the norms scenario_missing_initialised loads from no key
+MISSING = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
+
+
+def scenario_killed_planning(ctx: dict) -> dict:
+    """A sharded meta llama loaded with ``device="cpu"``; rank 2 is SIGKILLed while planning: the others (which
+    had planned and allocated) raise PeerFailure (died), their model on meta again. Last: the world ends with it."""
+    from loader import HFLoadPlanner, load_hf_checkpoint
+
+    rank = dist.get_rank()
+    model, _, _ = sharded_meta_model("llama", (4,), vocab_size=70)
+    before = _tensors(model)
 
     class DyingPlanner(HFLoadPlanner):
         def map_checkpoint_key(self, key: str) -> str | None:
@@ -222,8 +304,7 @@ def scenario_killed_planning(ctx: dict) -> dict:
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)
-    left = sorted(n for n, t in _tensors(model).items() if storage_of(t).device.type != "cpu")
-    return {**outcome, "still_meta": left}
+    return {**outcome, **_meta_state(model, before)}
 
 
 # --- FP8 block-quantized checkpoints: dequantized on load, each rank reading its codes and their scale blocks
@@ -423,6 +504,8 @@ SCENARIOS = [
     ("fp8_weights", scenario_fp8_weights),
     ("fp8_broadcast", scenario_fp8_broadcast),
     ("without_device", scenario_without_device),
+    ("strict_on_one_rank", scenario_strict_on_one_rank),
+    ("missing_initialised", scenario_missing_initialised),
     ("killed_planning", scenario_killed_planning),  # last: rank 2 dies
 ]
 

@@ -257,8 +257,25 @@ def test_killed_rank_during_a_meta_load_is_reported_dead(world):
         assert res["ok"], res.get("error")
         assert res["type"] == "PeerFailure", (r, res)
         assert (res["stage"], res["ranks"], res["reason"]) == ("planning", (2,), "died"), (r, res)
-        assert res["still_meta"] == [], (r, res)  # materialised before planning
+        assert res["not_meta"] == [] and res["replaced"] == [], (r, res)  # allocated, then put back on meta
     assert "killed_planning" not in results[2]
+
+
+def test_a_strict_error_on_one_rank_leaves_every_ranks_model_on_meta(world):
+    _, results = world
+    for r, res in enumerate(ok(results, "strict_on_one_rank")):
+        assert res["type"] == "ValueError", (r, res)
+        assert "1 model tensor(s) are not in the checkpoint: model.norm.weight" in res["message"], (r, res)
+        assert res["not_meta"] == [] and res["replaced"] == [], (r, res)
+        assert res["allocated"] == (r != 1), (r, res)  # the others had allocated: put back
+
+
+def test_strict_false_initialises_missing_dtensors_through_the_models_init(world):
+    _, results = world
+    for r, res in enumerate(ok(results, "missing_initialised")):
+        assert sorted(res["missing_keys"]) == sorted(meta_worker.MISSING), (r, res)
+        assert res["dtensors"] == sorted(meta_worker.MISSING), (r, res)
+        assert res["not_ones"] == [] and res["bad_loaded"] == [] and res["warned"] == [], (r, res)
 
 
 def test_a_replicated_fp8_weight_is_dequantized_by_one_rank_and_broadcast(world):
