@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from regiontrace.execute import copy_cast, dest_view, source_view
 
-from .checkpoint import SafetensorsCheckpoint, TensorInfo
+from .checkpoint import FileIdentity, SafetensorsCheckpoint, TensorInfo
 from .execute import STAGING_BYTES, apply_deferred
 from .placements import rank_and_world, slot_for
 from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, plan_rank
@@ -413,15 +413,20 @@ def _box_shaped(view: torch.Tensor, box: tuple) -> torch.Tensor | None:
 
 
 def checkpoint_from_metadata(metadata: Metadata | None) -> SafetensorsCheckpoint:
-    """Checkpoint headers from DCP metadata: ours (SafetensorsReader) or torch's HF reader's."""
+    """Checkpoint headers from DCP metadata: ours (SafetensorsReader: with each file's identity as its header was
+    read, which the reads check) or torch's HF reader's."""
     if metadata is None:
         raise ValueError("no checkpoint metadata")
-    infos = {}
+    infos, identities = {}, {}
     for index, info in (metadata.storage_data or {}).items():
         if isinstance(info, TensorInfo):
             infos[index.fqn] = info
+        elif isinstance(info, FileIdentity):
+            identities[index.fqn] = info
     if infos:
-        return SafetensorsCheckpoint.from_infos(infos, root=getattr(metadata, "_root", "."))
+        checkpoint = SafetensorsCheckpoint.from_infos(infos, root=getattr(metadata, "_root", "."))
+        checkpoint.identities.update(identities)
+        return checkpoint
     for key, md in metadata.state_dict_metadata.items():
         shape = tuple(md.size)
         dtype = md.properties.dtype

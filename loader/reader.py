@@ -4,6 +4,11 @@ It validates every header at ``read_metadata`` (see :class:`~loader.checkpoint.S
 honours ``model.safetensors.index.json``, and reads byte ranges itself with ``os.pread``. With an
 :class:`~loader.planner.HFLoadPlanner` it executes the planner's RemapBlocks directly (any strided read);
 with any other planner it serves plain box reads.
+
+Each file's identity (device, inode, size, mtime, ctime), recorded when its header was read, travels in the
+metadata's ``storage_data`` (one :class:`~loader.checkpoint.FileIdentity` per file) to the reads, which check
+it when the file is opened and after its last read: a file replaced or rewritten since is a ``CheckpointError``
+naming it. With ``rollback=True`` a failed read restores every tensor it wrote.
 """
 
 from __future__ import annotations
@@ -26,13 +31,13 @@ from torch.futures import Future
 import regiontrace as rt
 from regiontrace.region import contiguous_strides
 
-from .checkpoint import FileReader, SafetensorsCheckpoint
-from .execute import BlockExecutor, execute_plan
+from .checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo
+from .execute import BlockExecutor, execute_plan, restore
 from .load import read_together
 from .placements import rank_and_world
 from .plan import BlockRead
 from .plan.slots import full_box, plain_slot
-from .planner import HFLoadPlanner
+from .planner import HFLoadPlanner, checkpoint_from_metadata
 
 
 class SafetensorsReader(StorageReader):
@@ -40,21 +45,26 @@ class SafetensorsReader(StorageReader):
 
     Args:
         path: the checkpoint file or folder.
+        rollback: when a read fails (a file truncated, replaced or rewritten since its header was read), restore
+            every model tensor this ``read_data`` wrote before raising (at the cost of a copy of them), as
+            ``load_hf_checkpoint(rollback=True)`` does; in a distributed load, when a read failed on any rank.
 
     Attributes:
         bytes_read: bytes this reader read from checkpoint files (this process).
     """
 
-    def __init__(self, path: str | os.PathLike | None = None) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, *, rollback: bool = False) -> None:
         super().__init__()
         self.path = None if path is None else os.fspath(path)
+        self.rollback = rollback
         self.checkpoint: SafetensorsCheckpoint | None = None
+        self._metadata: Metadata | None = None
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self.checkpoint = None
+        self.checkpoint = self._metadata = None
         self.bytes_read = 0
 
     @classmethod
@@ -75,12 +85,19 @@ class SafetensorsReader(StorageReader):
                 [ChunkStorageMetadata(zeros, torch.Size(info.shape))],
             )
             storage[MetadataIndex(key, zeros)] = info
+        for file, identity in self.checkpoint.identities.items():  # checked by the reads (see planner)
+            storage[MetadataIndex(file)] = identity
         md = Metadata(state_dict_metadata=sd_md, storage_data=storage)
         md._root = self.checkpoint.root  # type: ignore[attr-defined]
+        self._metadata = md
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self.checkpoint is None:
+        if metadata is not self._metadata and any(
+            isinstance(v, TensorInfo) for v in (metadata.storage_data or {}).values()
+        ):  # headers read elsewhere: read what they say, checked against the identities they recorded
+            self.checkpoint = checkpoint_from_metadata(metadata)
+        elif self.checkpoint is None:
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -91,43 +108,59 @@ class SafetensorsReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.checkpoint is not None
-        with FileReader() as reader:
-            if isinstance(planner, HFLoadPlanner):
-                _read_planned(plan, planner, reader)
-            else:
-                self._read_boxes(plan, planner, reader)
-            self.bytes_read += reader.bytes_read
+        with self._file_reader() as reader:
+            try:
+                if isinstance(planner, HFLoadPlanner):
+                    _read_planned(plan, planner, reader, self.rollback)
+                else:
+                    self._read_boxes(plan, planner, reader)
+            finally:
+                self.bytes_read += reader.bytes_read
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
+    def _file_reader(self) -> FileReader:
+        """The reader of one ``read_data``, told every file's identity (checked on open and after the last read)."""
+        assert self.checkpoint is not None
+        return FileReader(self.checkpoint.identities)
+
     def _read_boxes(self, plan: LoadPlan, planner: LoadPlanner, reader: FileReader) -> None:
-        for item in plan.items:
-            info = self.checkpoint[item.storage_index.fqn]
-            strides = contiguous_strides(info.shape)
-            offset = sum(o * s for o, s in zip(item.storage_offsets, strides))
-            lengths = tuple(item.lengths)
-            block = rt.RemapBlock(
-                info.key,
-                lengths,
-                offset,
-                strides,
-                (0,) * len(lengths),
-                tuple(range(len(lengths))),
-                (1,) * len(lengths),
-                tuple(info.shape),
-                info.dtype,
-            )
-            staged = torch.empty(lengths, dtype=info.dtype)
-            read = BlockRead("", full_box(lengths), block)
-            BlockExecutor(self.checkpoint, {"": plain_slot("", staged)}, reader).run([read])
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(staged)
-            planner.commit_tensor(item, target)
+        saved: dict[str, torch.Tensor] = {}  # rollback: each target's values before it was written
+        targets: dict[str, Any] = {}
+        try:
+            for i, item in enumerate(plan.items):
+                info = self.checkpoint[item.storage_index.fqn]
+                strides = contiguous_strides(info.shape)
+                offset = sum(o * s for o, s in zip(item.storage_offsets, strides))
+                lengths = tuple(item.lengths)
+                block = rt.RemapBlock(
+                    info.key,
+                    lengths,
+                    offset,
+                    strides,
+                    (0,) * len(lengths),
+                    tuple(range(len(lengths))),
+                    (1,) * len(lengths),
+                    tuple(info.shape),
+                    info.dtype,
+                )
+                staged = torch.empty(lengths, dtype=info.dtype)
+                read = BlockRead("", full_box(lengths), block)
+                BlockExecutor(self.checkpoint, {"": plain_slot("", staged)}, reader).run([read])
+                target = planner.resolve_tensor(item).detach()
+                if self.rollback:
+                    saved[str(i)], targets[str(i)] = target.clone(), plain_slot(str(i), target)
+                target.copy_(staged)
+                planner.commit_tensor(item, target)
+        except BaseException:
+            restore(saved, targets)
+            raise
 
 
-def _read_planned(dcp_plan: LoadPlan, planner: HFLoadPlanner, reader: FileReader) -> None:
-    """Execute the RemapBlocks and deferred conversions ``dcp_plan``'s items stand for (any strided read)."""
+def _read_planned(dcp_plan: LoadPlan, planner: HFLoadPlanner, reader: FileReader, rollback: bool) -> None:
+    """Execute the RemapBlocks and deferred conversions ``dcp_plan``'s items stand for (any strided read); with
+    ``rollback``, a failure restores every tensor the plan writes (every rank's, in a distributed load)."""
     plan, reads, deferred = planner.planned_reads(dcp_plan)
     before = reader.bytes_read
     if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
@@ -139,7 +172,10 @@ def _read_planned(dcp_plan: LoadPlan, planner: HFLoadPlanner, reader: FileReader
             staging_bytes=planner.staging_bytes,
             broadcast=planner.broadcast_replicated_tensors,
             timeout=planner.timeout,
+            rollback=rollback,
         )
     else:
-        execute_plan(plan, reader, reads=reads, deferred=deferred, staging_bytes=planner.staging_bytes)
+        execute_plan(
+            plan, reader, reads=reads, deferred=deferred, staging_bytes=planner.staging_bytes, rollback=rollback
+        )
     planner.add_bytes_read(reader.bytes_read - before)
