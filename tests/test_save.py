@@ -88,6 +88,18 @@ def test_a_loaded_model_saves_the_checkpoint_it_came_from(tmp_path):
     assert folder_bytes(tmp_path / "resaved") == folder_bytes(tmp_path / "ckpt")
 
 
+def test_a_loaded_model_saved_with_another_split_holds_the_same_tensors(tmp_path):
+    """Where the original's shard split differs from the save's (another max_shard_size, another writer), the
+    files differ but hold the same tensor names, dtypes, shapes and values, bit for bit."""
+    _, original = build("qwen3_moe", dtype=torch.bfloat16)
+    original.save_pretrained(tmp_path / "ckpt", max_shard_size="30KB")
+    _, model = build("qwen3_moe", seed=1, dtype=torch.bfloat16)
+    load_hf_checkpoint(model, tmp_path / "ckpt", progress=False)
+    save_hf_checkpoint(model, tmp_path / "resaved", progress=False)  # the default: one file
+    assert sorted(os.listdir(tmp_path / "resaved")) != sorted(os.listdir(tmp_path / "ckpt"))
+    assert_bit_equal(read_checkpoint(tmp_path / "resaved"), read_checkpoint(tmp_path / "ckpt"))
+
+
 def test_sharded_output_round_trips_through_the_loader(tmp_path):
     _, model = build("mixtral")
     report = save_hf_checkpoint(model, tmp_path / "out", max_shard_size="30KB", progress=False)
