@@ -221,6 +221,46 @@ def test_causal_lm_checkpoint_into_base(tmp_path):
         assert torch.equal(value, reference.state_dict()[name]), name
 
 
+def test_head_keys_named_like_base_modules_load_as_from_pretrained_does(saved, tmp_path):
+    """A head checkpoint whose head modules share names with base modules (``model.norm.*`` and ``norm.*``,
+    ``model.embed_tokens.*`` and ``embed_tokens.*``) into the base model (prefix ``model``): the prefixed key is
+    stripped, the plain one already names the tensor. from_pretrained loads whichever comes first in
+    ``dot_natural_key`` order (``embed_tokens`` < ``model`` < ``norm``) and drops the other; so does the loader,
+    which reports the dropped key as unexpected (from_pretrained reports nothing)."""
+    from loader import load_hf_checkpoint
+
+    _, causal, _, tensors = saved("mixtral")
+    head = dict(tensors)
+    head["norm.weight"] = torch.full_like(tensors["model.norm.weight"], 7.0)
+    head["embed_tokens.weight"] = torch.full_like(tensors["model.embed_tokens.weight"], 3.0)
+    ckpt = tmp_path / "head"
+    ckpt.mkdir()
+    save_file(head, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    causal.config.save_pretrained(ckpt)
+    reference, info = AutoModel.from_pretrained(ckpt, output_loading_info=True)
+    assert info["unexpected_keys"] == {"lm_head.weight"} and info["missing_keys"] == set()
+    base = AutoModel.from_config(causal.config)
+    report = load_hf_checkpoint(base, str(ckpt), progress=False)
+    ours, theirs = base.state_dict(), reference.state_dict()
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert torch.equal(ours["norm.weight"], tensors["model.norm.weight"])  # model.norm.weight comes first
+    assert torch.equal(ours["embed_tokens.weight"], head["embed_tokens.weight"])  # embed_tokens.weight first
+    assert report.missing_keys == ()
+    assert report.unexpected_keys == ("lm_head.weight", "model.embed_tokens.weight", "norm.weight")
+
+
+def test_two_keys_to_one_tensor_without_the_prefix_still_fail(saved):
+    """Only a collision the base model prefix makes is resolved as from_pretrained does: two keys one model's
+    rules rename to one tensor remain an error naming both."""
+    _, causal, _, tensors = saved("mixtral")
+    base = AutoModel.from_config(causal.config)
+    shapes = {k.removeprefix("model."): tuple(v.shape) for k, v in tensors.items()}
+    shapes["my_norm.weight"] = shapes["norm.weight"]
+    with pytest.raises(ValueError, match="'my_norm.weight' and 'norm.weight' both map to model tensor 'norm.weight'"):
+        plan_keys(base, shapes, extra_weights_mapping=[Rename("my_norm.weight", "norm.weight")])
+
+
 def like_from_pretrained(auto, config, tensors, tmp_path, *, key_mapping=None) -> KeyPlan:
     """Write ``tensors`` as a checkpoint, load it with from_pretrained and check that the plan reports,
     loads, records and re-saves exactly the same."""
