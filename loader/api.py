@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -77,6 +78,7 @@ def load_hf_checkpoint(
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
+    started = time.perf_counter()
     timeout_seconds(timeout)  # a bad timeout is refused in one process too
     planner = planner or HFLoadPlanner(
         model,
@@ -119,6 +121,6 @@ def load_hf_checkpoint(
             allocate.undo()
         raise
     plan.keyplan.record_on_model(model)
-    report = load_report(plan, bytes_read, rank, world)
+    report = load_report(plan, bytes_read, rank, world, seconds=time.perf_counter() - started)
     log.info("loaded %d tensors, read %d bytes", len(report.loaded_keys), bytes_read)
     return report

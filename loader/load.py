@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 
 from .checkpoint import FileReader, SafetensorsCheckpoint
@@ -138,6 +139,7 @@ def load_distributed(
         ValueError | CheckpointError | RuntimeError: on every rank, when planning (or reading) failed on any
             rank (when planning failed, no model is touched). PeerFailure: a rank hung past ``timeout`` or died.
     """
+    started = time.perf_counter()
     rank, world = rank_and_world()
     with LoadSession(timeout) as session:
         _resolve_on_rank_zero_first(session, path, revision)
@@ -166,7 +168,7 @@ def load_distributed(
             )
             bytes_read = reader.bytes_read
     plan.keyplan.record_on_model(planner.model)
-    return load_report(plan, bytes_read, rank, world)
+    return load_report(plan, bytes_read, rank, world, seconds=time.perf_counter() - started)
 
 
 def _resolve_on_rank_zero_first(session: LoadSession, path: str, revision: str | None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -10,16 +12,23 @@ import torch
 
 from .plan import RankPlan
 from .rules import dot_natural_key
+from .rules.conversion import natural_order
+
+log = logging.getLogger("loader")
+#: at most this many (compacted) keys are named in a log line
+SHOWN_KEYS = 12
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class LoadReport:
-    """What a load did on this rank.
+    """What a load did on this rank; ``str()`` and ``repr()`` are a one-line summary (counts, bytes, seconds),
+    the fields hold the full key tuples.
 
     Attributes:
         loaded_keys: model tensor names loaded (tied aliases included), natural-sorted.
         missing_keys: model tensors nothing loaded (only with ``strict=False``).
-        unexpected_keys: checkpoint keys no rule maps to a model tensor.
+        unexpected_keys: checkpoint keys no rule maps to a model tensor (logged as a warning on rank 0, as
+            ``from_pretrained`` does), natural-sorted.
         bytes_read: bytes this process read from checkpoint files.
         traced: model tensors loaded by region reads.
         deferred: model tensors loaded through deferred (run-for-real) conversions.
@@ -31,6 +40,7 @@ class LoadReport:
             converted across kinds (integer <-> floating point, bool), natural-sorted; the checkpoint dtype is
             that of the values its conversion produced (the checkpoint tensor's, for a rename). Such a load
             also warns once (``UserWarning``). Casts within a kind (bf16 -> float32) are normal and not listed.
+        seconds: wall time of the load on this rank (0.0 where the caller did not time it).
     """
 
     loaded_keys: tuple[str, ...]
@@ -45,15 +55,31 @@ class LoadReport:
     rank: int = 0
     world_size: int = 1
     cast_keys: tuple[tuple[str, torch.dtype, torch.dtype], ...] = ()
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        casts = f", {len(self.cast_keys)} cast across kinds" if self.cast_keys else ""
+        return (
+            f"LoadReport(rank {self.rank} of {self.world_size}: {len(self.loaded_keys)} tensors loaded "
+            f"({len(self.traced)} traced, {len(self.deferred)} deferred), {len(self.missing_keys)} missing, "
+            f"{len(self.unexpected_keys)} unexpected{casts}; read {human_bytes(self.bytes_read)} of "
+            f"{human_bytes(self.planned_bytes)} planned in {self.blocks} blocks, {self.seconds:.2f} s)"
+        )
+
+    __repr__ = __str__
 
 
-def load_report(plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int = 1) -> LoadReport:
-    """The :class:`LoadReport` of ``plan``, executed; warns once when values changed kind.
+def load_report(
+    plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int = 1, seconds: float = 0.0
+) -> LoadReport:
+    """The :class:`LoadReport` of ``plan``, executed; warns once when values changed kind, and logs the unexpected
+    checkpoint keys (rank 0 only: every rank has the same).
 
     Args:
         plan: the rank's plan.
         bytes_read: bytes this process read from checkpoint files.
         rank, world_size: this process's rank and the world size.
+        seconds: wall time of the load.
 
     Returns:
         The report.
@@ -61,6 +87,16 @@ def load_report(plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int 
     casts = tuple(sorted(set(plan.casts), key=lambda c: dot_natural_key(c[0])))
     if casts:
         _warn_casts(casts)
+    if plan.unexpected_keys and rank == 0:
+        keys = natural_sorted(plan.unexpected_keys)
+        log.warning(
+            "%d checkpoint key(s) of %s are unexpected: no model tensor loads from them (%s); fine when loading "
+            "from another task or architecture, not when you expect the same one (LoadReport.unexpected_keys "
+            "lists them)",
+            len(keys),
+            plan.checkpoint.root,
+            compact_keys(keys),
+        )
     return LoadReport(
         loaded_keys=natural_sorted(plan.loaded_keys),
         missing_keys=natural_sorted(plan.missing_keys),
@@ -74,12 +110,58 @@ def load_report(plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int 
         rank=rank,
         world_size=world_size,
         cast_keys=casts,
+        seconds=seconds,
     )
 
 
 def natural_sorted(keys: Iterable[str]) -> tuple[str, ...]:
-    """Distinct ``keys`` in ``dot_natural_key`` order."""
-    return tuple(sorted(set(keys), key=dot_natural_key))
+    """Distinct ``keys`` in ``dot_natural_key`` order (sorted by :func:`~loader.rules.conversion.natural_order`'s
+    strings, the same order, unless a key holds a NUL: no list per key for the garbage collector to walk)."""
+    distinct = set(keys)
+    return tuple(sorted(distinct, key=natural_order if not any("\x00" in k for k in distinct) else dot_natural_key))
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a dot-delimited integer: a layer or expert index
+
+
+def compact_keys(keys: Iterable[str], shown: int = SHOWN_KEYS) -> str:
+    """``keys`` for a log line, compacted as transformers' load report does: keys that differ only in their
+    dot-delimited integers are one entry (``layers.{1, 2}.mlp.weight``, ``experts.{0...63}.w``), at most ``shown``
+    entries, then how many more."""
+    patterns: dict[str, list[set[int]]] = {}
+    for key in keys:
+        sets = patterns.setdefault(_INDEX.sub("*", key), [])
+        for i, n in enumerate(_INDEX.findall(key)):
+            if i == len(sets):
+                sets.append(set())
+            sets[i].add(int(n))
+    out = []
+    for pattern, sets in patterns.items():
+        parts = pattern.split("*")
+        text = parts[0]
+        for values, part in zip(sets, parts[1:]):
+            text += _indices(sorted(values)) + part
+        out.append(text)
+    more = f" and {len(out) - shown} more" if len(out) > shown else ""
+    return ", ".join(out[:shown]) + more
+
+
+def _indices(values: list[int]) -> str:
+    if len(values) == 1:
+        return str(values[0])
+    if len(values) > 4 and values == list(range(values[0], values[-1] + 1)):
+        return f"{{{values[0]}...{values[-1]}}}"
+    return "{" + ", ".join(map(str, values)) + "}"
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes as ``"512 B"``, ``"4.2 KiB"``, ``"1.5 GiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def _warn_casts(casts: tuple[tuple[str, torch.dtype, torch.dtype], ...]) -> None:

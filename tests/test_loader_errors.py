@@ -8,6 +8,7 @@ file changed underneath) names the file, and ``rollback=True`` restores the prev
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import tracemalloc
@@ -306,6 +307,84 @@ def test_unexpected_keys_reported(folder):
     report = load_hf_checkpoint(net, folder, progress=False)
     assert report.unexpected_keys == ("a.extra", "c.weight") and report.missing_keys == ()
     assert report.bytes_read == sum(v.numel() * 4 for k, v in t.items() if k not in ("c.weight", "a.extra"))
+
+
+def test_unexpected_keys_are_logged_as_from_pretrained_does(tmp_path, caplog):
+    """A 2-layer transformers checkpoint into a 1-layer model: the keys of layer 1 are unexpected, as
+    from_pretrained reports them, and one warning lists them compactly (expert indices folded)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hf_models import build
+
+    auto, two = build("mixtral")
+    two.save_pretrained(tmp_path)
+    _, one = build("mixtral", num_hidden_layers=1)
+    _, info = auto.from_pretrained(tmp_path, num_hidden_layers=1, output_loading_info=True)
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        report = load_hf_checkpoint(one, str(tmp_path), progress=False)
+    # both report layer 1: from_pretrained by model names (experts merged), the loader by checkpoint keys
+    assert info["unexpected_keys"] and all(k.startswith("model.layers.1.") for k in info["unexpected_keys"])
+    assert len(report.unexpected_keys) == 19 and all(k.startswith("model.layers.1.") for k in report.unexpected_keys)
+    assert {k for k in info["unexpected_keys"] if "experts" not in k and "gate." not in k} == {
+        k for k in report.unexpected_keys if "block_sparse_moe" not in k
+    }
+    (warning,) = [r for r in caplog.records if r.name == "loader" and r.levelno == logging.WARNING]
+    message = warning.getMessage()
+    assert message.startswith(f"{len(report.unexpected_keys)} checkpoint key(s) of {tmp_path} are unexpected")
+    assert "model.layers.1.block_sparse_moe.experts.{0, 1, 2, 3}.w1.weight" in message
+    assert "model.layers.1.input_layernorm.weight" in message and "LoadReport.unexpected_keys" in message
+    assert len(message) < 1000
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="loader"):  # nothing unexpected: nothing logged
+        load_hf_checkpoint(build("mixtral")[1], str(tmp_path), progress=False)
+    assert not [r for r in caplog.records if "unexpected" in r.getMessage()]
+
+
+def test_unexpected_keys_are_logged_by_rank_0_only(folder, caplog):
+    from loader.report import load_report
+
+    t = good_tensors()
+    t.update({f"extra.{i}.weight": torch.ones(1) for i in range(30)})
+    good_file(folder, t)
+    net = tiny()
+    plan = HFLoadPlanner(net).build_plan(SafetensorsCheckpoint.open(folder))
+    for rank, logged in ((1, 0), (0, 1)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="loader"):
+            report = load_report(plan, 0, rank, 2)
+        assert report.unexpected_keys == tuple(f"extra.{i}.weight" for i in range(30))
+        warnings = [r.getMessage() for r in caplog.records if r.name == "loader"]
+        assert len(warnings) == logged
+    assert "30 checkpoint key(s)" in warnings[0] and "extra.{0...29}.weight" in warnings[0]
+
+
+def test_reports_print_as_a_short_summary(folder, tmp_path):
+    """``str()``/``repr()`` of a LoadReport and a SaveReport is one line of counts, bytes and seconds; the full
+    key tuples stay fields."""
+    from loader import save_hf_checkpoint
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(100))
+
+    torch.manual_seed(0)
+    source = Wide()
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(folder / "model.safetensors"))
+    net = Wide()
+    report = load_hf_checkpoint(net, folder, progress=False)
+    text = str(report)
+    assert text == repr(report) and "\n" not in text and len(text) < 250
+    assert text.startswith("LoadReport(rank 0 of 1: 200 tensors loaded (200 traced, 0 deferred), 0 missing,")
+    assert f"read {report.bytes_read / 1024:.1f} KiB of {report.planned_bytes / 1024:.1f} KiB planned" in text
+    assert text.endswith(f"{report.seconds:.2f} s)") and report.seconds > 0
+    assert len(report.loaded_keys) == 200 and "layers.99.weight" in report.loaded_keys
+    saved = save_hf_checkpoint(net, str(tmp_path / "saved"))
+    text = str(saved)
+    assert text == repr(saved) and "\n" not in text and len(text) < 250 + len(saved.path)
+    assert text.startswith(f"SaveReport({saved.path!r}, rank 0 of 1: 200 keys in 1 files, ")
+    assert text.endswith(f"{saved.seconds:.2f} s)") and saved.seconds > 0 and len(saved.keys) == 200
 
 
 def test_two_checkpoint_keys_to_one_name(folder):

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 import regiontrace as rt
 
 from ..placements import rank_and_world, slot_for
+from ..report import human_bytes
 from ..rules import dot_natural_key
 from .agreement import RankAgreement
 from .layout import SaveLayout, parse_size, plan_layout
@@ -29,9 +31,10 @@ log = logging.getLogger("loader")
 Box = tuple[tuple[int, int], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SaveReport:
-    """What one rank's :func:`save_hf_checkpoint` did.
+    """What one rank's :func:`save_hf_checkpoint` did; ``str()`` and ``repr()`` are a one-line summary (counts,
+    bytes, seconds), the fields hold the full key tuples.
 
     Attributes:
         path: the checkpoint folder.
@@ -45,6 +48,7 @@ class SaveReport:
         derived_by: how the checkpoint keys were found: ``"revert_weight_conversion"``, ``"renames"`` or
             ``"source_shapes"``.
         rank: this rank. world: the number of ranks.
+        seconds: wall time of the save on this rank.
     """
 
     path: str
@@ -58,6 +62,16 @@ class SaveReport:
     derived_by: str
     rank: int
     world: int
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"SaveReport({self.path!r}, rank {self.rank} of {self.world}: {len(self.keys)} keys in "
+            f"{len(self.files)} files, {human_bytes(self.total_size)}; this rank wrote {len(self.written)} tensors, "
+            f"{human_bytes(self.bytes_written)} in {self.writes} writes, {self.seconds:.2f} s)"
+        )
+
+    __repr__ = __str__
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,7 @@ def save_hf_checkpoint(
     """
     from ..distributed import timeout_seconds
 
+    started = time.perf_counter()
     lock_wait = timeout_seconds(timeout)
     meta = {"format": "pt", **(metadata or {})}
     rules = dict(
@@ -137,7 +152,7 @@ def save_hf_checkpoint(
     except BaseException:
         remove_folder(folder)
         raise
-    return _report(path, mapping, layout, writer, header, writes, rank, world)
+    return _report(path, mapping, layout, writer, header, writes, rank, world, started)
 
 
 def plan_rank_writes(mapping: SaveMapping, rank: int, world: int) -> RankWrites:
@@ -214,6 +229,7 @@ def _save_distributed(model, path, rules, max_shard_size, metadata, progress, ti
     ends at an agreement point: a failure or a hang anywhere fails every rank, and rank 0 removes the files."""
     from ..distributed import LoadSession, timeout_seconds
 
+    started = time.perf_counter()
     rank, world = rank_and_world()
     folder = header = None
     with LoadSession(timeout) as session:
@@ -247,7 +263,7 @@ def _save_distributed(model, path, rules, max_shard_size, metadata, progress, ti
                 error = e
                 remove_folder(folder)
         session.agree(error, "finishing")
-    return _report(path, mapping, layout, writer, header or 0, writes, rank, world)
+    return _report(path, mapping, layout, writer, header or 0, writes, rank, world, started)
 
 
 def _agree(session: Any, error: BaseException | None, stage: str, folder: str | None) -> None:
@@ -341,7 +357,7 @@ def _progress_bar(enabled: bool | None, total: int):
     return tqdm(total=total, unit="B", unit_scale=True, desc="saving", leave=False)
 
 
-def _report(path, mapping, layout, writer, header, writes, rank, world) -> SaveReport:
+def _report(path, mapping, layout, writer, header, writes, rank, world, started) -> SaveReport:
     report = SaveReport(
         path=os.fspath(path),
         files=tuple(f.name for f in layout.files),
@@ -354,6 +370,7 @@ def _report(path, mapping, layout, writer, header, writes, rank, world) -> SaveR
         derived_by=mapping.derived_by,
         rank=rank,
         world=world,
+        seconds=time.perf_counter() - started,
     )
     log.info("rank %d: wrote %d of %d checkpoint bytes to %s", rank, report.bytes_written, layout.data_bytes, path)
     return report
