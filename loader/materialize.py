@@ -205,9 +205,9 @@ def _reset_parameters(model: torch.nn.Module, rest: dict[int, torch.Tensor], loa
     for mod in model.modules():
         reset = getattr(mod, "reset_parameters", None)
         own = [t for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None and id(t) in rest]
-        pending = {id(t) for t in own if not writes.wrote(t)}
-        if not callable(reset) or not pending:
+        if not callable(reset) or all(writes.wrote(t) for t in own):
             continue
+        pending = {i for i, t in rest.items() if not writes.wrote(t)}  # its submodules' too: not restored below
         kept = {id(t): t for t in [*mod.parameters(), *mod.buffers()] if id(t) not in pending and id(t) not in loaded}
         saved = [(storage_of(t), storage_of(t).clone()) for t in kept.values()]
         with torch.no_grad():

@@ -289,6 +289,31 @@ def test_reset_parameters_keeps_the_modules_other_tensors(tmp_path):
     assert torch.equal(model.owned.bias, torch.arange(64.0))
 
 
+class Parent(torch.nn.Module):
+    """Its reset_parameters initialises its own parameter only; its child has no init."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.empty(64))
+        self.bare = Bare()
+
+    def reset_parameters(self):
+        torch.nn.init.ones_(self.scale)
+
+
+def test_a_parents_reset_parameters_leaves_its_childs_tensor_reported(tmp_path, caplog):
+    save_file({"other": torch.zeros(1)}, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        model = Parent()
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        load_hf_checkpoint(model, str(tmp_path / "m.safetensors"), device="cpu", strict=False, progress=False)
+    assert torch.equal(model.scale, torch.ones(64)) and torch.equal(model.bare.table, torch.zeros(64, 40))
+    assert [r.getMessage() for r in caplog.records if "neither loaded" in r.getMessage()] == [
+        "1 model tensor(s) from the meta device were neither loaded nor initialised by the model: bare.table; "
+        "they hold zeros"
+    ]
+
+
 def test_in_place_inits_of_a_transformers_model_count_as_initialised(tmp_path, caplog):
     """A transformers model's own init writes parameters in place (their ``.data`` version never moves): the
     tensors it wrote are initialised, hold its values and are not reported as left uninitialised."""
