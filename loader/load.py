@@ -85,7 +85,7 @@ def read_together(
         return
     owners: dict = {}
     values = plan.values if values is None else values
-    if broadcast:
+    if broadcast and not session.solo:  # a fake process group: no peers to share with, this rank reads all
         with peer_errors("reading", "assigning replicated tensors"):
             reads, deferred, values, owners = owned_subset(plan, reads, deferred, values)
     saved = snapshot(plan) if rollback else None
@@ -177,7 +177,7 @@ def _resolve_on_rank_zero_first(session: LoadSession, path: str, revision: str |
     if os.path.exists(path) or not looks_like_repo_id(path):
         return
     error = None
-    if session.rank == 0:
+    if session.rank == 0 or session.solo:  # torch's fake process group: no rank 0 to wait for
         try:
             resolve_checkpoint(path, revision)
         except Exception as e:  # agreed below: every rank raises

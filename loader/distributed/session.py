@@ -41,6 +41,14 @@ _STAGES = {
 
 _LOAD_IDS = itertools.count()
 
+_SAVE_STAGES = ("preparing", "writing", "finishing")
+
+
+def fake_world() -> bool:
+    """Whether the default process group is torch's fake one (``init_process_group("fake")``): one process
+    playing one rank of the world, with no peers and collectives that do nothing."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
+
 
 def timeout_seconds(timeout: float | datetime.timedelta | None) -> float | None:
     """``timeout`` in seconds (None: no limit).
@@ -70,6 +78,10 @@ class LoadSession:
     Use as a context manager around the load (it starts and stops the heartbeat); collective: every rank of
     the default group opens one session per load, in the same order.
 
+    Under torch's fake process group (:func:`fake_world`: dry runs, tests playing one rank at a time) there are
+    no peers to agree with and its store cannot count: the session is ``solo`` — no heartbeat, an in-process
+    store, and :meth:`agree` raises this rank's own error (a save refuses: it needs every rank's regions).
+
     Args:
         timeout: seconds (or a ``timedelta``) to wait at each agreement point; None waits without limit
             (dead ranks are still detected).
@@ -79,18 +91,24 @@ class LoadSession:
         self.rank, self.world = rank_and_world()
         self.timeout = timeout_seconds(timeout)
         self.dead_after = HEARTBEAT_LIMIT if self.timeout is None else min(HEARTBEAT_LIMIT, self.timeout / 2)
-        self.store = dist.PrefixStore(f"loader/{next(_LOAD_IDS)}", dist.distributed_c10d._get_default_store())
+        self.solo = fake_world()
+        store = dist.HashStore() if self.solo else dist.distributed_c10d._get_default_store()
+        self.store = dist.PrefixStore(f"loader/{next(_LOAD_IDS)}", store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._declared: set[int] = set()
 
     def __enter__(self) -> LoadSession:
+        if self.solo:
+            return self
         self.store.add(f"beat/{self.rank}", 1)  # a first beat before anything can hang
         self._thread = threading.Thread(target=self._heartbeat, name="loader-heartbeat", daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.solo:
+            return
         try:
             self.store.set(f"done/{self.rank}", "1")  # before the beats stop: not to be taken for dead
         except Exception:
@@ -145,7 +163,11 @@ class LoadSession:
                 message, ``path`` and ``key``; other failed ranks are listed).
             PeerFailure: some rank did not arrive within the timeout, died, or this rank arrived after the
                 others gave up waiting for it.
+            RuntimeError: a save stage in a ``solo`` session (torch's fake process group).
         """
+        if self.solo:
+            self._agree_alone(error, stage)
+            return
         with peer_errors(stage, "agreeing on the outcome through the store"):  # e.g. the store's host died
             verdict, failed = self._exchange(error, stage, bounded)
         if verdict == "ok":
@@ -154,6 +176,17 @@ class LoadSession:
             return
         reason, _, names = verdict.partition(":")
         raise self._peer_failure(stage, reason, tuple(int(r) for r in names.split(",") if r)) from error
+
+    def _agree_alone(self, error: BaseException | None, stage: str) -> None:
+        """A ``solo`` session: this rank's outcome is the outcome; a save is refused."""
+        if stage in _SAVE_STAGES:
+            raise RuntimeError(
+                f"save_hf_checkpoint under torch's fake process group (rank {self.rank} of {self.world}): a "
+                "fake world has no peers to write the other ranks' regions, so no whole checkpoint can be "
+                "saved; save from a real process group (gloo, nccl) or from one process"
+            ) from error
+        if error is not None:
+            raise error
 
     def _exchange(self, error: BaseException | None, stage: str, bounded: bool) -> tuple[str, list]:
         """Post this rank's outcome; the verdict and, when it is ``"ok"``, every failed rank's outcome."""
