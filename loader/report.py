@@ -55,7 +55,7 @@ class LoadReport:
     rank: int = 0
     world_size: int = 1
     cast_keys: tuple[tuple[str, torch.dtype, torch.dtype], ...] = ()
-    seconds: float = 0.0
+    seconds: float = field(default=0.0, compare=False)  # timing: not part of what the load did
 
     def __str__(self) -> str:
         casts = f", {len(self.cast_keys)} cast across kinds" if self.cast_keys else ""

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,7 +62,7 @@ class SaveReport:
     derived_by: str
     rank: int
     world: int
-    seconds: float = 0.0
+    seconds: float = field(default=0.0, compare=False)  # timing: not part of what the save did
 
     def __str__(self) -> str:
         return (
