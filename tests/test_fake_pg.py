@@ -142,4 +142,4 @@ def test_a_save_under_a_fake_world_is_refused_and_leaves_nothing(played):
     assert "fake process group" in result.get("save_error", ""), result
     assert f"rank {rank} of {WORLD}" in result["save_error"]
     left = sorted(p.name for p in root.iterdir())
-    assert not any("saved" in name for name in left), left  # neither the checkpoint nor a temporary folder
+    assert "saved" not in left and not any(".tmp-" in name for name in left), left  # no checkpoint, no temp folder
