@@ -237,6 +237,40 @@ def scenario_killed(ctx: dict) -> dict:
     return {**outcome, "left": sorted(n for n in os.listdir(ctx["out"]) if n.startswith("killed"))}
 
 
+DISAGREE = 1  # the rank that holds a tensor differently from the others
+
+
+def _disagreeing_placements(how: str) -> dict[str, list]:
+    placements = layout_placements((4,))
+    if dist.get_rank() == DISAGREE:
+        if how == "placement":
+            placements["o_proj.weight"] = [Shard(0)]  # the others: Shard(1)
+        else:
+            del placements["uneven"]  # a plain tensor here, Shard(0) on the others
+    return placements
+
+
+def scenario_disagree(ctx: dict, how: str) -> dict:
+    """Rank 1 holds one tensor differently (another placement, a plain tensor instead of a DTensor, another
+    dtype): every rank must refuse before anything is written, naming the tensor and both views."""
+    from loader import save_hf_checkpoint
+    from loader.placements import shard_module
+
+    mesh = init_device_mesh("cpu", (4,))
+    model = NoScaled()
+    if how == "dtype" and dist.get_rank() == DISAGREE:
+        model.down.data = model.down.data.to(torch.float64)
+    model = shard_module(model, mesh, _disagreeing_placements(how))  # no load: the save must refuse
+    out = os.path.join(ctx["out"], f"disagree_{how}")
+    try:
+        save_hf_checkpoint(model, out, weights_mapping=layout_rules(), source_shapes=ctx["layout"], progress=False)
+        outcome = {"type": None}
+    except BaseException as e:
+        outcome = _describe(e)
+    dist.barrier()  # rank 0 has removed its files: every rank looks
+    return {**outcome, "left": sorted(n for n in os.listdir(ctx["out"]) if n.startswith(f"disagree_{how}"))}
+
+
 SCENARIOS = [
     ("layout_1d", lambda ctx: scenario_layout(ctx, (4,))),
     ("layout_2d", lambda ctx: scenario_layout(ctx, (2, 2), max_shard_size="1KB")),
@@ -245,6 +279,9 @@ SCENARIOS = [
     ("moe_submesh", lambda ctx: scenario_moe(ctx, (2,), submesh=True)),
     ("fail_writing", scenario_fail_writing),
     ("fail_preparing", scenario_fail_preparing),
+    ("disagree_placement", lambda ctx: scenario_disagree(ctx, "placement")),
+    ("disagree_plain", lambda ctx: scenario_disagree(ctx, "plain")),
+    ("disagree_dtype", lambda ctx: scenario_disagree(ctx, "dtype")),
     ("killed", scenario_killed),  # last: rank 2 dies
 ]
 

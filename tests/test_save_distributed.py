@@ -116,6 +116,32 @@ def test_a_planning_failure_on_one_rank_removes_the_files_rank_0_created(world):
         assert res["left"] == [], f"rank {r} sees {res['left']}"
 
 
+@pytest.mark.parametrize(
+    ("how", "name", "first", "other"),
+    [
+        ("placement", "o_proj.weight", "a DTensor of shape (16, 16) float32, placements (Shard(dim=1),) on a mesh of "
+         "shape (4,)", "a DTensor of shape (16, 16) float32, placements (Shard(dim=0),) on a mesh of shape (4,)"),
+        ("plain", "uneven", "a DTensor of shape (10, 16) float32, placements (Shard(dim=0),) on a mesh of shape (4,)",
+         "a plain tensor of shape (10, 16) float32"),
+        ("dtype", "down", "a DTensor of shape (4, 16, 8) float32, placements (Shard(dim=2),) on a mesh of shape (4,)",
+         "a DTensor of shape (4, 16, 8) float64, placements (Shard(dim=2),) on a mesh of shape (4,)"),
+    ],
+)  # fmt: skip
+def test_ranks_holding_a_tensor_differently_refuse_before_writing(world, how, name, first, other):
+    """Rank 1 holds one tensor differently from ranks 0, 2, 3 (the layout alone is the same): each would write
+    its own idea of it, leaving elements nobody writes. Every rank raises, naming the tensor and both views, and
+    nothing is left (rank 0's temporary folder removed; no rank wrote a byte of tensor data)."""
+    _, results = world
+    expected = (
+        f"Writing the checkpoint failed on rank 1: ValueError: the ranks hold model tensor {name!r} differently: "
+        f"rank 0 holds {first}, rank 1 holds {other}; every rank must save the same model sharded the same way "
+        "(nothing was written)"
+    )
+    for r, res in enumerate(ok(results, f"disagree_{how}")):
+        assert (res["type"], res["message"]) == ("ValueError", expected), (r, res)
+        assert res["left"] == [], f"rank {r} sees {res['left']}"
+
+
 def test_a_killed_rank_fails_every_rank_and_leaves_no_checkpoint(world):
     root, results = world
     assert "killed" not in results[2]
