@@ -220,6 +220,13 @@ def test_metadata_carries_every_files_identity(root):
     assert set(want) == {str(root / FIRST), str(root / SECOND)}
     assert {i.fqn: v for i, v in md.storage_data.items() if isinstance(v, FileIdentity)} == want
     assert checkpoint_from_metadata(md).identities == want
+    # a reader set up with metadata read elsewhere reads what those headers say, checked against their
+    # identities: not the file as it is now, rewritten since
+    overwrite_in_place(root / SECOND)
+    other = SafetensorsReader(str(root))
+    other.set_up_storage_reader(md, True)
+    assert other.checkpoint.identities == want and other.checkpoint.tensors == reader.checkpoint.tensors
+    assert want[str(root / SECOND)] != FileIdentity.of(os.stat(root / SECOND))
 
 
 @pytest.mark.parametrize("put_back", [False, True], ids=["mtime_moved", "mtime_put_back"])
