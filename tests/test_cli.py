@@ -120,6 +120,19 @@ def test_check_finds_and_minimises_a_counterexample(converters):
     assert not (converters / ".hypothesis").exists()
 
 
+def test_check_a_converter_whose_arguments_are_named_like_the_kits_options(converters):
+    """`check` passes the inputs to assert_converter_exact as one mapping: arguments named `seed` or `boxes` (a list
+    here) are the converter's, not the kit's."""
+    (converters / "named.py").write_text(
+        "import torch\n\ndef f(seed, boxes):\n    return torch.cat([seed, torch.stack(boxes)])\n"
+    )
+    r = algebra(
+        "check", "named.py:f", "--input", "seed=2x3", "--input", "boxes[2]=3", "--examples", "3", cwd=str(converters)
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "on seed=2x3:float32, boxes.0=3:float32, boxes.1=3:float32" in r.stdout and "OK: 3 example(s)" in r.stdout
+
+
 def test_check_passes_a_correct_converter(converters):
     r = regiontrace("check", "conv.py:split_qkv", "--input", "qkv=6x4:bf16", "--examples", "15", cwd=str(converters))
     assert r.returncode == 0, r.stdout + r.stderr
