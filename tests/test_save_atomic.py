@@ -145,6 +145,7 @@ def test_the_commit_steps_and_what_they_keep(worker, states, old_folder, tmp_pat
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available here")
     out = fresh_copy(old_folder, tmp_path)
     os.chmod(out, 0o750)
+    (out.parent / "out.old-20241201").mkdir()  # the user's, not a commit's leftover: left alone
     readme = os.stat(out / "README.md").st_ino
     assert worker.save(NEW, out, tmp_path / "c", exchange=exchange) == 0
     assert steps_of(tmp_path / "c") == (EXCHANGE_STEPS if exchange else FALLBACK_STEPS)
@@ -154,7 +155,7 @@ def test_the_commit_steps_and_what_they_keep(worker, states, old_folder, tmp_pat
         ["README.md", "tokenizer", "config.json", "generation_config.json", "model.safetensors.index.json"]
         + [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     )
-    assert left_beside(out) == []
+    assert left_beside(out) == ["out.old-20241201"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,11 +3,11 @@
 Under a lock (``fcntl.flock`` on ``<parent>/.<name>.lock``, so concurrent saves into one path commit one after
 the other), the files of the old folder that are not part of a checkpoint (a README, tokenizer files, …) are
 carried into the staging folder (hard links, else copies), the staging folder is renamed to
-``<path>.old-XXXXXXXX`` and the two folders are exchanged with one ``renameat2(RENAME_EXCHANGE)``; the old
-folder, now under the ``.old-`` name, is removed. Where the exchange is unavailable (not Linux, or a
-filesystem answering ``EINVAL``/``ENOSYS``) the old folder is renamed aside to ``<path>.old-XXXXXXXX`` and the
-new one renamed in: a kill between the two renames leaves no ``path`` and the old checkpoint at the ``.old-``
-name, which :func:`recover` (run by the next commit into ``path``, under the lock) puts back.
+``<path>.old-commit-XXXXXXXX`` and the two folders are exchanged with one ``renameat2(RENAME_EXCHANGE)``; the old
+folder, now under the ``.old-commit-`` name, is removed. Where the exchange is unavailable (not Linux, or a
+filesystem answering ``EINVAL``/``ENOSYS``) the old folder is renamed aside to ``<path>.old-commit-XXXXXXXX`` and the
+new one renamed in: a kill between the two renames leaves no ``path`` and the old checkpoint at the
+``.old-commit-`` name, which :func:`recover` (run by the next commit into ``path``, under the lock) puts back.
 
 :data:`STEP_HOOK`, when set, is called with each step's name just before the step (tests kill the process or
 raise there).
@@ -78,7 +78,7 @@ def commit_folder(staging: str, path: str, timeout: float | None = None) -> None
         _carry_over(path, staging)
         with contextlib.suppress(OSError):
             os.chmod(staging, stat.S_IMODE(os.stat(path).st_mode))
-        aside = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=os.path.dirname(path))
+        aside = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-commit-", dir=os.path.dirname(path))
         try:
             if not _swap(staging, path, aside):
                 _fallback(staging, path, aside)
@@ -91,9 +91,9 @@ def commit_folder(staging: str, path: str, timeout: float | None = None) -> None
 
 def recover(path: str) -> list[str]:
     """Finish what an interrupted commit into ``path`` left (call under the lock): with no ``path``, the newest
-    ``<path>.old-XXXXXXXX`` folder is put back; every other such folder is removed. Returns what was done."""
+    ``<path>.old-commit-XXXXXXXX`` folder is put back; every other such folder is removed. Returns what was done."""
     parent, name = os.path.split(destination(path))
-    pattern = re.compile(re.escape(name) + r"\.old-[A-Za-z0-9_]{8}")
+    pattern = re.compile(re.escape(name) + r"\.old-commit-[a-z0-9_]{8}")  # mkdtemp's names
     try:
         found = [os.path.join(parent, n) for n in os.listdir(parent) if pattern.fullmatch(n)]
     except FileNotFoundError:
