@@ -15,10 +15,9 @@ from ..blocks import RemapBlock, check_box
 from ..execute import dest_view, execute_blocks, execute_program, materialize
 from ..tensor import RegionTensor
 from ..trace import trace
-from .difference import first_difference
+from .difference import Spec, first_difference
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64)
-Spec = tuple[Sequence[int], torch.dtype]
 
 
 # ---------------------------------------------------------------------------------------------------
