@@ -2,8 +2,8 @@
 
 :mod:`.layout` (files, headers and offsets from shapes and dtypes alone) ← :mod:`.sources` (the original keys
 and the inverted conversions) ← :mod:`.write` (preallocated files, positional writes, commit) ← :mod:`.api`
-(``save_hf_checkpoint``, one process or every rank of a process group) ← :mod:`.writeplan` (any rank's
-write plan in one process: ``plan_writes``).
+(``save_hf_checkpoint``, one process or every rank of a process group; :mod:`.agreement`: what the ranks
+compare before anyone writes) ← :mod:`.writeplan` (any rank's write plan in one process: ``plan_writes``).
 """
 
 from .api import RankWrites, SaveReport, plan_rank_writes, save_hf_checkpoint

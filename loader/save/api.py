@@ -107,7 +107,8 @@ def save_hf_checkpoint(
         path: the checkpoint folder (created; an existing one gets its weight files and index replaced).
         weights_mapping, extra_weights_mapping, key_mapping: the rules, as for ``load_hf_checkpoint``; the
             default for a transformers ``PreTrainedModel`` is transformers' conversion mapping.
-        max_shard_size: most bytes per file (``"5GB"``, or an int), as ``save_pretrained`` splits.
+        max_shard_size: most bytes per file, as ``save_pretrained`` splits: a positive int, or a number and a unit
+            (``"5GB"``, ``"1.5MB"``; ``"10GiB"``: KiB, MiB, GiB, TiB are powers of 1024).
         metadata: safetensors ``__metadata__`` of every file (``{"format": "pt"}`` is added).
         progress: tqdm progress bar; default on when stderr is a terminal.
         timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others at each
@@ -122,7 +123,10 @@ def save_hf_checkpoint(
         A :class:`SaveReport` for this rank.
 
     Raises:
-        ValueError: the layout cannot be derived or a conversion is not invertible (nothing is written).
+        ValueError: the layout cannot be derived, a conversion is not invertible, ``max_shard_size`` is not a
+            size, a tensor's checkpoint key is ``__metadata__``, a tensor is a contiguous conj / neg view (its
+            memory is not its values), or ranks hold a tensor differently (placements, kind, global shape,
+            dtype, mesh): nothing is written.
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left.
         OSError, RuntimeError: a write failed (on any rank, in a distributed run); ``path`` is left as it was
             (no folder, or the old checkpoint, whole).
