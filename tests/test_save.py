@@ -428,3 +428,33 @@ def test_a_strided_conj_or_neg_view_saves_its_values_as_save_pretrained_does(tmp
     assert folder_bytes(tmp_path / "ours") == folder_bytes(tmp_path / "theirs")
     saved = load_file(tmp_path / "ours" / "model.safetensors")
     assert torch.equal(saved["conj_t"], model.conj_t.resolve_conj()) and torch.equal(saved["neg_imag"], model.neg_imag)
+
+
+def test_rank_agreement_ignores_tensor_order_and_names_the_first_difference():
+    """What the ranks of a distributed save compare (tests/test_save_distributed.py runs it on gloo ranks), on a
+    real in-process store: the same tensors in another order agree; a rank that disagrees raises, one that
+    agrees with rank 0 writes nothing."""
+    from torch.distributed import HashStore
+
+    from loader.save.agreement import RankAgreement
+
+    layout = plan_layout([TensorSpec("w", (4, 3), torch.float32), TensorSpec("b", (3,), torch.float32)])
+    w, b = torch.zeros(4, 3), torch.zeros(3)
+    same = [RankAgreement({"w": w, "b": b}, layout), RankAgreement({"b": b, "w": w}, layout)]
+    store = HashStore()
+    for rank, agreement in enumerate(same):
+        agreement.publish(store, rank)
+    assert [a.check(store, rank, 2) for rank, a in enumerate(same)] == [True, True]
+
+    store = HashStore()
+    ranks = [RankAgreement({"w": w, "b": b}, layout), RankAgreement({"w": w, "b": b.double()}, layout)]
+    ranks.append(RankAgreement({"w": w, "b": b}, layout))
+    for rank, agreement in enumerate(ranks):
+        agreement.publish(store, rank)
+    assert ranks[0].check(store, 0, 3) is False and ranks[2].check(store, 2, 3) is False
+    with pytest.raises(ValueError) as err:
+        ranks[1].check(store, 1, 3)
+    assert str(err.value).startswith(
+        "the ranks hold model tensor 'b' differently: rank 0 holds a plain tensor of shape (3,) float32, rank 1 "
+        "holds a plain tensor of shape (3,) float64;"
+    )
