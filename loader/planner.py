@@ -25,6 +25,7 @@ from .checkpoint import FileIdentity, SafetensorsCheckpoint, TensorInfo
 from .execute import STAGING_BYTES, apply_deferred
 from .placements import rank_and_world, slot_for
 from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, plan_rank
+from .plan.gcpause import paused_gc
 from .plan.slots import TargetSlot, box_view, model_slots
 from .report import LoadReport, load_report
 from .rules import Conversion, KeyPlan, plan_keys
@@ -178,6 +179,7 @@ class HFLoadPlanner(LoadPlanner):
         self._key_plan_memo = (checkpoint, keyplan)
         return keyplan
 
+    @paused_gc()  # a few acyclic records per tensor: no full collections over the model meanwhile
     def build_plan(
         self,
         checkpoint: SafetensorsCheckpoint,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .plan import RankPlan
+from .plan.gcpause import paused_gc
 from .rules import dot_natural_key
 from .rules.conversion import natural_order
 
@@ -69,6 +70,7 @@ class LoadReport:
     __repr__ = __str__
 
 
+@paused_gc()  # one tuple per key, no cycles: no full collections over the model meanwhile
 def load_report(
     plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int = 1, seconds: float = 0.0
 ) -> LoadReport:

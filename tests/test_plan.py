@@ -220,3 +220,61 @@ def test_joined_search_is_skipped_for_patterns_it_would_change():
     assert _joined([re.compile(r"(?i)a"), re.compile("b")]) is None
     joined = _joined([re.compile(r"(?P<g0>x(?!\w))"), re.compile(r"(?P<g0>y)")])
     assert joined is not None and joined("a.x.b") and not joined("a.xz") and joined("ay")
+
+
+def test_renamed_blocks_keep_every_field_but_the_source(folder):
+    """Compiled blocks are renamed field by field (cheaper than dataclasses.replace): nothing else may change."""
+    import dataclasses
+
+    from loader.plan.traces import _rename
+
+    block = rt.RemapBlock("#1", (2, 3), 5, (-3, 1), (1, 0), (0, 1), (1, 2), (4, 3), torch.bfloat16, (torch.float32,))
+    renamed = _rename(block, ("a", "b"))
+    assert renamed == dataclasses.replace(block, source="b")
+    assert [f.name for f in dataclasses.fields(rt.RemapBlock)][-1] == "casts"  # a new field: update _rename
+
+
+def test_planning_reading_and_reporting_pause_the_garbage_collector(tmp_path):
+    """Many small tensors: no cyclic collection runs while a load plans, reads or reports (a full one walks the
+    whole model; they made planning 200 000 tensors quadratic); the collector is back on afterwards, after an
+    error too, and left off when the caller had it off."""
+    import gc
+
+    n = 3000
+    model = nn.ParameterDict({f"p{i}": nn.Parameter(torch.empty(2)) for i in range(n)})
+    values = {f"p{i}": torch.full((2,), float(i)) for i in range(n)}
+    save_file(values, os.path.join(tmp_path, "model.safetensors"))
+    collections = []
+
+    def seen(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    def watched(fn, *args, **kwargs):
+        gc.callbacks.append(seen)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.callbacks.remove(seen)
+
+    checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
+    plan = watched(HFLoadPlanner(model).build_plan, checkpoint)
+    with FileReader() as reader:
+        watched(execute_plan, plan, reader, progress=False)
+    report = watched(load_report, plan, reader.bytes_read)
+    assert len(collections) <= 3 and gc.isenabled()  # at most the one each exit's first allocation may start
+    assert len(report.loaded_keys) == n and torch.equal(model["p7"].detach(), values["p7"])
+    # the same allocations outside a load do trigger collections (so the check above can fail)
+    collections.clear()
+    watched(lambda: [[i] for i in range(20 * n)])
+    assert len(collections) > 10
+    model["extra"] = nn.Parameter(torch.empty(2))
+    with pytest.raises(ValueError, match="not in the checkpoint: extra"):
+        HFLoadPlanner(model, strict=True).build_plan(SafetensorsCheckpoint.open(str(tmp_path)))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load_hf_checkpoint(model, str(tmp_path), strict=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

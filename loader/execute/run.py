@@ -10,20 +10,22 @@ import torch
 
 from ..checkpoint import FileReader
 from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
+from ..plan.gcpause import paused_gc
 from .deferred import run_deferred
 from .reads import STAGING_BYTES, BlockExecutor
 from .staging import StagingRing
 from .values import run_values
 
 
-def _progress_bar(enabled: bool | None, total: int) -> Any:
+def _progress_bar(enabled: bool | None, plan: RankPlan) -> Any:
     if enabled is False or (enabled is None and not sys.stderr.isatty()):
-        return None
+        return None  # the plan's bytes are counted for a bar only
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False)
+    return tqdm(total=plan.planned_bytes(), unit="B", unit_scale=True, desc="loading", leave=False)
 
 
+@paused_gc()  # a few acyclic records per block: no full collections over the model meanwhile
 def execute_plan(
     plan: RankPlan,
     reader: FileReader,
@@ -57,7 +59,7 @@ def execute_plan(
     deferred = plan.deferred if deferred is None else deferred
     values = plan.values if values is None else values
     saved = snapshot(plan) if rollback else None
-    bar = _progress_bar(progress, plan.planned_bytes())
+    bar = _progress_bar(progress, plan)
     try:
         ring = StagingRing(staging_bytes)  # one ring of staging buffers (pinned for GPU targets) for every read
         BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring).run(reads)

@@ -9,6 +9,7 @@ byte is read. An untraced conversion — it raises :class:`~regiontrace.Untracea
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -95,6 +96,10 @@ class RankPlan:
 
     def planned_bytes(self) -> int:
         """Bytes of checkpoint data this plan reads (region and value reads by element, deferred sources whole)."""
+        return self._planned_bytes
+
+    @functools.cached_property
+    def _planned_bytes(self) -> int:  # the log line, the progress bar and the report each ask: counted once
         total = unique_read_bytes([b for _, b in self.block_reads()], self.checkpoint)
         keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
         return total + sum(self.checkpoint[k].nbytes for k in keys)
