@@ -39,7 +39,7 @@ def rules_to_reverse(
         chosen = [r for r in given if rule_key(r) in was_applied]
         skipped = [r for r in given if rule_key(r) not in was_applied]
         if skipped and weights_mapping is not None:
-            log.info(
+            log.warning(
                 "save_hf_checkpoint: not reversing %d rule(s) the load of this model did not apply: %s",
                 len(skipped),
                 ", ".join(repr(r) for r in skipped[:4]) + (" …" if len(skipped) > 4 else ""),
