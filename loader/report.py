@@ -28,8 +28,9 @@ class LoadReport:
     Attributes:
         loaded_keys: model tensor names loaded (tied aliases included), natural-sorted.
         missing_keys: model tensors nothing loaded (only with ``strict=False``).
-        unexpected_keys: checkpoint keys no rule maps to a model tensor (logged as a warning on rank 0, as
-            ``from_pretrained`` does), natural-sorted.
+        unexpected_keys: checkpoint keys no rule maps to a model tensor, or whose tensor a key before them
+            loads through the base model prefix (see :class:`~loader.rules.KeyPlan`); logged as one warning on
+            rank 0, as ``from_pretrained`` does; natural-sorted.
         bytes_read: bytes this process read from checkpoint files.
         traced: model tensors loaded by region reads.
         deferred: model tensors loaded through deferred (run-for-real) conversions.
