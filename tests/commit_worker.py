@@ -8,8 +8,8 @@ Reads JSON commands from stdin, one a line, answers one JSON line each:
   Every commit step the child reaches is appended to ``<control>/steps`` just before the step is taken; at step
   number ``at`` (or the step named ``at``) the hook ``"kill"`` sends the child SIGKILL, ``"error"`` raises an
   ``OSError`` (as if that step's rename failed), ``"stall"`` writes ``<control>/stalled`` and waits for
-  ``<control>/go``. ``exchange: false`` forces the two-rename fallback. The child exits 0 after a save, 3 after
-  an error (its type and message in ``<control>/error``).
+  ``<control>/go`` (at most 300 s). ``exchange: false`` forces the two-rename fallback; ``timeout`` is the save's.
+  The child exits 0 after a save, 3 after an error (its type and message in ``<control>/error``).
 - ``{"op": "wait", "pid"}``: answers ``{"code"}``, the child's exit code (``-9``: killed by SIGKILL).
 """
 
@@ -51,7 +51,8 @@ def hook_for(cmd: dict):
             raise OSError(errno.EIO, f"injected failure before commit step {step!r}")
         elif cmd["hook"] == "stall":
             open(os.path.join(control, "stalled"), "w").close()
-            while not os.path.exists(os.path.join(control, "go")):
+            deadline = time.monotonic() + 300  # a failed test never says go: no process outlives it for long
+            while not os.path.exists(os.path.join(control, "go")) and time.monotonic() < deadline:
                 time.sleep(0.01)
 
     return hook

@@ -46,9 +46,10 @@ FRESH_STEPS = ["lock", "recover", "rename", "done"]
 
 class Worker:
     def __init__(self) -> None:
+        path = os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])  # this checkout's loader
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "commit_worker.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, cwd=HERE,
+            text=True, cwd=HERE, env={**os.environ, "PYTHONPATH": path},
         )  # fmt: skip
 
     def ask(self, **cmd: object) -> dict:
@@ -250,11 +251,13 @@ def test_concurrent_saves_commit_one_after_the_other(worker, states, old_folder,
     the folder holds B's model whole, nothing is left beside it."""
     out = fresh_copy(old_folder, tmp_path)
     a = worker.start(NEW, out, tmp_path / "a", hook="stall", at="exchange")
-    wait_for(lambda: (tmp_path / "a" / "stalled").exists(), "save A to stall")
-    b = worker.start(NEXT, out, tmp_path / "b")
-    wait_for(lambda: (tmp_path / "b" / "steps").exists() and "wait" in steps_of(tmp_path / "b"), "B to wait")
-    assert_whole(out, OLD, states)
-    (tmp_path / "a" / "go").touch()
+    try:
+        wait_for(lambda: (tmp_path / "a" / "stalled").exists(), "save A to stall")
+        b = worker.start(NEXT, out, tmp_path / "b")
+        wait_for(lambda: (tmp_path / "b" / "steps").exists() and "wait" in steps_of(tmp_path / "b"), "B to wait")
+        assert_whole(out, OLD, states)
+    finally:
+        (tmp_path / "a" / "go").touch()
     assert (worker.wait(a), worker.wait(b)) == (0, 0)
     assert_whole(out, NEXT, states)
     assert left_beside(out) == []
@@ -263,11 +266,13 @@ def test_concurrent_saves_commit_one_after_the_other(worker, states, old_folder,
 def test_a_save_waits_for_the_lock_no_longer_than_its_timeout(worker, states, old_folder, tmp_path):
     out = fresh_copy(old_folder, tmp_path)
     a = worker.start(NEW, out, tmp_path / "a", hook="stall", at="stage")
-    wait_for(lambda: (tmp_path / "a" / "stalled").exists(), "save A to stall")
-    assert worker.save(NEXT, out, tmp_path / "b", timeout=0.5) == 3
+    try:
+        wait_for(lambda: (tmp_path / "a" / "stalled").exists(), "save A to stall")
+        assert worker.save(NEXT, out, tmp_path / "b", timeout=0.5) == 3
+    finally:
+        (tmp_path / "a" / "go").touch()
     error = (tmp_path / "b" / "error").read_text()
     assert error.startswith("TimeoutError: cannot commit the checkpoint to") and ".out.lock" in error
-    (tmp_path / "a" / "go").touch()
     assert worker.wait(a) == 0
     assert_whole(out, NEW, states)
     assert left_beside(out) == []
