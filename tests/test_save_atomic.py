@@ -159,6 +159,17 @@ def test_the_commit_steps_and_what_they_keep(worker, states, old_folder, tmp_pat
     assert left_beside(out) == ["out.old-20241201"]
 
 
+def test_a_symlink_to_a_folder_stays_a_symlink(states, old_folder, tmp_path):
+    """Saving into a symlink to a folder commits in the folder it names (beside it); the link stays."""
+    out = fresh_copy(old_folder, tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    save_hf_checkpoint(build("llama", NEW)[1], link, max_shard_size=SHARDS[NEW], progress=False)
+    assert link.is_symlink() and os.readlink(link) == str(out)
+    assert_whole(out, NEW, states)
+    assert left_beside(out) == []
+
+
 # ---------------------------------------------------------------------------------------------------
 # SIGKILL before every step
 
