@@ -1,7 +1,8 @@
 """Saving a (sharded) model as a Hugging Face checkpoint through the inverse of its traced conversions.
 
 :mod:`.layout` (files, headers and offsets from shapes and dtypes alone) ← :mod:`.sources` (the original keys
-and the inverted conversions) ← :mod:`.write` (preallocated files, positional writes, commit) ← :mod:`.api`
+and the inverted conversions) ← :mod:`.write` (preallocated files, positional writes; :mod:`.commit`: the atomic
+swap into place under a lock) ← :mod:`.api`
 (``save_hf_checkpoint``, one process or every rank of a process group; :mod:`.agreement`: what the ranks
 compare before anyone writes) ← :mod:`.writeplan` (any rank's write plan in one process: ``plan_writes``).
 """
