@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .plan.slots import Box, TargetSlot, plain_slot, storage_of
+from .plan.slots import Box, TargetSlot, storage_of, whole_boxes
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -144,9 +144,10 @@ def _shard_boxes(
 
 def slot_for(name: str, tensor: torch.Tensor) -> TargetSlot:
     """The slot of ``tensor`` on this rank: a DTensor's local shard boxes, or the whole tensor."""
-    data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
-    if not _is_dtensor(data):
-        return plain_slot(name, tensor)
+    data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor  # (each .data is a new object)
+    if not _is_dtensor(data):  # plain_slot without asking for .data again: once per model tensor
+        shape = tuple(data.shape)
+        return TargetSlot(name, shape, data.dtype, data, whole_boxes(shape))
     mesh = data.device_mesh
     coord = mesh.get_coordinate()
     shape = tuple(data.shape)

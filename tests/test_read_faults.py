@@ -476,6 +476,42 @@ def test_read_spans_short_file_is_an_error(root):
     assert info.value.path == path
 
 
+def test_pread_consecutive_reads_the_exact_bytes_and_refuses_a_short_file(tmp_path):
+    """Many buffers filled from consecutive file bytes with one preadv per IOV_MAX of them: the same bytes as one
+    read per buffer, empty buffers skipped; a file that ends early is a CheckpointError naming it."""
+    from loader.checkpoint.files import IOV_MAX
+
+    path = str(tmp_path / "bytes.bin")
+    data = np.random.default_rng(0).integers(0, 256, 3 * IOV_MAX * 5 + 7, dtype=np.uint8).tobytes()
+    Path(path).write_bytes(data)
+    sizes = [5] * (3 * IOV_MAX) + [0, 3]
+    outs = [bytearray(n) for n in sizes]
+    with FileReader() as reader:
+        reader.pread_consecutive(path, 4, [memoryview(o) for o in outs])
+        assert b"".join(outs) == data[4 : 4 + sum(sizes)]
+        assert reader.bytes_read == sum(sizes) and reader.reads == 4  # 3 full iovec arrays + the last buffer
+    truncate(Path(path), 4 + sum(sizes) - 2)
+    with FileReader() as reader, pytest.raises(CheckpointError, match="unexpected end of file") as info:
+        reader.pread_consecutive(path, 4, [memoryview(bytearray(n)) for n in sizes])
+    assert info.value.path == path
+
+
+def test_small_tensors_side_by_side_are_read_in_few_calls(tmp_path):
+    """2000 small tensors stored one after another load bit-exactly with a handful of read calls, not one each."""
+    n = 2000
+    values = {f"t{i}": torch.randn(3, generator=torch.Generator().manual_seed(i)) for i in range(n)}
+    save_file(values, str(tmp_path / "model.safetensors"))
+    model = nn.ParameterDict({k: nn.Parameter(torch.empty(3)) for k in values})
+    checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
+    plan = HFLoadPlanner(model).build_plan(checkpoint)
+    from loader.execute import execute_plan
+
+    with FileReader() as reader:
+        execute_plan(plan, reader, progress=False)
+    assert all(torch.equal(model[k].detach(), v) for k, v in values.items())
+    assert reader.bytes_read == n * 12 and reader.reads <= n // 1000 + 2
+
+
 def test_page_spans_read_no_page_the_runs_do_not_touch():
     page = 4096
     # 32 B of every 128 B row: one range

@@ -20,6 +20,8 @@ from .header import FileIdentity, TensorInfo
 from .untrusted import err, open_regular_file
 
 _HAS_PREADV = hasattr(os, "preadv")
+#: buffers per ``preadv`` call (the kernel's limit, IOV_MAX: 1024 on Linux)
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 #: the page size: the unit in which the kernel reads files into its page cache
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -154,6 +156,34 @@ class FileReader:
         with self._lock:
             self.bytes_read += len(view)
             self.reads += 1
+
+    def pread_consecutive(self, file: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Read consecutive bytes of ``file`` from ``offset`` into the buffers ``outs``, one after another: one
+        ``preadv`` call per :data:`IOV_MAX` buffers (many small tensors side by side in the file), not one per buffer.
+
+        Raises:
+            CheckpointError: The file ended before the last buffer was filled, or changed underneath.
+        """
+        fd, pos, calls = self.fd(file), offset, 0
+        views = [v for v in (memoryview(o).cast("B") for o in outs) if len(v)]
+        for i in range(0, len(views), IOV_MAX):
+            chunk = views[i : i + IOV_MAX]
+            size = sum(len(v) for v in chunk)
+            n = os.preadv(fd, chunk, pos) if _HAS_PREADV else 0
+            calls += 1
+            if n < size:  # a short read (or no preadv): the rest buffer by buffer, exactly
+                at = pos
+                for v in chunk:
+                    if n >= len(v):
+                        n -= len(v)
+                    else:
+                        self._read_exact(file, fd, at + n, v[n:])
+                        calls, n = calls + 1, 0
+                    at += len(v)
+            pos += size
+        with self._lock:
+            self.bytes_read += pos - offset
+            self.reads += calls
 
     def read_spans(
         self, file: str, spans: Sequence[tuple[int, int]], out: memoryview, base: int, *, wanted: int | None = None

@@ -90,6 +90,30 @@ def _pack_bytes(block: rt.RemapBlock, span: int, wanted: int, room: int) -> int:
     return packed if span > GATHER_OVERREAD * wanted and align(packed) <= room else 0
 
 
+class _DirectReads:
+    """Reads straight into model memory, gathered while their bytes follow one another in the file, then read by
+    :meth:`~loader.checkpoint.FileReader.pread_consecutive`: one call for many small tensors side by side."""
+
+    def __init__(self, reader: FileReader, file: str, progress: Callable[[int], None]) -> None:
+        self.reader, self.file, self.progress = reader, file, progress
+        self.start = self.end = 0
+        self.views: list[memoryview] = []
+
+    def add(self, start: int, view: memoryview) -> None:
+        if self.views and start != self.end:
+            self.flush()
+        if not self.views:
+            self.start = self.end = start
+        self.views.append(view)
+        self.end += view.nbytes
+
+    def flush(self) -> None:
+        if self.views:
+            self.reader.pread_consecutive(self.file, self.start, self.views)
+            self.progress(self.end - self.start)
+            self.views = []
+
+
 @dataclass
 class _Batch:
     """Blocks read together into one buffer: file bytes ``[base, end)`` at offset 0, then their pack areas."""
@@ -161,7 +185,8 @@ class BlockExecutor:
             info = self.checkpoint[r.block.source]
             targets.add(r.target)
             for block in split_span(r.block, max(1, self.staging_bytes // info.itemsize)):
-                by_file.setdefault(info.file, []).append((BlockRead(r.target, r.local_box, block), info))
+                part = r if block is r.block else BlockRead(r.target, r.local_box, block)  # most blocks fit whole
+                by_file.setdefault(info.file, []).append((part, info))
                 if hint < self.staging_bytes:
                     lo, hi = block.source_span()
                     hint += align((hi - lo) * info.itemsize)
@@ -181,16 +206,14 @@ class BlockExecutor:
         wanted = sum(r.block.read_numel * info.itemsize for r, info in items)
         if wanted < SPARSE_FRACTION * os.path.getsize(file):
             self.reader.advise_sparse(file)  # readahead would read what other ranks need
-        cap, batch = self.staging_bytes, _Batch()
+        cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(self.reader, file, self.progress)
         for (r, info), alone in zip(items, _alone(items)):
             dest = box_view(self.slots[r.target].local, r.local_box)
             layout = read_layout(r.block)
             # a block whose bytes may overlap another's is batched, where overlapping ranges are read once
             direct = _direct_target(r.block, dest, layout) if alone and self.ring.link_for(dest) is None else None
             if direct is not None:
-                start = info.data_start + layout.runs[0] * info.itemsize
-                self.reader.pread_into(file, start, _bytes_view(direct))
-                self.progress(direct.numel() * info.itemsize)
+                direct_reads.add(info.data_start + layout.runs[0] * info.itemsize, _bytes_view(direct))
                 continue
             item = info.itemsize
             span, want = (layout.end - layout.base) * item, layout.count * layout.run * item
@@ -205,6 +228,7 @@ class BlockExecutor:
             batch.add((r, info, dest, layout), start, start + span, pack)
         if batch.items:
             self._staged(file, batch)
+        direct_reads.flush()
 
     def _spanned(self, file: str, r: BlockRead, info: TensorInfo, dest: torch.Tensor, layout: ReadLayout) -> None:
         """Read a block of many short runs by its byte span (gaps on pages it touches anyway) and copy it

@@ -8,6 +8,7 @@ written in place, and the pairs ``(global box, local box)`` that rank owns. A pl
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ def full_box(shape: tuple[int, ...]) -> Box:
     return tuple((0, n) for n in shape)
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def whole_boxes(shape: tuple[int, ...]) -> tuple[tuple[Box, Box], ...]:
+    """The ``boxes`` of a slot holding a tensor of ``shape`` whole (one tuple per shape, shared by its slots)."""
+    box = full_box(shape)
+    return ((box, box),)
+
+
 def box_view(t: torch.Tensor, box: Box) -> torch.Tensor:
     """The view of ``t`` for ``box`` (half-open per dim)."""
     for d, (a, b) in enumerate(box):
@@ -67,7 +75,7 @@ def iter_model_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
 def plain_slot(name: str, tensor: torch.Tensor) -> TargetSlot:
     """A slot for a tensor this rank holds whole."""
     shape = tuple(tensor.shape)
-    return TargetSlot(name, shape, tensor.dtype, storage_of(tensor), ((full_box(shape), full_box(shape)),))
+    return TargetSlot(name, shape, tensor.dtype, storage_of(tensor), whole_boxes(shape))
 
 
 def model_slots(

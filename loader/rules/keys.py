@@ -341,9 +341,11 @@ def _make_conversion(group: _Group, specs: _Specs, state, model, runs: dict) -> 
     rule = group.rule
     if rule is None:
         (key,) = sources
-        sig = signature("rename", (), shapes, dtypes)
-        meta = MetaRun(shapes, dtypes, ((shapes[0], dtypes[0]),))
-        return Conversion((group.name,), sources, "rename", True, ((key, sources),), None, meta, sig)
+        shared = runs.get(("rename", shapes, dtypes))  # one signature and meta run per shape and dtype, not per key
+        if shared is None:
+            sig = signature("rename", (), shapes, dtypes)
+            shared = runs[("rename", shapes, dtypes)] = (sig, MetaRun(shapes, dtypes, ((shapes[0], dtypes[0]),)))
+        return Conversion((group.name,), sources, "rename", True, ((key, sources),), None, shared[1], shared[0])
     for pattern, keys in group.patterns.items():
         if len(keys) > 1 and "*" not in pattern:
             raise _duplicate(keys[0], keys[1], group.name)
