@@ -576,3 +576,22 @@ def test_negative_shard_dims_are_normalised():
 
     assert shard_boxes((4, 8), (2,), (1,), [Shard(-1)]) == shard_boxes((4, 8), (2,), (1,), [Shard(1)])
     assert shard_boxes((4, 8), (2,), (1,), [Shard(-1)]) == ((((0, 4), (4, 8)), ((0, 4), (0, 4))),)
+
+
+def test_fp8_shard_bytes_count_the_codes_not_their_scales(tmp_path):
+    """A rank's shard bytes for a dequantized FP8 weight are its codes (1 B each; the float32 scales beside them
+    are not the weight's dtype); its bytes read are the codes and the scale blocks (rank_figures)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    w = torch.randn(256, 384).to(torch.float8_e4m3fn)
+    save_file({"w": w, "w_scale_inv": torch.rand(2, 3) + 0.5}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    )
+    model = nn.Module()
+    model.w = nn.Parameter(torch.empty(256, 384, dtype=torch.bfloat16))
+    (fig,) = simulate_load(model, str(tmp_path))
+    assert fig.shard_bytes == 256 * 384 and fig.bytes_read == 256 * 384 + 6 * 4
+    assert fig.whole_tensor_bytes == 256 * 384 + 6 * 4 and fig.traced == 1 and fig.deferred == 0
