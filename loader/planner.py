@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from regiontrace.execute import copy_cast, dest_view, source_view
+from regiontrace import copy_cast, dest_view, source_view
 
 from .checkpoint import FileIdentity, SafetensorsCheckpoint, TensorInfo
 from .execute import STAGING_BYTES, apply_deferred

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 import regiontrace as rt
-from regiontrace.region import contiguous_strides
+from regiontrace import contiguous_strides
 
 from .checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo
 from .execute import BlockExecutor, execute_plan, restore

@@ -6,38 +6,60 @@ every output element comes from and compiles, for any box of the output, into :c
 
 from .blocks import Box, RemapBlock, compile_blocks
 from .errors import NotInvertible, TraceMismatch, Untraceable
-from .execute import execute_blocks, materialize
+from .execute import copy_cast, dest_view, execute_blocks, materialize, source_view
 from .invert import Inverse, invert, unmaterialize
-from .layout import ReadLayout
-from .region import PIECE_BUDGET, Region
+from .layout import ReadLayout, distinct_read_numel, overlap_clusters, read_layout, split_block, split_span
+from .region import PIECE_BUDGET, Region, contiguous_strides
 from .scatter import PackedRuns, packed_source_runs, scatter_blocks
 from .tensor import RegionTensor
 from .trace import check_trace, run_on_meta, trace
+from .values import Apply, ValueInput, ValueProgram, evaluate_into, fill_inputs, input_regions
 
 __all__ = [
+    # tracing: stand-ins for sources, and the checks of a traced run
+    "RegionTensor",
+    "trace",
+    "run_on_meta",
+    "check_trace",
+    "Untraceable",
+    "TraceMismatch",
+    # the index map and what it compiles to
+    "Region",
     "PIECE_BUDGET",
+    "contiguous_strides",
     "Box",
+    "RemapBlock",
+    "compile_blocks",
+    "ReadLayout",
+    "read_layout",
+    "distinct_read_numel",
+    "overlap_clusters",
+    "split_block",
+    "split_span",
+    # running blocks forwards
+    "execute_blocks",
+    "materialize",
+    "source_view",
+    "dest_view",
+    "copy_cast",
+    # values computed by pointwise ops
+    "Apply",
+    "ValueProgram",
+    "ValueInput",
+    "input_regions",
+    "fill_inputs",
+    "evaluate_into",
+    # running blocks backwards
+    "invert",
     "Inverse",
     "NotInvertible",
-    "PackedRuns",
-    "ReadLayout",
-    "Region",
-    "RegionTensor",
-    "RemapBlock",
-    "TraceMismatch",
-    "Untraceable",
-    "check_trace",
-    "compile_blocks",
-    "execute_blocks",
-    "explain",
-    "invert",
-    "materialize",
-    "packed_source_runs",
-    "run_on_meta",
-    "scatter_blocks",
-    "to_networkx",
-    "trace",
     "unmaterialize",
+    "scatter_blocks",
+    "packed_source_runs",
+    "PackedRuns",
+    # reading the map
+    "explain",
+    "to_networkx",
 ]
 __version__ = "0.1.0"
 

@@ -10,7 +10,7 @@ import torch
 
 from .region import Axis, Piece
 from .tensor import Node, RegionTensor
-from .values import describe, leaves
+from .values import describe, input_regions
 
 
 def _symbols(ndim: int) -> list[sympy.Symbol]:
@@ -118,7 +118,7 @@ def explain(tensor: RegionTensor, *, as_sympy: bool = False) -> str | dict[str, 
 
 
 def _explain_values(tensor: RegionTensor, as_sympy: bool) -> str | dict:
-    regions = [(r, d) for r, d, _ in leaves(tensor.value, tensor.dtype)]
+    regions = [(r, d) for r, d, _ in input_regions(tensor.value, tensor.dtype)]
     names = {id(r): f"v{i}" for i, (r, _) in enumerate(regions)}
     operands = {
         f"v{i}": explain(RegionTensor(torch.empty(r.shape, dtype=d, device="meta"), r, tensor.node), as_sympy=as_sympy)

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import region as R
 from . import values as V
+from ._torch import DISABLED_TORCH_FUNCTION, make_wrapper_subclass, schema_arguments, tree_flatten, tree_map_only
 from .blocks import RemapBlock, compile_blocks
 from .errors import TraceMismatch, Untraceable
 from .reshape import reshape
@@ -48,11 +48,11 @@ class RegionTensor(torch.Tensor):
     _value: V.Value
     _node: Node
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, value: V.Value, node: Node) -> RegionTensor:
-        r = torch.Tensor._make_wrapper_subclass(
+        r = make_wrapper_subclass(
             cls,
             meta.shape,
             strides=meta.stride(),
@@ -109,7 +109,7 @@ class RegionTensor(torch.Tensor):
 
     def sources(self) -> frozenset[str]:
         """Names of the sources this tensor reads."""
-        return frozenset(p.source.name for r, _, _ in V.leaves(self._value, self.dtype) for p in r.pieces)
+        return frozenset(p.source.name for r, _, _ in V.input_regions(self._value, self.dtype) for p in r.pieces)
 
     def remap_blocks(self, box: Sequence[Sequence[int]] | None = None) -> tuple[RemapBlock, ...]:
         """Compile the map for ``box`` (half-open ``(start, stop)`` per dim; default: everything).
@@ -222,7 +222,7 @@ def _wrap(meta: torch.Tensor, value: V.Value, op: str, parents: tuple, params: d
 
 def _bind(func, args: tuple, kwargs: dict) -> dict[str, Any]:
     bound = {}
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(schema_arguments(func)):
         if i < len(args) and not a.kwarg_only:
             bound[a.name] = args[i]
         elif a.name in kwargs:
@@ -254,7 +254,7 @@ def _val(t: RegionTensor, dtype: torch.dtype | None = None) -> V.Value:
 
 
 def _move(t: RegionTensor, fn: Callable[[R.Region], R.Region]) -> V.Value:
-    """A movement op on ``t``'s value: on its region, or pushed down to the leaves of its pointwise ops."""
+    """A movement op on ``t``'s value: on its region, or pushed down to the input regions of its pointwise ops."""
     return V.move(t._value, fn)
 
 

@@ -8,14 +8,15 @@ Vocabulary (used identically in code, docstrings and docs):
 - **Apply**: one pointwise aten op (tagged ``torch.Tag.pointwise``, or a dtype cast) over *operands*, which are
   values of the Apply's own shape (a broadcast operand is an expanded region: stride 0 on the broadcast dims),
   plus its non-tensor arguments (*constants*, real scalar tensors among them).
-- **leaf**: a region at the bottom of an Apply; its *leaf dtype* is the dtype its elements have there.
+- **input**: a region at the bottom of an Apply, with the dtype its elements have there (its *input dtype*);
+  a ValueProgram fills one box-shaped tensor per input. (A *leaf* is a RegionTensor standing for a whole source.)
 - **push-down**: movement ops commute with pointwise ops, so a view, slice, cat or permute of an Apply is the
-  same Apply over the moved operands. An Apply is therefore always on top, regions at its leaves.
-- **ValueProgram**: an Apply compiled for a box: per leaf, the RemapBlocks that fill a box-shaped tensor of the
-  leaf dtype (its *input*), and the op tree that turns those inputs into the box's values.
+  same Apply over the moved operands. An Apply is therefore always on top, regions at the bottom (its inputs).
+- **ValueProgram**: an Apply compiled for a box: per input, the RemapBlocks that fill a box-shaped tensor of the
+  input dtype, and the op tree that turns those tensors into the box's values.
 
 Each element of an output box depends only on the same element of each operand, so a box's values need only
-the box's part of each leaf: a rank reads its weight region and the scale blocks that region touches.
+the box's part of each input: a rank reads its weight region and the scale blocks that region touches.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from . import region as R
+from ._torch import TreeSpec, op_schema, schema_arguments, tree_flatten, tree_unflatten
 from .blocks import RemapBlock, check_box, compile_blocks
 from .errors import Untraceable
 from .reshape import reshape
@@ -119,8 +120,8 @@ def is_value_op(func: Any) -> bool:
     return (
         torch.Tag.pointwise in tags
         and torch.Tag.nondeterministic_seeded not in tags
-        and not func._schema.is_mutable
-        and len(func._schema.returns) == 1
+        and not op_schema(func).is_mutable
+        and len(op_schema(func).returns) == 1
     )
 
 
@@ -176,7 +177,7 @@ def apply(func: Any, args: tuple, kwargs: dict, out: torch.Tensor, value_of: Cal
 
 
 def _bound_kwargs(func: Any, args: tuple, kwargs: dict) -> dict:
-    names = [a.name for a in func._schema.arguments]
+    names = [a.name for a in schema_arguments(func)]
     return {**dict(zip(names, args)), **kwargs}
 
 
@@ -194,7 +195,7 @@ def cast(value: Value, dtype: torch.dtype, from_dtype: torch.dtype) -> Value:
 
 
 def move(value: Value, fn: Callable[[R.Region], R.Region]) -> Value:
-    """Push a movement op down: ``fn`` applied to every leaf region (movement commutes with pointwise ops)."""
+    """Push a movement op down: ``fn`` applied to every input region (movement commutes with pointwise ops)."""
     if isinstance(value, R.Region):
         return fn(value)
     operands = tuple(o if sc else move(o, fn) for o, sc in zip(value.operands, value.scalars))
@@ -202,7 +203,7 @@ def move(value: Value, fn: Callable[[R.Region], R.Region]) -> Value:
 
 
 def move_many(value: Value, fn: Callable[[R.Region], Sequence[R.Region]], count: int) -> list[Value]:
-    """Push down a movement op with ``count`` outputs (split, unbind): the i-th output of every leaf."""
+    """Push down a movement op with ``count`` outputs (split, unbind): the i-th output of every input region."""
     if isinstance(value, R.Region):
         return list(fn(value))
     per_operand = [[o] * count if sc else move_many(o, fn, count) for o, sc in zip(value.operands, value.scalars)]
@@ -241,13 +242,13 @@ def cat(values: Sequence[Value], dim: int, shape: Sequence[int]) -> Value:
     return replace(first, operands=tuple(operands), shape=tuple(shape))
 
 
-def leaves(value: Value, dtype: torch.dtype, scalar: bool = False) -> list[tuple[R.Region, torch.dtype, bool]]:
-    """The leaf regions of ``value`` (depth first) with their leaf dtypes and whether each is (under) a scalar
-    operand; ``dtype`` is ``value``'s own."""
+def input_regions(value: Value, dtype: torch.dtype, scalar: bool = False) -> list[tuple[R.Region, torch.dtype, bool]]:
+    """The inputs of ``value``: the regions at the bottom of its op tree (depth first), each with its input dtype
+    and whether it is (under) a scalar operand; ``dtype`` is ``value``'s own (a region is its own one input)."""
     if isinstance(value, R.Region):
         return [(value, dtype, scalar)]
     return [
-        leaf for o, d, sc in zip(value.operands, value.dtypes, value.scalars) for leaf in leaves(o, d, scalar or sc)
+        i for o, d, sc in zip(value.operands, value.dtypes, value.scalars) for i in input_regions(o, d, scalar or sc)
     ]
 
 
@@ -265,7 +266,7 @@ def _broadcast(value: Value, shape: tuple[int, ...], out: tuple[int, ...]) -> Va
 
 @dataclass(frozen=True)
 class ValueInput:
-    """One leaf of a :class:`ValueProgram`: a tensor of ``shape`` and ``dtype`` that ``blocks`` fill."""
+    """One input of a :class:`ValueProgram`: a tensor of ``shape`` and ``dtype`` that ``blocks`` fill."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -277,9 +278,9 @@ class ValueProgram:
     """An Apply compiled for one box of its output.
 
     Attributes:
-        inputs: per leaf (depth first): a :class:`ValueInput`, box-shaped (a box's part of each operand is all
+        inputs: per input region (depth first): a :class:`ValueInput`, box-shaped (a box's part of each operand is all
             its elements need) or 0-dim for a scalar operand.
-        apply: the op tree (its leaf regions are not used when evaluating).
+        apply: the op tree (its input regions are not used when evaluating).
         shape: the box's shape; dtype: the values'.
     """
 
@@ -301,7 +302,7 @@ class ValueProgram:
         return replace(self, inputs=tuple(replace(i, blocks=tuple(fn(b) for b in i.blocks)) for i in self.inputs))
 
     def evaluate(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The box's values from its filled inputs (one box-shaped tensor per leaf, in :attr:`inputs` order).
+        """The box's values from its filled inputs (one box-shaped tensor per input, in :attr:`inputs` order).
 
         Replays each op exactly as traced (same aten op, same arguments, scalar operands 0-dim), so the result
         is bit-identical to running the traced code on real tensors.
@@ -362,7 +363,7 @@ def compile_values(value: Apply, box: Sequence[Sequence[int]] | None = None) -> 
         ValueInput(dtype, (), compile_blocks(region))
         if scalar
         else ValueInput(dtype, shape, compile_blocks(region, box))
-        for region, dtype, scalar in leaves(value, value.dtype)
+        for region, dtype, scalar in input_regions(value, value.dtype)
     )
     return ValueProgram(inputs, value, shape)
 
@@ -391,7 +392,7 @@ def fill_inputs(
 
 
 def describe(value: Value, names: Callable[[R.Region], str]) -> str:
-    """``value`` as an expression, e.g. ``_to_copy(mul(v0, v1), bfloat16)``; ``names`` names a leaf region."""
+    """``value`` as an expression, e.g. ``_to_copy(mul(v0, v1), bfloat16)``; ``names`` names an input region."""
     if isinstance(value, R.Region):
         return names(value)
     args = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from regiontrace.layout import ReadLayout, read_layout, split_block, split_span
+from regiontrace import ReadLayout, read_layout, split_block, split_span
 
 from ..checkpoint.files import PAGE
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import regiontrace as rt
-from regiontrace.execute import dest_view
+from regiontrace import dest_view
 
 from ..checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..plan import BlockRead
@@ -74,7 +74,7 @@ def _alone(items: list[tuple[BlockRead, TensorInfo]]) -> list[bool]:
     for r, info in items:
         lo, hi = r.block.source_span()
         spans.append((info.data_start + lo * info.itemsize, info.data_start + hi * info.itemsize))
-    clusters = rt.layout.overlap_clusters(spans)
+    clusters = rt.overlap_clusters(spans)
     sizes = [0] * (clusters[-1] + 1 if clusters else 0)
     for c in clusters:
         sizes[c] += 1

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from regiontrace.execute import copy_cast
+from regiontrace import copy_cast
 
 #: default number of staging buffers (double-buffered: read into one while the other is copied)
 BUFFERS = 2

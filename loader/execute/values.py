@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from regiontrace.values import ValueInput, evaluate_into, fill_inputs
+from regiontrace import ValueInput, evaluate_into, fill_inputs
 
 from ..checkpoint import FileReader, SafetensorsCheckpoint
 from ..plan import BlockRead, TargetSlot, ValueRead, full_box

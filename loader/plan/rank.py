@@ -44,7 +44,7 @@ class ValueRead:
 
     target: str
     local_box: Box
-    program: rt.values.ValueProgram
+    program: rt.ValueProgram
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckp
     by_source: dict[str, list[rt.RemapBlock]] = {}
     for b in blocks:
         by_source.setdefault(b.source, []).append(b)
-    return sum(rt.layout.distinct_read_numel(g) * checkpoint[s].itemsize for s, g in by_source.items())
+    return sum(rt.distinct_read_numel(g) * checkpoint[s].itemsize for s, g in by_source.items())
 
 
 def plan_rank(
@@ -253,7 +253,7 @@ def _compiled_values(
         out = traced.outputs[t]
         if out.is_index_map:
             continue
-        per_element = sum(d.itemsize for _, d, _ in rt.values.leaves(out.value, out.dtype))
+        per_element = sum(d.itemsize for _, d, _ in rt.input_regions(out.value, out.dtype))
         for g, lb in slots[t].boxes:
             for gp, lp in split_box(g, lb, max(1, value_bytes // per_element)):
                 reads.append(ValueRead(t, lp, cache.program(traced.key, i, out, gp, conv.sources)))

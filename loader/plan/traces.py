@@ -67,7 +67,7 @@ class TraceCache:
     def __init__(self) -> None:
         self._traces: dict[int, tuple[rt.RegionTensor, ...] | str] = {}
         self._blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = {}
-        self._programs: dict[tuple, rt.values.ValueProgram] = {}
+        self._programs: dict[tuple, rt.ValueProgram] = {}
         self._keys: dict[tuple[int, int], tuple[Conversion, SafetensorsCheckpoint, int, MetaRun]] = {}
         self._interned: dict[Hashable, int] = {}
         self._reruns: dict[int, MetaRun] = {}
@@ -153,7 +153,7 @@ class TraceCache:
 
     def program(
         self, sig: int, target_index: int, traced: rt.RegionTensor, box: Box, names: tuple[str, ...]
-    ) -> rt.values.ValueProgram:
+    ) -> rt.ValueProgram:
         """The value program for ``box``, compiled once per signature and renamed to this conversion's sources."""
         key = (sig, target_index, box)
         program = self._programs.get(key)

@@ -218,7 +218,8 @@ class Conversion:
     #: equal for conversions that compute the same index map from sources of the same shapes and dtypes
     #: (layers of one structure); ``None``: shared with no other conversion.
     signature: Hashable | None = field(default=None, compare=False, repr=False)
-    _runner: Callable[[Mapping[str, Any]], dict[str, Any]] | None = field(default=None, compare=False, repr=False)
+    #: computes the targets from ``{source key: tensor}`` (any conversion but a rename): what :meth:`run` calls.
+    runner: Callable[[Mapping[str, Any]], dict[str, Any]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def target_shapes(self) -> tuple[tuple[int, ...], ...] | None:
@@ -235,8 +236,8 @@ class Conversion:
         are passed to the conversion as they are (no dtype/device cast)."""
         if self.is_rename:
             return {self.targets[0]: tensors[self.sources[0]]}
-        assert self._runner is not None
-        return self._runner(tensors)
+        assert self.runner is not None
+        return self.runner(tensors)
 
 
 def source_cast(rule: Any, dtype: torch.dtype) -> torch.dtype | None:

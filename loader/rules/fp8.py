@@ -259,7 +259,7 @@ def _dequantizing(
         rule=Fp8Dequantization(conv.rule),
         meta=None,
         signature=signature,
-        _runner=run,
+        runner=run,
     )
 
 

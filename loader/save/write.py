@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 import regiontrace as rt
-from regiontrace.execute import dest_view
-from regiontrace.layout import split_block
+from regiontrace import dest_view, split_block
 
 from .commit import commit_folder, destination
 from .layout import SaveLayout, TensorPlace
