@@ -20,8 +20,8 @@ class CheckpointError(ValueError):
         self.path = path
         self.key = key
 
-    def __reduce__(self):  # keep path/key across pickling (e.g. multiprocessing)
-        return (_rebuild_checkpoint_error, (type(self), str(self), self.path, self.key))
+    def __reduce__(self):  # keep path/key (and a re-raised error's rank, traceback) across pickling
+        return (_rebuild_checkpoint_error, (type(self), str(self), self.path, self.key), self.__dict__)
 
 
 def _rebuild_checkpoint_error(
@@ -51,13 +51,31 @@ class PeerFailure(RuntimeError):
         self.reason = reason
 
     def __reduce__(self):  # keep the attributes across pickling (dcp gathers exceptions between ranks)
-        return (_rebuild_peer_failure, (type(self), str(self), self.stage, self.ranks, self.reason))
+        return (_rebuild_peer_failure, (type(self), str(self), self.stage, self.ranks, self.reason), self.__dict__)
 
 
 def _rebuild_peer_failure(
     cls: type[PeerFailure], message: str, stage: str, ranks: tuple[int, ...], reason: str
 ) -> PeerFailure:
     return cls(message, stage=stage, ranks=ranks, reason=reason)
+
+
+class RemoteError(RuntimeError):
+    """Another rank of a distributed load or save failed with an exception type that is neither a builtin nor
+    one of the project's, nor derived from one (those are re-raised as themselves on every rank).
+
+    Like every error re-raised from another rank it carries ``rank`` (the failed rank), ``stage``,
+    ``remote_type`` (the original type's qualified name, also named in the message) and ``remote_traceback``
+    (the formatted traceback on that rank, its last 16 KiB; also a note of the exception on Python >= 3.11).
+
+    Args:
+        message: Full human-readable message (names the stage, the rank and the original type).
+        remote_type: ``module.qualname`` of the original exception type.
+    """
+
+    def __init__(self, message: str, *, remote_type: str = "") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import json
 import logging
 import threading
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..placements import rank_and_world
+from .remote import Failure, decode_failure, encode_failure, remote_error
 
 log = logging.getLogger("loader")
 
@@ -159,8 +159,10 @@ class LoadSession:
                 dead ranks are still detected).
 
         Raises:
-            CheckpointError | ValueError | RuntimeError: some rank failed (the lowest failed rank's error type,
-                message, ``path`` and ``key``; other failed ranks are listed).
+            Exception: some rank failed: the lowest failed rank's error as its own type when that is a builtin
+                or one of the project's (with its attributes, e.g. ``path`` and ``key``), else as its nearest
+                such base class or :class:`~loader.errors.RemoteError` (:mod:`.remote`); it carries ``rank``,
+                ``stage``, ``remote_type`` and ``remote_traceback``, and lists the other failed ranks.
             PeerFailure: some rank did not arrive within the timeout, died, or this rank arrived after the
                 others gave up waiting for it.
             RuntimeError: a save stage in a ``solo`` session (torch's fake process group).
@@ -172,7 +174,7 @@ class LoadSession:
             verdict, failed = self._exchange(error, stage, bounded)
         if verdict == "ok":
             if failed:
-                _raise_failed(_STAGES[stage], failed, error)
+                raise remote_error(failed, _STAGES[stage], stage) from error
             return
         reason, _, names = verdict.partition(":")
         raise self._peer_failure(stage, reason, tuple(int(r) for r in names.split(",") if r)) from error
@@ -188,29 +190,19 @@ class LoadSession:
         if error is not None:
             raise error
 
-    def _exchange(self, error: BaseException | None, stage: str, bounded: bool) -> tuple[str, list]:
+    def _exchange(self, error: BaseException | None, stage: str, bounded: bool) -> tuple[str, list[Failure]]:
         """Post this rank's outcome; the verdict and, when it is ``"ok"``, every failed rank's outcome."""
-        from ..errors import CheckpointError
-
         s = self.store
         if error is not None:
-            carried = isinstance(error, CheckpointError)
-            payload = [
-                self.rank,
-                f"{type(error).__name__}: {error}",
-                _error_kind(error),
-                error.path if carried else None,
-                error.key if carried else None,
-            ]
-            s.set(f"{stage}/failed/{s.add(f'{stage}/failed', 1)}", json.dumps(payload))
+            s.set(f"{stage}/failed/{s.add(f'{stage}/failed', 1)}", encode_failure(error, self.rank))
         s.set(f"{stage}/here/{self.rank}", "1")
         s.add(f"{stage}/count", 1)
         verdict = self._verdict(stage, self.timeout if bounded else None)
         if verdict != "ok":
             return verdict, []
         count = s.add(f"{stage}/failed", 0)
-        failed = [json.loads(s.get(f"{stage}/failed/{i}")) for i in range(1, count + 1)]
-        return verdict, sorted(failed, key=lambda f: f[0])
+        failed = [decode_failure(s.get(f"{stage}/failed/{i}")) for i in range(1, count + 1)]
+        return verdict, sorted(failed, key=lambda f: (f.rank is None, f.rank or 0))
 
     def _verdict(self, stage: str, timeout: float | None) -> str:
         s, key = self.store, f"{stage}/verdict"
@@ -280,37 +272,3 @@ def peer_errors(stage: str, doing: str) -> Iterator[None]:
             stage=stage,
             reason="connection",
         ) from e
-
-
-def _raise_failed(what: str, failed: list, error: BaseException | None) -> None:
-    """Raise the lowest failed rank's error (its type, message, path and key), listing the others."""
-    r, message, kind, path, key = failed[0]
-    text = f"{what} failed on rank {r}: {message}"
-    if len(failed) > 1:
-        text += f" (and on rank(s) {', '.join(str(f[0]) for f in failed[1:])})"
-    exc = _make_error(kind, text, path, key)
-    if error is not None:
-        raise exc from error
-    raise exc
-
-
-def _error_kind(error: BaseException | None) -> str:
-    from ..errors import CheckpointError
-
-    if error is None:
-        return ""
-    if isinstance(error, CheckpointError):
-        return "checkpoint"
-    if isinstance(error, ValueError):
-        return "value"
-    return "runtime"
-
-
-def _make_error(kind: str, text: str, path: str | None = None, key: str | None = None) -> BaseException:
-    from ..errors import CheckpointError
-
-    if kind == "checkpoint":
-        return CheckpointError(text, path=path, key=key)
-    if kind == "value":
-        return ValueError(text)
-    return RuntimeError(text)
