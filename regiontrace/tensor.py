@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import region as R
 from . import values as V
+from ._torch import DISABLED_TORCH_FUNCTION, make_wrapper_subclass, schema_arguments, tree_flatten, tree_map_only
 from .blocks import RemapBlock, compile_blocks
 from .errors import TraceMismatch, Untraceable
 from .reshape import reshape
@@ -48,11 +48,11 @@ class RegionTensor(torch.Tensor):
     _value: V.Value
     _node: Node
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, value: V.Value, node: Node) -> RegionTensor:
-        r = torch.Tensor._make_wrapper_subclass(
+        r = make_wrapper_subclass(
             cls,
             meta.shape,
             strides=meta.stride(),
@@ -222,7 +222,7 @@ def _wrap(meta: torch.Tensor, value: V.Value, op: str, parents: tuple, params: d
 
 def _bind(func, args: tuple, kwargs: dict) -> dict[str, Any]:
     bound = {}
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(schema_arguments(func)):
         if i < len(args) and not a.kwarg_only:
             bound[a.name] = args[i]
         elif a.name in kwargs:

@@ -6,9 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ._torch import TorchDispatchMode, tree_flatten, tree_map_only
 from .errors import TraceMismatch, Untraceable
 from .tensor import RegionTensor
 

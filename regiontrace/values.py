@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import region as R
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from ._torch import TreeSpec, op_schema, schema_arguments, tree_flatten, tree_unflatten
 from .blocks import RemapBlock, check_box, compile_blocks
 from .errors import Untraceable
 from .reshape import reshape
@@ -120,8 +120,8 @@ def is_value_op(func: Any) -> bool:
     return (
         torch.Tag.pointwise in tags
         and torch.Tag.nondeterministic_seeded not in tags
-        and not func._schema.is_mutable
-        and len(func._schema.returns) == 1
+        and not op_schema(func).is_mutable
+        and len(op_schema(func).returns) == 1
     )
 
 
@@ -177,7 +177,7 @@ def apply(func: Any, args: tuple, kwargs: dict, out: torch.Tensor, value_of: Cal
 
 
 def _bound_kwargs(func: Any, args: tuple, kwargs: dict) -> dict:
-    names = [a.name for a in func._schema.arguments]
+    names = [a.name for a in schema_arguments(func)]
     return {**dict(zip(names, args)), **kwargs}
 
 

@@ -6,10 +6,9 @@ import argparse
 import math
 from typing import Any
 
-from torch.utils._pytree import keystr, tree_flatten_with_path
-
 import regiontrace as rt
 
+from .._torch import keystr, tree_flatten_with_path
 from .common import (
     CLIError,
     add_function_arguments,

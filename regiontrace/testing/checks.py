@@ -47,7 +47,7 @@ def _has_casts(out: Any) -> bool:
 
 
 def _tensors(out: Any) -> list[Any]:
-    from torch.utils._pytree import tree_flatten
+    from .._torch import tree_flatten
 
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
 
