@@ -107,7 +107,7 @@ def load_report(
         bytes_read=bytes_read,
         traced=natural_sorted(plan.traced),
         deferred=natural_sorted(plan.deferred_targets),
-        blocks=len(plan.block_reads()),
+        blocks=plan.block_count,
         planned_bytes=plan.planned_bytes(),
         deferred_reasons={", ".join(d.conversion.targets): d.reason for d in plan.deferred},
         rank=rank,

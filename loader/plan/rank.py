@@ -22,6 +22,7 @@ from ..checkpoint import SafetensorsCheckpoint
 from ..rules import Conversion, KeyPlan
 from ..rules.conversion import MetaRun, cast_like_transformers, source_cast
 from .dtypes import check_float8, kind_cast
+from .gcpause import paused_gc
 from .slots import Box, TargetSlot
 from .traces import TraceCache, Traced, Untraced
 
@@ -100,17 +101,33 @@ class RankPlan:
 
     @functools.cached_property
     def _planned_bytes(self) -> int:  # the log line, the progress bar and the report each ask: counted once
-        total = unique_read_bytes([b for _, b in self.block_reads()], self.checkpoint)
+        with paused_gc():  # one record per block: no full collections over the model meanwhile
+            blocks = [r.block for r in self.reads] + [b for v in self.values for b in v.program.blocks]
+            total = unique_read_bytes(blocks, self.checkpoint)
         keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
         return total + sum(self.checkpoint[k].nbytes for k in keys)
+
+    @property
+    def block_count(self) -> int:
+        """``len(block_reads())``, without listing them."""
+        return len(self.reads) + sum(len(v.program.blocks) for v in self.values)
 
 
 def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckpoint) -> int:
     """Bytes of the union of source elements the blocks read (overlapping reads are read once)."""
-    by_source: dict[str, list[rt.RemapBlock]] = {}
+    by_source: dict[str, rt.RemapBlock | list[rt.RemapBlock]] = {}  # a list only for a source read several times
     for b in blocks:
-        by_source.setdefault(b.source, []).append(b)
-    return sum(rt.distinct_read_numel(g) * checkpoint[s].itemsize for s, g in by_source.items())
+        seen = by_source.get(b.source)
+        if seen is None:
+            by_source[b.source] = b
+        elif isinstance(seen, list):
+            seen.append(b)
+        else:
+            by_source[b.source] = [seen, b]
+    return sum(
+        (rt.distinct_read_numel(g) if isinstance(g, list) else g.read_numel) * checkpoint[s].itemsize
+        for s, g in by_source.items()
+    )
 
 
 def plan_rank(
