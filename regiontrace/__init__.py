@@ -4,12 +4,13 @@ Run conversion code on :class:`RegionTensor` stand-ins for checkpoint tensors; t
 every output element comes from and compiles, for any box of the output, into :class:`RemapBlock` copies.
 """
 
-from .blocks import Box, RemapBlock, compile_blocks
+from .block_reads import distinct_read_numel, overlap_clusters, split_block, split_span
+from .compile import compile_blocks
 from .errors import NotInvertible, TraceMismatch, Untraceable
 from .execute import copy_cast, dest_view, execute_blocks, materialize, source_view
 from .invert import Inverse, invert, unmaterialize
-from .layout import ReadLayout, distinct_read_numel, overlap_clusters, read_layout, split_block, split_span
 from .region import PIECE_BUDGET, Region, contiguous_strides
+from .remap_block import Box, ReadLayout, RemapBlock, read_layout
 from .scatter import PackedRuns, packed_source_runs, scatter_blocks
 from .tensor import RegionTensor
 from .trace import check_trace, run_on_meta, trace

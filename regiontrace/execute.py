@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .blocks import RemapBlock
+from .remap_block import RemapBlock
 from .values import ValueProgram, evaluate_into, fill_inputs
 
 if TYPE_CHECKING:

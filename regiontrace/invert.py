@@ -2,7 +2,7 @@
 
 Loading runs a conversion forwards; saving runs it backwards. When every element of every source is read by
 exactly one output element and every cast is an exact widening, the traced map is a bijection: the forward
-:class:`~regiontrace.blocks.RemapBlock` s of an output box, run backwards, write each source element the box maps
+:class:`~regiontrace.RemapBlock` s of an output box, run backwards, write each source element the box maps
 from exactly once, with no hand-written reverse op.
 
 :func:`invert` checks this per source with arithmetic on each piece's *source lattice* ``base + sum(d_k *
@@ -22,9 +22,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .blocks import RemapBlock, check_box
+from .compile import check_box
 from .errors import NotInvertible
 from .region import _EXACT_WIDENINGS, Piece
+from .remap_block import RemapBlock
 from .scatter import scatter_blocks
 from .tensor import RegionTensor
 

@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import RemapBlock
 from .execute import dest_view
+from .remap_block import RemapBlock
 
 
 class PackedRuns(NamedTuple):

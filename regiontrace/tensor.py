@@ -19,8 +19,9 @@ import torch
 from . import region as R
 from . import values as V
 from ._torch import DISABLED_TORCH_FUNCTION, make_wrapper_subclass, schema_arguments, tree_flatten, tree_map_only
-from .blocks import RemapBlock, compile_blocks
+from .compile import compile_blocks
 from .errors import TraceMismatch, Untraceable
+from .remap_block import RemapBlock
 from .reshape import reshape
 
 aten = torch.ops.aten

@@ -29,8 +29,9 @@ import torch
 
 from . import region as R
 from ._torch import TreeSpec, op_schema, schema_arguments, tree_flatten, tree_unflatten
-from .blocks import RemapBlock, check_box, compile_blocks
+from .compile import check_box, compile_blocks
 from .errors import Untraceable
+from .remap_block import RemapBlock
 from .reshape import reshape
 
 aten = torch.ops.aten

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 import regiontrace as rt
 import regiontrace.region as R
-from regiontrace.execute import source_view
 from regiontrace.testing import assert_converter_exact, boxes, code_tensors, programs
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -556,7 +555,7 @@ def test_block_source_box_with_size_one_source_dims(shape, fn, expected):
 def _read_flat(block):
     """The flat source indices ``block`` reads, in block index order."""
     codes = torch.arange(math.prod(block.source_shape), dtype=torch.int64).reshape(block.source_shape)
-    return source_view(block, codes).reshape(-1)
+    return rt.source_view(block, codes).reshape(-1)
 
 
 def _box_flat(shape, offsets, lengths):
@@ -591,7 +590,7 @@ def test_source_box_is_exactly_the_elements_read(program, data):
         assert local.source_shape == lengths and local.shape == block.shape
         codes = torch.arange(math.prod(block.source_shape), dtype=torch.int64).reshape(block.source_shape)
         boxed = codes[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))].contiguous()
-        assert torch.equal(source_view(local, boxed), source_view(block, codes))
+        assert torch.equal(rt.source_view(local, boxed), rt.source_view(block, codes))
 
 
 def test_interleaved_qkv_per_kv_head_reads_plain_boxes():

@@ -1,6 +1,6 @@
-"""The read side of RemapBlocks (regiontrace.layout) against brute force: runs, spans, packed and span views,
-splitting, and union counting, for blocks of random programs and random boxes and for arbitrary strided blocks
-(negative, zero and overlapping strides)."""
+"""The read side of RemapBlocks (regiontrace.remap_block, regiontrace.block_reads) against brute force: runs,
+spans, packed and span views, splitting, and union counting, for blocks of random programs and random boxes and
+for arbitrary strided blocks (negative, zero and overlapping strides)."""
 
 import math
 from dataclasses import replace
@@ -12,16 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import regiontrace as rt
-from regiontrace.execute import source_view
-from regiontrace.layout import (
-    distinct_read_numel,
-    overlap_clusters,
-    read_layout,
-    source_span,
-    split_block,
-    split_span,
-    union_numel,
-)
+from regiontrace import distinct_read_numel, overlap_clusters, read_layout, source_view, split_block, split_span
+from regiontrace.block_reads import union_numel
+from regiontrace.remap_block import source_span
 from regiontrace.testing import boxes, programs
 
 F32 = torch.float32

@@ -1,5 +1,6 @@
-"""Read layouts for the executor: the block arithmetic is regiontrace's (:mod:`regiontrace.layout`: runs, packed
-strides, flips, spans, splitting to fit a bounded buffer); this module adds the page-aware grouping of byte runs.
+"""Read layouts for the executor: the block arithmetic is regiontrace's (:class:`regiontrace.ReadLayout`: runs,
+packed strides, flips, spans; :func:`regiontrace.split_block`: splitting to fit a bounded buffer); this module adds
+the page-aware grouping of byte runs.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from ..blocks import RemapBlock, check_box
+from ..compile import check_box
 from ..execute import dest_view, execute_blocks, execute_program, materialize
+from ..remap_block import RemapBlock
 from ..tensor import RegionTensor
 from ..trace import trace
 from .difference import Spec, first_difference

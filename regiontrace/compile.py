@@ -1,6 +1,7 @@
 """Compiling a region, for a box of its output, into RemapBlocks: strided copies from one source each.
 
-:class:`RemapBlock` and its read side (runs, span, box, splitting, counting) live in :mod:`regiontrace.layout`.
+:class:`~regiontrace.remap_block.RemapBlock` and its read side (runs, span, box) live in
+:mod:`regiontrace.remap_block`.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .layout import Box, RemapBlock
 from .region import Factor, Region, _weights, box_ranges, interval_boxes
+from .remap_block import Box, RemapBlock
 
-__all__ = ["Box", "RemapBlock", "check_box", "compile_blocks"]
+__all__ = ["check_box", "compile_blocks"]
 
 
 def check_box(shape: Sequence[int], box: Sequence[Sequence[int]] | None) -> Box:
