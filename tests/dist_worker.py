@@ -299,6 +299,70 @@ def scenario_checkpoint_error_carried(ctx: dict) -> dict:
     return {**outcome, "unchanged": _unchanged(model)}
 
 
+class ForeignFailure(Exception):
+    """Neither a builtin nor one of the project's errors: the other ranks raise a RemoteError naming it."""
+
+
+def _raise_on_rank_2(error: BaseException) -> None:
+    """Raise ``error`` (called on rank 2 only): the other ranks' ``remote_traceback`` must name this function."""
+    raise error
+
+
+def _remote(e: BaseException) -> dict:
+    return {
+        **_describe(e),
+        "rank": getattr(e, "rank", None),
+        "remote_type": getattr(e, "remote_type", None),
+        "remote_traceback": getattr(e, "remote_traceback", None),
+        "notes": getattr(e, "__notes__", None),
+    }
+
+
+def scenario_remote_errors(ctx: dict) -> dict:
+    """Rank 2 raises a KeyError, a ValueError, a CheckpointError and a foreign exception in a rule while
+    planning, and a KeyError while reading: every rank raises it as its own type (a RemoteError for the foreign
+    one) with rank 2's number, the stage and rank 2's traceback text."""
+    import dist_models as dm
+
+    from loader import CheckpointError, Convert, load_hf_checkpoint
+
+    rank = dist.get_rank()
+    errors = {
+        "KeyError": lambda: KeyError("no such expert"),
+        "ValueError": lambda: ValueError("a bad value"),
+        "CheckpointError": lambda: CheckpointError("a bad file", path="/ckpt/x.safetensors", key="norm"),
+        "ForeignFailure": lambda: ForeignFailure("not one of ours"),
+    }
+    out = {}
+    for name, make in errors.items():
+
+        def norm(w, make=make):
+            if rank == 2:
+                _raise_on_rank_2(make())
+            return w
+
+        rules = [r for r in dm.RULES if "norm" not in repr(r)] + [Convert("norm_src", "norm", norm)]
+        try:
+            load_hf_checkpoint(_filled_layout(), ctx["layout_path"], weights_mapping=rules, progress=False)
+            out[name] = {"type": None}
+        except BaseException as e:
+            out[name] = _remote(e)
+
+    def scaled(w):
+        if w.device.type != "meta" and rank == 2:  # it runs for real while reading
+            _raise_on_rank_2(KeyError("no such block"))
+        return torch.stack([w, w]).sum(0)  # `sum`: not traceable, deferred
+
+    try:
+        load_hf_checkpoint(
+            _filled_layout(), ctx["layout_path"], weights_mapping=_rules_with_scaled(scaled), progress=False
+        )
+        out["reading"] = {"type": None}
+    except BaseException as e:
+        out["reading"] = _remote(e)
+    return {"errors": out}
+
+
 SCENARIOS = [
     ("layout_1d", lambda ctx: scenario_layout(ctx, (4,))),
     ("layout_2d", lambda ctx: scenario_layout(ctx, (2, 2))),
@@ -313,6 +377,7 @@ SCENARIOS = [
     ("simulation_2d", lambda ctx: scenario_simulation(ctx, (2, 2))),
     ("read_fail_rollback", scenario_read_fail_rollback),
     ("checkpoint_error_carried", scenario_checkpoint_error_carried),
+    ("remote_errors", scenario_remote_errors),
 ]
 
 

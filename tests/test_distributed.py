@@ -148,6 +148,32 @@ def test_checkpoint_error_carries_failing_ranks_path_and_key(results):
         assert res["unchanged"]
 
 
+@pytest.mark.parametrize(
+    "name, kind, stage",
+    [
+        ("KeyError", "KeyError", "planning"),
+        ("ValueError", "ValueError", "planning"),
+        ("CheckpointError", "CheckpointError", "planning"),
+        ("ForeignFailure", "RemoteError", "planning"),
+        ("reading", "KeyError", "reading"),
+    ],
+)
+def test_a_failure_on_one_rank_keeps_its_type_rank_and_traceback_everywhere(results, name, kind, stage):
+    words = {"planning": "Planning the load", "reading": "Reading the checkpoint"}[stage]
+    for r, res in enumerate(ok(results, "remote_errors")):
+        got = res["errors"][name]
+        assert (got["type"], got["rank"], got["stage"]) == (kind, 2, stage), (r, got)
+        assert f"{words} failed on rank 2: " in got["message"], (r, got["message"])
+        assert "in _raise_on_rank_2" in got["remote_traceback"], (r, got["remote_traceback"])  # rank 2's frames
+        if sys.version_info >= (3, 11):  # PEP 678 notes
+            assert got["notes"] == [f"--- the traceback on rank 2 ({stage}) ---\n{got['remote_traceback'].rstrip()}"]
+        if name == "CheckpointError":
+            assert (got["path"], got["key"]) == ("/ckpt/x.safetensors", "norm"), (r, got)
+        if name == "ForeignFailure":  # not ours, not a builtin: named, never imported
+            assert got["remote_type"] == "__main__.ForeignFailure", (r, got)
+            assert "__main__.ForeignFailure: not one of ours" in got["message"], (r, got["message"])
+
+
 # ---------------------------------------------------------------------------------------------------
 # faults: a rank that hangs, a rank that is killed
 
