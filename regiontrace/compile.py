@@ -10,7 +10,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .region import Factor, Region, _weights, box_ranges, interval_boxes
+from .radix import Factor, box_ranges, digit_weights, interval_boxes
+from .region import Region
 from .remap_block import Box, RemapBlock
 
 __all__ = ["check_box", "compile_blocks"]
@@ -61,7 +62,7 @@ def _dim_parts(factors: tuple[Factor, ...], a0: int, a1: int, shift: int) -> lis
     """Per-dim parts of one piece inside ``[a0, a1)``: (dst start, src delta, [(n, src stride, dst step)])."""
     if not factors:
         return [(shift, 0, [])]
-    weights = _weights(factors)
+    weights = digit_weights(factors)
     parts = []
     for prefix, lo, hi in interval_boxes(a0, a1, [f.radix for f in factors]):
         ranges = box_ranges(factors, prefix, lo, hi)

@@ -24,7 +24,7 @@ import torch
 
 from .compile import check_box
 from .errors import NotInvertible
-from .region import _EXACT_WIDENINGS, Piece
+from .region import EXACT_WIDENINGS, Piece
 from .remap_block import RemapBlock
 from .scatter import scatter_blocks
 from .tensor import RegionTensor
@@ -352,7 +352,7 @@ def _lattice(owner: int, oname: str | None, piece: Piece) -> _Lattice:
 def _check_casts(oname: str | None, piece: Piece) -> None:
     chain = (piece.source.dtype,) + piece.casts
     for a, b in zip(chain, chain[1:]):
-        if (a, b) not in _EXACT_WIDENINGS:
+        if (a, b) not in EXACT_WIDENINGS:
             raise NotInvertible(
                 f"{_label(oname)} reads source {piece.source.name!r} ({piece.source.dtype}) through a cast "
                 f"{a} -> {b}, which is not exact: its inverse cannot restore the source values (only exact "

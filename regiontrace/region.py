@@ -5,28 +5,30 @@ Vocabulary (used identically in code, docstrings and docs):
 - **source**: a named checkpoint tensor, read as C-contiguous; a *source offset* is a flat element index.
 - **factor** ``(radix, lo, hi, stride)``: one digit of a mixed-radix decomposition. A coordinate's digit
   must lie in ``[lo, hi)`` (the *coverage*) and contributes ``(digit - lo) * stride`` to the source offset.
-- **axis** ``(start, factors)``: one output dim of a piece. It spans the interval
-  ``[start, start + prod(radix))`` of the output dim; ``y - start`` is decomposed exactly over the radices
-  (major first). Coverage per factor lets a piece cover an *interleaved* set (e.g. every other row).
+- **axis** ``(start, factors)``: one output dim of a piece, the interval ``[start, start + prod(radix))``
+  decomposed over the factors' radices (:mod:`regiontrace.radix`: factors, axes, their normal form).
 - **piece**: a source, a *base* source offset (every digit at its ``lo``), one axis per output dim, and a
   chain of value casts. The pieces of a region partition its output.
+- **region**: the index map of a RegionTensor: its shape and the pieces that partition it (never "a part of a
+  tensor": that is a *box*, or a piece's elements).
 - **box**: half-open ``(start, stop)`` per output dim.
 
 Every op below (and :func:`regiontrace.reshape.reshape`) is a short pure function ``Region -> Region``;
-:func:`normalize_axis` is the one normal form applied after every op. Pieces only split where an exact
-affine description demands it, and never beyond :data:`PIECE_BUDGET`.
+:func:`~regiontrace.radix.normalize_axis` is the one normal form applied after every op. Pieces only split
+where an exact affine description demands it, and never beyond :data:`PIECE_BUDGET`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from .errors import Untraceable
+from .radix import Axis, Factor, normalize_axis, restrict_axis, split_leading
 
 #: Upper bound on the pieces a single op may produce; beyond it tracing raises :class:`Untraceable`.
 PIECE_BUDGET = 1 << 16
@@ -38,34 +40,6 @@ class Source(NamedTuple):
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-class Factor(NamedTuple):
-    """One mixed-radix digit: coverage ``[lo, hi)`` of ``[0, radix)``, source ``stride`` per digit."""
-
-    radix: int
-    lo: int
-    hi: int
-    stride: int
-
-
-@dataclass(frozen=True, slots=True)
-class Axis:
-    """One output dim of a piece: the interval ``[start, start + length)`` and its factors (major first)."""
-
-    start: int
-    factors: tuple[Factor, ...]
-
-    @property
-    def length(self) -> int:
-        return math.prod(f.radix for f in self.factors)
-
-    @property
-    def radices(self) -> tuple[int, ...]:
-        return tuple(f.radix for f in self.factors)
-
-    def shifted(self, by: int) -> Axis:
-        return Axis(self.start + by, self.factors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,48 +85,8 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _merge_pair(a: Factor, b: Factor) -> Factor | None:
-    """Merge major factor ``a`` with minor factor ``b`` when the pair is one affine digit."""
-    if b.lo == 0 and b.hi == b.radix and a.stride == b.stride * b.radix:
-        return Factor(a.radix * b.radix, a.lo * b.radix, a.hi * b.radix, b.stride)
-    if a.hi - a.lo == 1:
-        return Factor(a.radix * b.radix, a.lo * b.radix + b.lo, a.lo * b.radix + b.hi, b.stride)
-    return None
-
-
-def normalize_axis(axis: Axis) -> Axis | None:
-    """The normal form of an axis, or None when it covers nothing.
-
-    Drops radix-1 factors, merges adjacent factors that form one affine digit, and shrinks the interval
-    so the leading factor is fully covered. A single-digit coverage gets stride 0 (its stride is unused).
-    """
-    stack: list[Factor] = []
-    for f in axis.factors:
-        if f.hi <= f.lo:
-            return None
-        if f.radix == 1:
-            continue
-        while stack:
-            merged = _merge_pair(stack[-1], f)
-            if merged is None:
-                break
-            stack.pop()
-            f = merged
-        stack.append(Factor(f.radix, f.lo, f.hi, 0) if f.hi - f.lo == 1 else f)
-    start = axis.start
-    while stack and (stack[0].lo != 0 or stack[0].hi != stack[0].radix):
-        f = stack[0]
-        start += f.lo * math.prod(g.radix for g in stack[1:])
-        if f.hi - f.lo == 1:
-            stack.pop(0)
-        else:
-            stack[0] = Factor(f.hi - f.lo, 0, f.hi - f.lo, f.stride)
-    if stack and stack[0].radix == 1:
-        stack.pop(0)
-    return Axis(start, tuple(stack))
-
-
-def _piece(piece: Piece, axes: Sequence[Axis], delta: int = 0) -> Piece | None:
+def normal_piece(piece: Piece, axes: Sequence[Axis], delta: int = 0) -> Piece | None:
+    """``piece`` with ``axes`` in normal form and its base moved by ``delta`` (None when an axis covers nothing)."""
     normal = []
     for ax in axes:
         n = normalize_axis(ax)
@@ -162,7 +96,8 @@ def _piece(piece: Piece, axes: Sequence[Axis], delta: int = 0) -> Piece | None:
     return piece.with_axes(normal, delta)
 
 
-def _budget(count: int, what: str) -> None:
+def check_piece_budget(count: int, what: str) -> None:
+    """Raise :class:`Untraceable` when ``what`` needs more than :data:`PIECE_BUDGET` pieces."""
     if count > PIECE_BUDGET:
         raise Untraceable(
             f"{what} needs {count} pieces, more than the budget of {PIECE_BUDGET}: the index map has no "
@@ -170,11 +105,12 @@ def _budget(count: int, what: str) -> None:
         )
 
 
-def _finish(shape: Sequence[int], pieces: Sequence[Piece], what: str) -> Region:
+def finish_region(shape: Sequence[int], pieces: Sequence[Piece], what: str) -> Region:
+    """The region of ``shape`` made of ``pieces`` (within the budget), pieces that continue each other merged."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
         return Region(shape, ())
-    _budget(len(pieces), what)
+    check_piece_budget(len(pieces), what)
     return Region(shape, merge_pieces(pieces))
 
 
@@ -219,104 +155,6 @@ def merge_pieces(pieces: Sequence[Piece]) -> tuple[Piece, ...]:
             merged.append(run)
         current = merged
     return tuple(current)
-
-
-# ---------------------------------------------------------------------------------------------------
-# mixed-radix intervals
-
-
-def interval_boxes(a0: int, a1: int, radices: Sequence[int]) -> list[tuple[tuple[int, ...], int, int]]:
-    """Decompose the interval ``[a0, a1)`` of a mixed-radix space into at most ``2m - 1`` boxes.
-
-    Returns:
-        ``(prefix, lo, hi)`` triples: the leading digits are fixed to ``prefix``, the next digit ranges
-        over ``[lo, hi)`` and every later digit is full.
-    """
-    out: list[tuple[tuple[int, ...], int, int]] = []
-    _interval_boxes(a0, a1, tuple(radices), (), out)
-    return out
-
-
-def _interval_boxes(a0: int, a1: int, radices: tuple[int, ...], prefix: tuple, out: list) -> None:
-    if a0 >= a1:
-        return
-    w = math.prod(radices[1:])
-    if a0 % w == 0 and a1 % w == 0:
-        out.append((prefix, a0 // w, a1 // w))
-        return
-    d0, d1 = a0 // w, (a1 - 1) // w
-    if d0 == d1:
-        _interval_boxes(a0 - d0 * w, a1 - d0 * w, radices[1:], prefix + (d0,), out)
-        return
-    lo = d0
-    if a0 % w:
-        _interval_boxes(a0 % w, w, radices[1:], prefix + (d0,), out)
-        lo = d0 + 1
-    hi = d1 + 1 if a1 % w == 0 else d1
-    if hi > lo:
-        out.append((prefix, lo, hi))
-    if a1 % w:
-        _interval_boxes(0, a1 % w, radices[1:], prefix + (d1,), out)
-
-
-def box_ranges(factors: Sequence[Factor], prefix: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]] | None:
-    """Digit ranges of an :func:`interval_boxes` box intersected with the factors' coverage (None: empty)."""
-    ranges = []
-    k = len(prefix)
-    for j, f in enumerate(factors):
-        if j < k:
-            a, b = prefix[j], prefix[j] + 1
-        elif j == k:
-            a, b = lo, hi
-        else:
-            a, b = 0, f.radix
-        a, b = max(a, f.lo), min(b, f.hi)
-        if a >= b:
-            return None
-        ranges.append((a, b))
-    return ranges
-
-
-def restrict_axis(axis: Axis, a0: int, a1: int) -> list[tuple[int, Axis]]:
-    """Split ``axis`` restricted to the axis-local interval ``[a0, a1)`` into exact sub-axes.
-
-    Returns:
-        ``(delta, axis)`` pairs: the sub-axis (same coordinates as ``axis``) and its base-offset change.
-    """
-    if a0 <= 0 and a1 >= axis.length:
-        return [(0, axis)]
-    if not axis.factors:
-        return [(0, axis)] if a0 <= 0 < a1 else []
-    out = []
-    fs = axis.factors
-    weights = _weights(fs)
-    for prefix, lo, hi in interval_boxes(max(a0, 0), min(a1, axis.length), axis.radices):
-        ranges = box_ranges(fs, prefix, lo, hi)
-        if ranges is None:
-            continue
-        k = len(prefix)
-        delta = sum((ranges[j][0] - fs[j].lo) * fs[j].stride for j in range(k + 1))
-        offset = sum(prefix[j] * weights[j] for j in range(k)) + lo * weights[k]
-        a, b = ranges[k]
-        head = Factor(hi - lo, a - lo, b - lo, fs[k].stride)
-        out.append((delta, Axis(axis.start + offset, (head,) + fs[k + 1 :])))
-    return out
-
-
-def _weights(factors: Sequence[Factor]) -> list[int]:
-    weights, acc = [], 1
-    for f in reversed(factors):
-        weights.append(acc)
-        acc *= f.radix
-    return weights[::-1]
-
-
-def split_leading(axis: Axis) -> Iterator[tuple[int, Axis]]:
-    """Enumerate the covered leading digits of a multi-factor axis, one sub-axis each."""
-    f0, rest = axis.factors[0], axis.factors[1:]
-    w = math.prod(f.radix for f in rest)
-    for d in range(f0.lo, f0.hi):
-        yield (d - f0.lo) * f0.stride, Axis(axis.start + d * w, rest)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -392,11 +230,11 @@ def narrow(region: Region, dim: int, start: int, stop: int, step: int = 1) -> Re
             for delta2, sub2 in _step_axis(sub, step):
                 axes = list(p.axes)
                 axes[dim] = sub2
-                new = _piece(p, axes, delta + delta2)
+                new = normal_piece(p, axes, delta + delta2)
                 if new is not None:
                     pieces.append(new)
-        _budget(len(pieces), f"slicing dim {dim}")
-    return _finish(shape, pieces, f"slicing dim {dim}")
+        check_piece_budget(len(pieces), f"slicing dim {dim}")
+    return finish_region(shape, pieces, f"slicing dim {dim}")
 
 
 def _step_axis(axis: Axis, step: int) -> list[tuple[int, Axis]]:
@@ -428,7 +266,7 @@ def cat(regions: Sequence[Region], dim: int, shape: Sequence[int]) -> Region:
             axes[dim] = axes[dim].shifted(offset)
             pieces.append(p.with_axes(axes))
         offset += r.shape[dim]
-    return _finish(shape, pieces, "cat")
+    return finish_region(shape, pieces, "cat")
 
 
 def cast(region: Region, dtype: torch.dtype) -> Region:
@@ -437,7 +275,8 @@ def cast(region: Region, dtype: torch.dtype) -> Region:
     return Region(region.shape, merge_pieces(pieces) if len(pieces) > 1 else tuple(pieces))
 
 
-_EXACT_WIDENINGS = {
+#: casts that keep every value exactly (a later cast may skip them; they invert)
+EXACT_WIDENINGS = {
     (torch.bfloat16, torch.float32),
     (torch.bfloat16, torch.float64),
     (torch.float16, torch.float32),
@@ -460,7 +299,7 @@ def _append_cast(src: torch.dtype, casts: tuple[torch.dtype, ...], dtype: torch.
     if chain[-1] == dtype:
         return casts
     # a previous cast that widened exactly loses nothing: cast straight from the dtype before it
-    while len(chain) > 1 and (chain[-2], chain[-1]) in _EXACT_WIDENINGS:
+    while len(chain) > 1 and (chain[-2], chain[-1]) in EXACT_WIDENINGS:
         chain = chain[:-1]
     if chain[-1] != dtype:
         chain = chain + (dtype,)

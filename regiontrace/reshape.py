@@ -13,18 +13,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from .region import (
-    Axis,
-    Factor,
-    Piece,
-    Region,
-    _budget,
-    _finish,
-    _piece,
-    interval_boxes,
-    normalize_axis,
-    split_leading,
-)
+from .radix import Axis, Factor, interval_boxes, normalize_axis, split_leading
+from .region import Piece, Region, check_piece_budget, finish_region, normal_piece
 
 
 def view_groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -63,7 +53,7 @@ def reshape(region: Region, shape: Sequence[int]) -> Region:
             axes = [p.axes[keep_in[i]] for i in gi]
             sizes_in, sizes_out = [region.shape[keep_in[i]] for i in gi], [shape[keep_out[j]] for j in gj]
             options.append(_reshape_group(axes, sizes_in, sizes_out))
-        _budget(len(pieces) + math.prod(len(o) for o in options), f"reshape {region.shape} -> {shape}")
+        check_piece_budget(len(pieces) + math.prod(len(o) for o in options), f"reshape {region.shape} -> {shape}")
         for combo in itertools.product(*options):
             out_axes = [Axis(0, ())] * len(shape)
             delta = 0
@@ -71,10 +61,10 @@ def reshape(region: Region, shape: Sequence[int]) -> Region:
                 delta += d
                 for j, a in zip(gj, axes):
                     out_axes[keep_out[j]] = a
-            new = _piece(p, out_axes, delta)
+            new = normal_piece(p, out_axes, delta)
             if new is not None:
                 pieces.append(new)
-    return _finish(shape, pieces, f"reshape {region.shape} -> {shape}")
+    return finish_region(shape, pieces, f"reshape {region.shape} -> {shape}")
 
 
 def _reshape_group(axes: list[Axis], sizes: list[int], out_sizes: list[int]) -> list[tuple[int, tuple[Axis, ...]]]:
@@ -87,7 +77,7 @@ def _reshape_group(axes: list[Axis], sizes: list[int], out_sizes: list[int]) -> 
         if flat is None:
             continue
         out.extend((delta + d2, axs) for d2, axs in _split_axis(flat, out_sizes))
-        _budget(len(out), "reshape")
+        check_piece_budget(len(out), "reshape")
     return out
 
 
@@ -133,7 +123,7 @@ def _split_axis(axis: Axis, out_sizes: list[int]) -> list[tuple[int, tuple[Axis,
             sub = normalize_axis(sub)
             if sub is not None:
                 out.extend((delta + d2, axs) for d2, axs in _split_axis(sub, out_sizes))
-            _budget(len(out), "reshape")
+            check_piece_budget(len(out), "reshape")
         return out
     stride = fs[0].stride
     weights = [math.prod(out_sizes[k + 1 :]) for k in range(len(out_sizes))]

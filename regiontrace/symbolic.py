@@ -8,7 +8,8 @@ import networkx as nx
 import sympy
 import torch
 
-from .region import Axis, Piece
+from .radix import Axis
+from .region import Piece
 from .tensor import Node, RegionTensor
 from .values import describe, input_regions
 
