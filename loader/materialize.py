@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._torch import TorchDispatchMode, local_tensor, schema_arguments, tensor_tables
 from .plan import RankPlan, TargetSlot
 from .plan.slots import storage_of
 
@@ -50,7 +50,7 @@ def materialize(
     made: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for prefix, mod in model.named_modules(remove_duplicate=False):
-            for table in (mod._parameters, mod._buffers):
+            for table in tensor_tables(mod):
                 for leaf, t in list(table.items()):
                     if t is None or storage_of(t).device.type != "meta":
                         continue
@@ -108,7 +108,7 @@ class MetaAllocation:
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     data = t.data if isinstance(t, torch.nn.Parameter) else t
-    local = getattr(data, "_local_tensor", None)
+    local = local_tensor(data)
     if local is not None:  # a DTensor: only this rank's shard
         from torch.distributed.tensor import DTensor
 
@@ -204,7 +204,7 @@ def _reset_parameters(model: torch.nn.Module, rest: dict[int, torch.Tensor], loa
     are neither such a tensor nor ``loaded`` (overwritten by the load anyway) keep their values."""
     for mod in model.modules():
         reset = getattr(mod, "reset_parameters", None)
-        own = [t for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None and id(t) in rest]
+        own = [t for table in tensor_tables(mod) for t in table.values() if t is not None and id(t) in rest]
         if not callable(reset) or all(writes.wrote(t) for t in own):
             continue
         pending = {i for i, t in rest.items() if not writes.wrote(t)}  # its submodules' too: not restored below
@@ -225,7 +225,7 @@ class _Writes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
+        for i, arg in enumerate(schema_arguments(func)):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for t in value if isinstance(value, (list, tuple)) else (value,):

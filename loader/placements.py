@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from ._torch import StridedShard, local_shape, shard_size_and_offsets, tensor_tables
 from .plan.slots import Box, TargetSlot, storage_of, whole_boxes
 
 
@@ -71,21 +71,20 @@ def shard_runs(
         ValueError: a ``Partial`` placement (there is nothing to load into a pending reduction).
     """
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+    from torch.distributed.tensor.placement_types import Shard
 
     local = list(global_shape)
     offsets: dict[int, torch.Tensor] = {}
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Partial):
             raise ValueError(f"placement {p} is Partial: a checkpoint cannot be loaded into a pending reduction")
-        if not isinstance(p, (Shard, _StridedShard)):
+        if not isinstance(p, (Shard, StridedShard)):
             continue
         if p.dim < 0:  # DTensor normalises negative dims; explicit placements may not be
             dim = p.dim + len(global_shape)
-            p = _StridedShard(dim, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(dim)
-        size, idx = _get_shard_size_and_offsets(
-            local[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim], p, offsets.get(p.dim), global_shape[p.dim], False
+            p = StridedShard(dim, split_factor=p.split_factor) if isinstance(p, StridedShard) else Shard(dim)
+        size, idx = shard_size_and_offsets(
+            local[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim], p, offsets.get(p.dim), global_shape[p.dim]
         )
         local[p.dim] = size
         offsets[p.dim] = idx[:size] if size else idx[:0]
@@ -178,9 +177,9 @@ def style_placement(style: str, ndim: int) -> Placement:
     if style in ROWWISE:
         return Replicate() if ndim == 1 else Shard(ndim - 1)
     if style == "packed_colwise":
-        return Shard(0) if ndim == 1 else _StridedShard(ndim - 2, split_factor=2)
+        return Shard(0) if ndim == 1 else StridedShard(ndim - 2, split_factor=2)
     if style == "packed_rowwise":
-        return Replicate() if ndim == 1 else _StridedShard(ndim - 1, split_factor=2)
+        return Replicate() if ndim == 1 else StridedShard(ndim - 1, split_factor=2)
     if style == "embedding_rowwise":
         return Shard(0)
     if style == "embedding_colwise":
@@ -281,7 +280,7 @@ def placement_text(placements: Sequence[Placement]) -> str:
     for p in placements:
         if isinstance(p, Replicate):
             parts.append("R")
-        elif isinstance(p, _StridedShard):
+        elif isinstance(p, StridedShard):
             parts.append(f"S({p.dim}, strided x{p.split_factor})")
         elif isinstance(p, Shard):
             parts.append(f"S({p.dim})")
@@ -323,7 +322,7 @@ def shard_module(
     done: dict[int, torch.Tensor] = {}  # id(old tensor) → its replacement: tied tensors stay tied
     with torch.no_grad():
         for mod in model.modules():
-            for table in (mod._parameters, mod._buffers):
+            for table in tensor_tables(mod):
                 for leaf, t in list(table.items()):
                     if t is not None:
                         if id(t) not in done:
@@ -342,8 +341,7 @@ def _replacement(
     """The new tensor for ``t``: a DTensor when placed, else ``t`` itself (materialised if on meta)."""
     is_param = isinstance(t, nn.Parameter)
     if pl is not None:
-        local_shape, _ = compute_local_shape_and_global_offset(tuple(t.shape), mesh, list(pl))
-        local = torch.empty(local_shape, dtype=t.dtype, device=device)
+        local = torch.empty(local_shape(t.shape, mesh, pl), dtype=t.dtype, device=device)
         _fill(local, fill)
         stride = torch.empty(t.shape, device="meta").stride()
         new = DTensor.from_local(local, mesh, list(pl), run_check=False, shape=t.shape, stride=stride)

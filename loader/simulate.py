@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ._torch import root_mesh
 from .checkpoint import SafetensorsCheckpoint
 from .placements import _is_dtensor, shard_boxes
 from .plan import RankPlan
@@ -78,7 +79,7 @@ def model_placements(model: torch.nn.Module) -> tuple[tuple[int, ...] | None, di
         if not _is_dtensor(data):
             continue
         mesh = data.device_mesh
-        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        root = root_mesh(mesh)
         shape = tuple(root.shape)
         if mesh_shape is not None and shape != mesh_shape:
             raise ValueError(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._torch import default_store
 from ..placements import rank_and_world
 from .remote import Failure, decode_failure, encode_failure, remote_error
 
@@ -92,7 +93,7 @@ class LoadSession:
         self.timeout = timeout_seconds(timeout)
         self.dead_after = HEARTBEAT_LIMIT if self.timeout is None else min(HEARTBEAT_LIMIT, self.timeout / 2)
         self.solo = fake_world()
-        store = dist.HashStore() if self.solo else dist.distributed_c10d._get_default_store()
+        store = dist.HashStore() if self.solo else default_store()
         self.store = dist.PrefixStore(f"loader/{next(_LOAD_IDS)}", store)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

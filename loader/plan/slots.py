@@ -17,6 +17,8 @@ import torch
 
 from regiontrace import Box
 
+from .._torch import local_tensor
+
 
 @dataclass(frozen=True)
 class TargetSlot:
@@ -63,7 +65,7 @@ def box_view(t: torch.Tensor, box: Box) -> torch.Tensor:
 def storage_of(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor whose memory a parameter/buffer (or DTensor) keeps its values in."""
     data = t.data if isinstance(t, torch.nn.Parameter) else t
-    local = getattr(data, "_local_tensor", None)
+    local = local_tensor(data)
     return local if local is not None else data
 
 

@@ -18,6 +18,7 @@ import torch
 
 import regiontrace as rt
 
+from .._torch import root_mesh
 from ..placements import rank_and_world, slot_for
 from ..report import human_bytes
 from ..rules import dot_natural_key
@@ -307,7 +308,7 @@ def _on_root(mesh: Any, placements: tuple) -> tuple[Any, tuple]:
     same shard); the mesh itself when its dims cannot be named on the root."""
     from torch.distributed.tensor import Replicate
 
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    root = root_mesh(mesh)
     if root is mesh:
         return mesh, placements
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names

@@ -22,6 +22,7 @@ import torch
 
 import regiontrace as rt
 
+from .._torch import storage_key
 from ..rules import Conversion, Convert, Rename, dot_natural_key, plan_keys
 from ..rules import hf as hf_rules
 from .layout import TensorSpec
@@ -164,7 +165,7 @@ def _saved_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> d
 def _storage(t: torch.Tensor) -> tuple[Any, int]:
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
-    return (("empty",) if nbytes == 0 else storage._cdata), nbytes
+    return (("empty",) if nbytes == 0 else storage_key(storage)), nbytes
 
 
 def _from_source_shapes(source_shapes: SourceShapes | str | os.PathLike) -> dict[str, tuple]:
