@@ -14,7 +14,8 @@ from .remap_block import Box, ReadLayout, RemapBlock, read_layout
 from .scatter import PackedRuns, packed_source_runs, scatter_blocks
 from .tensor import RegionTensor
 from .trace import check_trace, run_on_meta, trace
-from .values import Apply, ValueInput, ValueProgram, evaluate_into, fill_inputs, input_regions
+from .value_program import ValueInput, ValueProgram, evaluate_into, fill_inputs
+from .values import Apply, input_regions
 
 __all__ = [
     # tracing: stand-ins for sources, and the checks of a traced run

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .remap_block import RemapBlock
-from .values import ValueProgram, evaluate_into, fill_inputs
+from .value_program import ValueProgram, evaluate_into, fill_inputs
 
 if TYPE_CHECKING:
     from .tensor import RegionTensor

@@ -23,6 +23,7 @@ from .compile import compile_blocks
 from .errors import TraceMismatch, Untraceable
 from .remap_block import RemapBlock
 from .reshape import reshape
+from .value_program import ValueProgram, compile_values
 
 aten = torch.ops.aten
 
@@ -124,7 +125,7 @@ class RegionTensor(torch.Tensor):
         """
         return compile_blocks(self._index_map("remap_blocks"), box)
 
-    def value_program(self, box: Sequence[Sequence[int]] | None = None) -> V.ValueProgram:
+    def value_program(self, box: Sequence[Sequence[int]] | None = None) -> ValueProgram:
         """Compile values computed by pointwise ops for ``box`` (default: everything).
 
         Returns:
@@ -135,7 +136,7 @@ class RegionTensor(torch.Tensor):
         """
         if isinstance(self._value, R.Region):
             raise ValueError("this tensor is an index map: compile it with remap_blocks()")
-        return V.compile_values(self._value, box)
+        return compile_values(self._value, box)
 
     def _index_map(self, what: str) -> R.Region:
         if isinstance(self._value, V.Apply):
