@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from regiontrace.errors import NotInvertible, TraceMismatch, Untraceable
+from regiontrace import NotInvertible, TraceMismatch, Untraceable
 
 from ..errors import CheckpointError, CheckpointNotFoundError, PeerFailure, RemoteError
 
