@@ -103,7 +103,7 @@ def test_moe_shards_write_save_pretrained_files(world, name):
 def test_a_write_failure_on_one_rank_fails_every_rank(world):
     _, results = world
     for r, res in enumerate(ok(results, "fail_writing")):
-        assert res["type"] == "RuntimeError", (r, res)
+        assert res["type"] == "OSError", (r, res)  # rank 2's own type (EFBIG), on every rank
         assert "Writing the checkpoint failed on rank 2: OSError" in res["message"], res["message"]
         assert res["left"] == [], f"rank {r} sees {res['left']}"  # no folder, no temporary folder
 
