@@ -142,3 +142,122 @@ def test_light_imports(code, forbidden):
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- torch's private names -------------------------------------------------------------------------------------------
+
+#: the only modules that may use torch's private names: a torch upgrade touches these two files
+TORCH_COMPAT = ("regiontrace._torch", "loader._torch")
+
+
+def _private(name: str) -> bool:
+    """``_name`` is private; dunders (``__version__``, ``__torch_dispatch__``, ``__torch_function__``) are not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def torch_private_attributes() -> frozenset[str]:
+    """The private attribute names of the torch objects the packages handle: tensors, parameters, modules, storages,
+    ops and their schemas, DTensor, meshes, placements, dispatch modes (DTensor's ``__slots__`` included)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from loader._torch import StridedShard, TorchDispatchMode
+
+    op = torch.ops.aten.add.Tensor
+    tensor = torch.empty(0)
+    objects = [tensor, torch.nn.Parameter(tensor), torch.nn.Linear(1, 1), tensor.untyped_storage()]
+    objects += [op, torch.ops.aten.add, op._schema, op._schema.arguments[0], torch.device("cpu"), torch.Generator()]
+    objects += [DTensor, DeviceMesh, Shard(0), Replicate(), StridedShard(0, split_factor=2), TorchDispatchMode()]
+    return frozenset(n for o in objects for n in dir(o) if _private(n))
+
+
+def _chain(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]``; None when the chain does not start at a name (``f().x``)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def torch_private_uses(source: str, private_attributes: frozenset[str]) -> list[tuple[int, str]]:
+    """Each use of a private torch name in ``source``, as ``(line, text)``.
+
+    A use is: an import path under ``torch`` with a private component (``torch.utils._pytree``,
+    ``from torch.x import _y``); an attribute chain from a name bound to torch by an import (``torch._C``,
+    ``dist.distributed_c10d._get_default_store``, ``DTensor._x``); or, on any object, an attribute or a
+    ``getattr``/``hasattr``/``setattr``/``delattr`` string that is a private attribute of torch's objects
+    (``func._schema``, ``mod._parameters``, ``getattr(t, "_local_tensor")``). ATen operator names
+    (``torch.ops.aten._to_copy``) are operator names, not private Python API, and are not uses.
+    """
+    tree = ast.parse(source)
+    bound: set[str] = set()  # names an import binds to torch or something in it
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    bound.add(a.asname or "torch")
+                    if any(_private(p) for p in a.name.split(".")):
+                        found.add((node.lineno, f"import {a.name}"))
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                bound.add(a.asname or a.name)
+                path = [*node.module.split("."), a.name]
+                if any(_private(p) for p in path):
+                    found.add((node.lineno, f"from {node.module} import {a.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain = _chain(node)
+            if chain and chain[0] in bound and chain[:2] != ["torch", "ops"] and any(_private(p) for p in chain[1:]):
+                found.add((node.lineno, ".".join(chain)))
+            elif node.attr in private_attributes:
+                found.add((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in private_attributes
+        ):
+            found.add((node.lineno, f"{node.func.id}(..., {node.args[1].value!r})"))
+    # a chain's inner attributes are uses of the same name: keep the longest text per line and name
+    return sorted(u for u in found if not any(v[0] == u[0] and v[1].startswith(u[1] + ".") for v in found))
+
+
+@pytest.mark.parametrize(
+    ("code", "uses"),
+    [
+        ("import torch.utils._pytree as pytree", ["import torch.utils._pytree"]),
+        ("from torch.distributed.tensor.placement_types import _StridedShard", ["from torch.distributed.tensor"]),
+        ("from torch.utils._python_dispatch import TorchDispatchMode", ["from torch.utils._python_dispatch"]),
+        ("import torch\nx = torch._C._disabled_torch_function_impl", ["torch._C._disabled_torch_function_impl"]),
+        ("import torch.distributed as dist\ns = dist.distributed_c10d._get_default_store()", ["dist.distributed_c10d"]),
+        ("from torch.distributed.device_mesh import DeviceMesh\nDeviceMesh._anything", ["DeviceMesh._anything"]),
+        ("def f(func):\n    return func._schema.arguments", ["func._schema"]),
+        ("def f(mod):\n    return mod._parameters, t._version", ["mod._parameters", "t._version"]),
+        ("def f(t):\n    return getattr(t, '_local_tensor', None)", ["getattr(..., '_local_tensor')"]),
+        ("import torch\nf = torch.ops.aten._to_copy.default", []),
+        ("import torch\naten = torch.ops.aten\nf = aten._unsafe_view", []),
+        ("import torch\nv = torch.__version__\nclass T:\n    __torch_function__ = None", []),
+        ("class R:\n    def f(self):\n        return self._meta, self._value, _helper()", []),
+        ("from ._torch import local_tensor\nfrom torch import nn\nx = nn.Linear", []),
+    ],
+)
+def test_the_torch_private_check_sees_them(code, uses):
+    found = [text for _, text in torch_private_uses(code, torch_private_attributes())]
+    assert len(found) == len(uses) and all(f.startswith(u) for f, u in zip(found, uses)), found
+
+
+def test_torch_private_names_only_in_the_compatibility_modules():
+    private_attributes = torch_private_attributes()
+    assert {"_local_tensor", "_schema", "_parameters", "_get_root_mesh", "_version"} <= private_attributes
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {text}"
+        for name, path in project_modules().items()
+        if name not in TORCH_COMPAT
+        for line, text in torch_private_uses(path.read_text(), private_attributes)
+    ]
+    assert not bad, "torch's private names belong in regiontrace/_torch.py or loader/_torch.py:\n" + "\n".join(bad)
