@@ -124,6 +124,85 @@ def test_loader_layers_import_downwards():
     assert not bad, "\n".join(bad)
 
 
+# -- the algebra's public face ---------------------------------------------------------------------------------------
+
+#: the regiontrace modules the loader may take names from, each only the names in its ``__all__``: the package
+#: itself and the command line the loader's command line extends
+ALGEBRA_PUBLIC = ("regiontrace", "regiontrace.cli", "regiontrace.cli.common")
+
+
+def algebra_uses(source: str) -> list[tuple[int, str, str]]:
+    """Each name ``source`` takes from regiontrace, as ``(line, module, name)``.
+
+    A use is ``from regiontrace[.m] import name``; ``import regiontrace.m`` (name ``""``); and the first attribute
+    of a chain off a name an import binds to regiontrace or one of its modules (``rt.name.x``: ``name``).
+    """
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the regiontrace module it is
+    uses: set[tuple[int, str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "regiontrace":
+                    if a.name != "regiontrace":
+                        uses.add((node.lineno, a.name, ""))
+                    bound[a.asname or "regiontrace"] = a.name if a.asname else "regiontrace"
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "regiontrace":
+            for a in node.names:
+                uses.add((node.lineno, node.module, a.name))
+                if f"{node.module}.{a.name}" in project_modules():
+                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            uses.add((node.lineno, bound[node.value.id], node.attr))
+    return sorted(uses)
+
+
+def algebra_violations(source: str) -> list[str]:
+    """The uses of :func:`algebra_uses` that are not a public name of a public regiontrace module."""
+    import importlib
+
+    bad = []
+    for line, module, name in algebra_uses(source):
+        public = module in ALGEBRA_PUBLIC and name in getattr(importlib.import_module(module), "__all__", ())
+        if not public or name.startswith("_"):
+            bad.append(f"line {line}: {module}{'.' + name if name else ''}")
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("code", "bad"),
+    [
+        ("import regiontrace as rt\nb: rt.RemapBlock = rt.RegionTensor.leaf('x', (2,))", 0),
+        ("from regiontrace import copy_cast, dest_view\nfrom regiontrace.cli.common import CLIError", 0),
+        ("import regiontrace\nx = regiontrace.trace", 0),
+        ("import regiontrace as rt\nx = rt.values.ValueProgram", 1),
+        ("import regiontrace as rt\nx = rt._torch", 1),
+        ("import regiontrace\nx = regiontrace.region.contiguous_strides", 1),
+        ("from regiontrace.invert import _lattice", 1),
+        ("from regiontrace.remap_block import source_span", 1),
+        ("from regiontrace import _torch", 1),
+        ("from regiontrace.cli.common import _checked_call", 1),
+        ("import regiontrace.values as V\nx = V.Apply", 2),
+        ("from regiontrace import values\nx = values.leaves", 2),
+    ],
+)
+def test_the_algebra_check_sees_private_uses(code, bad):
+    assert len(algebra_violations(code)) == bad, algebra_violations(code)
+
+
+def test_the_loader_uses_only_the_algebras_public_names():
+    bad = [
+        f"{path.relative_to(ROOT)} {v}"
+        for name, path in project_modules().items()
+        if name.startswith("loader")
+        for v in algebra_violations(path.read_text())
+    ]
+    assert not bad, "the loader takes names from regiontrace that are not in a public module's __all__:\n" + "\n".join(
+        bad
+    )
+
+
 def test_modules_stay_small():
     big = {name: n for name, p in project_modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, big

@@ -20,6 +20,18 @@ from .. import __version__
 from . import check_cmd, trace_cmd
 from .common import CLIError, HelpFormatter
 
+__all__ = [
+    "COMMANDS",
+    "DESCRIPTION",
+    "EPILOG",
+    "LOADER_COMMANDS",
+    "build_parser",
+    "check_cmd",
+    "main",
+    "run_command_line",
+    "trace_cmd",
+]
+
 COMMANDS: tuple[ModuleType, ...] = (trace_cmd, check_cmd)
 LOADER_COMMANDS = ("demo", "plan")  # provided by the loader's command line (loader.cli)
 DESCRIPTION = """\

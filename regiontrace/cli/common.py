@@ -15,6 +15,21 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "CLIError",
+    "HelpFormatter",
+    "add_function_arguments",
+    "dtype_name",
+    "flat_specs",
+    "format_box",
+    "load_function",
+    "parse_box",
+    "parse_dtype",
+    "parse_inputs",
+    "parse_shape",
+    "regroup",
+]
+
 
 class CLIError(Exception):
     """A user-facing error: printed as one line on stderr, exit status 2 (or ``status``: 1 is "the answer is no")."""
