@@ -90,6 +90,8 @@ def test_a_failure_keeps_its_type_where_it_is_a_builtin_or_ours(error, kind):
     exact = type(error) is kind
     assert f"failed on rank 1: {type(error).__name__ if exact else e.remote_type}: " in str(e)
     assert "in _raised" in e.remote_traceback  # the failing rank's frames
+    back = pickle.loads(pickle.dumps(e))  # as dcp.load gathers it
+    assert (type(back), str(back), back.rank, back.remote_traceback) == (kind, str(e), 1, e.remote_traceback)
     if sys.version_info >= (3, 11):
         assert e.__notes__ == [f"--- the traceback on rank 1 (planning) ---\n{e.remote_traceback.rstrip()}"]
     if kind is NotInvertible:

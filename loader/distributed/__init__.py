@@ -1,6 +1,6 @@
-"""Distributed collectives of a load: agreement of outcomes (:mod:`.session`) and broadcast of replicated
-regions (:mod:`.broadcast`). The distributed load that composes them with planning and execution is
-:mod:`loader.load`."""
+"""Distributed collectives of a load: agreement of outcomes (:mod:`.session`; a failed rank's exception
+travels as :mod:`.remote` says) and broadcast of replicated regions (:mod:`.broadcast`). The distributed
+load that composes them with planning and execution is :mod:`loader.load`."""
 
 from .broadcast import assign_owners, broadcast_owned, owned_subset
 from .session import DEFAULT_TIMEOUT, LoadSession, peer_errors, timeout_seconds
