@@ -497,19 +497,24 @@ def test_pread_consecutive_reads_the_exact_bytes_and_refuses_a_short_file(tmp_pa
 
 
 def test_small_tensors_side_by_side_are_read_in_few_calls(tmp_path):
-    """2000 small tensors stored one after another load bit-exactly with a handful of read calls, not one each."""
+    """2000 small tensors stored one after another load bit-exactly with a handful of read calls, not one each;
+    beside them, tensors no whole copy can fill (a cast, a non-contiguous parameter) load exactly too."""
     n = 2000
     values = {f"t{i}": torch.randn(3, generator=torch.Generator().manual_seed(i)) for i in range(n)}
+    values["z_cast"], values["z_transposed"] = torch.randn(4, 5), torch.randn(4, 5)
     save_file(values, str(tmp_path / "model.safetensors"))
-    model = nn.ParameterDict({k: nn.Parameter(torch.empty(3)) for k in values})
+    model = nn.ParameterDict({k: nn.Parameter(torch.empty(3)) for k in values if k.startswith("t")})
+    model["z_cast"] = nn.Parameter(torch.empty(4, 5, dtype=torch.float64))
+    model["z_transposed"] = nn.Parameter(torch.empty(5, 4).t())
     checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
     plan = HFLoadPlanner(model).build_plan(checkpoint)
     from loader.execute import execute_plan
 
     with FileReader() as reader:
         execute_plan(plan, reader, progress=False)
-    assert all(torch.equal(model[k].detach(), v) for k, v in values.items())
-    assert reader.bytes_read == n * 12 and reader.reads <= n // 1000 + 2
+    assert all(torch.equal(model[k].detach(), v.to(model[k].dtype)) for k, v in values.items())
+    assert not model["z_transposed"].is_contiguous()
+    assert reader.bytes_read == n * 12 + 2 * 80 and reader.reads <= n // 1000 + 4
 
 
 def test_page_spans_read_no_page_the_runs_do_not_touch():

@@ -17,6 +17,7 @@ copy the owned boxes of their outputs.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from regiontrace import dest_view
 
 from ..checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..plan import BlockRead
-from ..plan.slots import TargetSlot, box_view
+from ..plan.slots import TargetSlot, box_view, whole_boxes
 from .layout import ReadLayout, page_spans, read_layout, split_span
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
 
@@ -62,6 +63,37 @@ def _direct_target(block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout)
     if packed != want or any(s == 0 and n > 1 for s, n in zip(block.src_strides, block.shape)):
         return None
     return view
+
+
+def _whole_copy(r: BlockRead, local: torch.Tensor) -> bool:
+    """Whether ``r`` copies its whole source, in order and unchanged, into the whole of ``local``, a contiguous
+    host tensor of the source's dtype: what :func:`_direct_target` finds for such a block, found without
+    building a view (once per tensor of a checkpoint of many small tensors)."""
+    b = r.block
+    shape = b.shape
+    if b.casts or b.src_offset or shape != b.source_shape or local.dtype != b.source_dtype:
+        return False
+    dims, zeros, strides = _identity(shape)
+    return (
+        b.dst_dims == dims
+        and b.dst_offset == zeros
+        and b.src_strides == strides
+        and all(s == 1 for s in b.dst_steps)
+        and r.local_box == whole_boxes(shape)[0][1]
+        and local.shape == shape
+        and local.device.type == "cpu"
+        and local.is_contiguous()
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _identity(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The block dims, destination offset and source strides of a block copying a C-contiguous ``shape`` whole."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(range(len(shape))), (0,) * len(shape), tuple(reversed(strides))
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -208,7 +240,11 @@ class BlockExecutor:
             self.reader.advise_sparse(file)  # readahead would read what other ranks need
         cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(self.reader, file, self.progress)
         for (r, info), alone in zip(items, _alone(items)):
-            dest = box_view(self.slots[r.target].local, r.local_box)
+            local = self.slots[r.target].local
+            if alone and _whole_copy(r, local) and self.ring.link_for(local) is None:
+                direct_reads.add(info.data_start, _bytes_view(local))  # the common case, without building views
+                continue
+            dest = box_view(local, r.local_box)
             layout = read_layout(r.block)
             # a block whose bytes may overlap another's is batched, where overlapping ranges are read once
             direct = _direct_target(r.block, dest, layout) if alone and self.ring.link_for(dest) is None else None
