@@ -168,3 +168,14 @@ def test_a_non_positive_timeout_is_refused_even_in_one_process(tmp_path, timeout
     dm.write_checkpoint(path)
     with pytest.raises(ValueError, match="timeout must be positive"):
         load_hf_checkpoint(dm.Layout(), path, weights_mapping=dm.RULES, progress=False, timeout=timeout)
+
+
+class Unprintable(CheckpointError):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ fails")
+
+
+def test_a_failure_that_cannot_print_itself_is_still_published():
+    e = _across((3, Unprintable("m", path=10**5000, key="k")))  # the path's int is too long to print
+    assert type(e) is CheckpointError and e.rank == 3 and e.key == "k" and e.path == "<unprintable>"
+    assert str(e).endswith("Unprintable: <Unprintable with an unprintable message>")

@@ -95,14 +95,12 @@ class Failure:
 
 
 def encode_failure(error: BaseException, rank: int) -> str:
-    """The JSON text rank ``rank`` publishes for ``error``: at most :data:`MAX_PAYLOAD` bytes (ASCII)."""
+    """The JSON text rank ``rank`` publishes for ``error``: at most :data:`MAX_PAYLOAD` bytes (ASCII). Never
+    raises: an exception whose ``__str__`` or attributes fail is published without them."""
     types = [qualified_name(c)[:256] for c in type(error).__mro__ if c is not object][:MAX_TYPES]
-    try:
-        message = str(error)
-    except Exception:  # a hostile __str__ must not hide the failure
-        message = f"<{type(error).__name__} with an unprintable message>"
-    text = _traceback_text(error)
-    attributes = {name: _plain(getattr(error, name, None)) for name in _attributes_of(type(error))}
+    message = _safely(lambda: str(error), f"<{type(error).__name__} with an unprintable message>")
+    text = _safely(lambda: _traceback_text(error), "")
+    attributes = _safely(lambda: {n: _plain(getattr(error, n, None)) for n in _attributes_of(type(error))}, {})
     for cut in (1, 4, 16, 64, 1024):  # non-ASCII text grows up to 12 times as JSON escapes
         payload = json.dumps(
             {
@@ -116,6 +114,13 @@ def encode_failure(error: BaseException, rank: int) -> str:
         if len(payload) <= MAX_PAYLOAD:
             break
     return payload
+
+
+def _safely(compute: Any, default: Any) -> Any:
+    try:
+        return compute()
+    except Exception:  # a hostile __str__ or property must not hide the failure
+        return default
 
 
 def _traceback_text(error: BaseException) -> str:
@@ -132,11 +137,16 @@ def _attributes_of(cls: type) -> tuple[str, ...]:
 
 def _plain(value: Any) -> Any:
     """A JSON value for an attribute: scalars as they are, a sequence of ints as a list, anything else as text."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, float, str)) or _small(value):
         return value
-    if isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value):
+    if isinstance(value, (tuple, list)) and all(_small(v) for v in value):
         return list(value)[:4096]
-    return repr(value)
+    return _head(_safely(lambda: repr(value), "<unprintable>"), MAX_ATTRIBUTE)
+
+
+def _small(value: Any) -> bool:
+    """An int JSON carries exactly (a huge one would not even print)."""
+    return isinstance(value, int) and -(2**63) <= value < 2**63
 
 
 def _head(value: Any, limit: int) -> Any:
