@@ -30,7 +30,7 @@ Box = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True, slots=True)
 class RemapBlock:
-    """Copy one strided region of source ``source`` into a strided region of the output box.
+    """Copy strided elements of source ``source`` into strided elements of the output box.
 
     Attributes:
         source: name of the source tensor.

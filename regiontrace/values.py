@@ -16,7 +16,7 @@ Vocabulary (used identically in code, docstrings and docs):
   input dtype, and the op tree that turns those tensors into the box's values (:mod:`regiontrace.value_program`).
 
 Each element of an output box depends only on the same element of each operand, so a box's values need only
-the box's part of each input: a rank reads its weight region and the scale blocks that region touches.
+the box's part of each input: a rank reads the weight elements of its box and the scale blocks they touch.
 """
 
 from __future__ import annotations

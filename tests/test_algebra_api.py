@@ -1,8 +1,10 @@
 """The public API contract of regiontrace (issue 2), the hard cases, and the compilation guarantees."""
 
+import inspect
 import math
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import networkx as nx
 import pytest
@@ -33,6 +35,21 @@ def box_numel(box):
 
 # ---------------------------------------------------------------------------------------------------
 # the API contract
+
+
+def test_the_public_names():
+    """``rt.__all__`` is the public API: every name is there, documented (a docstring of its own for functions and
+    classes, a row in docs/algebra.md for all), and the package exposes no other public name."""
+    algebra_md = (Path(__file__).resolve().parent.parent / "docs" / "algebra.md").read_text()
+    for name in rt.__all__:
+        obj = getattr(rt, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+            assert doc and not doc.startswith(f"{name}("), f"rt.{name} has no docstring of its own"
+        assert f"`{name}`" in algebra_md, f"rt.{name} is not in docs/algebra.md"
+    exposed = {n for n, v in vars(rt).items() if not n.startswith("_") and not inspect.ismodule(v)}
+    assert exposed <= set(rt.__all__), sorted(exposed - set(rt.__all__))
+    assert len(set(rt.__all__)) == len(rt.__all__)
 
 
 def test_leaf_and_tensor_attributes():
