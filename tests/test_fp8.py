@@ -33,32 +33,32 @@ from hf_models import FAMILIES, build, read_checkpoint, save
 E4M3, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 
 
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w: torch.Tensor, quant_block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scale_inv)``: float8_e4m3fn codes and one float32 scale per block (amax / 448), any shape."""
-    bm, bn = block
+    bm, bn = quant_block
     rows, cols = w.shape[-2:]
     grid = (math.ceil(rows / bm), math.ceil(cols / bn))
     padded = torch.zeros(*w.shape[:-2], grid[0] * bm, grid[1] * bn)
     padded[..., :rows, :cols] = w.float()
-    blocks = padded.reshape(*w.shape[:-2], grid[0], bm, grid[1], bn)
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448.0
-    codes = (blocks / scale[..., :, None, :, None]).reshape(padded.shape)[..., :rows, :cols].to(E4M3)
+    quant_blocks = padded.reshape(*w.shape[:-2], grid[0], bm, grid[1], bn)
+    scale = quant_blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448.0
+    codes = (quant_blocks / scale[..., :, None, :, None]).reshape(padded.shape)[..., :rows, :cols].to(E4M3)
     return codes.contiguous(), scale.contiguous()
 
 
-def write_fp8(folder, tensors: dict[str, torch.Tensor], block, quantize=lambda name, t: t.dim() >= 2) -> dict:
+def write_fp8(folder, tensors: dict[str, torch.Tensor], quant_block, quantize=lambda name, t: t.dim() >= 2) -> dict:
     """Write ``tensors`` with the chosen ones quantized (``<name>`` codes + ``<name>_scale_inv``) and a config."""
     os.makedirs(folder, exist_ok=True)
     stored = {}
     for name, t in tensors.items():
         if quantize(name, t):
-            stored[name], stored[name + "_scale_inv"] = quantize_blocks(t, block)
+            stored[name], stored[name + "_scale_inv"] = quantize_blocks(t, quant_block)
         else:
             stored[name] = t.contiguous()
     save_file(stored, os.path.join(folder, "model.safetensors"))
     config_path = os.path.join(folder, "config.json")
     config = json.load(open(config_path)) if os.path.exists(config_path) else {}
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block), "fmt": "e4m3"}
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(quant_block), "fmt": "e4m3"}
     with open(config_path, "w") as f:
         json.dump(config, f)
     return stored
@@ -79,42 +79,44 @@ SHAPES_AND_BLOCKS = [
 ]
 
 
-@pytest.mark.parametrize(("shape", "block"), SHAPES_AND_BLOCKS)
+@pytest.mark.parametrize(("shape", "quant_block"), SHAPES_AND_BLOCKS)
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_fp8_weights_dequantize_exactly(tmp_path, shape, block, dtype):
+def test_fp8_weights_dequantize_exactly(tmp_path, shape, quant_block, dtype):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    stored = write_fp8(tmp_path, {"weight": w}, block)
+    stored = write_fp8(tmp_path, {"weight": w}, quant_block)
     model = Weight(shape, dtype)
     report = load_hf_checkpoint(model, str(tmp_path), progress=False)
-    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], block, dtype)
+    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, dtype)
     assert torch.equal(model.weight.data, want)
     assert report.deferred == () and report.unexpected_keys == () and report.traced == ("weight",)
     # the checkpoint's bytes once: codes (1 byte each) and scales (4 bytes each)
     assert report.bytes_read == stored["weight"].numel() + 4 * stored["weight_scale_inv"].numel()
-    if shape[0] % block[0] == 0 and shape[1] % block[1] == 0:  # where transformers' dequantization applies
+    if shape[0] % quant_block[0] == 0 and shape[1] % quant_block[1] == 0:  # where transformers' dequantization applies
         from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
         theirs = Fp8Dequantize(None)._dequantize_one(stored["weight"], stored["weight_scale_inv"], dtype)
         assert torch.equal(model.weight.data.view(torch.uint8), theirs.view(torch.uint8))
     else:  # ours is the per-element definition: w[i, j] * scale[i // bm, j // bn]
         i, j = shape[0] - 1, shape[1] - 1
-        s = stored["weight_scale_inv"][i // block[0], j // block[1]]
+        s = stored["weight_scale_inv"][i // quant_block[0], j // quant_block[1]]
         assert model.weight.data[i, j] == (stored["weight"][i, j].float() * s).to(dtype)
 
 
-def _scale_blocks(box, block) -> int:
+def _scale_blocks(box, quant_block) -> int:
     (r0, r1), (c0, c1) = box
-    return (math.ceil(r1 / block[0]) - r0 // block[0]) * (math.ceil(c1 / block[1]) - c0 // block[1])
+    return (math.ceil(r1 / quant_block[0]) - r0 // quant_block[0]) * (
+        math.ceil(c1 / quant_block[1]) - c0 // quant_block[1]
+    )
 
 
-@pytest.mark.parametrize(("shape", "block"), SHAPES_AND_BLOCKS)
+@pytest.mark.parametrize(("shape", "quant_block"), SHAPES_AND_BLOCKS)
 @pytest.mark.parametrize("dim", [0, 1])
-def test_tp_shards_read_their_weight_region_and_its_scale_blocks(tmp_path, shape, block, dim):
+def test_tp_shards_read_their_weight_region_and_its_scale_blocks(tmp_path, shape, quant_block, dim):
     """Four TP ranks (row or column shards, cutting through blocks): each reads its region's codes and the
     scale blocks that region touches, nothing else, and holds exactly its part of the dequantized weight."""
     w = torch.randn(shape, generator=torch.Generator().manual_seed(2))
-    stored = write_fp8(tmp_path, {"weight": w}, block)
-    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], block, BF16)
+    stored = write_fp8(tmp_path, {"weight": w}, quant_block)
+    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
     checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
     model = Weight(shape)
     planner = HFLoadPlanner(model)
@@ -129,14 +131,14 @@ def test_tp_shards_read_their_weight_region_and_its_scale_blocks(tmp_path, shape
             execute_plan(plan, reader, progress=False)
         (r0, r1), (c0, c1) = g
         assert torch.equal(local, want[r0:r1, c0:c1]), rank
-        assert reader.bytes_read == local.numel() + 4 * _scale_blocks(g, block), rank
+        assert reader.bytes_read == local.numel() + 4 * _scale_blocks(g, quant_block), rank
         assert plan.planned_bytes() == reader.bytes_read
 
 
 def test_a_large_box_is_computed_in_bounded_parts(tmp_path):
-    shape, block = (300, 200), (128, 128)
+    shape, quant_block = (300, 200), (128, 128)
     w = torch.randn(shape, generator=torch.Generator().manual_seed(3))
-    stored = write_fp8(tmp_path, {"weight": w}, block)
+    stored = write_fp8(tmp_path, {"weight": w}, quant_block)
     checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
     model = Weight(shape)
     slots = {"weight": plain_slot("weight", model.weight)}
@@ -147,12 +149,14 @@ def test_a_large_box_is_computed_in_bounded_parts(tmp_path):
     assert [v.local_box[0] for v in small.values] == [(0, 128), (128, 256), (256, 300)]
     with FileReader() as reader:
         execute_plan(small, reader, progress=False)
-    assert torch.equal(model.weight.data, dequantize_blocks(stored["weight"], stored["weight_scale_inv"], block, BF16))
+    assert torch.equal(
+        model.weight.data, dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
+    )
 
 
 def test_fp8_model_tensors_load_codes_and_scales_unchanged(tmp_path):
-    shape, block = (64, 96), (32, 32)
-    stored = write_fp8(tmp_path, {"weight": torch.randn(shape)}, block)
+    shape, quant_block = (64, 96), (32, 32)
+    stored = write_fp8(tmp_path, {"weight": torch.randn(shape)}, quant_block)
 
     class Fp8Weight(nn.Module):
         def __init__(self):
@@ -174,17 +178,17 @@ def test_moe_experts_dequantize_then_merge_like_from_pretrained(tmp_path):
     plain = tmp_path / "plain"
     save(model, plain, dtype=BF16)
     tensors = read_checkpoint(plain)
-    block = (16, 8)
+    quant_block = (16, 8)
     quantized = tmp_path / "fp8"
     os.makedirs(quantized)
     with open(plain / "config.json") as f:
         (quantized / "config.json").write_text(f.read())
-    stored = write_fp8(quantized, tensors, block, quantize=lambda n, t: t.dim() == 2 and "proj" in n)
+    stored = write_fp8(quantized, tensors, quant_block, quantize=lambda n, t: t.dim() == 2 and "proj" in n)
     assert any(k.endswith("_scale_inv") for k in stored)
     # the reference: the same values, dequantized up front, loaded by transformers
     reference_dir = tmp_path / "reference"
     dequantized = {
-        k: dequantize_blocks(v, stored[k + "_scale_inv"], block, BF16) if k + "_scale_inv" in stored else v
+        k: dequantize_blocks(v, stored[k + "_scale_inv"], quant_block, BF16) if k + "_scale_inv" in stored else v
         for k, v in stored.items()
         if not k.endswith("_scale_inv")
     }
@@ -203,8 +207,8 @@ def test_moe_experts_dequantize_then_merge_like_from_pretrained(tmp_path):
 
 
 def test_inside_dcp_load_values_are_deferred_and_exact(tmp_path):
-    shape, block = (96, 80), (64, 32)
-    stored = write_fp8(tmp_path, {"weight": torch.randn(shape)}, block)
+    shape, quant_block = (96, 80), (64, 32)
+    stored = write_fp8(tmp_path, {"weight": torch.randn(shape)}, quant_block)
     model = Weight(shape)
     planner = HFLoadPlanner(model)
     dcp.load(
@@ -212,7 +216,9 @@ def test_inside_dcp_load_values_are_deferred_and_exact(tmp_path):
     )
     report = planner.finish(str(tmp_path))
     assert report.deferred == ("weight",)
-    assert torch.equal(model.weight.data, dequantize_blocks(stored["weight"], stored["weight_scale_inv"], block, BF16))
+    assert torch.equal(
+        model.weight.data, dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
+    )
 
 
 def test_e8m0_exponent_scales_dequantize_as_transformers_does(tmp_path):

@@ -18,10 +18,10 @@ E4M3 = torch.float8_e4m3fn
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype=BF16) -> torch.Tensor:
+def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, quant_block: tuple[int, int], dtype=BF16) -> torch.Tensor:
     """Block dequantization for any shape: element (i, j) times scale_inv[i // bm, j // bn]."""
     rows, cols = w.shape
-    bm, bn = block
+    bm, bn = quant_block
     s = scale_inv.to(F32).repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
     return (w.to(F32) * s).to(dtype)
 
@@ -37,17 +37,17 @@ def _fp8(shape, gen):
     st.sampled_from([(128, 128), (1, 32), (64, 32), (16, 48), (7, 5)]),
     st.integers(0, 2**31 - 1),
 )
-def test_block_dequantization_reads_the_box_and_its_scale_blocks(rows, cols, block, seed):
-    bm, bn = block
+def test_block_dequantization_reads_the_box_and_its_scale_blocks(rows, cols, quant_block, seed):
+    bm, bn = quant_block
     grid = (math.ceil(rows / bm), math.ceil(cols / bn))
     gen = torch.Generator().manual_seed(seed)
     data = {"w": _fp8((rows, cols), gen), "s": torch.rand(grid, generator=gen) + 0.01}
     traced = rt.trace(
-        lambda w, s: dequantize(w, s, block),
+        lambda w, s: dequantize(w, s, quant_block),
         rt.RegionTensor.leaf("w", (rows, cols), E4M3),
         rt.RegionTensor.leaf("s", grid),
     )
-    real = dequantize(data["w"], data["s"], block)
+    real = dequantize(data["w"], data["s"], quant_block)
     rng = random.Random(seed)
     for _ in range(4):
         box = random_box((rows, cols), rng)
@@ -58,10 +58,10 @@ def test_block_dequantization_reads_the_box_and_its_scale_blocks(rows, cols, blo
         for b in program.blocks:
             by_source[b.source] = by_source.get(b.source, 0) + b.read_numel
         n = (r1 - r0) * (c1 - c0)
-        blocks = 0 if n == 0 else (math.ceil(r1 / bm) - r0 // bm) * (math.ceil(c1 / bn) - c0 // bn)
-        # the weight's box, and each scale block the box touches once per run of elements sharing it
+        quant_blocks = 0 if n == 0 else (math.ceil(r1 / bm) - r0 // bm) * (math.ceil(c1 / bn) - c0 // bn)
+        # the weight's box, and the scale of each quant block the box touches once per run of elements sharing it
         assert by_source.get("w", 0) == n
-        assert blocks <= by_source.get("s", 0) <= n
+        assert quant_blocks <= by_source.get("s", 0) <= n
 
 
 def test_transformers_fine_grained_fp8_dequantization_traces_bit_identically():
