@@ -21,6 +21,7 @@ MAX_LINES = 500  # "modules under ~450 lines", with a little slack
 #: the loader's layers, bottom first: a module may import its own layer and the layers below only
 LOADER_LAYERS = (
     ("_torch",),  # torch's private names, imports nothing of the project
+    ("options",),  # Rules, LoadOptions: the values every layer passes down, imports nothing of the project
     ("errors",),
     ("checkpoint",),
     ("rules",),

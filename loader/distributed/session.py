@@ -17,14 +17,11 @@ from typing import Any
 import torch.distributed as dist
 
 from .._torch import default_store
+from ..options import DEFAULT_TIMEOUT, timeout_seconds
 from ..placements import rank_and_world
 from .remote import Failure, decode_failure, encode_failure, remote_error
 
 log = logging.getLogger("loader")
-
-DEFAULT_TIMEOUT = 300.0
-"""Seconds a rank waits at an agreement point for the others (``load_hf_checkpoint(timeout=...)``)."""
-
 
 HEARTBEAT_LIMIT = 30.0
 """At most this many seconds without a heartbeat and a rank that had started the load is reported dead."""
@@ -49,20 +46,6 @@ def fake_world() -> bool:
     """Whether the default process group is torch's fake one (``init_process_group("fake")``): one process
     playing one rank of the world, with no peers and collectives that do nothing."""
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
-
-
-def timeout_seconds(timeout: float | datetime.timedelta | None) -> float | None:
-    """``timeout`` in seconds (None: no limit).
-
-    Raises:
-        ValueError: a timeout that is not positive.
-    """
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ValueError(f"timeout must be positive (or None for no limit), got {timeout!r}")
-    return seconds
 
 
 class LoadSession:

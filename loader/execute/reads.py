@@ -29,13 +29,11 @@ import regiontrace as rt
 from regiontrace import dest_view
 
 from ..checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, coalesce_ranges
+from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, box_view, whole_boxes
 from .layout import ReadLayout, page_spans, read_layout, split_span
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
-
-STAGING_BYTES = 64 << 20
-
 
 #: blocks reading more contiguous runs than this are read by byte span and copied in one strided copy
 STRIDED_RUNS = 32

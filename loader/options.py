@@ -1,0 +1,104 @@
+"""The settings of a load or a save as two values, built once at the API boundary and passed down whole.
+
+Vocabulary:
+    rules: the three rule arguments of a load or a save (:class:`Rules`): which checkpoint keys become which
+        model tensors, and through which conversions. A planning setting: :class:`~loader.HFLoadPlanner`
+        carries them.
+    options: how a load runs and reads (:class:`LoadOptions`): rollback, progress bar, timeout, staging buffer,
+        broadcasting. An I/O setting, as torch DCP puts them on the storage reader: ``load_hf_checkpoint``
+        builds one from its keyword arguments, :class:`~loader.SafetensorsReader` holds one inside ``dcp.load``.
+
+This module imports nothing of the project: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DEFAULT_TIMEOUT", "STAGING_BYTES", "LoadOptions", "Rules", "timeout_seconds"]
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a rank waits at an agreement point for the others (``load_hf_checkpoint(timeout=...)``)."""
+
+STAGING_BYTES = 64 << 20
+"""Bytes per host staging buffer reads land in (two are held: double-buffered)."""
+
+
+def timeout_seconds(timeout: float | datetime.timedelta | None) -> float | None:
+    """``timeout`` in seconds (None: no limit).
+
+    Raises:
+        ValueError: a timeout that is not positive.
+    """
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive (or None for no limit), got {timeout!r}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The rules of a load or a save, as one value.
+
+    Attributes:
+        weights_mapping: rules replacing the default ones (transformers' conversion mapping for a
+            ``PreTrainedModel``, none otherwise): ``WeightRenaming``/``WeightConverter``, ``Rename``/``Convert``.
+            None: the default.
+        extra_weights_mapping: rules tried before all others.
+        key_mapping: ``{regex: replacement}`` renames, like ``from_pretrained(key_mapping=...)``.
+    """
+
+    weights_mapping: Sequence[Any] | None = None
+    extra_weights_mapping: tuple[Any, ...] = field(default=())
+    key_mapping: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_weights_mapping", tuple(self.extra_weights_mapping))
+
+    @property
+    def given(self) -> bool:
+        """Whether any rule differs from the defaults."""
+        return self != Rules()
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The three keyword arguments (``weights_mapping=``, ``extra_weights_mapping=``, ``key_mapping=``)."""
+        return {
+            "weights_mapping": self.weights_mapping,
+            "extra_weights_mapping": self.extra_weights_mapping,
+            "key_mapping": self.key_mapping,
+        }
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a load runs and reads, as one value (validated once, here).
+
+    Attributes:
+        rollback: keep a copy of every tensor written and restore it if a read fails (on any rank).
+        progress: tqdm progress bar; None: on when stderr is a terminal.
+        timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others at each
+            agreement point; None: no limit.
+        staging_bytes: bytes per host staging buffer reads land in (two are held: double-buffered; pinned when a
+            target is on a GPU).
+        broadcast_replicated_tensors: in a distributed run, read each region several ranks hold identically on
+            one of them, and broadcast it.
+
+    Raises:
+        ValueError: a timeout that is not positive, or ``staging_bytes`` below 1.
+    """
+
+    rollback: bool = False
+    progress: bool | None = None
+    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT
+    staging_bytes: int = STAGING_BYTES
+    broadcast_replicated_tensors: bool = False
+
+    def __post_init__(self) -> None:
+        timeout_seconds(self.timeout)
+        if self.staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be at least 1, got {self.staging_bytes}")
