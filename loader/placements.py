@@ -55,7 +55,7 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     return type(getattr(t, "data", t)).__name__ == "DTensor" or type(t).__name__ == "DTensor"
 
 
@@ -144,7 +144,7 @@ def _shard_boxes(
 def slot_for(name: str, tensor: torch.Tensor) -> TargetSlot:
     """The slot of ``tensor`` on this rank: a DTensor's local shard boxes, or the whole tensor."""
     data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor  # (each .data is a new object)
-    if not _is_dtensor(data):  # plain_slot without asking for .data again: once per model tensor
+    if type(data) is torch.Tensor or not is_dtensor(data):  # plain_slot without asking for .data again
         shape = tuple(data.shape)
         return TargetSlot(name, shape, data.dtype, data, whole_boxes(shape))
     mesh = data.device_mesh
