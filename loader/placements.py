@@ -56,6 +56,7 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` (or its ``.data``) is a DTensor, by type name (no DTensor import)."""
     return type(getattr(t, "data", t)).__name__ == "DTensor" or type(t).__name__ == "DTensor"
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ._torch import root_mesh
 from .checkpoint import SafetensorsCheckpoint
-from .placements import _is_dtensor, shard_boxes
+from .placements import is_dtensor, shard_boxes
 from .plan import RankPlan
 from .plan.slots import TargetSlot, full_box, iter_model_tensors
 from .planner import HFLoadPlanner
@@ -76,7 +76,7 @@ def model_placements(model: torch.nn.Module) -> tuple[tuple[int, ...] | None, di
     mesh_shape, placements = None, {}
     for name, t in iter_model_tensors(model):
         data = t.data if isinstance(t, torch.nn.Parameter) else t
-        if not _is_dtensor(data):
+        if not is_dtensor(data):
             continue
         mesh = data.device_mesh
         root = root_mesh(mesh)

@@ -74,7 +74,7 @@ def _process_target_pattern(pattern: str) -> tuple[str, str | None]:
     return pattern.replace(r"\.", "."), captured
 
 
-class _Patterns:
+class Patterns:
     """Source/target patterns with exactly the matching and replacement rules of a transformers
     ``WeightTransform``: sources are regexes in which ``*.`` means "any characters, then a dot"; the longest
     source is tried first; a source ending in an alphanumeric character must end on a name boundary; the
@@ -146,7 +146,7 @@ class Rename:
     def __init__(self, source_pattern: str, target_pattern: str):
         self.source_pattern = source_pattern
         self.target_pattern = target_pattern
-        self._patterns = _Patterns(source_pattern, target_pattern)
+        self._patterns = Patterns(source_pattern, target_pattern)
 
     def rename(self, key: str) -> str:
         """The key after this rule alone (unchanged when it does not match)."""
@@ -177,7 +177,7 @@ class Convert:
         if not callable(fn):
             raise TypeError(f"Convert fn must be callable, got {fn!r}")
         self.fn = fn
-        self._patterns = _Patterns(self.source_patterns, self.target_patterns)
+        self._patterns = Patterns(self.source_patterns, self.target_patterns)
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)

@@ -32,15 +32,15 @@ from .conversion import (
     Conversion,
     Convert,
     MetaRun,
+    Patterns,
     Rename,
-    _Patterns,
     arg_layout,
     dot_natural_key,
     natural_order,
     run_on_meta,
     signature,
 )
-from .matching import Rule, RuleChain, _hf, converter_picker
+from .matching import Rule, RuleChain, converter_picker, hf_adapters
 
 
 @dataclass
@@ -121,7 +121,7 @@ def rules_in_order(
     key_mapping: Mapping[str, str] | None = None,
 ) -> list:
     """Every rule :func:`plan_keys` tries for these arguments, in precedence order."""
-    adapters = _hf()
+    adapters = hf_adapters()
     is_pretrained = adapters is not None and adapters.is_pretrained_model(model)
     return [*extra_weights_mapping, *_default_rules(model, adapters, is_pretrained, weights_mapping, key_mapping)]
 
@@ -181,7 +181,7 @@ def plan_keys(
         ValueError: two checkpoint keys feed one model tensor, a conversion produces a name that is not a
             model tensor, or a ``Convert`` group lacks one of its source patterns.
     """
-    adapters = _hf()
+    adapters = hf_adapters()
     is_pretrained = adapters is not None and adapters.is_pretrained_model(model)
     rules = [Rule(r) for r in rules_in_order(model, weights_mapping, extra_weights_mapping, key_mapping)]
     state = model.state_dict(keep_vars=True)
@@ -359,7 +359,7 @@ def _make_conversion(group: _Group, specs: _Specs, state, model, runs: dict) -> 
 
 def _make_convert_conversion(
     convert: Convert,
-    patterns: _Patterns,
+    patterns: Patterns,
     name: str,
     groups: tuple[tuple[str, tuple[str, ...]], ...],
     sources: tuple[str, ...],

@@ -29,7 +29,8 @@ _NAMED_GROUP = re.compile(r"\(\?P<\w+>")
 _GROUP_REFERENCE = re.compile(r"\\\d|\(\?P=|\(\?\(")
 
 
-def _hf() -> Any:
+def hf_adapters() -> Any:
+    """The transformers adapters (:mod:`loader.rules.hf`) when transformers is installed, else None."""
     return hf if hf.AVAILABLE else None
 
 
@@ -52,7 +53,7 @@ class Rule:
             self.hf, self.impl, self.is_converter = False, orig, isinstance(orig, Convert)
             self.regex: re.Pattern | None = orig._patterns.compiled
             return
-        adapters = _hf()
+        adapters = hf_adapters()
         kind = adapters.rule_kind(orig) if adapters is not None else None
         if kind is None:
             raise TypeError(f"not a rule: {orig!r} (expected Rename, Convert, WeightRenaming or WeightConverter)")

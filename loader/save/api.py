@@ -295,7 +295,7 @@ def _writer(tensor: torch.Tensor, rank: int, world: int) -> int | None:
     return int(root.mesh[index].min())
 
 
-def _writer_coordinate(placements: Sequence[Any], coord: Sequence[int]) -> tuple[int, ...]:
+def writer_coordinate(placements: Sequence[Any], coord: Sequence[int]) -> tuple[int, ...]:
     """The coordinate of the lowest rank holding the shard at ``coord`` of a row-major ``0 … n-1`` mesh: 0 on
     every ``Replicate`` mesh dim (as :func:`_writer` picks on a real mesh)."""
     from torch.distributed.tensor import Replicate

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..placements import shard_boxes
-from .api import Box, _writer_coordinate, collect_writes
+from .api import Box, collect_writes, writer_coordinate
 from .layout import SaveLayout, plan_layout
 from .sources import SaveMapping, SourceShapes, map_for_save
 from .write import RegionWriter
@@ -116,7 +116,7 @@ def _rank_figures(
         pl = tuple(placements(name, shape) if callable(placements) else placements.get(name) or ())
         if pl:
             boxes = shard_boxes(shape, mesh_shape, coord, pl)
-            writer = _writer_coordinate(pl, coord)
+            writer = writer_coordinate(pl, coord)
         else:
             full = tuple((0, n) for n in shape)
             boxes, writer = ((full, full),), tuple(0 for _ in coord)

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise CLIError("`check` needs hypothesis: pip install hypothesis") from None
     from regiontrace.testing import assert_converter_exact, boxes, check_values, random_tensor  # hypothesis
-    from regiontrace.testing.checks import _tensors
+    from regiontrace.testing.checks import output_tensors
 
     if args.examples < 1:
         raise CLIError("--examples must be at least 1")
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         # one more box per output, drawn by hypothesis so that a failure shrinks to the smallest box
         gen = torch.Generator().manual_seed(seed + 1)
         sources = {n: random_tensor(s, d, gen) for n, (s, d) in specs.items()}
-        real = _tensors(call(**{n: t.clone() for n, t in sources.items()}))
-        for i, (t, r) in enumerate(zip(_tensors(traced), real)):
+        real = output_tensors(call(**{n: t.clone() for n, t in sources.items()}))
+        for i, (t, r) in enumerate(zip(output_tensors(traced), real)):
             box = data.draw(boxes(tuple(t.shape)), label=f"box of output {i}")
             check_values(t, box, sources, r[tuple(slice(a, b) for a, b in box)])
 

@@ -44,10 +44,11 @@ def code_tensors(specs: Mapping[str, Spec]) -> dict[str, torch.Tensor]:
 
 def _has_casts(out: Any) -> bool:
     """Whether values are cast or computed (the code oracle needs values equal to their codes)."""
-    return any(not t.is_index_map or any(p.casts for p in t.region.pieces) for t in _tensors(out))
+    return any(not t.is_index_map or any(p.casts for p in t.region.pieces) for t in output_tensors(out))
 
 
-def _tensors(out: Any) -> list[Any]:
+def output_tensors(out: Any) -> list[Any]:
+    """The tensors of a function's output structure (nested lists, tuples, dicts), in order."""
     from .._torch import tree_flatten
 
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -185,8 +186,8 @@ def assert_converter_exact(
         runs.append((code_traced, code_tensors(code_specs), code_specs))
     runs.append((traced, {n: random_tensor(s, d, gen) for n, (s, d) in specs.items()}, None))
     for traced_run, data, codes in runs:
-        real = _tensors(fn(**arguments(inputs, {n: t.clone() for n, t in data.items()})))
-        outs = _tensors(traced_run)
+        real = output_tensors(fn(**arguments(inputs, {n: t.clone() for n, t in data.items()})))
+        outs = output_tensors(traced_run)
         assert len(outs) == len(real), f"traced {len(outs)} output tensors, the real run {len(real)}"
         for i, (t, r) in enumerate(zip(outs, real)):
             assert tuple(t.shape) == tuple(r.shape) and t.dtype == r.dtype, (
@@ -202,7 +203,7 @@ def assert_converter_exact(
                 box = check_box(t.shape, random_box(t.shape, rng))
                 check_values(t, box, data, r[tuple(slice(a, b) for a, b in box)])
         if reference is not None:
-            want = _tensors(reference(**arguments(inputs, {n: t.clone() for n, t in data.items()})))
+            want = output_tensors(reference(**arguments(inputs, {n: t.clone() for n, t in data.items()})))
             assert len(want) == len(real), f"the converter gives {len(real)} output tensors, the reference {len(want)}"
             for i, (r, w) in enumerate(zip(real, want)):
                 if not same_values(r, w):
