@@ -284,6 +284,7 @@ def parallel(directory: str, experts: int, want: dict) -> tuple[list[dict], list
     from loader import HFLoadPlanner
     from loader.checkpoint import FileReader, SafetensorsCheckpoint
     from loader.execute import execute_plan
+    from loader.options import LoadOptions
     from loader.placements import shard_boxes
     from loader.plan import TargetSlot
 
@@ -317,7 +318,7 @@ def parallel(directory: str, experts: int, want: dict) -> tuple[list[dict], list
                 failures.append(f"{label} rank {rank}: deferred {[d.conversion.description for d in plan.deferred]}")
             t0 = time.perf_counter()
             with FileReader() as reader:
-                execute_plan(plan, reader, progress=False)
+                execute_plan(plan, reader, LoadOptions(progress=False))
             executed = time.perf_counter() - t0
             for name, slot in slots.items():
                 if slot.boxes:

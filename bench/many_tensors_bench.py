@@ -103,6 +103,7 @@ def child(method: str, path: str, tensors: int, profile: bool) -> dict:
         from loader import HFLoadPlanner, SafetensorsCheckpoint
         from loader.checkpoint import FileReader
         from loader.execute import execute_plan
+        from loader.options import LoadOptions
         from loader.report import load_report
 
         def phase(name, fn):
@@ -120,7 +121,7 @@ def child(method: str, path: str, tensors: int, profile: bool) -> dict:
 
         def execute():
             with FileReader() as reader:
-                execute_plan(plan, reader, progress=False)
+                execute_plan(plan, reader, LoadOptions(progress=False))
                 return reader.bytes_read
 
         bytes_read = phase("execute", execute)

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from .checkpoint import FileReader, SafetensorsCheckpoint
-from .distributed import timeout_seconds
 from .execute import execute_plan
 from .load import load_distributed
 from .materialize import MetaAllocation, on_meta
+from .options import DEFAULT_TIMEOUT, STAGING_BYTES, LoadOptions, Rules
 from .placements import rank_and_world
 from .plan import describe
 from .planner import HFLoadPlanner
@@ -30,17 +30,21 @@ def load_hf_checkpoint(
     weights_mapping: Sequence[Any] | None = None,
     extra_weights_mapping: Sequence[Any] = (),
     key_mapping: Mapping[str, str] | None = None,
-    strict: bool = True,
+    strict: bool | None = None,
     planner: HFLoadPlanner | None = None,
     progress: bool | None = None,
     rollback: bool = False,
     broadcast_replicated_tensors: bool = False,
-    timeout: float | datetime.timedelta | None = 300.0,
+    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
     revision: str | None = None,
     device: str | torch.device | None = None,
     staging_bytes: int | None = None,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
+
+    The keyword arguments build two values passed down whole: the planner's :class:`~loader.options.Rules`
+    (with ``strict``, planning settings: :class:`HFLoadPlanner` holds them) and a
+    :class:`~loader.options.LoadOptions` (how the load runs and reads).
 
     Args:
         model: an already-built module (tensors materialised, possibly DTensors).
@@ -50,15 +54,16 @@ def load_hf_checkpoint(
             ``PreTrainedModel``, none otherwise): ``WeightRenaming``/``WeightConverter``, ``Rename``/``Convert``.
         extra_weights_mapping: rules tried before all others.
         key_mapping: ``{regex: replacement}`` renames, like ``from_pretrained(key_mapping=...)``.
-        strict: raise, before anything is read, when a model tensor is loaded by nothing.
-        planner: a (customised) :class:`HFLoadPlanner`; the rule arguments above are then ignored.
+        strict: raise, before anything is read, when a model tensor is loaded by nothing; None: True (or the
+            ``planner``'s own).
+        planner: a (customised) :class:`HFLoadPlanner`, which carries the rules and ``strict``: passing it
+            together with a rule argument or ``strict`` is a ``ValueError``.
         progress: tqdm progress bar; default on when stderr is a terminal.
         rollback: keep a copy of every tensor written and restore it if a read fails mid-load.
         broadcast_replicated_tensors: in a distributed run, read each replicated region once and broadcast.
         timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others at the end
             of planning and at the end of reading; a rank that has not arrived by then (or has died) fails
-            the load on every rank with :class:`~loader.errors.PeerFailure`. None: no limit. Used instead of
-            ``planner.timeout`` when a ``planner`` is given.
+            the load on every rank with :class:`~loader.errors.PeerFailure`. None: no limit.
         revision: the revision (branch, tag or commit) of a repo id ``path``; None: the default branch.
         device: where to materialise the tensors of ``model`` still on the meta device (a DTensor allocates
             its local shard only), once the load is planned and validated; the tensors the checkpoint does not
@@ -66,7 +71,7 @@ def load_hf_checkpoint(
             ``reset_parameters()`` of their module, else zeros) before anything is read. On any error the model is
             left on the meta device. None: a meta tensor is an error.
         staging_bytes: bytes per host staging buffer reads land in (two are held: double-buffered; pinned when
-            a target is on a GPU). None: ``planner.staging_bytes`` (64 MiB by default).
+            a target is on a GPU). None: 64 MiB (``loader.options.STAGING_BYTES``).
 
     Returns:
         A :class:`LoadReport` for this rank.
@@ -74,47 +79,41 @@ def load_hf_checkpoint(
     Raises:
         CheckpointError: a bad checkpoint file (names the file and tensor); nothing was written.
         ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``), or, with
-            ``device`` and ``strict``, a meta tensor nothing loads or initialises (before anything is read).
+            ``device`` and ``strict``, a meta tensor nothing loads or initialises (before anything is read); a
+            ``planner`` with rule arguments or ``strict``; a timeout that is not positive, ``staging_bytes`` below 1.
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
     started = time.perf_counter()
-    timeout_seconds(timeout)  # a bad timeout is refused in one process too
-    planner = planner or HFLoadPlanner(
-        model,
-        weights_mapping=weights_mapping,
-        extra_weights_mapping=extra_weights_mapping,
-        key_mapping=key_mapping,
-        strict=strict,
-        broadcast_replicated_tensors=broadcast_replicated_tensors,
+    options = LoadOptions(
+        rollback=rollback,
+        progress=progress,
         timeout=timeout,
-    )
-    staging_bytes = planner.staging_bytes if staging_bytes is None else staging_bytes
-    if staging_bytes < 1:
-        raise ValueError(f"staging_bytes must be at least 1, got {staging_bytes}")
+        staging_bytes=STAGING_BYTES if staging_bytes is None else staging_bytes,
+        broadcast_replicated_tensors=broadcast_replicated_tensors,
+    )  # a bad timeout is refused in one process too
+    rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
+    if planner is None:
+        planner = HFLoadPlanner(model, rules=rules, strict=True if strict is None else strict)
+    elif rules.given or strict is not None:
+        raise ValueError(
+            "load_hf_checkpoint: the planner carries the rules and strict; pass weights_mapping, "
+            "extra_weights_mapping, key_mapping and strict to HFLoadPlanner(...), not beside planner="
+        )
     rank, world = rank_and_world()
     # a meta model is planned on meta and allocated (and initialised) only once its plan is valid; on any error
     # after that its meta tensors are put back
     allocate = None
     if device is not None and on_meta(model):
-        allocate = MetaAllocation(model, device, strict=strict, slot_for=planner.target_slot)
+        allocate = MetaAllocation(model, device, strict=planner.strict, slot_for=planner.hooks.target_slot)
     try:
         if world > 1:
-            return load_distributed(
-                planner,
-                path,
-                progress=progress,
-                rollback=rollback,
-                timeout=timeout,
-                revision=revision,
-                staging_bytes=staging_bytes,
-                allocate=allocate,
-            )
+            return load_distributed(planner, path, options, revision=revision, allocate=allocate)
         plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision), check_devices=allocate is None)
         plan = allocate(plan) if allocate is not None else plan
         log.info(describe(plan))
         with FileReader() as reader:
-            execute_plan(plan, reader, progress=progress, rollback=rollback, staging_bytes=staging_bytes)
+            execute_plan(plan, reader, options)
             bytes_read = reader.bytes_read
     except BaseException:
         if allocate is not None:

@@ -15,16 +15,17 @@ collectives of :mod:`loader.distributed` — and is used by :func:`loader.load_h
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from .checkpoint import FileReader, SafetensorsCheckpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
-from .distributed import DEFAULT_TIMEOUT, LoadSession, broadcast_owned, owned_subset, peer_errors
-from .execute import STAGING_BYTES, execute_plan, restore, snapshot
+from .distributed import LoadSession, broadcast_owned, owned_subset, peer_errors
+from .execute import execute_plan, restore, snapshot
+from .options import LoadOptions
 from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead, describe
 from .planner import HFLoadPlanner
@@ -38,13 +39,9 @@ def read_together(
     reader: FileReader,
     reads: Sequence[BlockRead],
     deferred: Sequence[DeferredRead],
+    options: LoadOptions,
     *,
     values: Sequence[ValueRead] | None = None,
-    staging_bytes: int = STAGING_BYTES,
-    broadcast: bool = False,
-    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
-    progress: bool | None = None,
-    rollback: bool = False,
     session: LoadSession | None = None,
 ) -> None:
     """Execute this rank's share of ``plan``, agree on the outcome, then broadcast shared targets.
@@ -54,12 +51,11 @@ def read_together(
         reader: the open file reader.
         reads: this rank's block reads (of ``plan``).
         deferred: this rank's deferred conversions (of ``plan``).
+        options: how to read: ``staging_bytes``, ``progress``; ``broadcast_replicated_tensors`` (read each region
+            several ranks hold identically on one of them, and broadcast it); ``rollback`` (restore every tensor
+            this rank wrote when the load fails on any rank); ``timeout`` (seconds each rank waits for the
+            others, when no ``session`` is given).
         values: this rank's value reads (default: all of ``plan``'s).
-        staging_bytes: bytes per staging buffer (see :func:`~loader.execute.execute_plan`).
-        broadcast: read each region several ranks hold identically on one of them, and broadcast it.
-        timeout: seconds each rank waits for the others, when no ``session`` is given.
-        progress: tqdm progress bar.
-        rollback: restore every tensor this rank wrote when the load fails (on any rank).
         session: the load's :class:`~loader.distributed.LoadSession` (inside ``dcp.load``: none, one is opened
             here).
 
@@ -69,30 +65,25 @@ def read_together(
             tensors it wrote.
     """
     if session is None:
-        with LoadSession(timeout) as session:
-            read_together(
-                plan,
-                reader,
-                reads,
-                deferred,
-                values=values,
-                staging_bytes=staging_bytes,
-                broadcast=broadcast,
-                progress=progress,
-                rollback=rollback,
-                session=session,
-            )
+        with LoadSession(options.timeout) as session:
+            read_together(plan, reader, reads, deferred, options, values=values, session=session)
         return
     owners: dict = {}
     values = plan.values if values is None else values
-    if broadcast and not session.solo:  # a fake process group: no peers to share with, this rank reads all
+    # under a fake process group there are no peers to share with: this rank reads all
+    if options.broadcast_replicated_tensors and not session.solo:
         with peer_errors("reading", "assigning replicated tensors"):
             reads, deferred, values, owners = owned_subset(plan, reads, deferred, values)
-    saved = snapshot(plan) if rollback else None
+    saved = snapshot(plan) if options.rollback else None
     error = None
     try:
         execute_plan(
-            plan, reader, progress=progress, reads=reads, deferred=deferred, values=values, staging_bytes=staging_bytes
+            plan,
+            reader,
+            replace(options, rollback=False),  # rolled back here, once every rank agreed
+            reads=reads,
+            deferred=deferred,
+            values=values,
         )
     except Exception as e:  # agreed below: every rank raises, none hangs
         error = e
@@ -109,12 +100,9 @@ def read_together(
 def load_distributed(
     planner: HFLoadPlanner,
     path: str,
+    options: LoadOptions,
     *,
-    progress: bool | None = None,
-    rollback: bool = False,
-    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
     revision: str | None = None,
-    staging_bytes: int | None = None,
     allocate: Callable[[RankPlan], RankPlan] | None = None,
 ) -> LoadReport:
     """Plan on every rank, agree on the outcome, then read each rank's own byte ranges.
@@ -122,11 +110,9 @@ def load_distributed(
     Args:
         planner: the load planner (its :meth:`~loader.HFLoadPlanner.build_plan` plans this rank).
         path: checkpoint file, folder or Hugging Face repo id.
-        progress: tqdm progress bar.
-        rollback: restore every tensor this rank wrote when reading fails on any rank.
-        timeout: seconds each rank waits for the others at the end of planning and of reading.
+        options: how the load runs and reads (see :func:`read_together`); ``timeout``: seconds each rank waits for
+            the others at the end of planning and of reading.
         revision: the revision of a repo id.
-        staging_bytes: bytes per staging buffer (default: ``planner.staging_bytes``).
         allocate: for a model on the meta device: the plan is made against its meta tensors, then
             ``allocate(plan)`` allocates them and returns the plan bound to them (a
             :class:`~loader.materialize.MetaAllocation`), before the outcome of planning is agreed; undoing it
@@ -141,7 +127,7 @@ def load_distributed(
     """
     started = time.perf_counter()
     rank, world = rank_and_world()
-    with LoadSession(timeout) as session:
+    with LoadSession(options.timeout) as session:
         _resolve_on_rank_zero_first(session, path, revision)
         error = plan = None
         try:
@@ -155,17 +141,7 @@ def load_distributed(
         assert plan is not None
         log.info("rank %d: %s", rank, describe(plan))
         with FileReader() as reader:
-            read_together(
-                plan,
-                reader,
-                plan.reads,
-                plan.deferred,
-                staging_bytes=planner.staging_bytes if staging_bytes is None else staging_bytes,
-                broadcast=planner.broadcast_replicated_tensors,
-                progress=progress,
-                rollback=rollback,
-                session=session,
-            )
+            read_together(plan, reader, plan.reads, plan.deferred, options, session=session)
             bytes_read = reader.bytes_read
     plan.keyplan.record_on_model(planner.model)
     return load_report(plan, bytes_read, rank, world, seconds=time.perf_counter() - started)

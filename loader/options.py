@@ -62,8 +62,8 @@ class Rules:
 
     @property
     def given(self) -> bool:
-        """Whether any rule differs from the defaults."""
-        return self != Rules()
+        """Whether any rule is given (not left at its default)."""
+        return self.weights_mapping is not None or bool(self.extra_weights_mapping) or bool(self.key_mapping)
 
     def as_kwargs(self) -> dict[str, Any]:
         """The three keyword arguments (``weights_mapping=``, ``extra_weights_mapping=``, ``key_mapping=``)."""

@@ -1,29 +1,27 @@
 """SafetensorsReader: a ``torch.distributed.checkpoint`` StorageReader over Hugging Face safetensors files.
 
 It validates every header at ``read_metadata`` (see :class:`~loader.checkpoint.SafetensorsCheckpoint`),
-honours ``model.safetensors.index.json``, and reads byte ranges itself with ``os.pread``. With an
-:class:`~loader.planner.HFLoadPlanner` it executes the planner's RemapBlocks directly (any strided read);
-with any other planner it serves plain box reads.
+honours ``model.safetensors.index.json``, and reads byte ranges itself with ``os.pread``. With a planner that
+offers ``planned_reads(load_plan)`` (:class:`~loader.planner.HFLoadPlanner`) it executes the planner's
+RemapBlocks directly (any strided read); with any other planner it serves plain box reads. How it reads
+(rollback, timeout, staging buffers, broadcasting) is the reader's :class:`~loader.options.LoadOptions`, as
+torch DCP puts I/O settings on the storage reader.
 
 Each file's identity (device, inode, size, mtime, ctime), recorded when its header was read, travels in the
 metadata's ``storage_data`` (one :class:`~loader.checkpoint.FileIdentity` per file) to the reads, which check
 it when the file is opened and after its last read: a file replaced or rewritten since is a ``CheckpointError``
-naming it. With ``rollback=True`` a failed read restores every tensor it wrote.
+naming it; the checkpoint's folder travels there too (a :class:`~loader.dcpload.CheckpointRoot`). With
+``rollback=True`` a failed read restores every tensor it wrote.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -31,13 +29,14 @@ from torch.futures import Future
 import regiontrace as rt
 from regiontrace import contiguous_strides
 
-from .checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo
+from .checkpoint import FileReader, SafetensorsCheckpoint
+from .dcpload import checkpoint_from_metadata, checkpoint_metadata, holds_headers
 from .execute import BlockExecutor, execute_plan, restore
 from .load import read_together
+from .options import DEFAULT_TIMEOUT, STAGING_BYTES, LoadOptions
 from .placements import rank_and_world
 from .plan import BlockRead
 from .plan.slots import full_box, plain_slot
-from .planner import HFLoadPlanner, checkpoint_from_metadata
 
 
 class SafetensorsReader(StorageReader):
@@ -48,15 +47,39 @@ class SafetensorsReader(StorageReader):
         rollback: when a read fails (a file truncated, replaced or rewritten since its header was read), restore
             every model tensor this ``read_data`` wrote before raising (at the cost of a copy of them), as
             ``load_hf_checkpoint(rollback=True)`` does; in a distributed load, when a read failed on any rank.
+        timeout: in a distributed load, seconds (or a ``timedelta``) each rank waits for the others at the end of
+            reading (with :class:`~loader.HFLoadPlanner`); a hung or dead rank then fails the load with
+            :class:`~loader.errors.PeerFailure`. None: no limit.
+        staging_bytes: bytes per staging buffer reads land in (two are used: double-buffered; pinned for GPU
+            targets).
+        broadcast_replicated_tensors: in a distributed load (with :class:`~loader.HFLoadPlanner`), read regions
+            several ranks need once and broadcast them.
 
     Attributes:
+        options: the :class:`~loader.options.LoadOptions` built from these arguments.
         bytes_read: bytes this reader read from checkpoint files (this process).
+
+    Raises:
+        ValueError: a timeout that is not positive, or ``staging_bytes`` below 1.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, *, rollback: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        rollback: bool = False,
+        timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
+        staging_bytes: int = STAGING_BYTES,
+        broadcast_replicated_tensors: bool = False,
+    ) -> None:
         super().__init__()
         self.path = None if path is None else os.fspath(path)
-        self.rollback = rollback
+        self.options = LoadOptions(
+            rollback=rollback,
+            timeout=timeout,
+            staging_bytes=staging_bytes,
+            broadcast_replicated_tensors=broadcast_replicated_tensors,
+        )
         self.checkpoint: SafetensorsCheckpoint | None = None
         self._metadata: Metadata | None = None
         self.bytes_read = 0
@@ -76,26 +99,12 @@ class SafetensorsReader(StorageReader):
         if self.path is None:
             raise ValueError("SafetensorsReader needs a checkpoint path (or checkpoint_id)")
         self.checkpoint = SafetensorsCheckpoint.open(self.path)
-        sd_md, storage = {}, {}
-        for key, info in self.checkpoint.tensors.items():
-            zeros = torch.Size([0] * len(info.shape))
-            sd_md[key] = TensorStorageMetadata(
-                TensorProperties(dtype=info.dtype),
-                torch.Size(info.shape),
-                [ChunkStorageMetadata(zeros, torch.Size(info.shape))],
-            )
-            storage[MetadataIndex(key, zeros)] = info
-        for file, identity in self.checkpoint.identities.items():  # checked by the reads (see planner)
-            storage[MetadataIndex(file)] = identity
-        md = Metadata(state_dict_metadata=sd_md, storage_data=storage)
-        md._root = self.checkpoint.root  # type: ignore[attr-defined]
-        self._metadata = md
-        return md
+        self._metadata = checkpoint_metadata(self.checkpoint)
+        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if metadata is not self._metadata and any(
-            isinstance(v, TensorInfo) for v in (metadata.storage_data or {}).values()
-        ):  # headers read elsewhere: read what they say, checked against the identities they recorded
+        if metadata is not self._metadata and holds_headers(metadata):
+            # headers read elsewhere: read what they say, checked against the identities they recorded
             self.checkpoint = checkpoint_from_metadata(metadata)
         elif self.checkpoint is None:
             self.read_metadata()
@@ -110,8 +119,8 @@ class SafetensorsReader(StorageReader):
         assert self.checkpoint is not None
         with self._file_reader() as reader:
             try:
-                if isinstance(planner, HFLoadPlanner):
-                    _read_planned(plan, planner, reader, self.rollback)
+                if callable(getattr(planner, "planned_reads", None)):  # HFLoadPlanner: run its RemapBlocks
+                    _read_planned(plan, planner, reader, self.options)
                 else:
                     self._read_boxes(plan, planner, reader)
             finally:
@@ -149,7 +158,7 @@ class SafetensorsReader(StorageReader):
                 read = BlockRead("", full_box(lengths), block)
                 BlockExecutor(self.checkpoint, {"": plain_slot("", staged)}, reader).run([read])
                 target = planner.resolve_tensor(item).detach()
-                if self.rollback:
+                if self.options.rollback:
                     saved[str(i)], targets[str(i)] = target.clone(), plain_slot(str(i), target)
                 target.copy_(staged)
                 planner.commit_tensor(item, target)
@@ -158,24 +167,14 @@ class SafetensorsReader(StorageReader):
             raise
 
 
-def _read_planned(dcp_plan: LoadPlan, planner: HFLoadPlanner, reader: FileReader, rollback: bool) -> None:
-    """Execute the RemapBlocks and deferred conversions ``dcp_plan``'s items stand for (any strided read); with
-    ``rollback``, a failure restores every tensor the plan writes (every rank's, in a distributed load)."""
+def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: FileReader, options: LoadOptions) -> None:
+    """Execute the RemapBlocks and deferred conversions ``dcp_plan``'s items stand for (any strided read), as
+    ``planner.planned_reads`` lists them; with ``options.rollback``, a failure restores every tensor the plan
+    writes (every rank's, in a distributed load)."""
     plan, reads, deferred = planner.planned_reads(dcp_plan)
     before = reader.bytes_read
     if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
-        read_together(
-            plan,
-            reader,
-            reads,
-            deferred,
-            staging_bytes=planner.staging_bytes,
-            broadcast=planner.broadcast_replicated_tensors,
-            timeout=planner.timeout,
-            rollback=rollback,
-        )
+        read_together(plan, reader, reads, deferred, options)
     else:
-        execute_plan(
-            plan, reader, reads=reads, deferred=deferred, staging_bytes=planner.staging_bytes, rollback=rollback
-        )
+        execute_plan(plan, reader, options, reads=reads, deferred=deferred)
     planner.add_bytes_read(reader.bytes_read - before)

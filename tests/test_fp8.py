@@ -22,6 +22,7 @@ from torch.distributed.tensor import Shard
 from loader import CheckpointError, HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 from loader.checkpoint import FileReader, SafetensorsCheckpoint
 from loader.execute import execute_plan
+from loader.options import LoadOptions
 from loader.placements import shard_boxes
 from loader.plan import TargetSlot, plain_slot
 from loader.rules.fp8 import dequantize_blocks
@@ -128,7 +129,7 @@ def test_tp_shards_read_their_weight_region_and_its_scale_blocks(tmp_path, shape
         plan = planner.build_plan(checkpoint, {"weight": slot})
         assert plan.deferred == () and plan.reads == () and len(plan.values) >= 1
         with FileReader() as reader:
-            execute_plan(plan, reader, progress=False)
+            execute_plan(plan, reader, LoadOptions(progress=False))
         (r0, r1), (c0, c1) = g
         assert torch.equal(local, want[r0:r1, c0:c1]), rank
         assert reader.bytes_read == local.numel() + 4 * _scale_blocks(g, quant_block), rank
@@ -148,7 +149,7 @@ def test_a_large_box_is_computed_in_bounded_parts(tmp_path):
     small = plan_rank(plan.keyplan, checkpoint, slots, value_bytes=128 * 200 * 8)  # two f32 inputs of 128 rows
     assert [v.local_box[0] for v in small.values] == [(0, 128), (128, 256), (256, 300)]
     with FileReader() as reader:
-        execute_plan(small, reader, progress=False)
+        execute_plan(small, reader, LoadOptions(progress=False))
     assert torch.equal(
         model.weight.data, dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
     )

@@ -25,6 +25,7 @@ from torch import nn
 from loader import CheckpointError, HFLoadPlanner, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileIdentity, FileReader
 from loader.execute import STRIDED_RUNS, page_spans, read_layout
+from loader.options import LoadOptions
 from loader.plan.slots import TargetSlot
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -239,7 +240,7 @@ def scenario_changed_during_read(root: Path) -> None:
     error = None
     try:
         with reader:
-            execute_plan(plan, reader, rollback=True)
+            execute_plan(plan, reader, LoadOptions(rollback=True))
     except CheckpointError as e:
         error = e
     _finish(root, before, net, error, tampered=reader.done)
@@ -511,7 +512,7 @@ def test_small_tensors_side_by_side_are_read_in_few_calls(tmp_path):
     from loader.execute import execute_plan
 
     with FileReader() as reader:
-        execute_plan(plan, reader, progress=False)
+        execute_plan(plan, reader, LoadOptions(progress=False))
     assert all(torch.equal(model[k].detach(), v.to(model[k].dtype)) for k, v in values.items())
     assert not model["z_transposed"].is_contiguous()
     assert reader.bytes_read == n * 12 + 2 * 80 and reader.reads <= n // 1000 + 4

@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from ..checkpoint import FileReader
+from ..options import LoadOptions
 from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
 from ..plan.gcpause import paused_gc
 from .deferred import run_deferred
-from .reads import STAGING_BYTES, BlockExecutor
+from .reads import BlockExecutor
 from .staging import StagingRing
 from .values import run_values
 
@@ -29,13 +30,11 @@ def _progress_bar(enabled: bool | None, plan: RankPlan) -> Any:
 def execute_plan(
     plan: RankPlan,
     reader: FileReader,
+    options: LoadOptions | None = None,
     *,
-    progress: bool | None = None,
-    rollback: bool = False,
     reads: Sequence[BlockRead] | None = None,
     deferred: Sequence[DeferredRead] | None = None,
     values: Sequence[ValueRead] | None = None,
-    staging_bytes: int = STAGING_BYTES,
 ) -> None:
     """Run ``plan`` (or the given subsets of its reads) against the checkpoint files, writing the model tensors:
     region reads, then value reads, then deferred conversions.
@@ -43,25 +42,27 @@ def execute_plan(
     Args:
         plan: this rank's plan.
         reader: the open file reader (counts the bytes read).
-        progress: tqdm progress bar; default on when stderr is a terminal.
-        rollback: restore every tensor the plan writes if a read fails.
+        options: ``progress`` (tqdm progress bar; default on when stderr is a terminal), ``rollback`` (restore
+            every tensor the plan writes if a read fails), ``staging_bytes`` (bytes per staging buffer: two are
+            used, double-buffered; pinned for GPU targets); the others are a distributed load's. Default:
+            :class:`~loader.options.LoadOptions` ().
         reads: the region reads to run (default: all of the plan's).
         deferred: the deferred conversions to run (default: all of the plan's).
         values: the value reads to run (default: all of the plan's).
-        staging_bytes: bytes per staging buffer (two are used: double-buffered; pinned for GPU targets).
 
     Raises:
         CheckpointError: a file is short, or changed since its header was read (with ``rollback``, after the
             tensors were restored).
     """
+    options = options if options is not None else LoadOptions()
     checkpoint, slots = plan.checkpoint, plan.slots
     reads = plan.reads if reads is None else reads
     deferred = plan.deferred if deferred is None else deferred
     values = plan.values if values is None else values
-    saved = snapshot(plan) if rollback else None
-    bar = _progress_bar(progress, plan)
+    saved = snapshot(plan) if options.rollback else None
+    bar = _progress_bar(options.progress, plan)
     try:
-        ring = StagingRing(staging_bytes)  # one ring of staging buffers (pinned for GPU targets) for every read
+        ring = StagingRing(options.staging_bytes)  # one ring of staging buffers (pinned for GPU targets) for every read
         BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring).run(reads)
         run_values(values, checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring)
         for d in deferred:
