@@ -187,8 +187,9 @@ def scenario_broadcast(ctx: dict, use_dcp: bool = False) -> dict:
     if use_dcp:
         import torch.distributed.checkpoint as dcp
 
-        planner = HFLoadPlanner(model, weights_mapping=dm.RULES, broadcast_replicated_tensors=True)
-        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(ctx["layout_path"]), planner=planner)
+        planner = HFLoadPlanner(model, weights_mapping=dm.RULES)
+        reader = SafetensorsReader(ctx["layout_path"], broadcast_replicated_tensors=True)
+        dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
         report = planner.finish(ctx["layout_path"])
     else:
         report = load_hf_checkpoint(
@@ -433,7 +434,7 @@ def scenario_hung_planning(ctx: dict) -> dict:
 
 
 def scenario_hung_reading_dcp(ctx: dict) -> dict:
-    """Inside dcp.load, rank 2 hangs while reading; HFLoadPlanner(timeout=) names it on every rank."""
+    """Inside dcp.load, rank 2 hangs while reading; SafetensorsReader(timeout=) names it on every rank."""
     import torch.distributed.checkpoint as dcp
 
     from loader import HFLoadPlanner, SafetensorsReader
@@ -455,9 +456,9 @@ def scenario_hung_reading_dcp(ctx: dict) -> dict:
                 raise
 
     model = _filled_layout()
-    planner = HFLoadPlanner(model, weights_mapping=_rules_with_scaled(scaled), timeout=2.5)
+    planner = HFLoadPlanner(model, weights_mapping=_rules_with_scaled(scaled))
     try:
-        dcp.load(planner.state_dict_for_load(), storage_reader=Reader(ctx["layout_path"]), planner=planner)
+        dcp.load(planner.state_dict_for_load(), storage_reader=Reader(ctx["layout_path"], timeout=2.5), planner=planner)
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)
