@@ -19,6 +19,7 @@ import regiontrace as rt
 from loader import Convert, HFLoadPlanner, Rename, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileReader
 from loader.execute import execute_plan
+from loader.options import LoadOptions
 from loader.plan import RankPlan, Traced, Untraced
 from loader.report import load_report
 from loader.rules import dot_natural_key, plan_keys
@@ -260,7 +261,7 @@ def test_planning_reading_and_reporting_pause_the_garbage_collector(tmp_path):
     checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
     plan = watched(HFLoadPlanner(model).build_plan, checkpoint)
     with FileReader() as reader:
-        watched(execute_plan, plan, reader, progress=False)
+        watched(execute_plan, plan, reader, LoadOptions(progress=False))
     report = watched(load_report, plan, reader.bytes_read)
     assert len(collections) <= 3 and gc.isenabled()  # at most the one each exit's first allocation may start
     assert len(report.loaded_keys) == n and torch.equal(model["p7"].detach(), values["p7"])
