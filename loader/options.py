@@ -7,6 +7,7 @@ Vocabulary:
     options: how a load runs and reads (:class:`LoadOptions`): rollback, progress bar, timeout, staging buffer,
         broadcasting. An I/O setting, as torch DCP puts them on the storage reader: ``load_hf_checkpoint``
         builds one from its keyword arguments, :class:`~loader.SafetensorsReader` holds one inside ``dcp.load``.
+        A save's are a :class:`SaveOptions`.
 
 This module imports nothing of the project: every layer may use it.
 """
@@ -18,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_TIMEOUT", "STAGING_BYTES", "LoadOptions", "Rules", "timeout_seconds"]
+__all__ = ["DEFAULT_TIMEOUT", "STAGING_BYTES", "LoadOptions", "Rules", "SaveOptions", "timeout_seconds"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits at an agreement point for the others (``load_hf_checkpoint(timeout=...)``)."""
@@ -102,3 +103,28 @@ class LoadOptions:
         timeout_seconds(self.timeout)
         if self.staging_bytes < 1:
             raise ValueError(f"staging_bytes must be at least 1, got {self.staging_bytes}")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save runs and writes, as one value (see :func:`loader.save_hf_checkpoint`).
+
+    Attributes:
+        max_shard_size: most bytes per file: a positive int, or a number and a unit (``"5GB"``); checked when
+            the save is planned (in a distributed save: on every rank, together).
+        metadata: safetensors ``__metadata__`` of every file.
+        progress: tqdm progress bar; None: on when stderr is a terminal.
+        timeout: seconds (or a ``timedelta``) each rank waits for the others at each agreement point, and the
+            most the commit waits for another save's commit into the same path; None: no limit.
+
+    Raises:
+        ValueError: a timeout that is not positive.
+    """
+
+    max_shard_size: int | str = "5GB"
+    metadata: Mapping[str, str] | None = None
+    progress: bool | None = None
+    timeout: float | datetime.timedelta | None = None
+
+    def __post_init__(self) -> None:
+        timeout_seconds(self.timeout)

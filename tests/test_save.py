@@ -24,6 +24,7 @@ from torch import nn
 
 import regiontrace as rt
 from loader import Convert, Rename, SafetensorsCheckpoint, SaveReport, load_hf_checkpoint, save_hf_checkpoint
+from loader.options import Rules
 from loader.rules import dot_natural_key
 from loader.save import TensorSpec, map_for_save, plan_layout, plan_rank_writes
 from loader.save.layout import header_bytes, parse_size, split_into_files
@@ -317,7 +318,7 @@ def test_random_bijections_write_their_sources_back(tmp_path_factory, program, s
     names = list(sources)
     rules = [Convert(names, "out", lambda *xs: program(**dict(zip(names, xs))))]
     shapes = {n: (t.shape, t.dtype) for n, t in sources.items()}
-    mapping = map_for_save(model, weights_mapping=rules, source_shapes=shapes)
+    mapping = map_for_save(model, Rules(weights_mapping=rules), source_shapes=shapes)
     layout = plan_layout(mapping.specs, metadata={"format": "pt"})
     folder = tmp_path_factory.mktemp("prop")
     create_files(folder, layout)

@@ -19,6 +19,7 @@ import torch
 import regiontrace as rt
 
 from .._torch import root_mesh
+from ..options import Rules, SaveOptions, timeout_seconds
 from ..placements import rank_and_world, slot_for
 from ..report import human_bytes
 from ..rules import dot_natural_key
@@ -99,6 +100,9 @@ def save_hf_checkpoint(
 ) -> SaveReport:
     """Save ``model`` as a Hugging Face safetensors checkpoint in the original layout, as ``save_pretrained`` does.
 
+    The keyword arguments build a :class:`~loader.options.Rules` and a :class:`~loader.options.SaveOptions`,
+    passed down whole.
+
     Under ``torch.distributed`` every rank calls it with its (DTensor-sharded) model; each writes only the byte
     regions its local shards map to (a tensor held by several ranks is written by the lowest of them). The
     files appear at ``path`` only once every rank has written its part.
@@ -133,27 +137,19 @@ def save_hf_checkpoint(
             (no folder, or the old checkpoint, whole).
         TimeoutError: another save into ``path`` was committing for more than ``timeout``.
     """
-    from ..distributed import timeout_seconds
-
     started = time.perf_counter()
-    lock_wait = timeout_seconds(timeout)
-    meta = {"format": "pt", **(metadata or {})}
-    rules = dict(
-        weights_mapping=weights_mapping,
-        extra_weights_mapping=extra_weights_mapping,
-        key_mapping=key_mapping,
-        source_shapes=source_shapes,
-    )
+    options = SaveOptions(max_shard_size, {"format": "pt", **(metadata or {})}, progress, timeout)
+    rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
     rank, world = rank_and_world()
     if world > 1:
-        return _save_distributed(model, path, rules, max_shard_size, meta, progress, timeout)
-    mapping, layout, writes = _prepare(model, rules, max_shard_size, meta, rank)
+        return _save_distributed(model, path, rules, source_shapes, options)
+    mapping, layout, writes = _prepare(model, rules, source_shapes, options, rank)
     folder = make_temp_folder(path)
     try:
         header = create_files(folder, layout)
-        writer = _write(folder, layout, writes, progress)
+        writer = _write(folder, layout, writes, options.progress)
         write_extras(folder, layout, model, _total_parameters(model))
-        commit(folder, path, layout, lock_wait)
+        commit(folder, path, layout, timeout_seconds(options.timeout))
     except BaseException:
         remove_folder(folder)
         raise
@@ -208,10 +204,12 @@ def collect_writes(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _prepare(model, rules, max_shard_size, metadata, rank) -> tuple[SaveMapping, SaveLayout, RankWrites]:
-    max_shard_size = parse_size(max_shard_size)  # a bad one is refused first: nothing planned, nothing created
-    mapping = map_for_save(model, **rules)
-    layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata=metadata)
+def _prepare(
+    model: torch.nn.Module, rules: Rules, source_shapes: Any, options: SaveOptions, rank: int
+) -> tuple[SaveMapping, SaveLayout, RankWrites]:
+    max_shard_size = parse_size(options.max_shard_size)  # a bad one is refused first: nothing planned or created
+    mapping = map_for_save(model, rules, source_shapes=source_shapes)
+    layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata=options.metadata)
     _, world = rank_and_world()
     return mapping, layout, plan_rank_writes(mapping, rank, world)
 
@@ -229,18 +227,20 @@ def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool |
     return writer
 
 
-def _save_distributed(model, path, rules, max_shard_size, metadata, progress, timeout) -> SaveReport:
+def _save_distributed(
+    model: torch.nn.Module, path: str, rules: Rules, source_shapes: Any, options: SaveOptions
+) -> SaveReport:
     """Plan on every rank; rank 0 creates the files; every rank writes its regions; rank 0 commits. Each step
     ends at an agreement point: a failure or a hang anywhere fails every rank, and rank 0 removes the files."""
-    from ..distributed import LoadSession, timeout_seconds
+    from ..distributed import LoadSession
 
     started = time.perf_counter()
     rank, world = rank_and_world()
     folder = header = None
-    with LoadSession(timeout) as session:
+    with LoadSession(options.timeout) as session:
         error = None
         try:
-            mapping, layout, writes = _prepare(model, rules, max_shard_size, metadata, rank)
+            mapping, layout, writes = _prepare(model, rules, source_shapes, options, rank)
             agreement = RankAgreement(mapping.tensors, layout)
             agreement.publish(session.store, rank)
             if rank == 0:
@@ -255,7 +255,7 @@ def _save_distributed(model, path, rules, max_shard_size, metadata, progress, ti
             if rank != 0:
                 folder = session.store.get("save/folder").decode()
             if agreement.check(session.store, rank, world):  # else another rank raises: write nothing
-                writer = _write(folder, layout, writes, progress)
+                writer = _write(folder, layout, writes, options.progress)
         except Exception as e:
             error = e
         _agree(session, error, "writing", folder if rank == 0 else None)
@@ -263,7 +263,7 @@ def _save_distributed(model, path, rules, max_shard_size, metadata, progress, ti
         if rank == 0:
             try:
                 write_extras(folder, layout, model, _total_parameters(model))
-                commit(folder, path, layout, timeout_seconds(timeout))
+                commit(folder, path, layout, timeout_seconds(options.timeout))
             except Exception as e:
                 error = e
                 remove_folder(folder)

@@ -23,6 +23,7 @@ import torch
 import regiontrace as rt
 
 from .._torch import storage_key
+from ..options import Rules
 from ..rules import Conversion, Convert, Rename, dot_natural_key, plan_keys
 from ..rules import hf as hf_rules
 from .layout import TensorSpec
@@ -82,17 +83,15 @@ class SaveMapping:
 
 def map_for_save(
     model: torch.nn.Module,
+    rules: Rules | None = None,
     *,
-    weights_mapping: Sequence[Any] | None = None,
-    extra_weights_mapping: Sequence[Any] = (),
-    key_mapping: Mapping[str, str] | None = None,
     source_shapes: SourceShapes | None = None,
 ) -> SaveMapping:
     """Find the checkpoint layout of ``model`` and invert every conversion into it.
 
     Args:
         model: the model (plain or DTensor tensors; only shapes and dtypes are read here).
-        weights_mapping, extra_weights_mapping, key_mapping: the rules, as for ``load_hf_checkpoint``; for a model
+        rules: the :class:`~loader.options.Rules`, as for ``load_hf_checkpoint`` (None: the defaults); for a model
             a load recorded its rules on, only those of them the load applied (none given: all it applied).
         source_shapes: the checkpoint keys to save, with their shapes (or ``(shape, dtype)``; without a dtype, the
             dtype of the model tensors they convert to), or a checkpoint (path or ``SafetensorsCheckpoint``) whose
@@ -107,9 +106,9 @@ def map_for_save(
         raise ValueError("cannot save a quantized model or PEFT adapters: use save_pretrained")
     state = model.state_dict(keep_vars=True)
     meta = _saved_state(model, state)
-    rules = dict(weights_mapping=weights_mapping, extra_weights_mapping=extra_weights_mapping, key_mapping=key_mapping)
-    custom = weights_mapping is not None or bool(extra_weights_mapping) or bool(key_mapping)
-    recorded = rules_to_reverse(model, weights_mapping, extra_weights_mapping, key_mapping)
+    given = rules if rules is not None else Rules()
+    rules, custom = given.as_kwargs(), given.given
+    recorded = rules_to_reverse(model, given.weights_mapping, given.extra_weights_mapping, given.key_mapping)
     if recorded is not None:  # a load recorded the rules it applied: reverse exactly those
         rules, custom = recorded, True
     if source_shapes is not None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..options import Rules
 from ..placements import shard_boxes
 from .api import Box, collect_writes, writer_coordinate
 from .layout import SaveLayout, plan_layout
@@ -84,13 +85,8 @@ def plan_writes(
     found_mesh, found = model_placements(model)
     mesh_shape = tuple(mesh_shape or found_mesh or (1,))
     placements = found if placements is None else placements
-    mapping = map_for_save(
-        model,
-        weights_mapping=weights_mapping,
-        extra_weights_mapping=extra_weights_mapping,
-        key_mapping=key_mapping,
-        source_shapes=source_shapes,
-    )
+    rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
+    mapping = map_for_save(model, rules, source_shapes=source_shapes)
     layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata={"format": "pt"})
     out = []
     for rank in ranks if ranks is not None else range(math.prod(mesh_shape)):
