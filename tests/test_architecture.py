@@ -356,3 +356,33 @@ def test_torch_private_names_only_in_the_compatibility_modules():
         for line, text in torch_private_uses(path.read_text(), private_attributes)
     ]
     assert not bad, "torch's private names belong in regiontrace/_torch.py or loader/_torch.py:\n" + "\n".join(bad)
+
+
+# -- signatures ---------------------------------------------------------------------------------------------------------
+
+MAX_POSITIONAL = 8  # more settings than this travel as one value (loader.options: Rules, LoadOptions, SaveOptions)
+
+
+def _public_functions(tree: ast.Module):
+    """The public functions of a module and the public methods of its public classes."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _private(node.name):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef) and not _private(node.name):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _private(item.name):
+                    yield f"{node.name}.{item.name}", item
+
+
+def test_no_public_function_takes_more_than_eight_positional_parameters():
+    """A public function or method of the loader takes at most 8 parameters that are not keyword-only (``self``
+    and ``cls`` not counted): options travel as one value, keyword-only arguments are a public API's own."""
+    bad = []
+    for name, path in project_modules().items():
+        if not name.startswith("loader") or any(_private(part) for part in name.split(".")):
+            continue
+        for qualname, fn in _public_functions(ast.parse(path.read_text())):
+            params = [a.arg for a in fn.args.posonlyargs + fn.args.args if a.arg not in ("self", "cls")]
+            if len(params) > MAX_POSITIONAL:
+                bad.append(f"{name}.{qualname}: {len(params)} ({', '.join(params)})")
+    assert not bad, "\n".join(bad)

@@ -147,6 +147,7 @@ def make_conversion(
     sources: tuple[str, ...],
     shapes: tuple[tuple[int, ...], ...],
     dtypes: tuple[torch.dtype, ...],
+    *,
     state: Mapping[str, Any],
     model: Any,
     runs: dict[tuple, tuple[list[str] | None, MetaRun]],

@@ -351,7 +351,9 @@ def _make_conversion(group: _Group, specs: _Specs, state, model, runs: dict) -> 
             raise _duplicate(keys[0], keys[1], group.name)
     frozen_groups = tuple((p, tuple(keys)) for p, keys in group.patterns.items())
     if rule.hf:
-        return hf.make_conversion(rule.impl, group.name, frozen_groups, sources, shapes, dtypes, state, model, runs)
+        return hf.make_conversion(
+            rule.impl, group.name, frozen_groups, sources, shapes, dtypes, state=state, model=model, runs=runs
+        )
     return _make_convert_conversion(
         rule.orig, rule.impl._patterns, group.name, frozen_groups, sources, shapes, dtypes, runs
     )
