@@ -7,7 +7,9 @@ adapter to torch's ``LoadPlanner`` interface, whose per-load state is a :class:`
 ``torch.distributed.checkpoint.load`` each RemapBlock becomes a ``ReadItem``. With
 :class:`~loader.reader.SafetensorsReader` any block (strided, flipped, broadcast, cast) is executed by the
 loader's own read path; with torch's ``HuggingFaceStorageReader`` only blocks that read a plain box of a
-checkpoint tensor can be expressed, and others raise a clear error.
+checkpoint tensor can be expressed, and others raise a clear error. How a load runs and reads (rollback,
+timeout, staging buffers, broadcasting) is no planning setting: it is ``load_hf_checkpoint``'s, or inside
+``dcp.load`` the :class:`~loader.SafetensorsReader`'s.
 """
 
 from __future__ import annotations
@@ -66,9 +68,6 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
             subclass overrides :meth:`default_weights_mapping`, :meth:`map_checkpoint_key`,
             :meth:`select_converter`, :meth:`supports_symbolic` or :meth:`target_slot`.
 
-    How the load runs and reads (rollback, timeout, staging buffers, broadcasting) is no planning setting: it is
-    ``load_hf_checkpoint``'s, or inside ``dcp.load`` the :class:`~loader.SafetensorsReader`'s.
-
     Attributes:
         rules: the :class:`~loader.options.Rules`.
         cache: the traces, by signature, shared by every plan this planner builds (e.g. simulated ranks).
@@ -76,8 +75,8 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
     Raises:
         ValueError: ``rules`` together with any of the three rule arguments.
 
-    The planner memoises the key plan of the last checkpoint it planned and the traces; everything a load
-    executes and reports comes from the plan value :meth:`build_plan` returns.
+    The planner memoises the last checkpoint's key plan and the traces; a load executes and reports the plan
+    value :meth:`build_plan` returns.
     """
 
     def __init__(
@@ -159,10 +158,9 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
     ) -> None:
         self.metadata = metadata
         self.is_coordinator = is_coordinator
-        # metadata without our TensorInfo records comes from another reader (torch's HF reader): it reads
-        # plain boxes only, which create_local_plan checks before anything is read. Inside dcp.load a ReadItem
-        # stands for bytes copied into a model tensor: values computed by pointwise ops (FP8 dequantization)
-        # are deferred (their sources read whole, run for real)
+        # metadata without our headers comes from another reader (torch's HF reader): it reads plain boxes only,
+        # checked by create_local_plan. Pointwise values (FP8 dequantization) are deferred: a ReadItem stands for
+        # bytes copied into a model tensor
         plan = self.build_plan(checkpoint_from_metadata(metadata), values=False)
         self._dcp = DcpLoad(plan, boxes_only=not holds_headers(metadata))
 
@@ -187,12 +185,8 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
     # -- for SafetensorsReader and after dcp.load ---------------------------------------------------------
 
     def planned_reads(self, dcp_plan: LoadPlan) -> tuple[RankPlan, list[BlockRead], list[DeferredRead]]:
-        """The plan of the current ``dcp.load`` and the reads the items of ``dcp_plan`` stand for (a storage reader
-        that executes RemapBlocks itself, :class:`~loader.SafetensorsReader`, runs them instead of the items).
-
-        Raises:
-            RuntimeError: no ``dcp.load`` has been planned (``set_up_planner`` was not called).
-        """
+        """The plan of the current ``dcp.load`` and the reads ``dcp_plan``'s items stand for, for a storage reader
+        that runs RemapBlocks itself (:class:`~loader.SafetensorsReader`); RuntimeError before ``set_up_planner``."""
         state = self._state()
         return (state.plan, *state.planned_reads(dcp_plan))
 
