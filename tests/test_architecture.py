@@ -358,7 +358,7 @@ def test_torch_private_names_only_in_the_compatibility_modules():
     assert not bad, "torch's private names belong in regiontrace/_torch.py or loader/_torch.py:\n" + "\n".join(bad)
 
 
-# -- signatures ---------------------------------------------------------------------------------------------------------
+# -- signatures ------------------------------------------------------------------------------------------------------
 
 MAX_POSITIONAL = 8  # more settings than this travel as one value (loader.options: Rules, LoadOptions, SaveOptions)
 
