@@ -281,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline",
         metavar="DIR",
-        help="also time the loader of this checkout (e.g. a git worktree of an older "
-        "commit) in the same run, alternating fresh processes with the current code",
+        action="append",
+        default=[],
+        help="also time the loader of this checkout (e.g. a git worktree of an older commit; may be repeated) in "
+        "the same run, alternating fresh processes with the current code",
     )
     parser.add_argument("--profile", action="store_true", help="cProfile the timed planning")
     parser.add_argument("--all-ranks", action="store_true", help="then simulate all 64 ranks too")
@@ -319,8 +321,7 @@ def _in_processes(args: argparse.Namespace) -> dict[str, list[dict]]:
         f"--repeat={args.repeat}",
     ]
     paths = {"current": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    if args.baseline:
-        paths = {f"baseline {_commit_of(args.baseline)}": os.path.abspath(args.baseline), **paths}
+    paths = {f"baseline {_commit_of(b)}": os.path.abspath(b) for b in args.baseline} | paths
     best: dict[str, list[dict]] = {}
     for n in range(args.rounds):
         for version, root in paths.items():
