@@ -193,7 +193,34 @@ def _compose_value(value: Value, flats: Mapping[str, R.Region], inverse: Inverse
             raise ValueError(f"source {src.name!r} is read as {tuple(src.shape)} {src.dtype}, it is {shape} {dtype}")
         pieces.extend(_compose_piece(p, flats[src.name]))
         R.check_piece_budget(len(pieces), "composing")
-    return R.finish_region(value.shape, pieces, "composing")
+    return R.finish_region(value.shape, _merge_points(pieces), "composing")
+
+
+def _merge_points(pieces: list[R.Piece]) -> list[R.Piece]:
+    """Merge pieces one coordinate wide along a dim, at consecutive coordinates and equally spaced bases (g's
+    ``stack`` of per-expert keys read through a fused target: one piece, not one per expert)."""
+    for d in range(len(pieces[0].axes) if pieces else 0):
+        groups: dict[tuple, list[R.Piece]] = {}
+        for q in pieces:
+            key = (q.source, q.casts, q.axes[:d], q.axes[d + 1 :]) if not q.axes[d].factors else (id(q),)
+            groups.setdefault(key, []).append(q)
+        pieces = []
+        for group in groups.values():
+            group.sort(key=lambda q: q.axes[d].start)
+            i = 0
+            while i < len(group):
+                j, step = i + 1, group[i + 1].base - group[i].base if i + 1 < len(group) else 0
+                while (
+                    j < len(group)
+                    and group[j].axes[d].start == group[i].axes[d].start + j - i
+                    and group[j].base == group[i].base + (j - i) * step
+                ):
+                    j += 1
+                axes = list(group[i].axes)
+                axes[d] = normalize_axis(Axis(axes[d].start, (Factor(j - i, 0, j - i, step),)))
+                pieces.append(group[i].with_axes(axes) if j - i > 1 else group[i])
+                i = j
+    return pieces
 
 
 def _compose_piece(p: R.Piece, flat: R.Region) -> list[R.Piece]:
