@@ -1,6 +1,7 @@
 """Benchmark: simulate planning one rank of DeepSeek-V3 (671B) on an EP8 x TP8 mesh, from headers only.
 
-    taskset -c 0 python bench/plan_scale.py [--layers 61] [--rank 0] [--compare 10] [--profile] [--markdown]
+    taskset -c 0 python bench/plan_scale.py [--layers 61] [--rank 0] [--compare 10] [--repeat 3] [--rounds 1]
+        [--baseline DIR ...] [--profile] [--markdown]
 
 The model is transformers' ``DeepseekV3ForCausalLM`` with the real sizes (61 layers, the first 3 dense,
 256 routed experts + 1 shared, hidden 7168, moe_intermediate 2048, intermediate 18432, vocab 129280,
@@ -20,8 +21,12 @@ spread over 5 GB shard files in key order like the hub checkpoint. (The hub chec
 ``weight_scale_inv`` tensors and has the multi-token-prediction layer 61; a bf16 conversion has neither.)
 
 Timed: ``simulate_load(model, checkpoint, ranks=[rank])`` — rules, traces, validation and block
-compilation for every model tensor of that rank, in a fresh planner (nothing cached across runs). Building
-the model and the header list is reported separately. ``--compare N`` also times an N-layer model with the
+compilation for every model tensor of that rank, in a fresh planner (nothing cached across runs), best of
+``--repeat`` plans by CPU time, every phase timed (:data:`PHASES`; the rest of the call is reported as
+``rest``, so that the phases add up to the whole). ``--rounds N`` runs N fresh processes, and ``--baseline
+DIR`` (repeatable) alternates them with processes running the loader of another checkout (a git worktree of
+an older commit), so that old and new are compared in one run. Building the model and the header list is
+reported separately. ``--compare N`` also times an N-layer model with the
 same sizes, to show that planning cost follows the distinct conversion shapes, not the layer count.
 """
 
