@@ -148,13 +148,24 @@ def _flat_inverses(inverse: Inverse) -> dict[str, R.Region]:
                         kbase, tbase, s, t = kbase + (n - 1) * s, tbase + (n - 1) * t, -s, -t
                     if n > 1:
                         entries.append((s, n, t))
-            for tb, axis in _inverse_axes(kbase, tbase, entries, numel):
+            for tb, axis in _inverse_axes(kbase, tbase, _merge_entries(entries), numel):
                 pieces[p.source.name].append(R.Piece(target, tb, (axis,), casts))
     flats = {}
     for name, (shape, _) in inverse.sources.items():
         found = sorted(pieces[name], key=lambda q: q.axes[0].start)
         flats[name] = R.finish_region((math.prod(shape),), found, f"inverting onto {name!r}")
     return flats
+
+
+def _merge_entries(entries: list[Entry]) -> list[Entry]:
+    """Merge lattice factors that continue each other on both sides (the key's and the target's)."""
+    merged: list[Entry] = []
+    for s, n, t in sorted(entries):
+        if merged and merged[-1][0] * merged[-1][1] == s and merged[-1][2] * merged[-1][1] == t:
+            merged[-1] = (merged[-1][0], merged[-1][1] * n, merged[-1][2])
+        else:
+            merged.append((s, n, t))
+    return merged
 
 
 def _inverse_axes(kbase: int, tbase: int, entries: list[Entry], numel: int) -> list[tuple[int, Axis]]:
