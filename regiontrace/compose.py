@@ -31,7 +31,7 @@ import torch
 from . import region as R
 from .invert import Inverse
 from .radix import Axis, Factor, digit_weights, normalize_axis
-from .reshape import _extend_full, reshape
+from .reshape import extend_full, reshape
 from .tensor import Node, RegionTensor
 from .values import Apply, Value
 
@@ -306,7 +306,7 @@ def _place(p: R.Piece, slots: Sequence[tuple[int, int]], q: R.Piece) -> list[R.P
         for j, f in enumerate(axis.factors[first + 1 :], first + 1):
             if (d, j) in where:
                 a = q.axes[where[d, j]]
-                parts = _extend_full(Axis(f.lo + a.start, a.factors), f.radix)
+                parts = extend_full(Axis(f.lo + a.start, a.factors), f.radix)
             else:
                 parts = [(0, (Factor(f.radix, f.lo, f.hi, 0),))]
             options = [(d1 + d2, f1 + f2) for d1, f1 in options for d2, f2 in parts]
@@ -331,7 +331,7 @@ def _composed_casts(q: R.Piece, p: R.Piece) -> tuple[torch.dtype, ...]:
         return q.casts
     casts: tuple[torch.dtype, ...] = ()
     for dtype in p.casts:
-        casts = R._append_cast(q.source.dtype, casts, dtype)
+        casts = R.append_cast(q.source.dtype, casts, dtype)
     return casts
 
 

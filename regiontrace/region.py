@@ -271,7 +271,7 @@ def cat(regions: Sequence[Region], dim: int, shape: Sequence[int]) -> Region:
 
 def cast(region: Region, dtype: torch.dtype) -> Region:
     """Record a value cast to ``dtype`` on every piece (applied on copy)."""
-    pieces = [Piece(p.source, p.base, p.axes, _append_cast(p.source.dtype, p.casts, dtype)) for p in region.pieces]
+    pieces = [Piece(p.source, p.base, p.axes, append_cast(p.source.dtype, p.casts, dtype)) for p in region.pieces]
     return Region(region.shape, merge_pieces(pieces) if len(pieces) > 1 else tuple(pieces))
 
 
@@ -294,7 +294,8 @@ EXACT_WIDENINGS = {
 }
 
 
-def _append_cast(src: torch.dtype, casts: tuple[torch.dtype, ...], dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+def append_cast(src: torch.dtype, casts: tuple[torch.dtype, ...], dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The cast chain of a source of dtype ``src`` read through ``casts``, then cast to ``dtype`` (simplified)."""
     chain = (src,) + casts
     if chain[-1] == dtype:
         return casts

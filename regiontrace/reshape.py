@@ -2,7 +2,7 @@
 
 ``view_groups`` pairs groups of old and new dims with equal products (size-1 dims aside). Within a group
 each piece's axes are extended to their full dims and concatenated into one flat axis
-(:func:`_extend_full`), then cut into the new dims (:func:`_split_axis`), refining one factor where a cut
+(:func:`extend_full`), then cut into the new dims (:func:`_split_axis`), refining one factor where a cut
 falls inside it (:func:`_cut`). A cut that no factorization allows splits the piece along its leading
 digits, down to single-factor intervals, which always split into at most ``2m - 1`` boxes.
 """
@@ -71,7 +71,7 @@ def _reshape_group(axes: list[Axis], sizes: list[int], out_sizes: list[int]) -> 
     if len(sizes) == 1 and len(out_sizes) == 1:
         return [(0, (axes[0],))]
     out = []
-    for parts in itertools.product(*(_extend_full(a, n) for a, n in zip(axes, sizes))):
+    for parts in itertools.product(*(extend_full(a, n) for a, n in zip(axes, sizes))):
         delta = sum(d for d, _ in parts)
         flat = normalize_axis(Axis(0, tuple(f for _, fs in parts for f in fs)))
         if flat is None:
@@ -81,7 +81,7 @@ def _reshape_group(axes: list[Axis], sizes: list[int], out_sizes: list[int]) -> 
     return out
 
 
-def _extend_full(axis: Axis, n: int) -> list[tuple[int, tuple[Factor, ...]]]:
+def extend_full(axis: Axis, n: int) -> list[tuple[int, tuple[Factor, ...]]]:
     """Re-express ``axis`` over the full dim ``[0, n)``, splitting it where no exact form exists."""
     s, fs = axis.start, axis.factors
     length = axis.length
@@ -95,7 +95,7 @@ def _extend_full(axis: Axis, n: int) -> list[tuple[int, tuple[Factor, ...]]]:
         return [(0, (Factor(n // w, s // w + f0.lo, s // w + f0.hi, f0.stride),) + fs[1:])]
     out = []
     for delta, sub in split_leading(axis):
-        out.extend((delta + d2, f) for d2, f in _extend_full(sub, n))
+        out.extend((delta + d2, f) for d2, f in extend_full(sub, n))
     return out
 
 
