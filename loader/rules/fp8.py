@@ -30,7 +30,7 @@ import torch
 from ..checkpoint import SafetensorsCheckpoint, quantization_config
 from ..errors import CheckpointError
 from .conversion import Conversion, cast_like_transformers
-from .keys import KeyPlan
+from .keyplan import KeyPlan
 
 #: float8 dtypes this torch build has: their elements are codes whose value needs the checkpoint's scales
 FLOAT8 = frozenset(

@@ -13,6 +13,8 @@
   first visited loads and the other is unexpected;
 * converter matches are grouped by their (first) target tensor name, one converter instance per group.
 
+The visiting and grouping live in :mod:`.grouping`, tied weights in :mod:`.tied`, the result in :mod:`.keyplan`.
+
 Rules are our :class:`Rename` / :class:`Convert`, or transformers ``WeightRenaming`` / ``WeightConverter``
 objects (including ``PrefixChange`` and scoped sub-model transforms), used as they are. transformers is
 optional: this module imports without it, transformers-specific code lives in :mod:`loader.rules.hf`.
@@ -20,9 +22,8 @@ optional: this module imports without it, transformers-specific code lives in :m
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,83 +36,13 @@ from .conversion import (
     Patterns,
     Rename,
     arg_layout,
-    dot_natural_key,
-    natural_order,
     run_on_meta,
     signature,
 )
-from .matching import Rule, RuleChain, converter_picker, hf_adapters
-
-
-@dataclass
-class KeyPlan:
-    conversions: list[Conversion]
-    #: checkpoint keys no rule maps to a model tensor, and keys that reach a model tensor a key visited before
-    #: loads, one of them through the base model prefix (``base.linear.w`` and ``linear.w`` into the base model:
-    #: ``from_pretrained`` loads the first in ``dot_natural_key`` order and drops the other unreported)
-    unexpected_keys: list[str]
-    #: model tensors nothing loads (tied aliases whose partner is loaded are not missing)
-    missing_keys: list[str]
-    #: alias model name -> canonical model name, for one tensor object known under several names
-    tied: dict[str, str]
-    #: checkpoint keys ``map_checkpoint_key`` returned ``None`` for (neither loaded nor reported)
-    skipped_keys: list[str] = field(default_factory=list)
-    #: conversions that load a tied alias whose canonical name is loaded too (transformers loads both and
-    #: unties them when the values differ; here they are left out: compare if you care)
-    tied_duplicates: list[Conversion] = field(default_factory=list)
-    #: subsets of missing/unexpected keys that transformers does not report (``_keys_to_ignore_on_load_*``,
-    #: ``rotary_emb.inv_freq``, ``position_ids``)
-    ignored_missing_keys: list[str] = field(default_factory=list)
-    ignored_unexpected_keys: list[str] = field(default_factory=list)
-    #: rules that matched at least one checkpoint key, in mapping order (what transformers records)
-    used_rules: list[Any] = field(default_factory=list, repr=False)
-    #: whether the rules were given (``weights_mapping``, ``extra_weights_mapping`` or ``key_mapping``)
-    custom_rules: bool = False
-
-    def by_target(self) -> dict[str, Conversion]:
-        return {t: c for c in self.conversions for t in c.targets}
-
-    def record_on_model(self, model: torch.nn.Module) -> None:
-        """Record the applied rules on ``model`` the way ``from_pretrained`` does, so that
-        ``save_pretrained`` writes the checkpoint layout back.
-
-        transformers sets ``model._weight_conversions`` to the transforms that matched a checkpoint key
-        (``was_used()``), in mapping order; ``save_pretrained`` reverses them (``revert_weight_conversion``).
-        Our ``Rename`` is recorded as a ``WeightRenaming``; a ``Convert`` has no reverse and is not recorded
-        (its tensors are saved in the model layout). No-op for modules that are not a transformers
-        ``PreTrainedModel``.
-
-        When the rules were given, the rules applied (ours and transformers', as given) are also recorded on any
-        module as :data:`APPLIED_RULES`, so that ``save_hf_checkpoint`` reverses exactly them."""
-        hf.record_on_model(model, self.used_rules)
-        setattr(model, APPLIED_RULES, tuple(self.used_rules) if self.custom_rules else None)
-
-
-class _Group:
-    """The checkpoint keys one converter (or a plain rename) gathers for one model tensor, in visit order."""
-
-    __slots__ = ("keys", "name", "patterns", "rule")
-
-    def __init__(self, name: str, rule: Rule | None):
-        self.name, self.rule = name, rule
-        self.keys: list[str] = []
-        self.patterns: dict[str, list[str]] = {}  # source pattern -> its keys
-
-    def add(self, pattern: str, key: str) -> None:
-        self.keys.append(key)
-        keys = self.patterns.get(pattern)
-        if keys is None:
-            self.patterns[pattern] = [key]
-        else:
-            keys.append(key)
-
-
-def _duplicate(first: str, second: str, target: str) -> ValueError:
-    return ValueError(f"checkpoint keys {first!r} and {second!r} both map to model tensor {target!r}")
-
-
-#: the attribute a load records the given rules it applied under (see :meth:`KeyPlan.record_on_model`)
-APPLIED_RULES = "_regiontrace_applied_rules"
+from .grouping import KeyGroup, base_prefix, duplicate_error, group_keys, visit_order
+from .keyplan import KeyPlan
+from .matching import Rule, hf_adapters
+from .tied import resolve_tied
 
 
 def rules_in_order(
@@ -185,8 +116,8 @@ def plan_keys(
     is_pretrained = adapters is not None and adapters.is_pretrained_model(model)
     rules = [Rule(r) for r in rules_in_order(model, weights_mapping, extra_weights_mapping, key_mapping)]
     state = model.state_dict(keep_vars=True)
-    mapped, keys, skipped = _visit_order(checkpoint_shapes, map_checkpoint_key)
-    groups, unexpected = _group_keys(mapped, keys, rules, state, _base_prefix(model, is_pretrained), select_converter)
+    mapped, keys, skipped = visit_order(checkpoint_shapes, map_checkpoint_key)
+    groups, unexpected = group_keys(mapped, keys, rules, state, base_prefix(model, is_pretrained), select_converter)
     specs = _Specs(checkpoint_shapes, checkpoint_dtypes, state)
     runs: dict[tuple, Any] = {}
     conversions = [_make_conversion(g, specs, state, model, runs) for g in groups.values()]
@@ -200,10 +131,10 @@ def plan_keys(
                     "which is not a tensor of the model"
                 )
             if target in produced:
-                raise _duplicate(produced[target].sources[0], conv.sources[0], target)
+                raise duplicate_error(produced[target].sources[0], conv.sources[0], target)
             produced[target] = conv
 
-    tied, duplicates = _resolve_tied(state, produced, adapters.tied_pairs(model) if is_pretrained else {})
+    tied, duplicates = resolve_tied(state, produced, adapters.tied_pairs(model) if is_pretrained else {})
     if duplicates:
         conversions = [c for c in conversions if all(c is not d for d in duplicates)]
         for dup in duplicates:
@@ -233,94 +164,6 @@ def plan_keys(
     )
 
 
-def _visit_order(
-    checkpoint_shapes: Mapping[str, Any], map_checkpoint_key: Callable[[str], str | None] | None
-) -> tuple[list[str], list[str], list[str]]:
-    """The mapped keys in ``dot_natural_key`` order, the checkpoint keys they come from, and the skipped keys.
-
-    Sorted by :func:`natural_order`'s strings, the same order (ties keep checkpoint order): tens of thousands of
-    sort keys that are lists would wake the garbage collector's full collection.
-    """
-    keys, mapped, skipped = [], [], []
-    for key in checkpoint_shapes:
-        m = key if map_checkpoint_key is None else map_checkpoint_key(key)
-        if m is None:
-            skipped.append(key)
-        else:
-            keys.append(key)
-            mapped.append(m)
-    order_key: Callable[[str], Any] = natural_order if not any("\x00" in m for m in mapped) else dot_natural_key
-    if map_checkpoint_key is None:
-        keys.sort(key=order_key)
-        return keys, keys, skipped
-    order = sorted(range(len(keys)), key=lambda i: order_key(mapped[i]))
-    return [mapped[i] for i in order], [keys[i] for i in order], skipped
-
-
-def _base_prefix(model: torch.nn.Module, is_pretrained: bool) -> str | None:
-    prefix = model.base_model_prefix if is_pretrained else getattr(model, "base_model_prefix", None)
-    return prefix if isinstance(prefix, str) else None
-
-
-def _group_keys(
-    mapped_keys: list[str],
-    keys: list[str],
-    rules: list[Rule],
-    state: Mapping[str, Any],
-    base_prefix: str | None,
-    select_converter: Callable[..., Any] | None,
-) -> tuple[dict[str, _Group], list[tuple[str, str]]]:
-    """Visit the keys in order: rename, pick a converter, add or strip the base model prefix, and group them
-    by the model tensor they load (the first target of their converter). Returns the groups and the
-    unexpected keys ``(checkpoint key, name it was renamed to)``."""
-    renamings = RuleChain([r for r in rules if not r.is_converter])
-    pick = converter_picker(RuleChain([r for r in rules if r.is_converter]), select_converter)
-    prefixed = _prefixer(base_prefix, state)
-    groups: dict[str, _Group] = {}
-    unexpected: list[tuple[str, str]] = []
-    via_prefix: set[str] = set()  # model tensors a plain key reached by adding or stripping the base prefix
-    for mapped, key in zip(mapped_keys, keys):
-        renamed, pattern, rule = pick(renamings.rename(mapped), key)
-        plain, renamed = renamed, prefixed(renamed)
-        if renamed not in state and mapped in state:
-            plain, renamed, pattern, rule = mapped, prefixed(mapped), None, None
-        if renamed not in state:
-            unexpected.append((key, renamed))
-            continue
-        group = groups.get(renamed)
-        if group is not None and (rule is None or group.rule is not rule):
-            if rule is None and group.rule is None and (renamed != plain or renamed in via_prefix):
-                # a head checkpoint's base.linear.* and linear.* into the base model: from_pretrained loads the
-                # key visited first and drops this one without a word; it is reported as unexpected here
-                unexpected.append((key, renamed))
-                continue
-            raise _duplicate(group.keys[0], key, renamed)
-        if group is None:
-            group = groups[renamed] = _Group(renamed, rule)
-            if rule is None and renamed != plain:
-                via_prefix.add(renamed)
-        group.add(pattern if rule is not None else key, key)
-    return groups, unexpected
-
-
-def _prefixer(base_prefix: str | None, state: Mapping[str, Any]) -> Callable[[str], str]:
-    """transformers' ``base_model_prefix`` handling: strip it or add it when that names a model tensor."""
-    if base_prefix is None:
-        return lambda key: key
-    strip = re.compile(f"^{base_prefix}.")  # the very pattern transformers substitutes ("." is any character)
-
-    def prefixed(key: str) -> str:
-        if key.startswith(base_prefix):
-            stripped = strip.sub("", key, count=1)
-            if stripped in state:
-                return stripped
-        if f"{base_prefix}.{key}" in state:
-            return f"{base_prefix}.{key}"
-        return key
-
-    return prefixed
-
-
 class _Specs:
     """Shapes and dtypes of checkpoint keys for the meta runs: the checkpoint's dtypes, or else the dtype of the
     model tensor the conversion loads."""
@@ -335,7 +178,7 @@ class _Specs:
         return shapes, tuple(map(self.dtypes.__getitem__, keys))
 
 
-def _make_conversion(group: _Group, specs: _Specs, state, model, runs: dict) -> Conversion:
+def _make_conversion(group: KeyGroup, specs: _Specs, state, model, runs: dict) -> Conversion:
     sources = tuple(group.keys)
     shapes, dtypes = specs(sources, group.name)
     rule = group.rule
@@ -348,7 +191,7 @@ def _make_conversion(group: _Group, specs: _Specs, state, model, runs: dict) -> 
         return Conversion((group.name,), sources, "rename", True, ((key, sources),), None, shared[1], shared[0])
     for pattern, keys in group.patterns.items():
         if len(keys) > 1 and "*" not in pattern:
-            raise _duplicate(keys[0], keys[1], group.name)
+            raise duplicate_error(keys[0], keys[1], group.name)
     frozen_groups = tuple((p, tuple(keys)) for p, keys in group.patterns.items())
     if rule.hf:
         return hf.make_conversion(
@@ -396,54 +239,3 @@ def _make_convert_conversion(
     if meta is None:
         meta = runs[sig] = run_on_meta(conv, shapes, dtypes)
     return replace(conv, meta=meta)
-
-
-def _resolve_tied(state, produced, hf_pairs: Mapping[str, str]) -> tuple[dict[str, str], list[Conversion]]:
-    """Group names of one tensor object (and transformers' tied pairs); choose a canonical name per group:
-    a loaded one (transformers' tie source first), else the tie source, else the first name."""
-    parent: dict[str, str] = {}
-
-    def find(n: str) -> str:
-        while parent.get(n, n) != n:
-            n = parent[n]
-        return n
-
-    def union(a: str, b: str) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[rb] = ra
-
-    first_by_id: dict[int, str] = {}
-    for name, tensor in state.items():
-        if tensor is None:
-            continue
-        union(first_by_id.setdefault(id(tensor), name), name)
-    preferred = set()
-    for alias, source in hf_pairs.items():
-        if alias in state and source in state:
-            union(source, alias)
-            preferred.add(source)
-    members: dict[str, list[str]] = {}
-    for name in state:
-        members.setdefault(find(name), []).append(name)
-
-    tied: dict[str, str] = {}
-    duplicates: list[Conversion] = []
-    for names in members.values():
-        if len(names) < 2:
-            continue
-        loaded = sorted((n for n in names if n in produced), key=lambda n: n not in preferred)
-        if loaded:
-            canonical = loaded[0]
-        else:
-            canonical = next((n for n in names if n in preferred), names[0])
-        for other in loaded[1:]:
-            conv = produced[other]
-            if len(conv.targets) != 1:
-                raise ValueError(
-                    f"model tensors {canonical!r} and {other!r} are one tensor but are loaded by different "
-                    f"conversions ({produced[canonical].sources} and {conv.sources})"
-                )
-            duplicates.append(conv)
-        tied.update({n: canonical for n in names if n != canonical})
-    return tied, duplicates

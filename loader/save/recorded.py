@@ -1,6 +1,6 @@
 """The rules a save reverses for a model a load recorded its rules on: exactly those the load applied.
 
-A load given rules records the ones that matched a checkpoint key (:data:`~loader.rules.keys.APPLIED_RULES`).
+A load given rules records the ones that matched a checkpoint key (:data:`~loader.rules.keyplan.APPLIED_RULES`).
 Saving that model without rules reverses them; saving it with rules reverses those of the given rules the load
 applied (a rule that matched no checkpoint key was not applied, so reversing it would write keys the checkpoint
 never had). A model no load recorded rules on saves with the rules given, as before.
@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..rules import Convert, Rename
-from ..rules.keys import APPLIED_RULES, rules_in_order
+from ..rules.keyplan import APPLIED_RULES
+from ..rules.keys import rules_in_order
 
 log = logging.getLogger("loader")
 
