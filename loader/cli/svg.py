@@ -3,22 +3,18 @@
 Top: one bar per rank — bytes it reads (its colour) against what reading every touched checkpoint tensor
 whole would cost (grey), with a tick at the bytes of its own shards. Below, one row per model tensor (tensors
 with an identical plan share a row): the tensor split by owning rank, and each checkpoint tensor it is loaded
-from with the regions every rank reads. Regions several ranks share are striped in their colours; tensors of
+from with the boxes every rank reads. Boxes several ranks share are striped in their colours; tensors of
 3 or more dims are drawn as slabs of their last two dims (e.g. one panel per expert).
 """
 
 from __future__ import annotations
 
-import colorsys
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from xml.sax.saxutils import escape
 
+from .canvas import Canvas, draw, frame, shorten, svg_text
 from .common import human_bytes
-from .geometry import PlanView, Rect, SourceView, TensorView, partition, view_shape
+from .geometry import PlanView, SourceView, TensorView
 
-PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#86bcb6"]
 WIDTH = 1280
 MARGIN = 24
 TEXT_W = 300
@@ -28,174 +24,7 @@ SOURCES_X = TARGET_X + TARGET_W + 56
 CELL_W, CELL_H = 112, 84
 CELL_LABEL = 28
 MAX_SOURCES = 10
-MAX_SLABS = 16
 FONT = 'font-family="Helvetica, Arial, sans-serif"'
-
-
-def rank_colour(i: int) -> str:
-    if i < len(PALETTE):
-        return PALETTE[i]
-    h = (i * 0.618033988749895) % 1.0
-    r, g, b = colorsys.hls_to_rgb(h, 0.55, 0.55)
-    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
-
-
-def _t(
-    x: float,
-    y: float,
-    text: str,
-    size: int = 12,
-    fill: str = "#212529",
-    weight: str = "normal",
-    anchor: str = "start",
-    title: str | None = None,
-) -> str:
-    tip = f"<title>{escape(title)}</title>" if title else ""
-    return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}" font-weight="{weight}" '
-        f'text-anchor="{anchor}">{tip}{escape(text)}</text>'
-    )
-
-
-def _short(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n // 2 - 1] + "…" + text[-(n - n // 2) :]
-
-
-class _Canvas:
-    """Collects SVG elements and the stripe patterns for sets of ranks."""
-
-    def __init__(self, ranks: Sequence[int]) -> None:
-        self.parts: list[str] = []
-        self.index = {r: i for i, r in enumerate(ranks)}
-        self.patterns: dict[tuple[int, ...], str] = {}
-
-    def colour(self, rank: int) -> str:
-        return rank_colour(self.index.get(rank, rank))
-
-    def fill(self, ranks: tuple[int, ...]) -> str:
-        if len(ranks) == 1:
-            return self.colour(ranks[0])
-        pid = "m" + "_".join(map(str, ranks))
-        if ranks not in self.patterns:
-            k = len(ranks)
-            stripes = "".join(
-                f'<rect x="{4 * j}" y="0" width="4" height="{4 * k}" fill="{self.colour(r)}"/>'
-                for j, r in enumerate(ranks)
-            )
-            self.patterns[ranks] = (
-                f'<pattern id="{pid}" patternUnits="userSpaceOnUse" width="{4 * k}" '
-                f'height="{4 * k}" patternTransform="rotate(45)">{stripes}</pattern>'
-            )
-        return f"url(#{pid})"
-
-    def add(self, s: str) -> None:
-        self.parts.append(s)
-
-
-# ---------------------------------------------------------------------------------------------------
-# geometry of one drawn tensor
-
-
-def _compress(a: float) -> float:
-    """Aspect ratio, compressed beyond 1:4 so that extreme shapes stay visible."""
-    if a > 4:
-        return 4 * (a / 4) ** 0.25
-    if a < 0.25:
-        return 0.25 * (a / 0.25) ** 0.25
-    return a
-
-
-@dataclass(frozen=True)
-class _Frame:
-    """A tensor's 2-D view on screen: ``slabs`` panels of ``rows x cols`` elements in a grid ``grid`` wide."""
-
-    slabs: int
-    rows: int
-    cols: int
-    pw: float
-    ph: float
-    grid: int = 1
-    gap: float = 4.0
-
-    @property
-    def w(self) -> float:
-        n = min(self.slabs, self.grid)
-        return n * self.pw + (n - 1) * self.gap
-
-    @property
-    def h(self) -> float:
-        n = -(-self.slabs // self.grid)
-        return n * self.ph + (n - 1) * self.gap
-
-    def origin(self, k: int) -> tuple[float, float]:
-        return (k % self.grid) * (self.pw + self.gap), (k // self.grid) * (self.ph + self.gap)
-
-    def pieces(self, rect: Rect) -> list[tuple[float, float, float, float]]:
-        """Pixel rectangles ``(x, y, w, h)`` (relative to the frame) of a 2-D-view rectangle."""
-        r0, r1, c0, c1 = rect
-        out = []
-        for k in range(r0 // self.rows, (r1 - 1) // self.rows + 1):
-            a, b = max(r0, k * self.rows) - k * self.rows, min(r1, (k + 1) * self.rows) - k * self.rows
-            ox, oy = self.origin(k)
-            x0, x1 = ox + c0 / self.cols * self.pw, ox + c1 / self.cols * self.pw
-            y0, y1 = oy + a / self.rows * self.ph, oy + b / self.rows * self.ph
-            out.append((x0, y0, max(x1 - x0, 1.0), max(y1 - y0, 1.0)))
-        return out
-
-
-def _frame(
-    shape: Sequence[int],
-    max_w: float,
-    max_h: float,
-    like: _Frame | None = None,
-    like_shape: Sequence[int] | None = None,
-) -> _Frame:
-    """A panel per slab of the last two dims (up to 256, in the grid that draws them largest), else one."""
-    rows, cols = view_shape(shape)
-    slabs = math.prod(shape[:-2]) if len(shape) >= 3 else 1
-    if not 2 <= slabs <= MAX_SLABS * MAX_SLABS:
-        slabs = 1
-    rows //= slabs
-    a = _compress(rows / max(cols, 1))
-    if like is not None and like_shape is not None and slabs <= MAX_SLABS and like.slabs <= MAX_SLABS:
-        pw, ph = cols * like.pw / like.cols, rows * like.ph / like.rows
-        if 8 <= pw and 8 <= ph and slabs * pw + (slabs - 1) * 4 <= max_w and ph <= max_h:
-            return _Frame(slabs, rows, cols, pw, ph, slabs, 4.0)
-    if slabs <= MAX_SLABS:
-        gap = 4.0
-        pw = min((max_w - (slabs - 1) * gap) / slabs, max_h / a)
-        ph = pw * a if len(shape) > 1 else min(max_h, 14.0)
-        return _Frame(slabs, rows, cols, max(pw, 6.0), max(ph, 6.0), slabs, gap)
-    gap, tall = 2.0, max_h * 1.6
-    best = None
-    for grid in range(1, min(slabs, 32) + 1):
-        n = -(-slabs // grid)
-        pw = min((max_w - (grid - 1) * gap) / grid, (tall - (n - 1) * gap) / n / a)
-        if pw > 0 and (best is None or pw > best[1]):
-            best = (grid, pw)
-    grid, pw = best
-    return _Frame(slabs, rows, cols, max(pw, 3.0), max(pw * a, 3.0), grid, gap)
-
-
-def _draw(
-    cv: _Canvas, x: float, y: float, fr: _Frame, owners: dict[int, list[Rect]], order: Sequence[int], title: str
-) -> None:
-    cv.add(f"<g><title>{escape(title)}</title>")
-    for k in range(fr.slabs):
-        ox, oy = fr.origin(k)
-        cv.add(f'<rect x="{x + ox:.1f}" y="{y + oy:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="#f1f3f5"/>')
-    for rect, ranks in partition(owners, order):
-        fill = cv.fill(ranks)
-        for px, py, pw, ph in fr.pieces(rect):
-            cv.add(f'<rect x="{x + px:.2f}" y="{y + py:.2f}" width="{pw:.2f}" height="{ph:.2f}" fill="{fill}"/>')
-    stroke = 1.0 if fr.pw > 8 and fr.ph > 8 else 0
-    for k in range(fr.slabs if stroke else 0):
-        ox, oy = fr.origin(k)
-        cv.add(
-            f'<rect x="{x + ox:.1f}" y="{y + oy:.1f}" width="{fr.pw:.1f}" height="{fr.ph:.1f}" fill="none" '
-            f'stroke="#495057" stroke-width="{stroke}"/>'
-        )
-    cv.add("</g>")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -245,7 +74,7 @@ def _source_labels(view: TensorView) -> list[str]:
     return [".".join(p[pre:]) for p in parts]
 
 
-def _chips(cv: _Canvas, x: float, y: float, per_rank: dict[int, int], order: Sequence[int], width: float) -> float:
+def _chips(cv: Canvas, x: float, y: float, per_rank: dict[int, int], order: Sequence[int], width: float) -> float:
     """``r0 1.5 KiB  r1 1.5 KiB ...`` in rank colours, wrapping; returns the y after the last line."""
     cx = x
     for r in order:
@@ -256,49 +85,53 @@ def _chips(cv: _Canvas, x: float, y: float, per_rank: dict[int, int], order: Seq
         if cx + w > x + width and cx > x:
             cx, y = x, y + 15
         cv.add(f'<rect x="{cx:.1f}" y="{y - 9:.1f}" width="10" height="10" rx="2" fill="{cv.colour(r)}"/>')
-        cv.add(_t(cx + 13, y, text, 11, "#343a40"))
+        cv.add(svg_text(cx + 13, y, text, 11, "#343a40"))
         cx += w
     return y + 15
 
 
-def _tensor_row(cv: _Canvas, group: list[TensorView], y: float, order: Sequence[int]) -> float:
+def _tensor_row(cv: Canvas, group: list[TensorView], y: float, order: Sequence[int]) -> float:
     """Draw one row (a model tensor, or several with the same plan) at ``y``; returns its height."""
     view = group[0]
     shape_text = "×".join(map(str, view.shape)) or "scalar"
-    cv.add(_t(MARGIN, y + 14, _short(view.name, 44), 13, weight="bold", title=view.name))
+    cv.add(svg_text(MARGIN, y + 14, shorten(view.name, 44), 13, weight="bold", title=view.name))
     ty = y + 14
     if len(group) > 1:
         others = _distinct_parts([v.name for v in group])
         ty += 16
         cv.add(
-            _t(
+            svg_text(
                 MARGIN,
                 ty,
-                _short("same plan: " + ", ".join(others[1:]), 48),
+                shorten("same plan: " + ", ".join(others[1:]), 48),
                 12,
                 "#1c7ed6",
                 title="\n".join(v.name for v in group[1:]),
             )
         )
-    cv.add(_t(MARGIN, ty + 17, f"{shape_text}  {view.dtype}", 12, "#495057"))
-    cv.add(_t(MARGIN, ty + 33, f"placement {view.placement}", 12, "#495057"))
+    cv.add(svg_text(MARGIN, ty + 17, f"{shape_text}  {view.dtype}", 12, "#495057"))
+    cv.add(svg_text(MARGIN, ty + 33, f"placement {view.placement}", 12, "#495057"))
     ty += 38
     if view.deferred:
         text = f"deferred: {view.deferred.removeprefix('Untraceable: ')}"
-        cv.add(_t(MARGIN, ty + 13, text if len(text) <= 50 else text[:49] + "…", 11, "#c92a2a", title=view.deferred))
+        cv.add(
+            svg_text(MARGIN, ty + 13, text if len(text) <= 50 else text[:49] + "…", 11, "#c92a2a", title=view.deferred)
+        )
         ty += 16
     per_rank: dict[int, int] = {}
     for s in view.sources:
         for r, b in s.read_bytes.items():
             per_rank[r] = per_rank.get(r, 0) + b
-    cv.add(_t(MARGIN, ty + 15, "checkpoint bytes read" + (" (each)" if len(group) > 1 else "") + ":", 11, "#868e96"))
+    cv.add(
+        svg_text(MARGIN, ty + 15, "checkpoint bytes read" + (" (each)" if len(group) > 1 else "") + ":", 11, "#868e96")
+    )
     text_bottom = _chips(cv, MARGIN, ty + 31, per_rank, order, TEXT_W - 10)
 
-    fr = _frame(view.shape, TARGET_W, TARGET_H)
-    _draw(cv, TARGET_X, y + 6, fr, view.owners, order, f"{view.name} {shape_text}: parts by owning rank")
+    fr = frame(view.shape, TARGET_W, TARGET_H)
+    draw(cv, TARGET_X, y + 6, fr, view.owners, order, f"{view.name} {shape_text}: parts by owning rank")
     dims = "dim 0" if len(view.shape) == 3 else f"dims 0-{len(view.shape) - 3}"
     slabs = f"; a panel per index of {dims}" if fr.slabs > 1 else ""
-    cv.add(_t(TARGET_X, y + fr.h + 20, f"model tensor by owner{slabs}", 10, "#868e96"))
+    cv.add(svg_text(TARGET_X, y + fr.h + 20, f"model tensor by owner{slabs}", 10, "#868e96"))
 
     shown = view.sources[:MAX_SOURCES]
     labels = _source_labels(view)
@@ -309,7 +142,7 @@ def _tensor_row(cv: _Canvas, group: list[TensorView], y: float, order: Sequence[
         f'stroke="#adb5bd" stroke-width="2" marker-end="url(#arrow)"/>'
     )
     row_h = 0.0
-    frames = [_frame(s.shape, CELL_W - 16, CELL_H, fr, view.shape) for s in shown]
+    frames = [frame(s.shape, CELL_W - 16, CELL_H, fr, view.shape) for s in shown]
     line_h = max((f.h for f in frames), default=0) + CELL_LABEL + 8
     for i, (s, label, sf) in enumerate(zip(shown, labels, frames)):
         cx = SOURCES_X + (i % per_row) * CELL_W
@@ -317,13 +150,13 @@ def _tensor_row(cv: _Canvas, group: list[TensorView], y: float, order: Sequence[
         tip = f"{s.name} {'×'.join(map(str, s.shape))} {s.dtype}, {human_bytes(s.nbytes)}; read by " + ", ".join(
             f"rank {r} {human_bytes(b)}" for r, b in sorted(s.read_bytes.items())
         )
-        _draw(cv, cx, cy, sf, s.reads, order, tip)
-        cv.add(_t(cx, cy + sf.h + 12, _short(label, 20), 10, "#343a40", title=s.name))
-        cv.add(_t(cx, cy + sf.h + 24, _source_note(s), 10, "#868e96"))
+        draw(cv, cx, cy, sf, s.reads, order, tip)
+        cv.add(svg_text(cx, cy + sf.h + 12, shorten(label, 20), 10, "#343a40", title=s.name))
+        cv.add(svg_text(cx, cy + sf.h + 24, _source_note(s), 10, "#868e96"))
         row_h = (i // per_row + 1) * line_h
     if len(view.sources) > MAX_SOURCES:
         cv.add(
-            _t(
+            svg_text(
                 SOURCES_X,
                 y + 6 + row_h + 6,
                 f"… and {len(view.sources) - MAX_SOURCES} more checkpoint tensors, read the same way",
@@ -343,26 +176,26 @@ def _source_note(s: SourceView) -> str:
     return f"{human_bytes(s.nbytes)}, read {times:.2g}×" if times != 1 else f"{human_bytes(s.nbytes)}, read once"
 
 
-def _rank_bars(cv: _Canvas, view: PlanView, y: float) -> float:
+def _rank_bars(cv: Canvas, view: PlanView, y: float) -> float:
     figures = [f for f in view.figures if f.rank in view.ranks]
     if not figures:
         return y
     top = max(max(f.whole_tensor_bytes, f.bytes_read) for f in figures) or 1
     bar_x, bar_w = MARGIN + 150, 480
-    cv.add(_t(MARGIN, y, "checkpoint bytes each rank reads", 13, weight="bold"))
+    cv.add(svg_text(MARGIN, y, "checkpoint bytes each rank reads", 13, weight="bold"))
     lx = bar_x + bar_w + 16
     cv.add(f'<rect x="{lx}" y="{y - 10}" width="16" height="10" fill="#868e96"/>')
-    cv.add(_t(lx + 20, y, "reads", 11, "#495057"))
+    cv.add(svg_text(lx + 20, y, "reads", 11, "#495057"))
     cv.add(f'<line x1="{lx + 62}" y1="{y - 12}" x2="{lx + 62}" y2="{y + 1}" stroke="#212529" stroke-width="1.5"/>')
-    cv.add(_t(lx + 68, y, "its own shards", 11, "#495057"))
+    cv.add(svg_text(lx + 68, y, "its own shards", 11, "#495057"))
     cv.add(f'<rect x="{lx + 150}" y="{y - 10}" width="16" height="10" fill="#dee2e6"/>')
-    cv.add(_t(lx + 170, y, "reading each touched tensor whole", 11, "#495057"))
+    cv.add(svg_text(lx + 170, y, "reading each touched tensor whole", 11, "#495057"))
     y += 10
     for f in figures:
         colour = cv.colour(f.rank)
         coord = ",".join(map(str, f.coordinate))
         cv.add(f'<rect x="{MARGIN}" y="{y + 3}" width="12" height="12" rx="2" fill="{colour}"/>')
-        cv.add(_t(MARGIN + 18, y + 13, f"rank {f.rank}  ({coord})", 12))
+        cv.add(svg_text(MARGIN + 18, y + 13, f"rank {f.rank}  ({coord})", 12))
         ww, rw, sw = (v / top * bar_w for v in (f.whole_tensor_bytes, f.bytes_read, f.shard_bytes))
         cv.add(f'<rect x="{bar_x}" y="{y + 2}" width="{max(ww, 1):.1f}" height="14" fill="#dee2e6"/>')
         cv.add(f'<rect x="{bar_x}" y="{y + 2}" width="{max(rw, 1):.1f}" height="14" fill="{colour}"/>')
@@ -371,7 +204,7 @@ def _rank_bars(cv: _Canvas, view: PlanView, y: float) -> float:
             f'stroke-width="1.5"/>'
         )
         cv.add(
-            _t(
+            svg_text(
                 lx,
                 y + 13,
                 f"{human_bytes(f.bytes_read)}  ·  shards {human_bytes(f.shard_bytes)}  ·  whole "
@@ -386,17 +219,17 @@ def _rank_bars(cv: _Canvas, view: PlanView, y: float) -> float:
 
 def render(view: PlanView) -> str:
     """The SVG document for a :class:`~regiontrace.cli.geometry.PlanView`."""
-    cv = _Canvas(view.ranks)
+    cv = Canvas(view.ranks)
     y = MARGIN + 8
-    cv.add(_t(MARGIN, y + 12, view.title, 20, weight="bold"))
-    cv.add(_t(MARGIN, y + 34, view.subtitle, 12, "#495057"))
+    cv.add(svg_text(MARGIN, y + 12, view.title, 20, weight="bold"))
+    cv.add(svg_text(MARGIN, y + 34, view.subtitle, 12, "#495057"))
     y += 62
     y = _rank_bars(cv, view, y)
     cv.add(f'<line x1="{MARGIN}" y1="{y}" x2="{WIDTH - MARGIN}" y2="{y}" stroke="#dee2e6"/>')
     y += 22
-    cv.add(_t(TARGET_X, y, "model tensor, split by rank", 12, "#495057", "bold"))
-    cv.add(_t(SOURCES_X, y, "← checkpoint tensors: the regions each rank reads", 12, "#495057", "bold"))
-    cv.add(_t(WIDTH - MARGIN, y, "stripes: several ranks · grey: nobody", 11, "#868e96", anchor="end"))
+    cv.add(svg_text(TARGET_X, y, "model tensor, split by rank", 12, "#495057", "bold"))
+    cv.add(svg_text(SOURCES_X, y, "← checkpoint tensors: the boxes each rank reads", 12, "#495057", "bold"))
+    cv.add(svg_text(WIDTH - MARGIN, y, "stripes: several ranks · grey: nobody", 11, "#868e96", anchor="end"))
     y += 14
     replicated = [t for t in view.tensors if t.replicated and len(t.shape) <= 1]
     for group in _group([t for t in view.tensors if t not in replicated]):
@@ -404,7 +237,7 @@ def render(view: PlanView) -> str:
         cv.add(f'<line x1="{MARGIN}" y1="{y - 8}" x2="{WIDTH - MARGIN}" y2="{y - 8}" stroke="#e9ecef"/>')
     if replicated:
         y += 8
-        cv.add(_t(MARGIN, y + 4, "replicated on every rank (each reads them whole):", 12, "#495057", "bold"))
+        cv.add(svg_text(MARGIN, y + 4, "replicated on every rank (each reads them whole):", 12, "#495057", "bold"))
         y += 6
         line, lines = "", []
         for t in replicated:
@@ -416,14 +249,14 @@ def render(view: PlanView) -> str:
         lines.append(line)
         for ln in lines:
             y += 16
-            cv.add(_t(MARGIN, y, ln, 11, "#495057"))
+            cv.add(svg_text(MARGIN, y, ln, 11, "#495057"))
         y += 10
     if view.hidden or view.note:
         y += 12
         note = view.note or (
             f"{view.hidden} more model tensors not drawn (other layers plan the same way; choose with --tensor)"
         )
-        cv.add(_t(MARGIN, y, note, 11, "#868e96"))
+        cv.add(svg_text(MARGIN, y, note, 11, "#868e96"))
         y += 6
     height = int(y + MARGIN)
     defs = (
