@@ -1,0 +1,41 @@
+"""Moving weights between two (sharded) models without files: each destination rank receives exactly its bytes.
+
+:mod:`.plan` (the pure plan: cells, moves, rounds) ← :mod:`.sides` (the two models as plain values: the
+source's save mapping, the destination's traced load) ← :mod:`.exchange` (packing, ``all_to_all_single``,
+unpacking) ← :mod:`.api` (``transfer_weights``, ``TransferReport``).
+"""
+
+from .plan import (
+    Cell,
+    DestConversion,
+    DestSide,
+    Fallback,
+    Move,
+    Part,
+    Parts,
+    SourceConversion,
+    SourceSide,
+    TransferPlan,
+    plan_transfer,
+    rounds,
+)
+from .sides import as_rules, dest_side, model_parts, source_side
+
+__all__ = [
+    "Cell",
+    "DestConversion",
+    "DestSide",
+    "Fallback",
+    "Move",
+    "Part",
+    "Parts",
+    "SourceConversion",
+    "SourceSide",
+    "TransferPlan",
+    "as_rules",
+    "dest_side",
+    "model_parts",
+    "plan_transfer",
+    "rounds",
+    "source_side",
+]

@@ -1,0 +1,372 @@
+"""The plan of a weight transfer: which source rank sends which strided region to which destination rank.
+
+A pure function of values every rank can hold (:func:`plan_transfer`): the two models' mappings to their
+checkpoint layout (:class:`SourceSide`, :class:`DestSide`, built by :mod:`loader.transfer.sides`) and what each
+rank holds of each model tensor (:data:`Parts`). Every rank computes the same plan from the same gathered
+values, without further messages; simulations call it on meta models for any mesh.
+
+Vocabulary:
+
+- **source** / **destination**: two models holding the same weights in different layouts (names, fused
+  tensors, shardings); the source sends, the destination receives.
+- **key**: a checkpoint tensor, the meeting point. The source's save inverts into keys, the destination's load
+  reads keys: composed, every destination element is an element of a source model tensor.
+- **part**: what one rank holds of one model tensor: ``(global shape, dtype, ((global box, local box), …))``.
+- **cell**: a box of a source tensor that a fixed set of ranks hold whole (the grid of every rank's boxes of
+  it), named ``"<tensor>@<i>"``: the source of every block the plan moves, so that each block reads one rank's
+  local memory.
+- **move**: one strided copy (a :class:`~regiontrace.RemapBlock` reading a cell) from one source rank into a
+  box of one destination rank's local shard.
+- **fallback**: a destination conversion that does not trace: its keys are moved whole (each key rebuilt from
+  the cells through the inverse) to the ranks holding its targets, and it runs there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import regiontrace as rt
+from regiontrace import Box
+
+#: one rank's share of one model tensor: global shape, dtype, and its ``(global box, local box)`` pairs
+Part = tuple[tuple[int, ...], torch.dtype, tuple[tuple[Box, Box], ...]]
+#: one rank's shares of one model's tensors, by name (empty when the rank holds no part of the model)
+Parts = Mapping[str, Part]
+
+
+@dataclass(frozen=True)
+class SourceConversion:
+    """One conversion of the source's save mapping: each of its model tensors over leaves named by its keys.
+
+    Attributes:
+        keys: the checkpoint keys it reads.
+        outputs: source model tensor name -> RegionTensor over the keys (the forward trace; checked to be a
+            bijection by the save mapping).
+    """
+
+    keys: tuple[str, ...]
+    outputs: Mapping[str, rt.RegionTensor]
+
+
+@dataclass(frozen=True)
+class DestConversion:
+    """One conversion of the destination's load: its model tensors over leaves named by its keys.
+
+    Attributes:
+        keys: the checkpoint keys it reads.
+        targets: the destination model tensors it writes.
+        outputs: target -> RegionTensor over the keys; None when it does not trace (then ``reason``).
+        reason: why it does not trace (it is moved as a fallback).
+    """
+
+    keys: tuple[str, ...]
+    targets: tuple[str, ...]
+    outputs: Mapping[str, rt.RegionTensor] | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SourceSide:
+    """The source model's checkpoint layout: its keys with shape and dtype, and its conversions."""
+
+    keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    conversions: tuple[SourceConversion, ...]
+
+
+@dataclass(frozen=True)
+class DestSide:
+    """The destination model's load conversions, in the order its key plan lists them."""
+
+    conversions: tuple[DestConversion, ...]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A box of source tensor ``tensor`` held whole by each of ``owners``: ``(rank, the box in its local
+    shard)``."""
+
+    tensor: str
+    box: Box
+    owners: tuple[tuple[int, Box], ...]
+
+
+@dataclass(frozen=True)
+class Move:
+    """``block`` (reading cell ``block.source``) sent by rank ``src`` into box ``local`` of rank ``dst``'s local
+    shard of ``target`` (block offsets are relative to ``local``); ``key``: ``target`` is a checkpoint key
+    rebuilt whole for a fallback, not a model tensor."""
+
+    src: int
+    dst: int
+    target: str
+    local: Box
+    block: rt.RemapBlock
+    key: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes: the block's elements in the source dtype."""
+        return self.block.numel * self.block.source_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A destination conversion run on the destination ranks ``ranks`` from its keys moved whole."""
+
+    index: int
+    keys: tuple[str, ...]
+    targets: tuple[str, ...]
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@dataclass
+class TransferPlan:
+    """Every move of a transfer, the same on every rank.
+
+    Attributes:
+        world: the number of ranks.
+        moves: every strided copy, in a deterministic order.
+        cells: the cells moves read, by name.
+        transferred: destination tensors moved region by region.
+        fallback: destination conversions moved as whole keys and run on the destination.
+    """
+
+    world: int
+    moves: tuple[Move, ...]
+    cells: Mapping[str, Cell]
+    transferred: tuple[str, ...]
+    fallback: tuple[Fallback, ...]
+    _pairs: dict[tuple[int, int], int] | None = field(default=None, repr=False)
+
+    def pair_bytes(self) -> dict[tuple[int, int], int]:
+        """Payload bytes per ``(source rank, destination rank)``, itself included."""
+        if self._pairs is None:
+            pairs: dict[tuple[int, int], int] = {}
+            for m in self.moves:
+                pairs[m.src, m.dst] = pairs.get((m.src, m.dst), 0) + m.nbytes
+            self._pairs = pairs
+        return self._pairs
+
+    def bytes_sent(self, rank: int) -> int:
+        return sum(n for (s, _), n in self.pair_bytes().items() if s == rank)
+
+    def bytes_received(self, rank: int) -> int:
+        return sum(n for (_, d), n in self.pair_bytes().items() if d == rank)
+
+
+def plan_transfer(
+    source: SourceSide, dest: DestSide, src_parts: Sequence[Parts], dst_parts: Sequence[Parts]
+) -> TransferPlan:
+    """Plan a transfer: for every destination rank and box it holds, the source ranks and regions it comes from.
+
+    Pure and deterministic: every rank computes the same plan from the same values. Works on meta models (only
+    names, shapes, dtypes and boxes are read), for any number of ranks.
+
+    Args:
+        source: the source's checkpoint layout and inverted conversions (:func:`~loader.transfer.source_side`).
+        dest: the destination's traced load conversions (:func:`~loader.transfer.dest_side`).
+        src_parts: per rank (index = rank), what it holds of the source model (empty: nothing).
+        dst_parts: per rank, what it holds of the destination model.
+
+    Returns:
+        The :class:`TransferPlan`. A source element several ranks hold is sent by the destination rank itself
+        when it is one of them, else by the holder that has sent the fewest bytes so far (lowest rank on ties).
+
+    Raises:
+        ValueError: the destination needs keys the source lacks, a source tensor no rank holds (in part), or a
+            composition that fails; the message names the tensor or keys.
+    """
+    world = len(src_parts)
+    needed = [k for c in dest.conversions for k in c.keys if k not in source.keys]
+    if needed:
+        raise ValueError(f"the destination needs checkpoint key(s) the source does not have: {sorted(set(needed))[:8]}")
+    cells = _cells(source, src_parts)
+    by_key = {k: i for i, c in enumerate(source.conversions) for k in c.keys}
+    inverses: dict[tuple[int, ...], rt.Inverse] = {}
+    load = [0] * world
+    moves: list[Move] = []
+    transferred: list[str] = []
+    fallback: list[Fallback] = []
+    for index, conv in enumerate(dest.conversions):
+        which = tuple(sorted({by_key[k] for k in conv.keys}))
+        inverse = inverses.get(which)
+        if inverse is None:
+            inverse = inverses[which] = _joint_inverse([source.conversions[i] for i in which], source, cells)
+        composed, reason = _composed(conv, inverse)
+        if composed is not None:
+            for t in conv.targets:
+                moves += _moves(composed[t], t, dst_parts, cells, load, key=False)
+            transferred += conv.targets
+            continue
+        ranks = tuple(r for r, parts in enumerate(dst_parts) if any(_owns(parts, t) for t in conv.targets))
+        fallback.append(Fallback(index, conv.keys, conv.targets, ranks, reason))
+        keys = rt.inverse_regions(inverse)
+        for k in conv.keys:
+            whole = {r: {k: (source.keys[k][0], source.keys[k][1], ((_full(source.keys[k][0]),) * 2,))}
+                     for r in ranks}  # fmt: skip
+            moves += _moves(keys[k], k, [whole.get(r, {}) for r in range(world)], cells, load, key=True)
+    return TransferPlan(world, tuple(moves), cells, tuple(transferred), tuple(fallback))
+
+
+# ---------------------------------------------------------------------------------------------------
+# cells: the grid of the source ranks' boxes
+
+
+def _full(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def _owns(parts: Parts, name: str) -> bool:
+    part = parts.get(name)
+    return part is not None and any(_numel(g) for g, _ in part[2])
+
+
+def _numel(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def _cells(source: SourceSide, src_parts: Sequence[Parts]) -> dict[str, Cell]:
+    """Every source tensor cut into cells, each with the ranks holding it whole (in rank order)."""
+    cells: dict[str, Cell] = {}
+    for name in (t for c in source.conversions for t in c.outputs):
+        held = [(r, g, lb) for r, parts in enumerate(src_parts) if name in parts for g, lb in parts[name][2]]
+        held = [h for h in held if _numel(h[1])]
+        shape = tuple(source_shape(source, name))
+        cuts = [sorted({0, n, *(x for _, g, _ in held for x in g[d])}) for d, n in enumerate(shape)]
+        grid = [list(zip(c, c[1:])) for c in cuts]
+        for i, box in enumerate(itertools.product(*grid)):
+            owners = tuple(
+                (r, tuple((lb[d][0] + a - g[d][0], lb[d][0] + b - g[d][0]) for d, (a, b) in enumerate(box)))
+                for r, g, lb in held
+                if all(g[d][0] <= a and b <= g[d][1] for d, (a, b) in enumerate(box))
+            )
+            if not owners and _numel(box):
+                raise ValueError(f"no rank holds elements {box} of source model tensor {name!r}")
+            cells[f"{name}@{i}"] = Cell(name, tuple(box), owners)
+    return cells
+
+
+def source_shape(source: SourceSide, name: str) -> tuple[int, ...]:
+    """The global shape of source model tensor ``name``."""
+    for c in source.conversions:
+        if name in c.outputs:
+            return tuple(c.outputs[name].shape)
+    raise KeyError(name)
+
+
+def _joint_inverse(convs: Sequence[SourceConversion], source: SourceSide, cells: Mapping[str, Cell]) -> rt.Inverse:
+    """The inverse of the source conversions ``convs`` with their tensors cut into cells: each key over cells."""
+    outputs = {}
+    for conv in convs:
+        for name, cell in cells.items():
+            if cell.tensor in conv.outputs and _numel(cell.box):
+                outputs[name] = conv.outputs[cell.tensor][tuple(slice(a, b) for a, b in cell.box)]
+    keys = {k: source.keys[k] for conv in convs for k in conv.keys}
+    return rt.invert(outputs, keys)
+
+
+def _composed(conv: DestConversion, inverse: rt.Inverse) -> tuple[dict[str, rt.RegionTensor] | None, str]:
+    """The destination conversion over cells, or None and why it is moved as a fallback."""
+    if conv.outputs is None:
+        return None, conv.reason
+    if not all(t.is_index_map for t in conv.outputs.values()):
+        return None, "computes values by pointwise ops (moved whole, run on the destination)"
+    try:
+        return dict(rt.compose(dict(conv.outputs), inverse)), ""
+    except (ValueError, rt.Untraceable) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# moves
+
+
+def _moves(
+    tensor: rt.RegionTensor,
+    target: str,
+    dst_parts: Sequence[Parts],
+    cells: Mapping[str, Cell],
+    load: list[int],
+    *,
+    key: bool,
+) -> list[Move]:
+    """The moves filling every destination rank's boxes of ``target`` (``tensor`` is over cells)."""
+    out = []
+    for rank, parts in enumerate(dst_parts):
+        part = parts.get(target)
+        if part is None:
+            continue
+        for g, lb in part[2]:
+            if not _numel(g):
+                continue
+            for block in tensor.remap_blocks(g):
+                src = _sender(cells[block.source], rank, load)
+                load[src] += block.numel * block.source_dtype.itemsize
+                out.append(Move(src, rank, target, lb, block, key))
+    return out
+
+
+def _sender(cell: Cell, dst: int, load: list[int]) -> int:
+    ranks = [r for r, _ in cell.owners]
+    if dst in ranks:
+        return dst
+    return min(ranks, key=lambda r: (load[r], r))
+
+
+def split_move(move: Move, max_numel: int) -> list[Move]:
+    """``move`` cut along its block's leading dims into moves of at most ``max_numel`` elements (at least one
+    element each)."""
+    b = move.block
+    if b.numel <= max_numel or not b.shape:
+        return [move]
+    j = next(j for j, n in enumerate(b.shape) if n > 1)
+    inner = math.prod(b.shape[j + 1 :])
+    step = max(1, max_numel // max(1, inner))
+    out = []
+    for a in range(0, b.shape[j], step):
+        n = min(step, b.shape[j] - a)
+        dst_offset = list(b.dst_offset)
+        dst_offset[b.dst_dims[j]] += a * b.dst_steps[j]
+        part = rt.RemapBlock(
+            b.source, (*b.shape[:j], n, *b.shape[j + 1 :]), b.src_offset + a * b.src_strides[j], b.src_strides,
+            tuple(dst_offset), b.dst_dims, b.dst_steps, b.source_shape, b.source_dtype, b.casts,
+        )  # fmt: skip
+        out += split_move(Move(move.src, move.dst, move.target, move.local, part, move.key), max_numel)
+    return out
+
+
+def rounds(plan: TransferPlan, bucket_bytes: int) -> list[list[Move]]:
+    """The moves in rounds: in each, every rank sends at most ``bucket_bytes`` and receives at most
+    ``bucket_bytes`` of payload to and from other ranks (moves within one rank are copies, in round 0).
+
+    Larger moves are split first. Pure: every rank computes the same rounds.
+    """
+    out: list[list[Move]] = [[]]
+    sent: list[dict[int, int]] = [{}]
+    received: list[dict[int, int]] = [{}]
+    last: dict[tuple[int, int], int] = {}
+    for whole in plan.moves:
+        if whole.src == whole.dst:
+            out[0].append(whole)
+            continue
+        for m in split_move(whole, max(1, bucket_bytes // whole.block.source_dtype.itemsize)):
+            r = last.get((m.src, m.dst), 0)
+            while r < len(out) and (
+                sent[r].get(m.src, 0) + m.nbytes > bucket_bytes or received[r].get(m.dst, 0) + m.nbytes > bucket_bytes
+            ) and (sent[r].get(m.src, 0) or received[r].get(m.dst, 0)):  # fmt: skip
+                r += 1
+            if r == len(out):
+                out.append([])
+                sent.append({})
+                received.append({})
+            out[r].append(m)
+            sent[r][m.src] = sent[r].get(m.src, 0) + m.nbytes
+            received[r][m.dst] = received[r].get(m.dst, 0) + m.nbytes
+            last[m.src, m.dst] = r
+    return out

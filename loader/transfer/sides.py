@@ -1,0 +1,148 @@
+"""The two sides of a transfer as plain values: what a rank holds, the source's save mapping, the destination's
+load conversions — each over leaves named by checkpoint keys, ready to compose (:mod:`loader.transfer.plan`).
+
+Both sides reuse the existing traces: the source's is the save's (:func:`loader.save.sources.map_for_save`:
+traced, inverted and checked to be a bijection), the destination's is the load's
+(:class:`loader.plan.TraceCache`). Both trace on canonical leaves (``#0, #1, …``); :func:`named` renames them to
+the checkpoint keys by composing with the identity, so that conversions from different layers and rules meet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import regiontrace as rt
+
+from ..options import Rules
+from ..placements import slot_for
+from ..plan import TraceCache, Traced
+from ..plan.dtypes import kind_cast
+from ..plan.slots import iter_model_tensors
+from ..rules import KeyPlan, plan_keys
+from ..rules.conversion import source_cast
+from ..save.sources import map_for_save
+from .plan import DestConversion, DestSide, Parts, SourceConversion, SourceSide
+
+#: checkpoint key -> (shape, dtype)
+Keys = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def as_rules(mapping: Rules | Sequence[Any] | None) -> Rules:
+    """A ``src_mapping``/``dst_mapping`` argument as :class:`~loader.options.Rules`: None is the defaults, a
+    list of rules replaces the default ones (``weights_mapping=``), a ``Rules`` is used as it is."""
+    if mapping is None:
+        return Rules()
+    if isinstance(mapping, Rules):
+        return mapping
+    return Rules(weights_mapping=list(mapping))
+
+
+def parts_of(model: torch.nn.Module | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What this rank holds of ``model``: its :data:`~loader.transfer.plan.Parts` and the local tensors
+    (DTensor local shards, or whole tensors), by name. None: nothing."""
+    if model is None:
+        return {}, {}
+    parts, local = {}, {}
+    for name, tensor in iter_model_tensors(model):
+        slot = slot_for(name, tensor)
+        parts[name] = (slot.shape, slot.dtype, slot.boxes)
+        local[name] = slot.local
+    return parts, local
+
+
+def named(outputs: Mapping[str, rt.RegionTensor], keys: Sequence[str], specs: Keys) -> dict[str, rt.RegionTensor]:
+    """``outputs`` traced on canonical leaves ``#i`` (``keys[i]``) over leaves named by the keys instead."""
+    leaves = [rt.RegionTensor.leaf(f"#{i}", *specs[k]) for i, k in enumerate(keys)]
+    identity = rt.invert({k: leaf for k, leaf in zip(keys, leaves)}, leaves)
+    return dict(rt.compose(dict(outputs), identity))
+
+
+def source_side(model: torch.nn.Module, rules: Rules | None = None) -> SourceSide:
+    """The source's checkpoint layout and its conversions, each checked to be a bijection (as for a save).
+
+    Raises:
+        ValueError: a conversion is not invertible (computes values, drops or repeats elements), or the layout
+            cannot be derived; the message names the conversion (:func:`~loader.save.sources.map_for_save`).
+    """
+    mapping = map_for_save(model, rules)
+    keys = {s.key: (tuple(s.shape), s.dtype) for s in mapping.specs}
+    conversions = []
+    for saved in mapping.conversions:
+        outputs = {t: saved.inverse.outputs[str(i)] for i, t in enumerate(saved.targets)}
+        conversions.append(SourceConversion(tuple(saved.sources), named(outputs, saved.sources, keys)))
+    return SourceSide(keys, tuple(conversions))
+
+
+@dataclass(frozen=True)
+class _Info:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Layout:
+    """The checkpoint layout as :class:`~loader.plan.TraceCache` reads it (``tensors[key].shape/.dtype``)."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.tensors = {k: _Info(tuple(s), d) for k, (s, d) in keys.items()}
+
+
+def dest_side(model: torch.nn.Module, rules: Rules | None, keys: Keys) -> tuple[DestSide, KeyPlan]:
+    """The destination's load from a checkpoint of layout ``keys``: its conversions traced (and its key plan,
+    whose conversions run the fallbacks).
+
+    Raises:
+        ValueError: a destination tensor no key loads (the source lacks it), a shape mismatch, or a dtype of
+            another kind (float into int); the message names the tensor.
+        Exception: what a conversion raised on meta tensors.
+    """
+    rules = rules or Rules()
+    keyplan = plan_keys(
+        model,
+        {k: s for k, (s, _) in keys.items()},
+        checkpoint_dtypes={k: d for k, (_, d) in keys.items()},
+        **rules.as_kwargs(),
+    )
+    state = dict(iter_model_tensors(model))
+    loaded = {t for c in keyplan.conversions for t in c.targets}
+    skip = set(keyplan.ignored_missing_keys) | {a for a, c in keyplan.tied.items() if c in loaded}
+    missing = [k for k in keyplan.missing_keys if k not in loaded and k not in skip]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} destination tensor(s) have no checkpoint key in the source's layout: {missing[:8]} "
+            "(the source lacks the keys they load from, or the mappings differ)"
+        )
+    cache, layout = TraceCache(), _Layout(keys)
+    conversions = []
+    for conv in keyplan.conversions:
+        meta = cache.meta(conv, layout)  # type: ignore[arg-type]
+        if meta.error is not None:
+            raise meta.error
+        for t, out in zip(conv.targets, meta.outputs or ()):
+            want = state[t]
+            if out is None or tuple(out[0]) != tuple(want.shape):
+                raise ValueError(
+                    f"shape mismatch for destination tensor {t!r}: the source's keys {list(conv.sources)[:4]} give "
+                    f"{None if out is None else tuple(out[0])}, the destination holds {tuple(want.shape)}"
+                )
+            if kind_cast(t, out[1], want.dtype) is not None:
+                raise ValueError(
+                    f"dtype mismatch for destination tensor {t!r}: the source's keys give {out[1]}, the destination "
+                    f"holds {want.dtype}"
+                )
+        cast = source_cast(conv.rule, state[conv.targets[0]].dtype)
+        outcome = cache.trace(conv, layout, cast)  # type: ignore[arg-type]
+        if isinstance(outcome, Traced):
+            outputs = named(outcome.outputs, conv.sources, keys)
+            conversions.append(DestConversion(tuple(conv.sources), tuple(conv.targets), outputs))
+        else:
+            conversions.append(DestConversion(tuple(conv.sources), tuple(conv.targets), None, outcome.reason))
+    return DestSide(tuple(conversions)), keyplan
+
+
+def model_parts(model: torch.nn.Module) -> Parts:
+    """This rank's parts of ``model`` (for a plan made in one process: :func:`parts_of` without the tensors)."""
+    return parts_of(model)[0]

@@ -1,0 +1,119 @@
+"""The destination ("engine") models of the transfer tests: a tiny transformers Qwen3-MoE's weights with fused,
+rope-permuted ``qkv_proj`` and a merged ``gate_up_proj``, its rules and tensor-parallel placements."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from loader import Convert
+
+# hf_models' qwen3_moe: hidden 32, 4 heads of 8 (2 kv heads), 4 experts of 16, 2 layers, vocab 64
+H, HEADS, KV, D, E, I, LAYERS, V = 32, 4, 2, 8, 4, 16, 2, 64
+
+
+def rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Interleaved halves per head (Llama's permute for rotary embeddings)."""
+    rows, cols = w.shape
+    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([rope_permute(q, HEADS), rope_permute(k, KV), v])
+
+
+def gate_up(gates: list[torch.Tensor], ups: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+
+
+def stack(ws: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(ws)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = nn.Linear(H, (HEADS + 2 * KV) * D, bias=False)
+        self.o_proj = nn.Linear(HEADS * D, H, bias=False)
+        self.q_norm = nn.Module()
+        self.q_norm.weight = nn.Parameter(torch.empty(D))
+        self.k_norm = nn.Module()
+        self.k_norm.weight = nn.Parameter(torch.empty(D))
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _Attention()
+        self.mlp = _MLP()
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.empty(H))
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = nn.Parameter(torch.empty(H))
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(_Layer() for _ in range(LAYERS))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(H))
+
+
+class Engine(nn.Module):
+    """The inference engine's layout of the tiny Qwen3-MoE."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Inner()
+        self.lm_head = nn.Linear(H, V, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.fill_(-1.0)
+
+
+def rules() -> list:
+    """Checkpoint (transformers' Qwen3-MoE layout) -> Engine."""
+    return [
+        Convert(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+                "self_attn.qkv_proj.weight", qkv),
+        Convert(["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"], "mlp.gate_up_proj", gate_up),
+        Convert("mlp.experts.*.down_proj.weight", "mlp.down_proj", stack),
+    ]  # fmt: skip
+
+
+def tp_placements(model: nn.Module, two_dims: bool = False) -> dict[str, list]:
+    """Tensor parallel over the last mesh dim (experts over the first one of a 2-D mesh: EP x TP)."""
+    out: dict[str, list] = {}
+    for name, _ in model.named_parameters():
+        if name.endswith(("qkv_proj.weight", "lm_head.weight")):
+            p = [Shard(0)]
+        elif name.endswith("o_proj.weight"):
+            p = [Shard(1)]
+        elif name.endswith("gate_up_proj"):
+            p = [Shard(1)]
+        elif name.endswith("down_proj"):
+            p = [Shard(2)]
+        elif name.endswith("embed_tokens.weight"):
+            p = [Shard(1)]
+        else:
+            p = [Replicate()]
+        if two_dims:
+            p = ([Shard(0)] if name.endswith(("gate_up_proj", "down_proj")) else [Replicate()]) + p
+        out[name] = p
+    return out
+
+
+def fsdp_placements(model: nn.Module) -> dict[str, list]:
+    """FSDP-style: every parameter ``Shard(0)``."""
+    return {name: [Shard(0)] for name, _ in model.named_parameters()}
