@@ -3,8 +3,8 @@
 Every read is a system call on a file descriptor, never a memory map: a file that shrinks underneath the
 load becomes a short read and a :class:`~loader.errors.CheckpointError` naming the file, never a SIGBUS.
 A :class:`FileReader` told a file's :class:`~.header.FileIdentity` (recorded when its header was read)
-checks it when the file is opened for data and on :meth:`FileReader.verify`: a file replaced or rewritten
-since its header was read is refused instead of loading garbage.
+checks it (:class:`IdentityChecks`) when the file is opened for data and on :meth:`FileReader.verify`: a file
+replaced or rewritten since its header was read is refused instead of loading garbage.
 """
 
 from __future__ import annotations
@@ -26,6 +26,88 @@ IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+class IdentityChecks:
+    """The :class:`~.header.FileIdentity` each file must still have, checked against an open descriptor."""
+
+    __slots__ = ("_expected",)
+
+    def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
+        self._expected: dict[str, FileIdentity] = dict(identities or {})
+
+    def expect(self, file: str, identity: FileIdentity) -> None:
+        """Require ``file`` to be ``identity`` from now on."""
+        self._expected[file] = identity
+
+    def check(self, file: str, fd: int) -> None:
+        """Raise :class:`~loader.errors.CheckpointError` when ``fd`` (open on ``file``) is no longer the identity
+        ``file`` is expected to have (a change of inode, size, mtime or ctime); nothing when none is expected."""
+        want = self._expected.get(file)
+        if want is None:
+            return
+        got = FileIdentity.of(os.fstat(fd))
+        if got != want:
+            changed = ", ".join(
+                f"{f.name} {getattr(want, f.name)} -> {getattr(got, f.name)}"
+                for f in dataclasses.fields(want)
+                if getattr(want, f.name) != getattr(got, f.name)
+            )
+            raise err(file, f"file changed underneath since its header was read ({changed})")
+
+
+def open_checked(file: str, checks: IdentityChecks) -> int:
+    """Open ``file`` for reading (a FIFO swapped in cannot block the open) and check its identity."""
+    fd, _ = open_regular_file(file)
+    try:
+        checks.check(file, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_exact(file: str, fd: int, offset: int, view: memoryview, checks: IdentityChecks) -> None:
+    """Read exactly ``len(view)`` bytes of ``fd`` (open on ``file``) from ``offset`` into ``view``.
+
+    Raises:
+        CheckpointError: the file ended first (a replaced or shrunk file says so first, see ``checks``).
+    """
+    size, pos = len(view), 0
+    while pos < size:
+        if _HAS_PREADV:  # reads straight into ``view``, no intermediate bytes object
+            n = os.preadv(fd, [view[pos:]], offset + pos)
+        else:  # pragma: no cover - platforms without preadv
+            chunk = os.pread(fd, size - pos, offset + pos)
+            n = len(chunk)
+            view[pos : pos + n] = chunk
+        if n == 0:
+            checks.check(file, fd)
+            msg = f"unexpected end of file reading bytes [{offset}, {offset + size}) (got {pos})"
+            raise err(file, msg + "; file changed underneath?")
+        pos += n
+
+
+def read_consecutive(file: str, fd: int, offset: int, views: Sequence[memoryview], checks: IdentityChecks) -> int:
+    """Read consecutive bytes of ``fd`` from ``offset`` into the non-empty ``views``, one ``preadv`` call per
+    :data:`IOV_MAX` buffers, then buffer by buffer where a call read short. Returns the number of read calls."""
+    pos, calls = offset, 0
+    for i in range(0, len(views), IOV_MAX):
+        chunk = views[i : i + IOV_MAX]
+        size = sum(len(v) for v in chunk)
+        n = os.preadv(fd, chunk, pos) if _HAS_PREADV else 0
+        calls += 1
+        if n < size:  # a short read (or no preadv): the rest buffer by buffer, exactly
+            at = pos
+            for v in chunk:
+                if n >= len(v):
+                    n -= len(v)
+                else:
+                    read_exact(file, fd, at + n, v[n:], checks)
+                    calls, n = calls + 1, 0
+                at += len(v)
+        pos += size
+    return calls
+
+
 class FileReader:
     """Holds open read-only file descriptors and reads exact byte ranges with ``preadv``.
 
@@ -45,7 +127,7 @@ class FileReader:
 
     def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
         self._fds: dict[str, int] = {}
-        self._expected: dict[str, FileIdentity] = dict(identities or {})
+        self._checks = IdentityChecks(identities)
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.gap_bytes = 0
@@ -75,10 +157,10 @@ class FileReader:
         if identity is None:
             return
         with self._lock:
-            self._expected[file] = identity
+            self._checks.expect(file, identity)
             fd = self._fds.get(file)
         if fd is not None:
-            self._check(file, fd)
+            self._checks.check(file, fd)
 
     def verify(self, file: str) -> None:
         """Check that ``file``, if open and expected, is still the identity it was expected to be.
@@ -88,25 +170,12 @@ class FileReader:
         """
         fd = self._fds.get(file)
         if fd is not None:
-            self._check(file, fd)
+            self._checks.check(file, fd)
 
     def verify_all(self) -> None:
         """:meth:`verify` every open file."""
         for file in list(self._fds):
             self.verify(file)
-
-    def _check(self, file: str, fd: int) -> None:
-        want = self._expected.get(file)
-        if want is None:
-            return
-        got = FileIdentity.of(os.fstat(fd))
-        if got != want:
-            changed = ", ".join(
-                f"{f.name} {getattr(want, f.name)} -> {getattr(got, f.name)}"
-                for f in dataclasses.fields(want)
-                if getattr(want, f.name) != getattr(got, f.name)
-            )
-            raise err(file, f"file changed underneath since its header was read ({changed})")
 
     def advise_sparse(self, file: str) -> None:
         """Tell the kernel this file is read sparsely: no readahead beyond the ranges asked for."""
@@ -129,13 +198,7 @@ class FileReader:
             with self._lock:
                 fd = self._fds.get(file)
                 if fd is None:
-                    fd, _ = open_regular_file(file)  # a FIFO swapped in cannot block the open
-                    try:
-                        self._check(file, fd)
-                    except BaseException:
-                        os.close(fd)
-                        raise
-                    self._fds[file] = fd
+                    fd = self._fds[file] = open_checked(file, self._checks)
         return fd
 
     def pread_into(self, file: str, offset: int, out: memoryview | bytearray) -> None:
@@ -152,10 +215,8 @@ class FileReader:
         view = memoryview(out).cast("B")
         if len(view) == 0:
             return
-        self._read_exact(file, self.fd(file), offset, view)
-        with self._lock:
-            self.bytes_read += len(view)
-            self.reads += 1
+        read_exact(file, self.fd(file), offset, view, self._checks)
+        self._count(len(view), 1)
 
     def pread_consecutive(self, file: str, offset: int, outs: Sequence[memoryview]) -> None:
         """Read consecutive bytes of ``file`` from ``offset`` into the buffers ``outs``, one after another: one
@@ -164,26 +225,9 @@ class FileReader:
         Raises:
             CheckpointError: The file ended before the last buffer was filled, or changed underneath.
         """
-        fd, pos, calls = self.fd(file), offset, 0
         views = [v for v in (memoryview(o).cast("B") for o in outs) if len(v)]
-        for i in range(0, len(views), IOV_MAX):
-            chunk = views[i : i + IOV_MAX]
-            size = sum(len(v) for v in chunk)
-            n = os.preadv(fd, chunk, pos) if _HAS_PREADV else 0
-            calls += 1
-            if n < size:  # a short read (or no preadv): the rest buffer by buffer, exactly
-                at = pos
-                for v in chunk:
-                    if n >= len(v):
-                        n -= len(v)
-                    else:
-                        self._read_exact(file, fd, at + n, v[n:])
-                        calls, n = calls + 1, 0
-                    at += len(v)
-            pos += size
-        with self._lock:
-            self.bytes_read += pos - offset
-            self.reads += calls
+        calls = read_consecutive(file, self.fd(file), offset, views, self._checks)
+        self._count(sum(len(v) for v in views), calls)
 
     def read_spans(
         self, file: str, spans: Sequence[tuple[int, int]], out: memoryview, base: int, *, wanted: int | None = None
@@ -209,28 +253,16 @@ class FileReader:
         fd = self.fd(file)
         total = 0
         for a, b in spans:
-            self._read_exact(file, fd, a, view[a - base : b - base])
+            read_exact(file, fd, a, view[a - base : b - base], self._checks)
             total += b - a
         used = total if wanted is None else wanted
-        with self._lock:
-            self.bytes_read += used
-            self.gap_bytes += total - used
-            self.reads += len(spans)
+        self._count(used, len(spans), total - used)
 
-    def _read_exact(self, file: str, fd: int, offset: int, view: memoryview) -> None:
-        size, pos = len(view), 0
-        while pos < size:
-            if _HAS_PREADV:  # reads straight into ``view``, no intermediate bytes object
-                n = os.preadv(fd, [view[pos:]], offset + pos)
-            else:  # pragma: no cover - platforms without preadv
-                chunk = os.pread(fd, size - pos, offset + pos)
-                n = len(chunk)
-                view[pos : pos + n] = chunk
-            if n == 0:
-                self._check(file, fd)  # a replaced or shrunk file says so first
-                msg = f"unexpected end of file reading bytes [{offset}, {offset + size}) (got {pos})"
-                raise err(file, msg + "; file changed underneath?")
-            pos += n
+    def _count(self, nbytes: int, reads: int, gap_bytes: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.gap_bytes += gap_bytes
+            self.reads += reads
 
 
 def coalesce_ranges(
