@@ -9,6 +9,7 @@ from .report import LoadReport
 from .rules import Convert, Rename
 from .save import SaveReport, save_hf_checkpoint
 from .simulate import RankFigures, simulate_load
+from .transfer import TransferReport, transfer_weights
 
 __all__ = [
     "CheckpointError",
@@ -21,7 +22,9 @@ __all__ = [
     "SafetensorsCheckpoint",
     "SafetensorsReader",
     "SaveReport",
+    "TransferReport",
     "load_hf_checkpoint",
     "save_hf_checkpoint",
     "simulate_load",
+    "transfer_weights",
 ]

@@ -34,6 +34,7 @@ _STAGES = {
     "preparing": "Preparing the save",
     "writing": "Writing the checkpoint",
     "finishing": "Finishing the save",
+    "transferring": "Transferring the weights",
 }
 
 
@@ -46,6 +47,59 @@ def fake_world() -> bool:
     """Whether the default process group is torch's fake one (``init_process_group("fake")``): one process
     playing one rank of the world, with no peers and collectives that do nothing."""
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
+
+
+class Heartbeat:
+    """A rank's heartbeat through the store: a background thread beats this rank's counter every
+    ``dead_after / 5`` seconds and watches the next live rank's; a rank that started the load (one beat) and
+    stops beating for ``dead_after`` seconds, without having marked its load done, is appended to the store's
+    ``dead`` list, which every rank waiting at an agreement point reads."""
+
+    def __init__(self, store: Any, rank: int, world: int, dead_after: float) -> None:
+        self.store, self.rank, self.world, self.dead_after = store, rank, world, dead_after
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._declared: set[int] = set()
+
+    def start(self) -> None:
+        """A first beat (before anything can hang), then the background thread."""
+        self.store.add(f"beat/{self.rank}", 1)
+        self._thread = threading.Thread(target=self._run, name="loader-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating and wait a little for the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, 2 * self.dead_after))
+
+    def _run(self) -> None:
+        seen: dict[int, tuple[int, float]] = {}
+        try:
+            while not self._stop.wait(self.dead_after / 5):
+                self.store.add(f"beat/{self.rank}", 1)
+                self._watch(seen)
+        except Exception:
+            log.debug("rank %d: heartbeat stopped", self.rank, exc_info=True)
+
+    def _watch(self, seen: dict[int, tuple[int, float]]) -> None:
+        """Watch the next rank's beats; past one declared dead, watch the one after it too."""
+        peer = (self.rank + 1) % self.world
+        while peer != self.rank:
+            beats = self.store.add(f"beat/{peer}", 0)
+            now = time.monotonic()
+            if peer not in seen or seen[peer][0] != beats:
+                seen[peer] = (beats, now)
+                return
+            if beats == 0 or now - seen[peer][1] < self.dead_after or self.store.check([f"done/{peer}"]):
+                return  # not started yet (never called dead: it may just be late), alive, or finished
+            if peer not in self._declared:
+                self._declared.add(peer)
+                log.warning(
+                    "rank %d: rank %d stopped beating for %.1f s: reported dead", self.rank, peer, now - seen[peer][1]
+                )
+                self.store.append("dead", f"{peer},")
+            peer = (peer + 1) % self.world
 
 
 class LoadSession:
@@ -78,16 +132,12 @@ class LoadSession:
         self.solo = fake_world()
         store = dist.HashStore() if self.solo else default_store()
         self.store = dist.PrefixStore(f"loader/{next(_LOAD_IDS)}", store)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._declared: set[int] = set()
+        self._heartbeat = Heartbeat(self.store, self.rank, self.world, self.dead_after)
 
     def __enter__(self) -> LoadSession:
         if self.solo:
             return self
-        self.store.add(f"beat/{self.rank}", 1)  # a first beat before anything can hang
-        self._thread = threading.Thread(target=self._heartbeat, name="loader-heartbeat", daemon=True)
-        self._thread.start()
+        self._heartbeat.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -97,39 +147,7 @@ class LoadSession:
             self.store.set(f"done/{self.rank}", "1")  # before the beats stop: not to be taken for dead
         except Exception:
             log.debug("rank %d: could not mark the load done", self.rank, exc_info=True)
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=max(5.0, 2 * self.dead_after))
-
-    # -- heartbeat ------------------------------------------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        seen: dict[int, tuple[int, float]] = {}
-        try:
-            while not self._stop.wait(self.dead_after / 5):
-                self.store.add(f"beat/{self.rank}", 1)
-                self._watch(seen)
-        except Exception:
-            log.debug("rank %d: heartbeat stopped", self.rank, exc_info=True)
-
-    def _watch(self, seen: dict[int, tuple[int, float]]) -> None:
-        """Watch the next rank's beats; past one declared dead, watch the one after it too."""
-        peer = (self.rank + 1) % self.world
-        while peer != self.rank:
-            beats = self.store.add(f"beat/{peer}", 0)
-            now = time.monotonic()
-            if peer not in seen or seen[peer][0] != beats:
-                seen[peer] = (beats, now)
-                return
-            if beats == 0 or now - seen[peer][1] < self.dead_after or self.store.check([f"done/{peer}"]):
-                return  # not started yet (never called dead: it may just be late), alive, or finished
-            if peer not in self._declared:
-                self._declared.add(peer)
-                log.warning(
-                    "rank %d: rank %d stopped beating for %.1f s: reported dead", self.rank, peer, now - seen[peer][1]
-                )
-                self.store.append("dead", f"{peer},")
-            peer = (peer + 1) % self.world
+        self._heartbeat.stop()
 
     # -- agreement --------------------------------------------------------------------------------------
 
@@ -161,7 +179,7 @@ class LoadSession:
                 raise remote_error(failed, _STAGES[stage], stage) from error
             return
         reason, _, names = verdict.partition(":")
-        raise self._peer_failure(stage, reason, tuple(int(r) for r in names.split(",") if r)) from error
+        raise _peer_failure(self, stage, reason, tuple(int(r) for r in names.split(",") if r)) from error
 
     def _agree_alone(self, error: BaseException | None, stage: str) -> None:
         """A ``solo`` session: this rank's outcome is the outcome; a save is refused."""
@@ -181,58 +199,63 @@ class LoadSession:
             s.set(f"{stage}/failed/{s.add(f'{stage}/failed', 1)}", encode_failure(error, self.rank))
         s.set(f"{stage}/here/{self.rank}", "1")
         s.add(f"{stage}/count", 1)
-        verdict = self._verdict(stage, self.timeout if bounded else None)
+        verdict = _verdict(s, stage, self.world, self.timeout if bounded else None)
         if verdict != "ok":
             return verdict, []
         count = s.add(f"{stage}/failed", 0)
         failed = [decode_failure(s.get(f"{stage}/failed/{i}")) for i in range(1, count + 1)]
         return verdict, sorted(failed, key=lambda f: (f.rank is None, f.rank or 0))
 
-    def _verdict(self, stage: str, timeout: float | None) -> str:
-        s, key = self.store, f"{stage}/verdict"
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.001
-        while True:
-            if s.add(f"{stage}/count", 0) == self.world:
-                return _decide(s, key, "ok")
-            if s.check([key]):
-                return s.get(key).decode()
-            if s.check(["dead"]):
-                dead = sorted({int(r) for r in s.get("dead").decode().split(",") if r})
-                return _decide(s, key, "died:" + ",".join(map(str, dead)))
-            if deadline is not None and time.monotonic() >= deadline:
-                missing = [r for r in range(self.world) if not s.check([f"{stage}/here/{r}"])]
-                if missing:
-                    return _decide(s, key, "timeout:" + ",".join(map(str, missing)))
-            time.sleep(delay)
-            delay = min(2 * delay, 0.05)
 
-    def _peer_failure(self, stage: str, reason: str, ranks: tuple[int, ...]) -> BaseException:
-        from ..errors import PeerFailure
+def _verdict(store: Any, stage: str, world: int, timeout: float | None) -> str:
+    """Wait for the verdict of ``stage``: ``"ok"`` once every rank posted, else the first one decided:
+    ``"died:<ranks>"``, or past ``timeout`` ``"timeout:<the ranks that did not post>"``."""
+    s, key = store, f"{stage}/verdict"
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        if s.add(f"{stage}/count", 0) == world:
+            return _decide(s, key, "ok")
+        if s.check([key]):
+            return s.get(key).decode()
+        if s.check(["dead"]):
+            dead = sorted({int(r) for r in s.get("dead").decode().split(",") if r})
+            return _decide(s, key, "died:" + ",".join(map(str, dead)))
+        if deadline is not None and time.monotonic() >= deadline:
+            missing = [r for r in range(world) if not s.check([f"{stage}/here/{r}"])]
+            if missing:
+                return _decide(s, key, "timeout:" + ",".join(map(str, missing)))
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
 
-        what, listed = _STAGES[stage], ", ".join(map(str, ranks))
-        limit = "the timeout" if self.timeout is None else f"the {self.timeout:g} s timeout"  # ranks may differ
-        if reason == "timeout" and self.rank in ranks:
-            text = (
-                f"{what} failed: this rank ({self.rank}) finished {stage} after the other ranks had stopped "
-                f"waiting for it ({limit})"
-            )
-        elif reason == "timeout":
-            text = (
-                f"{what} failed: rank(s) {listed} did not finish {stage} within {limit} (hung, or slower "
-                "than the timeout allows); every other rank stopped"
-            )
-        elif self.rank in ranks:
-            text = (
-                f"{what} failed: this rank ({self.rank}) was reported dead by its peers (its heartbeat "
-                f"stopped for {self.dead_after:g} s)"
-            )
-        else:
-            text = (
-                f"{what} failed: a peer died during {stage}: rank(s) {listed} stopped responding (no "
-                f"heartbeat for {self.dead_after:g} s: the process exited, was killed or froze)"
-            )
-        return PeerFailure(text, stage=stage, ranks=ranks, reason=reason)
+
+def _peer_failure(session: LoadSession, stage: str, reason: str, ranks: tuple[int, ...]) -> BaseException:
+    """The :class:`~loader.errors.PeerFailure` ``session`` raises for a ``"timeout"`` or ``"died"`` verdict."""
+    from ..errors import PeerFailure
+
+    what, listed = _STAGES[stage], ", ".join(map(str, ranks))
+    limit = "the timeout" if session.timeout is None else f"the {session.timeout:g} s timeout"  # ranks may differ
+    if reason == "timeout" and session.rank in ranks:
+        text = (
+            f"{what} failed: this rank ({session.rank}) finished {stage} after the other ranks had stopped "
+            f"waiting for it ({limit})"
+        )
+    elif reason == "timeout":
+        text = (
+            f"{what} failed: rank(s) {listed} did not finish {stage} within {limit} (hung, or slower "
+            "than the timeout allows); every other rank stopped"
+        )
+    elif session.rank in ranks:
+        text = (
+            f"{what} failed: this rank ({session.rank}) was reported dead by its peers (its heartbeat "
+            f"stopped for {session.dead_after:g} s)"
+        )
+    else:
+        text = (
+            f"{what} failed: a peer died during {stage}: rank(s) {listed} stopped responding (no "
+            f"heartbeat for {session.dead_after:g} s: the process exited, was killed or froze)"
+        )
+    return PeerFailure(text, stage=stage, ranks=ranks, reason=reason)
 
 
 def _decide(store: Any, key: str, verdict: str) -> str:

@@ -5,6 +5,7 @@ source's save mapping, the destination's traced load) ← :mod:`.exchange` (pack
 unpacking) ← :mod:`.api` (``transfer_weights``, ``TransferReport``).
 """
 
+from .api import BUCKET_BYTES, TransferReport, transfer_weights
 from .plan import (
     Cell,
     DestConversion,
@@ -22,6 +23,9 @@ from .plan import (
 from .sides import as_rules, dest_side, model_parts, source_side
 
 __all__ = [
+    "BUCKET_BYTES",
+    "TransferReport",
+    "transfer_weights",
     "Cell",
     "DestConversion",
     "DestSide",

@@ -116,13 +116,15 @@ class Move:
 
 @dataclass(frozen=True)
 class Fallback:
-    """A destination conversion run on the destination ranks ``ranks`` from its keys moved whole."""
+    """Destination conversion ``index`` (of :attr:`DestSide.conversions`), run on the destination ranks ``ranks``
+    from its keys moved whole (``specs``: their shapes and dtypes)."""
 
     index: int
     keys: tuple[str, ...]
     targets: tuple[str, ...]
     ranks: tuple[int, ...]
     reason: str
+    specs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
 
 @dataclass
@@ -205,7 +207,8 @@ def plan_transfer(
             transferred += conv.targets
             continue
         ranks = tuple(r for r, parts in enumerate(dst_parts) if any(_owns(parts, t) for t in conv.targets))
-        fallback.append(Fallback(index, conv.keys, conv.targets, ranks, reason))
+        specs = tuple((tuple(source.keys[k][0]), source.keys[k][1]) for k in conv.keys)
+        fallback.append(Fallback(index, conv.keys, conv.targets, ranks, reason, specs))
         keys = rt.inverse_regions(inverse)
         for k in conv.keys:
             whole = {r: {k: (source.keys[k][0], source.keys[k][1], ((_full(source.keys[k][0]),) * 2,))}

@@ -1,0 +1,240 @@
+"""``transfer_weights``: move the weights of one (sharded) model into another, shard to shard, without files.
+
+Every rank of the world calls it; each holds a part of the source, of the destination, of both or of neither.
+The steps, each agreed by every rank before the next (:class:`~loader.distributed.LoadSession`):
+
+1. every rank describes what it holds of each model (names, global shapes, dtypes, boxes): one
+   ``all_gather_object``;
+2. the first rank holding the source maps it to its checkpoint layout and inverts it (as a save does); the first
+   rank holding the destination traces its load from that layout (as a load does): two ``all_gather_object``;
+3. every rank computes the same :class:`~loader.transfer.TransferPlan` from those values (pure);
+4. rounds of ``all_to_all_single`` with exact split sizes move the payload (:mod:`.exchange`); destination
+   conversions that do not trace run on the destination ranks from their keys moved whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import LoadSession, peer_errors
+from ..options import DEFAULT_TIMEOUT, Rules, timeout_seconds
+from ..plan.slots import box_view
+from ..rules.conversion import cast_like_transformers
+from .exchange import Counts, Exchange, log_progress
+from .plan import TransferPlan, plan_transfer, rounds
+from .sides import as_rules, dest_side, parts_of, source_side
+
+#: default bound on the payload one rank sends (and receives) per round
+BUCKET_BYTES = 64 << 20
+
+Mapping_ = Rules | Sequence[Any] | None
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """What one rank did in a transfer.
+
+    Attributes:
+        bytes_sent: payload bytes this rank sent (tensor data, no padding or headers), to itself included.
+        bytes_received: payload bytes this rank received, from itself included.
+        bytes_local: the part of both that stayed on this rank (a strided copy, no message).
+        transferred: destination tensors this rank received region by region.
+        fallback: destination tensors this rank computed from checkpoint keys moved whole (their conversion
+            does not trace).
+        messages: segments this rank sent to other ranks (one per peer and round).
+        rounds: exchange rounds (every rank runs the same number).
+        seconds: wall time of the call on this rank.
+    """
+
+    bytes_sent: int
+    bytes_received: int
+    bytes_local: int
+    transferred: tuple[str, ...]
+    fallback: tuple[str, ...]
+    messages: int
+    rounds: int
+    seconds: float
+
+    def __str__(self) -> str:
+        fb = f" ({len(self.fallback)} moved whole)" if self.fallback else ""
+        return (
+            f"transfer: {len(self.transferred) + len(self.fallback)} tensor(s){fb}, received {self.bytes_received} B, "
+            f"sent {self.bytes_sent} B ({self.bytes_local} B local) in {self.messages} message(s), "
+            f"{self.rounds} round(s), {self.seconds:.3f} s"
+        )
+
+
+def transfer_weights(
+    src: torch.nn.Module | None,
+    dst: torch.nn.Module | None,
+    *,
+    src_mapping: Mapping_ = None,
+    dst_mapping: Mapping_ = None,
+    group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
+    rollback: bool = False,
+    progress: bool | Callable[[int, int], None] | None = None,
+) -> TransferReport:
+    """Copy the weights of ``src`` into ``dst`` through their checkpoint layout, each rank receiving exactly its
+    shards' elements. Collective: every rank of the world calls it.
+
+    Args:
+        src: the source model (plain or DTensor tensors) on ranks holding a part of it, else None.
+        dst: the destination model on ranks holding a part of it, else None.
+        src_mapping, dst_mapping: each model's rules to and from the checkpoint layout: a
+            :class:`~loader.options.Rules`, a list of rules (replacing the default ones, like
+            ``weights_mapping=``), or None (transformers' conversion mapping for a ``PreTrainedModel``, none
+            otherwise), as for ``save_hf_checkpoint`` and ``load_hf_checkpoint``.
+        group: the process group of the exchange (default: the world; ranks are numbered in it).
+        bucket_bytes: the most payload one rank sends, and receives, per round.
+        timeout: seconds (or a ``timedelta``) to wait for a peer at each step; None: no limit.
+        rollback: on failure, put back every destination tensor this rank had written.
+        progress: True logs each round on the ``loader`` logger; a callable gets ``(done, total)`` rounds.
+
+    Returns:
+        This rank's :class:`TransferReport`.
+
+    Raises:
+        ValueError: on every rank, before anything is sent: shapes or dtypes that do not match, a key the
+            destination needs that the source lacks, a source conversion that is not a bijection.
+        PeerFailure: on every rank, a rank failed, died or hung (past ``timeout``) during the transfer.
+    """
+    t0 = time.perf_counter()
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    seconds = timeout_seconds(timeout)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    src_parts, src_local = parts_of(src)
+    dst_parts, dst_local = parts_of(dst)
+    session = LoadSession(seconds) if distributed else contextlib.nullcontext()
+    with session:
+        plan, keyplan = _plan(rank, src, dst, (src_mapping, dst_mapping), (src_parts, dst_parts), group, session)
+        schedule = rounds(plan, bucket_bytes)
+        buffers = {
+            k: torch.empty(shape, dtype=dtype)
+            for f in plan.fallback
+            if rank in f.ranks
+            for k, (shape, dtype) in zip(f.keys, f.specs)
+        }
+        written = {m.target for m in plan.moves if m.dst == rank and not m.key}
+        written |= {t for f in plan.fallback if rank in f.ranks for t in f.targets}
+        saved = {t: dst_local[t].clone() for t in written} if rollback else None
+        error: BaseException | None = None
+        counts = Counts()
+        try:
+            report = log_progress(rank) if progress is True else (progress or None)
+            exchange = Exchange(plan, rank, src_local, dst_local, buffers, group=group, timeout=seconds)
+            with peer_errors("transferring", "exchanging the weights") if distributed else contextlib.nullcontext():
+                counts = exchange.run(schedule, report)
+            _run_fallbacks(plan, rank, keyplan, buffers, dst_parts, dst_local)
+        except Exception as e:
+            error = e
+        try:
+            if distributed:
+                session.agree(error, "transferring")
+            elif error is not None:
+                raise error
+        except BaseException:
+            if saved is not None:
+                with torch.no_grad():
+                    for t, value in saved.items():
+                        dst_local[t].copy_(value)
+            raise
+    mine = [m for m in plan.moves if m.dst == rank and not m.key]
+    return TransferReport(
+        bytes_sent=counts.sent,
+        bytes_received=counts.received,
+        bytes_local=counts.local,
+        transferred=tuple(dict.fromkeys(m.target for m in mine)),
+        fallback=tuple(t for f in plan.fallback if rank in f.ranks for t in f.targets),
+        messages=counts.messages,
+        rounds=len(schedule),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _plan(rank: int, src, dst, mappings, parts, group, session) -> tuple[TransferPlan, Any]:
+    """Steps 1-3: describe, map both sides on their first ranks, plan; failures raised on every rank."""
+    src_mapping, dst_mapping = mappings
+    holds = _gather((src is not None, dst is not None, *parts), group)
+    srcs = [r for r, h in enumerate(holds) if h[0]]
+    dsts = [r for r, h in enumerate(holds) if h[1]]
+    if not srcs or not dsts:
+        raise ValueError(f"no rank holds the {'source' if not srcs else 'destination'} model (src/dst None everywhere)")
+    source = _on_one(srcs[0] == rank, lambda: source_side(src, as_rules(src_mapping)), group, session)
+    keyplan, error = None, None
+    dest_here = None
+    if dst is not None:
+        try:
+            dest_here, keyplan = dest_side(dst, as_rules(dst_mapping), source.keys)
+        except Exception as e:
+            error = e
+    dest = _on_one(dsts[0] == rank, lambda: _raise_or(dest_here, error), group, session, error if dst else None)
+    plan, error = None, None
+    try:
+        plan = plan_transfer(source, dest, [h[2] for h in holds], [h[3] for h in holds])
+    except Exception as e:
+        error = e
+    _agree(session, error)
+    assert plan is not None
+    return plan, keyplan
+
+
+def _raise_or(value: Any, error: BaseException | None) -> Any:
+    if error is not None:
+        raise error
+    return value
+
+
+def _on_one(lead: bool, make: Callable[[], Any], group, session, error: BaseException | None = None) -> Any:
+    """``make()`` on the lead rank, shared with every rank; a failure there (or ``error`` here) raised on all."""
+    value = None
+    if lead:
+        try:
+            value = make()
+        except Exception as e:
+            error = e
+    every = _gather((value, error is not None), group)
+    if any(failed for _, failed in every):
+        _agree(session, error)
+    return next(v for v, _ in every if v is not None)
+
+
+def _agree(session: Any, error: BaseException | None) -> None:
+    if isinstance(session, LoadSession):
+        session.agree(error, "planning")
+    elif error is not None:
+        raise error
+
+
+def _gather(value: Any, group) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    every: list[Any] = [None] * dist.get_world_size(group)
+    with peer_errors("planning", "gathering what every rank holds"):
+        dist.all_gather_object(every, value, group=group)
+    return every
+
+
+def _run_fallbacks(plan: TransferPlan, rank: int, keyplan: Any, buffers, dst_parts, dst_local) -> None:
+    """Run this rank's fallback conversions on their keys (moved whole) and copy the boxes it holds."""
+    for f in plan.fallback:
+        if rank not in f.ranks:
+            continue
+        conv = keyplan.conversions[f.index]
+        dtype = dst_parts[conv.targets[0]][1]
+        with torch.no_grad():
+            out = conv.run(cast_like_transformers(conv.rule, {k: buffers[k] for k in conv.sources}, dtype))
+            for t in conv.targets:
+                for g, lb in dst_parts[t][2]:
+                    box_view(dst_local[t], lb).copy_(box_view(out[t], g))
