@@ -89,7 +89,7 @@ def play_rank(rank: int, root: Path) -> None:
         for k, v in expected.items()
     }
     result["layout_bad"] = sorted(k for k in want if not torch.equal(got[k].float(), want[k]))
-    try:  # a save needs every rank's regions: refused, nothing left behind
+    try:  # a save needs every rank's shards: refused, nothing left behind
         save_hf_checkpoint(shard_module(Plain(), mesh, plain, fill=1.0), str(root / "saved"))
     except RuntimeError as e:
         result["save_error"] = str(e)

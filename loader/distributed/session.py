@@ -118,7 +118,7 @@ class LoadSession:
 
     Under torch's fake process group (:func:`fake_world`: dry runs, tests playing one rank at a time) there are
     no peers to agree with and its store cannot count: the session is ``solo`` — no heartbeat, an in-process
-    store, and :meth:`agree` raises this rank's own error (a save refuses: it needs every rank's regions).
+    store, and :meth:`agree` raises this rank's own error (a save refuses: it needs every rank's shards).
 
     Args:
         timeout: seconds (or a ``timedelta``) to wait at each agreement point; None waits without limit
@@ -186,7 +186,7 @@ class LoadSession:
         if stage in _SAVE_STAGES:
             raise RuntimeError(
                 f"save_hf_checkpoint under torch's fake process group (rank {self.rank} of {self.world}): a "
-                "fake world has no peers to write the other ranks' regions, so no whole checkpoint can be "
+                "fake world has no peers to write the other ranks' shards, so no whole checkpoint can be "
                 "saved; save from a real process group (gloo, nccl) or from one process"
             ) from error
         if error is not None:
