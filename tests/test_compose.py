@@ -257,6 +257,9 @@ def test_composition_of_a_huge_model_is_symbolic():
     assert len(composed["qkv_proj.weight"].region.pieces) == 3 * tp
     regions = rt.inverse_regions(inverse)
     assert all(len(r.region.pieces) == 1 for r in regions.values())
+    back = rt.compose(rt.trace(trainer(E), **keys), rt.invert(rt.trace(engine(E, tp), **keys), keys))
+    assert len(back["mlp.experts.gate_up_proj"].region.pieces) == 2 * tp
+    assert all(len(back[f"attn.{p}.weight"].region.pieces) == tp for p in ("q_proj", "k_proj", "v_proj"))
 
 
 def test_identity_and_casts_narrow_back_exactly():
@@ -296,3 +299,12 @@ def test_refusals():
         rt.compose({"y": leaf("w", (4, 6))}, inverse)
     with pytest.raises(ValueError, match="named outputs"):
         rt.compose(w, rt.invert(w.t(), [w]))
+
+
+def test_engine_to_trainer_undoes_the_rope_permute_and_the_tp_fusion():
+    """The other direction: f = the engine's fused, rope-permuted layout, g = the trainer's."""
+    E, I, H, tp = 4, 8, 16, 2
+    composed = check_composed(engine(E, tp), trainer(E), moe_keys(E, I, H), seed=2)
+    assert composed["mlp.experts.gate_up_proj"].sources() == {"experts.w13_weight"}
+    assert len(composed["mlp.experts.down_proj"].region.pieces) == 1
+    assert composed["attn.v_proj.weight"].sources() == {"qkv_proj.weight"}
