@@ -250,20 +250,39 @@ class StagingRing:
             return
         if link not in stage.links:
             stage.links.append(link)
-        item = src.element_size()
         host = src
         if pack_at is not None and not src.is_contiguous():
             self.counts["pack"] += 1
-            host = stage.data[pack_at : pack_at + src.numel() * item].view(src.dtype).view(src.shape)
-            host.copy_(src)
+            host = pack(stage.data, src, pack_at)
         if not flips and not casts and host.is_contiguous() and dest.is_contiguous() and host.dtype == dest.dtype:
             self.counts["straight"] += 1
             link.copy(dest, host)
             return
         self.counts["gather"] += 1
-        first = host.storage_offset()
-        last = first + sum((n - 1) * s for n, s in zip(host.shape, host.stride())) + 1
-        temp = torch.empty((last - first) * item, dtype=torch.uint8, device=dest.device)
-        link.copy(temp, stage.data[first * item : last * item])
-        values = torch.as_strided(temp.view(src.dtype), host.shape, host.stride(), 0)
-        copy_cast(dest, values.flip(list(flips)) if flips else values, casts)
+        gather_on_device(link, stage.data, host, flips, dest, casts)
+
+
+def pack(data: torch.Tensor, src: torch.Tensor, at: int) -> torch.Tensor:
+    """``src`` copied into ``data`` (a staging buffer) from byte ``at`` on, C-contiguous: the packed view."""
+    host = data[at : at + src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+    host.copy_(src)
+    return host
+
+
+def gather_on_device(
+    link: Link,
+    data: torch.Tensor,
+    host: torch.Tensor,
+    flips: Sequence[int],
+    dest: torch.Tensor,
+    casts: Sequence[torch.dtype],
+) -> None:
+    """Copy the byte span of ``host`` (a view of the staging buffer ``data``) to a temporary on ``dest``'s device
+    through ``link``, and gather it there into ``dest``: strided copy, flips along ``flips``, ``casts``."""
+    item = host.element_size()
+    first = host.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(host.shape, host.stride())) + 1
+    temp = torch.empty((last - first) * item, dtype=torch.uint8, device=dest.device)
+    link.copy(temp, data[first * item : last * item])
+    values = torch.as_strided(temp.view(host.dtype), host.shape, host.stride(), 0)
+    copy_cast(dest, values.flip(list(flips)) if flips else values, casts)
