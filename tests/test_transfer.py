@@ -1,0 +1,171 @@
+"""``transfer_weights`` on a shared 4-rank gloo world (tests/transfer_worker.py), and the plan in one process.
+
+Oracle: the destination loaded with ``load_hf_checkpoint`` from the source's ``save_hf_checkpoint`` files, bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transfer_models as tm
+import transfer_worker
+from gloo_world import ok, run_world
+from hf_models import build
+
+from loader import load_hf_checkpoint, save_hf_checkpoint, transfer_weights
+from loader.options import Rules
+from loader.transfer import dest_side, model_parts, plan_transfer, rounds, source_side
+
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
+
+
+def _oracle(folder: str, rules: list) -> dict[str, torch.Tensor]:
+    model = tm.Engine()
+    load_hf_checkpoint(model, folder, weights_mapping=rules, progress=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def source_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("transfer")
+    _, model = build("qwen3_moe", 0, tie_word_embeddings=False)
+    save_hf_checkpoint(model, str(root / "ckpt"), progress=False)
+    return root, model
+
+
+@pytest.fixture(scope="module")
+def results(source_files):
+    root, _ = source_files
+    torch.save(_oracle(str(root / "ckpt"), tm.rules()), root / "oracle.pt")
+    torch.save(_oracle(str(root / "ckpt"), tm.rules_with_fallback()), root / "oracle_fallback.pt")
+    ctx = {
+        "store": str(root / "store"), "out": str(root), "oracle": str(root / "oracle.pt"),
+        "oracle_fallback": str(root / "oracle_fallback.pt"),
+    }  # fmt: skip
+    return run_world(transfer_worker.__file__, root, str(root), ctx)
+
+
+# -- one process ---------------------------------------------------------------------------------------------------
+
+
+def test_one_process_transfer_equals_save_then_load(source_files):
+    root, source = source_files
+    dst = tm.Engine()
+    report = transfer_weights(source, dst, dst_mapping=tm.rules())
+    oracle = _oracle(str(root / "ckpt"), tm.rules())
+    assert all(torch.equal(v, oracle[k]) for k, v in dst.state_dict().items())
+    shard = sum(t.numel() * t.element_size() for t in dst.state_dict().values())
+    assert report.bytes_received == report.bytes_sent == report.bytes_local == shard
+    assert report.messages == 0 and report.fallback == ()
+    assert "transfer:" in str(report)
+
+
+def test_the_plan_is_a_pure_function_of_meta_models():
+    """Planned for 8 simulated ranks from meta models: every destination rank receives exactly its shard."""
+    from torch.distributed.tensor import Shard
+
+    from loader.placements import shard_boxes
+
+    with torch.device("meta"):
+        _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
+        dest = tm.Engine()
+    src_side = source_side(source)
+    dst_side, _ = dest_side(dest, Rules(weights_mapping=tm.rules()), src_side.keys)
+
+    def parts(model, placement, rank):
+        return {
+            n: (tuple(t.shape), t.dtype, shard_boxes(tuple(t.shape), (8,), (rank,), [placement(n, t)]))
+            for n, t in model.state_dict().items()
+        }
+
+    src = [parts(source, lambda n, t: Shard(0), r) for r in range(8)]
+    dst = [parts(dest, lambda n, t: Shard(t.ndim - 1), r) for r in range(8)]
+    plan = plan_transfer(src_side, dst_side, src, dst)
+    for r in range(8):
+        want = sum(sum(_numel(g) for g, _ in p[2]) * p[1].itemsize for p in dst[r].values())
+        assert plan.bytes_received(r) == want
+    assert sum(plan.bytes_sent(r) for r in range(8)) == sum(plan.bytes_received(r) for r in range(8))
+    for moves in rounds(plan, 4096):
+        for r in range(8):
+            assert sum(m.nbytes for m in moves if m.src == r and m.dst != r) <= 4096
+    assert model_parts(tm.Engine())["lm_head.weight"][0] == (tm.V, tm.H)
+
+
+def _numel(box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def test_a_shape_mismatch_is_refused_before_anything_moves(source_files):
+    _, source = source_files
+    dst = tm.Engine(vocab=tm.V + 2)
+    with pytest.raises(ValueError, match="shape mismatch for destination tensor 'lm_head.weight'"):
+        transfer_weights(source, dst, dst_mapping=tm.rules())
+    assert all(bool((t == -1).all()) for t in dst.state_dict().values())
+
+
+def test_a_key_the_source_lacks_is_refused(source_files):
+    _, source = source_files
+    with pytest.raises(ValueError, match="no checkpoint key in the source's layout"):
+        transfer_weights(source, tm.Engine(), dst_mapping=tm.rules()[:2])  # no rule for the experts' down_proj
+
+
+# -- four ranks -----------------------------------------------------------------------------------------------------
+
+
+def _check_exact(per_rank: list[dict]) -> None:
+    for r, res in enumerate(per_rank):
+        assert res["mismatch"] == [], (r, res["mismatch"])
+        assert res["report"]["bytes_received"] == res["shard_bytes"], (r, res["report"])
+    sent = sum(res["report"]["bytes_sent"] for res in per_rank)
+    assert sent == sum(res["shard_bytes"] for res in per_rank)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["colocated_tp", "colocated_ep_tp"])
+def test_colocated_fsdp_to_tp_bit_for_bit(results, name):
+    """Every rank holds a Shard(0) of the transformers Qwen3-MoE and a TP (or EP x TP, _StridedShard gate_up)
+    shard of the fused engine model: each receives exactly its shard bytes, equal to save-then-load."""
+    per_rank = ok(results, name)
+    _check_exact(per_rank)
+    assert all(res["report"]["messages"] > 0 for res in per_rank)
+
+
+@pytest.mark.dist
+def test_disaggregated_two_to_two_bit_for_bit(results):
+    """Ranks 0-1 hold the source, 2-3 the destination: only they send, only they receive, in several rounds."""
+    per_rank = ok(results, "disaggregated")
+    _check_exact(per_rank)
+    assert [res["report"]["bytes_received"] > 0 for res in per_rank] == [False, False, True, True]
+    assert [res["report"]["bytes_sent"] > 0 for res in per_rank] == [True, True, False, False]
+    assert per_rank[0]["report"]["rounds"] > 1
+    assert all(res["report"]["bytes_local"] == 0 for res in per_rank)
+
+
+@pytest.mark.dist
+def test_an_untraceable_conversion_falls_back(results):
+    for res in ok(results, "fallback"):
+        assert res["mismatch"] == []
+        assert res["report"]["fallback"] == ("model.norm.weight",)
+
+
+@pytest.mark.dist
+def test_a_shape_mismatch_fails_every_rank_before_sending(results):
+    for r, res in enumerate(ok(results, "shape_mismatch")):
+        assert res["type"] == "ValueError" and "lm_head.weight" in res["message"], (r, res)
+        assert not res["sent"] and res["unchanged"], (r, res)
+
+
+@pytest.mark.dist
+def test_a_killed_rank_fails_every_rank_and_rollback_restores(results):
+    for r, every in enumerate(results):
+        if r == transfer_worker.KILLED:
+            continue
+        res = every["killed"]
+        assert res["ok"], res.get("error")
+        assert res["type"] == "PeerFailure", (r, res)
+        assert res["unchanged"], f"rank {r} was not restored"
+        assert res["rounds_run"] >= 2

@@ -1,0 +1,193 @@
+"""One rank of the 4-rank gloo world of tests/test_transfer.py: every transfer scenario, results to a file.
+
+``python transfer_worker.py RANK WORLD CTX_JSON``. The source is the tiny transformers Qwen3-MoE of the test
+(``hf_models.build``, same seed on every rank) sharded FSDP-style (``Shard(0)``); the destination is
+``transfer_models.Engine`` (fused rope'd qkv, merged gate_up) under TP or EP x TP. Each scenario returns the
+rank's report and which of its local shards differ from the oracle (the destination loaded with
+``load_hf_checkpoint`` from the source's ``save_hf_checkpoint`` files, in the test process). The last scenario
+kills rank 2.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import transfer_models as tm
+from gloo_world import run_scenarios
+from hf_models import build
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from loader.placements import shard_module, slot_for
+from loader.plan import box_view
+
+MESHES: dict = {}
+KILLED = 2
+
+
+def source_model(mesh) -> torch.nn.Module:
+    """The source with its values, every parameter ``Shard(0)`` over ``mesh``."""
+    _, model = build("qwen3_moe", 0, tie_word_embeddings=False)
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shard_module(model, mesh, tm.fsdp_placements(model), fill=None)
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            slot = slot_for(name, t)
+            for g, lb in slot.boxes:
+                box_view(slot.local, lb).copy_(box_view(full[name], g))
+    return model
+
+
+def dest_model(mesh, ep: bool = False, model: torch.nn.Module | None = None) -> torch.nn.Module:
+    model = model if model is not None else tm.Engine()
+    placements = tm.tp_placements(model, two_dims=ep)
+    if ep:
+        placements = {
+            n: [Shard(0), _StridedShard(1, split_factor=2)] if n.endswith("gate_up_proj") else p
+            for n, p in placements.items()
+        }
+    return shard_module(model, mesh, placements, fill=-1.0)
+
+
+def compare(model: torch.nn.Module | None, oracle: dict[str, torch.Tensor]) -> tuple[list[str], int]:
+    """The tensors whose local shards differ from the oracle's boxes, and the local shard bytes."""
+    if model is None:
+        return [], 0
+    bad, nbytes = [], 0
+    for name, t in model.state_dict(keep_vars=True).items():
+        slot = slot_for(name, t)
+        nbytes += slot.local_numel * slot.dtype.itemsize
+        if not all(torch.equal(box_view(slot.local, lb), box_view(oracle[name], g)) for g, lb in slot.boxes):
+            bad.append(name)
+    return bad, nbytes
+
+
+def unchanged(model: torch.nn.Module | None) -> bool:
+    return model is None or all(
+        bool((slot_for(n, t).local == -1).all()) for n, t in model.state_dict(keep_vars=True).items()
+    )
+
+
+def report_dict(report) -> dict:
+    keys = ("bytes_sent", "bytes_received", "bytes_local", "transferred", "fallback", "messages", "rounds")
+    return {k: getattr(report, k) for k in keys} | {"text": str(report)}
+
+
+def describe(e: BaseException) -> dict:
+    return {"type": type(e).__name__, "message": str(e), "reason": getattr(e, "reason", None)}
+
+
+def _transfer(ctx: dict, src, dst, oracle: str, **kwargs) -> dict:
+    from loader import transfer_weights
+
+    report = transfer_weights(src, dst, dst_mapping=kwargs.pop("rules", tm.rules()), timeout=60, **kwargs)
+    bad, nbytes = compare(dst, torch.load(ctx[oracle]))
+    return {"report": report_dict(report), "mismatch": bad, "shard_bytes": nbytes}
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def scenario_colocated_tp(ctx: dict) -> dict:
+    mesh = MESHES["world"]
+    return _transfer(ctx, source_model(mesh), dest_model(mesh), "oracle")
+
+
+def scenario_colocated_ep_tp(ctx: dict) -> dict:
+    return _transfer(ctx, source_model(MESHES["world"]), dest_model(MESHES["2x2"], ep=True), "oracle")
+
+
+def scenario_disaggregated(ctx: dict) -> dict:
+    half = MESHES["half"]
+    rank = dist.get_rank()
+    src = source_model(half) if rank < 2 else None
+    dst = dest_model(half) if rank >= 2 else None
+    return _transfer(ctx, src, dst, "oracle", bucket_bytes=8192)
+
+
+def scenario_fallback(ctx: dict) -> dict:
+    mesh = MESHES["world"]
+    return _transfer(ctx, source_model(mesh), dest_model(mesh), "oracle_fallback", rules=tm.rules_with_fallback())
+
+
+def scenario_shape_mismatch(ctx: dict) -> dict:
+    from loader import transfer_weights
+
+    mesh = MESHES["world"]
+    dst = dest_model(mesh, model=tm.Engine(vocab=tm.V + 2))
+    sent = []
+    from loader.transfer import exchange
+
+    original = exchange.Exchange.run
+    exchange.Exchange.run = lambda self, *a, **k: sent.append(1) or original(self, *a, **k)
+    try:
+        transfer_weights(source_model(mesh), dst, dst_mapping=tm.rules(), timeout=60)
+        outcome = {"type": None}
+    except BaseException as e:
+        outcome = describe(e)
+    finally:
+        exchange.Exchange.run = original
+    return {**outcome, "sent": bool(sent), "unchanged": unchanged(dst)}
+
+
+def scenario_killed(ctx: dict) -> dict:
+    """Rank 2 is SIGKILLed in the second round; the others raise PeerFailure and put their shards back."""
+    from loader import transfer_weights
+    from loader.transfer import exchange
+
+    mesh = MESHES["world"]
+    src, dst = source_model(mesh), dest_model(mesh)
+    calls = []
+    original = exchange.Exchange._round
+
+    def round_(self, moves):
+        calls.append(1)
+        if dist.get_rank() == KILLED and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, moves)
+
+    exchange.Exchange._round = round_
+    try:
+        transfer_weights(src, dst, dst_mapping=tm.rules(), timeout=6, rollback=True, bucket_bytes=4096)
+        outcome = {"type": None}
+    except BaseException as e:
+        outcome = describe(e)
+    finally:
+        exchange.Exchange._round = original
+    return {**outcome, "rounds_run": len(calls), "unchanged": unchanged(dst)}
+
+
+SCENARIOS = [
+    ("colocated_tp", scenario_colocated_tp),
+    ("colocated_ep_tp", scenario_colocated_ep_tp),
+    ("disaggregated", scenario_disaggregated),
+    ("fallback", scenario_fallback),
+    ("shape_mismatch", scenario_shape_mismatch),
+    ("killed", scenario_killed),  # last: rank 2 dies
+]
+
+
+def run_rank(rank: int, world: int, ctx: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    MESHES["world"] = init_device_mesh("cpu", (world,))
+    MESHES["2x2"] = init_device_mesh("cpu", (2, 2))
+    MESHES["half"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("side", "tp"))["tp"]
+    run_scenarios(SCENARIOS, ctx, rank)
+
+
+if __name__ == "__main__":  # run by tests/test_transfer.py: transfer_worker.py RANK WORLD CTX_JSON
+    import json
+    import sys
+
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the world lost a rank: skip process-group teardown
