@@ -184,32 +184,37 @@ class RegionTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        flat, _ = tree_flatten((args, kwargs))
-        handler = HANDLERS.get(func)
-        pointwise = handler is None and V.is_value_op(func)
-        if handler is None and not pointwise:
-            raise Untraceable(f"`{name}` ({func}) is not a pure index mapping or a pointwise op")
-        for x in flat:  # a pointwise op may take real scalars (``x - 127.0`` passes a 0-dim tensor)
-            if isinstance(x, torch.Tensor) and not isinstance(x, RegionTensor) and (x.dim() or not pointwise):
-                raise Untraceable(f"`{name}` ({func}) mixes a RegionTensor with a real tensor")
-        margs, mkwargs = tree_map_only(RegionTensor, lambda r: r._meta, (args, kwargs))
-        if func is aten._to_copy.default:
-            mkwargs = {k: v for k, v in mkwargs.items() if k not in ("device", "pin_memory", "non_blocking")}
-        out_meta = func(*margs, **mkwargs)
-        bound = _bind(func, args, kwargs)
-        if pointwise:
-            regions = V.apply(func, args, kwargs, out_meta, lambda x: getattr(x, "_value", None))
-        else:
-            regions = handler(bound, out_meta)
-        parents = tuple(x._node for x in flat if isinstance(x, RegionTensor))
-        params = {k: v for k, v in bound.items() if not _has_tensor(v)}
-        if isinstance(out_meta, torch.Tensor):
-            return _wrap(out_meta, regions, name, parents, params)
-        return type(out_meta)(
-            _wrap(m, r, name, parents, dict(params, output=i)) for i, (m, r) in enumerate(zip(out_meta, regions))
-        )
+        return _dispatch(func, args, kwargs or {})
+
+
+def _dispatch(func, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on RegionTensors: on their meta tensors for the output's shape and dtype, and on their values
+    (a movement handler of :data:`HANDLERS`, or a pointwise op recorded as an Apply)."""
+    name = func.overloadpacket.__name__
+    flat, _ = tree_flatten((args, kwargs))
+    handler = HANDLERS.get(func)
+    pointwise = handler is None and V.is_value_op(func)
+    if handler is None and not pointwise:
+        raise Untraceable(f"`{name}` ({func}) is not a pure index mapping or a pointwise op")
+    for x in flat:  # a pointwise op may take real scalars (``x - 127.0`` passes a 0-dim tensor)
+        if isinstance(x, torch.Tensor) and not isinstance(x, RegionTensor) and (x.dim() or not pointwise):
+            raise Untraceable(f"`{name}` ({func}) mixes a RegionTensor with a real tensor")
+    margs, mkwargs = tree_map_only(RegionTensor, lambda r: r._meta, (args, kwargs))
+    if func is aten._to_copy.default:
+        mkwargs = {k: v for k, v in mkwargs.items() if k not in ("device", "pin_memory", "non_blocking")}
+    out_meta = func(*margs, **mkwargs)
+    bound = _bind(func, args, kwargs)
+    if pointwise:
+        regions = V.apply(func, args, kwargs, out_meta, lambda x: getattr(x, "_value", None))
+    else:
+        regions = handler(bound, out_meta)
+    parents = tuple(x._node for x in flat if isinstance(x, RegionTensor))
+    params = {k: v for k, v in bound.items() if not _has_tensor(v)}
+    if isinstance(out_meta, torch.Tensor):
+        return _wrap(out_meta, regions, name, parents, params)
+    return type(out_meta)(
+        _wrap(m, r, name, parents, dict(params, output=i)) for i, (m, r) in enumerate(zip(out_meta, regions))
+    )
 
 
 def _has_tensor(v: Any) -> bool:
