@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from regiontrace.execute import copy_cast, dest_view, source_view
+from regiontrace import copy_cast, dest_view, source_view
 
 from ..plan.slots import box_view
 from .plan import Move, TransferPlan

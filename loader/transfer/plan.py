@@ -323,25 +323,10 @@ def _sender(cell: Cell, dst: int, load: list[int]) -> int:
 
 
 def split_move(move: Move, max_numel: int) -> list[Move]:
-    """``move`` cut along its block's leading dims into moves of at most ``max_numel`` elements (at least one
-    element each)."""
-    b = move.block
-    if b.numel <= max_numel or not b.shape:
-        return [move]
-    j = next(j for j, n in enumerate(b.shape) if n > 1)
-    inner = math.prod(b.shape[j + 1 :])
-    step = max(1, max_numel // max(1, inner))
-    out = []
-    for a in range(0, b.shape[j], step):
-        n = min(step, b.shape[j] - a)
-        dst_offset = list(b.dst_offset)
-        dst_offset[b.dst_dims[j]] += a * b.dst_steps[j]
-        part = rt.RemapBlock(
-            b.source, (*b.shape[:j], n, *b.shape[j + 1 :]), b.src_offset + a * b.src_strides[j], b.src_strides,
-            tuple(dst_offset), b.dst_dims, b.dst_steps, b.source_shape, b.source_dtype, b.casts,
-        )  # fmt: skip
-        out += split_move(Move(move.src, move.dst, move.target, move.local, part, move.key), max_numel)
-    return out
+    """``move`` cut (:func:`regiontrace.split_block`, outermost source dim first) into moves reading at most
+    ``max_numel`` elements each (at least one)."""
+    parts = rt.split_block(move.block, max_numel)
+    return [Move(move.src, move.dst, move.target, move.local, b, move.key) for b in parts]
 
 
 def rounds(plan: TransferPlan, bucket_bytes: int) -> list[list[Move]]:
