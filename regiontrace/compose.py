@@ -55,7 +55,9 @@ def inverse_regions(inverse: Inverse) -> dict[str, RegionTensor]:
     flats = _flat_inverses(inverse)
     out = {}
     for name, (shape, dtype) in inverse.sources.items():
-        out[name] = _wrap(reshape(flats[name], shape), dtype, {"key": name})
+        region = reshape(flats[name], shape)
+        region = R.finish_region(shape, _merge_points(list(region.pieces)), f"inverting onto {name!r}")
+        out[name] = _wrap(region, dtype, {"key": name})
     return out
 
 
@@ -178,8 +180,11 @@ def _inverse_axes(kbase: int, tbase: int, entries: list[Entry], numel: int) -> l
     k = _largest(entries)
     s, n, t = entries[k]
     rest = entries[:k] + entries[k + 1 :]
-    R.check_piece_budget(n, "inverting a lattice that is not chained")
-    return [part for c in range(n) for part in _inverse_axes(kbase + c * s, tbase + c * t, rest, numel)]
+    out: list[tuple[int, Axis]] = []
+    for c in range(n):
+        out.extend(_inverse_axes(kbase + c * s, tbase + c * t, rest, numel))
+        R.check_piece_budget(len(out), "inverting a lattice that is not chained")
+    return out
 
 
 def _narrowing(piece: R.Piece) -> tuple[torch.dtype, ...]:
@@ -275,8 +280,11 @@ def _read_lattice(flat: R.Region, base: int, entries: list[Entry]) -> R.Region:
         k = _largest(entries)
         s, n, _ = entries[k]
         rest = [(s2, n2, i if i < k else i - 1) for s2, n2, i in entries[:k] + entries[k + 1 :]]
-        R.check_piece_budget(n, "composing with a lattice that is not chained")
-        parts = [R.unsqueeze(_read_lattice(flat, base + c * s, rest), k) for c in range(n)]
+        parts, count = [], 0
+        for c in range(n):
+            parts.append(R.unsqueeze(_read_lattice(flat, base + c * s, rest), k))
+            count += len(parts[-1].pieces)
+            R.check_piece_budget(count, "composing with a lattice that is not chained")
         return R.cat(parts, k, [e[1] for e in entries])
     start, levels = chained
     x = R.narrow(flat, 0, start, start + math.prod(r for r, _, _, _ in levels))

@@ -308,3 +308,18 @@ def test_engine_to_trainer_undoes_the_rope_permute_and_the_tp_fusion():
     assert composed["mlp.experts.gate_up_proj"].sources() == {"experts.w13_weight"}
     assert len(composed["mlp.experts.down_proj"].region.pieces) == 1
     assert composed["attn.v_proj.weight"].sources() == {"qkv_proj.weight"}
+
+
+def test_a_lattice_that_is_not_chained_splits_per_digit_within_the_budget():
+    """Columns 0 and 2 of 3 (strides 2 and 3 do not divide): split per row (refused beyond the budget)."""
+
+    def f(k):
+        return {"even": k[:, ::2], "odd": k[:, 1::2]}
+
+    k = leaf("k", (5, 3))
+    regions = rt.inverse_regions(rt.invert(rt.trace(f, k), [k]))
+    assert len(regions["k"].region.pieces) == 3  # split per row, then the rows of each column merge again
+    check_composed(f, lambda k: {"y": k.t()}, {"k": ((5, 3), F32)}, seed=3)
+    big = leaf("k", (rt.PIECE_BUDGET + 1, 3))
+    with pytest.raises(rt.Untraceable, match="budget"):
+        rt.inverse_regions(rt.invert(rt.trace(f, big), [big]))
