@@ -32,7 +32,7 @@ class LoadReport:
             loads through the base model prefix (see :class:`~loader.rules.KeyPlan`); logged as one warning on
             rank 0, as ``from_pretrained`` does; natural-sorted.
         bytes_read: bytes this process read from checkpoint files.
-        traced: model tensors loaded by region reads.
+        traced: model tensors loaded by traced conversions (region reads, or value reads: pointwise ops).
         deferred: model tensors loaded through deferred (run-for-real) conversions.
         blocks: RemapBlocks executed (region reads and value reads' inputs).
         planned_bytes: bytes the plan needed.

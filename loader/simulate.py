@@ -38,7 +38,8 @@ class RankFigures:
         bytes_read: checkpoint bytes its plan reads (region reads by element, deferred sources whole).
         shard_bytes: bytes of its local shards, in checkpoint dtype (the least any loader must read).
         whole_tensor_bytes: bytes it would read loading every source tensor it touches whole.
-        traced: model tensors it loads by region reads; deferred: through deferred conversions.
+        traced: model tensors it loads by traced conversions (region or value reads); deferred: through deferred
+            conversions.
         deferred_conversions: number of deferred conversions it runs.
     """
 

@@ -692,7 +692,8 @@ def test_progress_bar_and_log_lines(plain_dir, capfd, caplog):
     traced = len(report.traced)
     assert any(
         m.startswith(
-            f"planned {traced} tensors as region reads, 2 through 2 deferred conversions, {report.planned_bytes} bytes"
+            f"planned {traced} tensors as region or value reads, 2 through 2 deferred conversions, "
+            f"{report.planned_bytes} bytes"
         )
         for m in messages
     ), messages

@@ -331,6 +331,6 @@ def describe(plan: RankPlan) -> str:
     """The one-line phase summary."""
     convs = {id(d.conversion) for d in plan.deferred}
     return (
-        f"planned {len(set(plan.traced))} tensors as region reads, {len(set(plan.deferred_targets))} through "
+        f"planned {len(set(plan.traced))} tensors as region or value reads, {len(set(plan.deferred_targets))} through "
         f"{len(convs)} deferred conversions, {plan.planned_bytes()} bytes"
     )
