@@ -65,22 +65,14 @@ def test_the_plan_is_a_pure_function_of_meta_models():
     """Planned for 8 simulated ranks from meta models: every destination rank receives exactly its shard."""
     from torch.distributed.tensor import Shard
 
-    from loader.placements import shard_boxes
-
     with torch.device("meta"):
         _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
         dest = tm.Engine()
     src_side = source_side(source)
     dst_side, _ = dest_side(dest, Rules(weights_mapping=tm.rules()), src_side.keys)
 
-    def parts(model, placement, rank):
-        return {
-            n: (tuple(t.shape), t.dtype, shard_boxes(tuple(t.shape), (8,), (rank,), [placement(n, t)]))
-            for n, t in model.state_dict().items()
-        }
-
-    src = [parts(source, lambda n, t: Shard(0), r) for r in range(8)]
-    dst = [parts(dest, lambda n, t: Shard(t.ndim - 1), r) for r in range(8)]
+    src = [_parts(source, lambda n, t: Shard(0), r) for r in range(8)]
+    dst = [_parts(dest, lambda n, t: Shard(t.ndim - 1), r) for r in range(8)]
     plan = plan_transfer(src_side, dst_side, src, dst)
     for r in range(8):
         want = sum(sum(_numel(g) for g, _ in p[2]) * p[1].itemsize for p in dst[r].values())
@@ -90,6 +82,66 @@ def test_the_plan_is_a_pure_function_of_meta_models():
         for r in range(8):
             assert sum(m.nbytes for m in moves if m.src == r and m.dst != r) <= 4096
     assert model_parts(tm.Engine())["lm_head.weight"][0] == (tm.V, tm.H)
+
+
+def test_bytes_per_rank_pair_are_what_destinations_need_from_each_source(tmp_path):
+    """Independent of the plan: every source element labelled with the rank holding it (FSDP over 8 ranks), the
+    labels saved and loaded into the engine through files; per destination rank (TP over 8), the count of each
+    label is what the plan moves from that source rank, in bytes: nothing more, nothing twice."""
+    from torch.distributed.tensor import Shard
+
+    from loader.plan import box_view
+
+    _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
+    dest = tm.Engine()
+    src = [_parts(source, lambda n, t: Shard(0), r) for r in range(8)]
+    dst = [_parts(dest, lambda n, t: Shard(t.ndim - 1), r) for r in range(8)]
+    with torch.no_grad():
+        for name, t in source.state_dict().items():
+            for r in range(8):
+                for g, _ in src[r][name][2]:
+                    box_view(t, g).fill_(r)
+    save_hf_checkpoint(source, str(tmp_path / "labels"), progress=False)
+    labels = _oracle(str(tmp_path / "labels"), tm.rules())
+    want: dict[tuple[int, int], int] = {}
+    for d in range(8):
+        for name, (_, dtype, boxes) in dst[d].items():
+            for g, _ in boxes:
+                counts = torch.bincount(box_view(labels[name], g).flatten().long(), minlength=8)
+                for s in range(8):
+                    if counts[s]:
+                        want[s, d] = want.get((s, d), 0) + int(counts[s]) * dtype.itemsize
+    src_side = source_side(source)
+    dst_side, _ = dest_side(dest, Rules(weights_mapping=tm.rules()), src_side.keys)
+    assert plan_transfer(src_side, dst_side, src, dst).pair_bytes() == want
+
+
+def test_a_replicated_source_element_is_sent_once_balanced_over_its_holders():
+    """Ranks 0-3 hold the whole source (replicas), ranks 4-7 a TP shard of the engine: each element a destination
+    needs is sent once, by one holder, and the holders send about equally."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    with torch.device("meta"):
+        _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
+        dest = tm.Engine()
+    src = [_parts(source, lambda n, t: Replicate(), 0) if r < 4 else {} for r in range(8)]
+    dst = [{} if r < 4 else _parts(dest, lambda n, t: Shard(t.ndim - 1), r - 4, 4) for r in range(8)]
+    src_side = source_side(source)
+    dst_side, _ = dest_side(dest, Rules(weights_mapping=tm.rules()), src_side.keys)
+    plan = plan_transfer(src_side, dst_side, src, dst)
+    shard = [sum(sum(_numel(g) for g, _ in p[2]) * p[1].itemsize for p in parts.values()) for parts in dst]
+    assert [plan.bytes_received(r) for r in range(8)] == shard
+    sent = [plan.bytes_sent(r) for r in range(4)]
+    assert sum(sent) == sum(shard) and max(sent) - min(sent) <= max(m.nbytes for m in plan.moves), sent
+
+
+def _parts(model, placement, rank, ranks=8):
+    from loader.placements import shard_boxes
+
+    return {
+        n: (tuple(t.shape), t.dtype, shard_boxes(tuple(t.shape), (ranks,), (rank,), [placement(n, t)]))
+        for n, t in model.state_dict().items()
+    }
 
 
 def _numel(box) -> int:
