@@ -214,7 +214,7 @@ def transformers_unpadded(directory: str) -> list[str]:
     from safetensors import safe_open
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    from loader.rules.fp8 import dequantize_blocks
+    from loader.rules.fp8 import dequantize_quant_blocks
 
     index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))["weight_map"]
     lines = []
@@ -226,7 +226,7 @@ def transformers_unpadded(directory: str) -> list[str]:
         except ValueError as e:
             lines.append(f"`{list(shape)}` (scale grid {list(s.shape)}): refused (`ValueError: {e}`)")
             continue
-        want = dequantize_blocks(w, s, BLOCK, torch.bfloat16)
+        want = dequantize_quant_blocks(w, s, BLOCK, torch.bfloat16)
         bad = int((theirs.view(torch.int16) != want.view(torch.int16)).sum())
         bm, bn = shape[0] // s.shape[0], shape[1] // s.shape[1]
         lines.append(

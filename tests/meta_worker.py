@@ -436,14 +436,14 @@ def scenario_fp8_weights(ctx: dict) -> dict:
     from safetensors.torch import load_file
 
     from loader import load_hf_checkpoint
-    from loader.rules.fp8 import dequantize_blocks
+    from loader.rules.fp8 import dequantize_quant_blocks
 
     meshes = {shape: init_device_mesh("cpu", shape) for shape in sorted({s for s, _ in WEIGHT_SHARDINGS})}
     loads = []
     for case in ctx["fp8_weights"]:
         path, shape, block = case["path"], tuple(case["shape"]), tuple(case["block"])
         stored = load_file(os.path.join(path, "model.safetensors"))
-        want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
+        want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
         for mesh_shape, pl in WEIGHT_SHARDINGS:
             with torch.device("meta"):
                 model = Weight(shape)
@@ -478,14 +478,14 @@ def scenario_fp8_broadcast(ctx: dict) -> dict:
     from safetensors.torch import load_file
 
     from loader import load_hf_checkpoint
-    from loader.rules.fp8 import dequantize_blocks
+    from loader.rules.fp8 import dequantize_quant_blocks
 
     case = ctx["fp8_weights"][0]
     path, shape, block = case["path"], tuple(case["shape"]), tuple(case["block"])
     stored = load_file(os.path.join(path, "model.safetensors"))
     model = Weight(shape)
     report = load_hf_checkpoint(model, path, progress=False, broadcast_replicated_tensors=True)
-    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
+    want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
     return {
         "ok": torch.equal(model.weight.data, want),
         "deferred": report.deferred,

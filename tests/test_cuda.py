@@ -16,7 +16,7 @@ from test_staging import STAGING, assert_bit_equal, expected, targets, write_fil
 from loader import SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileReader
 from loader.execute import BlockExecutor, StagingRing
-from loader.rules.fp8 import dequantize_blocks
+from loader.rules.fp8 import dequantize_quant_blocks
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -65,5 +65,5 @@ def test_fp8_dequantizes_on_the_device_bit_identically(tmp_path):
     model = Weight(shape).to("cuda")
     report = load_hf_checkpoint(model, str(tmp_path), staging_bytes=STAGING, progress=False)
     assert report.deferred == ()
-    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
+    want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
     assert torch.equal(model.weight.data.cpu(), want)

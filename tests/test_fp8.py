@@ -25,7 +25,7 @@ from loader.execute import execute_plan
 from loader.options import LoadOptions
 from loader.placements import shard_boxes
 from loader.plan import TargetSlot, plain_slot
-from loader.rules.fp8 import dequantize_blocks
+from loader.rules.fp8 import dequantize_quant_blocks
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -87,7 +87,7 @@ def test_fp8_weights_dequantize_exactly(tmp_path, shape, quant_block, dtype):
     stored = write_fp8(tmp_path, {"weight": w}, quant_block)
     model = Weight(shape, dtype)
     report = load_hf_checkpoint(model, str(tmp_path), progress=False)
-    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, dtype)
+    want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, dtype)
     assert torch.equal(model.weight.data, want)
     assert report.deferred == () and report.unexpected_keys == () and report.traced == ("weight",)
     # the checkpoint's bytes once: codes (1 byte each) and scales (4 bytes each)
@@ -117,7 +117,7 @@ def test_tp_shards_read_their_weight_region_and_its_scale_blocks(tmp_path, shape
     scale blocks that region touches, nothing else, and holds exactly its part of the dequantized weight."""
     w = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     stored = write_fp8(tmp_path, {"weight": w}, quant_block)
-    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
+    want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
     checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
     model = Weight(shape)
     planner = HFLoadPlanner(model)
@@ -151,7 +151,7 @@ def test_a_large_box_is_computed_in_bounded_parts(tmp_path):
     with FileReader() as reader:
         execute_plan(small, reader, LoadOptions(progress=False))
     assert torch.equal(
-        model.weight.data, dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
+        model.weight.data, dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
     )
 
 
@@ -189,7 +189,7 @@ def test_moe_experts_dequantize_then_merge_like_from_pretrained(tmp_path):
     # the reference: the same values, dequantized up front, loaded by transformers
     reference_dir = tmp_path / "reference"
     dequantized = {
-        k: dequantize_blocks(v, stored[k + "_scale_inv"], quant_block, BF16) if k + "_scale_inv" in stored else v
+        k: dequantize_quant_blocks(v, stored[k + "_scale_inv"], quant_block, BF16) if k + "_scale_inv" in stored else v
         for k, v in stored.items()
         if not k.endswith("_scale_inv")
     }
@@ -218,7 +218,7 @@ def test_inside_dcp_load_values_are_deferred_and_exact(tmp_path):
     report = planner.finish(str(tmp_path))
     assert report.deferred == ("weight",)
     assert torch.equal(
-        model.weight.data, dequantize_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
+        model.weight.data, dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
     )
 
 
@@ -402,7 +402,7 @@ def test_every_family_loads_an_fp8_checkpoint_like_from_pretrained(tmp_path, fam
         if name.endswith((".safetensors", ".index.json")):
             os.remove(reference_dir / name)
     dequantized = {
-        k: dequantize_blocks(v, stored[k + "_scale_inv"], (16, 8), F32)  # from_pretrained rounds to bf16
+        k: dequantize_quant_blocks(v, stored[k + "_scale_inv"], (16, 8), F32)  # from_pretrained rounds to bf16
         if k + "_scale_inv" in stored
         else v
         for k, v in stored.items()
@@ -435,7 +435,7 @@ def test_block_scales_under_the_names_transformers_renames(tmp_path, scale_name)
     model = Model()
     report = load_hf_checkpoint(model, str(tmp_path), progress=False)
     assert report.deferred == () and report.unexpected_keys == ()
-    assert torch.equal(model.proj.weight.data, dequantize_blocks(codes, scales, (16, 8), BF16))
+    assert torch.equal(model.proj.weight.data, dequantize_quant_blocks(codes, scales, (16, 8), BF16))
 
 
 @pytest.mark.parametrize("scale_shape", [(), (1,)])

@@ -27,7 +27,7 @@ from hf_models import build, read_checkpoint, save
 from safetensors.torch import save_file
 from test_fp8 import write_fp8
 
-from loader.rules.fp8 import dequantize_blocks
+from loader.rules.fp8 import dequantize_quant_blocks
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -98,7 +98,9 @@ def write_fp8_moe(root, ctx: dict, name: str, block: tuple[int, int]) -> None:
     assert any(".experts.0.gate_proj.weight_scale_inv" in k for k in stored)
     assert any("self_attn.o_proj.weight_scale_inv" in k for k in stored)
     dequantized = {
-        k: dequantize_blocks(v, stored[k + "_scale_inv"], block, torch.bfloat16) if k + "_scale_inv" in stored else v
+        k: dequantize_quant_blocks(v, stored[k + "_scale_inv"], block, torch.bfloat16)
+        if k + "_scale_inv" in stored
+        else v
         for k, v in stored.items()
         if not k.endswith("_scale_inv")
     }

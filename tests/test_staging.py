@@ -299,7 +299,7 @@ def test_fp8_value_reads_through_a_small_ring_on_a_stand_in_device(tmp_path):
     from test_fp8 import write_fp8
 
     from loader.execute.values import run_values
-    from loader.rules.fp8 import dequantize_blocks
+    from loader.rules.fp8 import dequantize_quant_blocks
 
     stored = write_fp8(tmp_path, {"weight": torch.randn(96, 80)}, (32, 16))
     model = torch.nn.Module()
@@ -310,7 +310,7 @@ def test_fp8_value_reads_through_a_small_ring_on_a_stand_in_device(tmp_path):
     ring = StagingRing(STAGING, link=link)
     with FileReader() as reader:
         run_values(plan.values, plan.checkpoint, plan.slots, reader, staging=ring)
-    want = dequantize_blocks(stored["weight"], stored["weight_scale_inv"], (32, 16), torch.bfloat16)
+    want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], (32, 16), torch.bfloat16)
     assert torch.equal(model.weight.data, want)
     assert ring.counts["gather"] + ring.counts["pack"] > 0 and not link.pending  # copies done when run returns
 

@@ -68,11 +68,11 @@ MAX_QUANT_BLOCK = 2**31 - 1
 _VALUE_SCALES = (torch.float32, torch.bfloat16, torch.float16, getattr(torch, "float8_e8m0fnu", torch.float32))
 
 
-def dequantize_blocks(
+def dequantize_quant_blocks(
     w: torch.Tensor, scale_inv: torch.Tensor, quant_block: tuple[int, int], dtype: torch.dtype
 ) -> Any:
-    """Block dequantization: ``w.float() * scale_inv`` broadcast over each ``quant_block`` of the last two dims, cast to
-    ``dtype``. Works on real tensors and on RegionTensors (it is index maps and exact pointwise ops).
+    """Dequantization by quant blocks: ``w.float() * scale_inv`` broadcast over each ``quant_block`` of the last two
+    dims, cast to ``dtype``. Works on real tensors and on RegionTensors (it is index maps and exact pointwise ops).
 
     Args:
         w: float8 codes ``(..., rows, cols)``.
@@ -249,7 +249,7 @@ def _dequantizing(
 
     def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
         given = {
-            k: dequantize_blocks(tensors[k], tensors[scales[k]], quant_blocks[k], dtype)
+            k: dequantize_quant_blocks(tensors[k], tensors[scales[k]], quant_blocks[k], dtype)
             if k in quant_blocks
             else tensors[k]
             for k in conv.sources
