@@ -16,8 +16,8 @@ the flat key (one factor per level) and reshapes it to the key's shape; :func:`c
 out of the flat inverse region (narrow to the lattice's span, reshape to its levels, narrow each level, permute
 to the piece's factors) and places the result where the piece sits. Every step is an op of
 :mod:`regiontrace.region` or :mod:`regiontrace.reshape`: cost follows pieces, never elements, and the result is
-in the normal form. A lattice that is not chained (a carry, strides that do not divide) is split along its
-largest stride, one part per digit: exact, but that is where compactness is lost.
+in the normal form. A lattice that is not chained (a carry, strides that do not divide) is split along the
+factor with the fewest digits, one part per digit: exact, but that is where compactness is lost.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ def _chain(base: int, entries: Sequence[Entry], numel: int, group: bool) -> tupl
     return start, levels[::-1]
 
 
-def _largest(entries: Sequence[Entry]) -> int:
-    return max(range(len(entries)), key=lambda i: entries[i][0])
+def _split_choice(entries: Sequence[Entry]) -> int:
+    """The factor to split a lattice that is not chained along: the fewest digits (then the largest stride)."""
+    return min(range(len(entries)), key=lambda i: (entries[i][1], -entries[i][0]))
 
 
 def _flat_inverses(inverse: Inverse) -> dict[str, R.Region]:
@@ -177,7 +178,7 @@ def _inverse_axes(kbase: int, tbase: int, entries: list[Entry], numel: int) -> l
         start, levels = chained
         factors = tuple(Factor(r, lo, lo + n, pays[0] if pays else 0) for r, lo, n, pays in levels)
         return [(tbase, normalize_axis(Axis(start, factors)))]
-    k = _largest(entries)
+    k = _split_choice(entries)
     s, n, t = entries[k]
     rest = entries[:k] + entries[k + 1 :]
     out: list[tuple[int, Axis]] = []
@@ -277,7 +278,7 @@ def _read_lattice(flat: R.Region, base: int, entries: list[Entry]) -> R.Region:
     numel = flat.shape[0]
     chained = _chain(base, entries, numel, group=True)
     if chained is None:
-        k = _largest(entries)
+        k = _split_choice(entries)
         s, n, _ = entries[k]
         rest = [(s2, n2, i if i < k else i - 1) for s2, n2, i in entries[:k] + entries[k + 1 :]]
         parts, count = [], 0

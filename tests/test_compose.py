@@ -132,7 +132,7 @@ def check_composed(f, g, specs, seed, boxes=3):
     return composed
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=100)  # most random programs are not bijective: many are drawn per example
 @given(st.data(), st.integers(0, 2**32 - 1))
 def test_composed_map_on_the_targets_is_g_on_the_keys(data, seed):
     """f: a random program (filtered to the bijective ones); g: random reads of its keys."""
@@ -310,16 +310,17 @@ def test_engine_to_trainer_undoes_the_rope_permute_and_the_tp_fusion():
     assert composed["attn.v_proj.weight"].sources() == {"qkv_proj.weight"}
 
 
-def test_a_lattice_that_is_not_chained_splits_per_digit_within_the_budget():
-    """Columns 0 and 2 of 3 (strides 2 and 3 do not divide): split per row (refused beyond the budget)."""
+def test_a_lattice_that_is_not_chained_splits_along_its_fewest_digits():
+    """Columns 0 and 2 of 3 (strides 2 and 3 do not divide): split per column, whatever the rows."""
 
     def f(k):
         return {"even": k[:, ::2], "odd": k[:, 1::2]}
 
     k = leaf("k", (5, 3))
     regions = rt.inverse_regions(rt.invert(rt.trace(f, k), [k]))
-    assert len(regions["k"].region.pieces) == 3  # split per row, then the rows of each column merge again
+    assert len(regions["k"].region.pieces) == 3
     check_composed(f, lambda k: {"y": k.t()}, {"k": ((5, 3), F32)}, seed=3)
-    big = leaf("k", (rt.PIECE_BUDGET + 1, 3))
-    with pytest.raises(rt.Untraceable, match="budget"):
-        rt.inverse_regions(rt.invert(rt.trace(f, big), [big]))
+    big = leaf("k", (100_000, 3))  # invert checks its 300 000 runs; the inverse has 3 pieces
+    inverse = rt.invert(rt.trace(f, big), [big])
+    assert len(rt.inverse_regions(inverse)["k"].region.pieces) == 3
+    assert len(rt.compose({"y": big.t()}, inverse)["y"].region.pieces) == 3
