@@ -26,13 +26,13 @@ import numpy as np
 import torch
 
 import regiontrace as rt
-from regiontrace import dest_view
+from regiontrace import ReadLayout, dest_view, read_layout, split_span
 
 from ..checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, box_view, whole_boxes
-from .layout import ReadLayout, page_spans, read_layout, split_span
+from .pages import page_spans
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
 
 #: blocks reading more contiguous runs than this are read by byte span and copied in one strided copy

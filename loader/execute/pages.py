@@ -1,17 +1,14 @@
-"""Read layouts for the executor: the block arithmetic is regiontrace's (:class:`regiontrace.ReadLayout`: runs,
-packed strides, flips, spans; :func:`regiontrace.split_block`: splitting to fit a bounded buffer); this module adds
-the page-aware grouping of byte runs.
+"""Pages: the byte runs of a block's read layout grouped into ranges that read no page the runs do not touch.
+
+The arithmetic of a block's reads is regiontrace's (:class:`regiontrace.ReadLayout`: runs, packed strides, flips,
+spans; :func:`regiontrace.split_block`: splitting to fit a bounded buffer); this module adds the page-aware grouping.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from regiontrace import ReadLayout, read_layout, split_block, split_span
-
 from ..checkpoint.files import PAGE
-
-__all__ = ["ReadLayout", "page_spans", "read_layout", "split_block", "split_span"]
 
 
 def page_spans(starts: np.ndarray, length: int, page: int = PAGE) -> list[tuple[int, int]]:
