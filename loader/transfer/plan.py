@@ -189,6 +189,9 @@ def plan_transfer(
     if needed:
         raise ValueError(f"the destination needs checkpoint key(s) the source does not have: {sorted(set(needed))[:8]}")
     cells = _cells(source, src_parts)
+    per_tensor: dict[str, list[tuple[str, Cell]]] = {}
+    for name, cell in cells.items():
+        per_tensor.setdefault(cell.tensor, []).append((name, cell))
     by_key = {k: i for i, c in enumerate(source.conversions) for k in c.keys}
     inverses: dict[tuple[int, ...], rt.Inverse] = {}
     load = [0] * world
@@ -199,7 +202,7 @@ def plan_transfer(
         which = tuple(sorted({by_key[k] for k in conv.keys}))
         inverse = inverses.get(which)
         if inverse is None:
-            inverse = inverses[which] = _joint_inverse([source.conversions[i] for i in which], source, cells)
+            inverse = inverses[which] = _joint_inverse([source.conversions[i] for i in which], source, per_tensor)
         composed, reason = _composed(conv, inverse)
         if composed is not None:
             for t in conv.targets:
@@ -237,10 +240,10 @@ def _numel(box: Box) -> int:
 def _cells(source: SourceSide, src_parts: Sequence[Parts]) -> dict[str, Cell]:
     """Every source tensor cut into cells, each with the ranks holding it whole (in rank order)."""
     cells: dict[str, Cell] = {}
-    for name in (t for c in source.conversions for t in c.outputs):
+    for name, traced in ((t, out) for c in source.conversions for t, out in c.outputs.items()):
         held = [(r, g, lb) for r, parts in enumerate(src_parts) if name in parts for g, lb in parts[name][2]]
         held = [h for h in held if _numel(h[1])]
-        shape = tuple(source_shape(source, name))
+        shape = tuple(traced.shape)
         cuts = [sorted({0, n, *(x for _, g, _ in held for x in g[d])}) for d, n in enumerate(shape)]
         grid = [list(zip(c, c[1:])) for c in cuts]
         for i, box in enumerate(itertools.product(*grid)):
@@ -255,21 +258,16 @@ def _cells(source: SourceSide, src_parts: Sequence[Parts]) -> dict[str, Cell]:
     return cells
 
 
-def source_shape(source: SourceSide, name: str) -> tuple[int, ...]:
-    """The global shape of source model tensor ``name``."""
-    for c in source.conversions:
-        if name in c.outputs:
-            return tuple(c.outputs[name].shape)
-    raise KeyError(name)
-
-
-def _joint_inverse(convs: Sequence[SourceConversion], source: SourceSide, cells: Mapping[str, Cell]) -> rt.Inverse:
+def _joint_inverse(
+    convs: Sequence[SourceConversion], source: SourceSide, cells: Mapping[str, list[tuple[str, Cell]]]
+) -> rt.Inverse:
     """The inverse of the source conversions ``convs`` with their tensors cut into cells: each key over cells."""
     outputs = {}
     for conv in convs:
-        for name, cell in cells.items():
-            if cell.tensor in conv.outputs and _numel(cell.box):
-                outputs[name] = conv.outputs[cell.tensor][tuple(slice(a, b) for a, b in cell.box)]
+        for tensor, out in conv.outputs.items():
+            for name, cell in cells[tensor]:
+                if _numel(cell.box):
+                    outputs[name] = out[tuple(slice(a, b) for a, b in cell.box)]
     keys = {k: source.keys[k] for conv in convs for k in conv.keys}
     return rt.invert(outputs, keys)
 
