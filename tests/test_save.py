@@ -27,7 +27,7 @@ from loader import Convert, Rename, SafetensorsCheckpoint, SaveReport, load_hf_c
 from loader.options import Rules
 from loader.rules import dot_natural_key
 from loader.save import TensorSpec, map_for_save, plan_layout, plan_rank_writes
-from loader.save.layout import header_bytes, parse_size, split_into_files
+from loader.save.filelayout import header_bytes, parse_size, split_into_files
 from loader.save.write import RegionWriter, create_files
 from regiontrace.testing import programs, random_tensor
 

@@ -1,6 +1,6 @@
 """Saving a (sharded) model as a Hugging Face checkpoint through the inverse of its traced conversions.
 
-:mod:`.layout` (files, headers and offsets from shapes and dtypes alone) ← :mod:`.sources` (the original keys
+:mod:`.filelayout` (files, headers and offsets from shapes and dtypes alone) ← :mod:`.sources` (the original keys
 and the inverted conversions) ← :mod:`.write` (preallocated files, positional writes; :mod:`.commit`: the atomic
 swap into place under a lock) ← :mod:`.api`
 (``save_hf_checkpoint``, one process or every rank of a process group; :mod:`.agreement`: what the ranks
@@ -8,7 +8,7 @@ compare before anyone writes) ← :mod:`.writeplan` (any rank's write plan in on
 """
 
 from .api import RankWrites, SaveReport, plan_rank_writes, save_hf_checkpoint
-from .layout import SaveLayout, TensorSpec, plan_layout
+from .filelayout import SaveLayout, TensorSpec, plan_layout
 from .sources import SaveMapping, map_for_save
 from .writeplan import WriteFigures, plan_writes
 

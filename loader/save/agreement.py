@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .layout import SaveLayout
+from .filelayout import SaveLayout
 
 _ABSENT = "no such tensor"
 

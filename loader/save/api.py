@@ -24,7 +24,7 @@ from ..placements import rank_and_world, slot_for
 from ..report import human_bytes
 from ..rules import dot_natural_key
 from .agreement import RankAgreement
-from .layout import SaveLayout, parse_size, plan_layout
+from .filelayout import SaveLayout, parse_size, plan_layout
 from .sources import SaveMapping, SourceShapes, map_for_save
 from .write import RegionWriter, commit, create_files, make_temp_folder, remove_folder, write_extras
 

@@ -26,7 +26,7 @@ from .._torch import storage_key
 from ..options import Rules
 from ..rules import Conversion, Convert, Rename, dot_natural_key, plan_keys
 from ..rules import hf as hf_rules
-from .layout import TensorSpec
+from .filelayout import TensorSpec
 from .recorded import rules_to_reverse
 
 SourceShapes = Mapping[str, Sequence[int] | tuple[Sequence[int], torch.dtype]]

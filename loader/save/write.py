@@ -1,4 +1,4 @@
-"""Writing a :class:`~loader.save.layout.SaveLayout`: preallocated files, headers, positional writes of the byte
+"""Writing a :class:`~loader.save.filelayout.SaveLayout`: preallocated files, headers, positional writes of the byte
 regions a rank's shards map to, and the commit that makes the checkpoint appear (:mod:`.commit`).
 
 A region is written with one ``os.pwrite`` per run of contiguous file bytes: straight from the model tensor's
@@ -22,7 +22,7 @@ import regiontrace as rt
 from regiontrace import dest_view, split_block
 
 from .commit import commit_folder, destination
-from .layout import SaveLayout, TensorPlace
+from .filelayout import SaveLayout, TensorPlace
 
 #: Most bytes of packed values one block chunk stages before it is written.
 STAGING_BYTES = 64 << 20

@@ -19,7 +19,7 @@ import torch
 from ..options import Rules
 from ..placements import shard_boxes
 from .api import Box, collect_writes, writer_coordinate
-from .layout import SaveLayout, plan_layout
+from .filelayout import SaveLayout, plan_layout
 from .sources import SaveMapping, SourceShapes, map_for_save
 from .write import RegionWriter
 
