@@ -113,7 +113,7 @@ def _layer(module: str) -> int | None:
     for i, names in enumerate(LOADER_LAYERS):
         if parts[1] in names:
             return i
-    return len(LOADER_LAYERS)  # api, planner, reader, simulate, save, cli: the top, which only composes
+    return len(LOADER_LAYERS)  # api, planner, reader, simulate, save, transfer, cli: the top, which only composes
 
 
 def test_loader_layers_import_downwards():
