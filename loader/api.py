@@ -60,7 +60,7 @@ def load_hf_checkpoint(
             together with a rule argument or ``strict`` is a ``ValueError``.
         progress: tqdm progress bar; default on when stderr is a terminal.
         rollback: keep a copy of every tensor written and restore it if a read fails mid-load.
-        broadcast_replicated_tensors: in a distributed run, read each replicated region once and broadcast.
+        broadcast_replicated_tensors: in a distributed run, read each replicated box once and broadcast.
         timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others at the end
             of planning and at the end of reading; a rank that has not arrived by then (or has died) fails
             the load on every rank with :class:`~loader.errors.PeerFailure`. None: no limit.

@@ -51,7 +51,7 @@ def read_together(
         reader: the open file reader.
         reads: this rank's block reads (of ``plan``).
         deferred: this rank's deferred conversions (of ``plan``).
-        options: how to read: ``staging_bytes``, ``progress``; ``broadcast_replicated_tensors`` (read each region
+        options: how to read: ``staging_bytes``, ``progress``; ``broadcast_replicated_tensors`` (read each box
             several ranks hold identically on one of them, and broadcast it); ``rollback`` (restore every tensor
             this rank wrote when the load fails on any rank); ``timeout`` (seconds each rank waits for the
             others, when no ``session`` is given).

@@ -86,7 +86,7 @@ class LoadOptions:
             agreement point; None: no limit.
         staging_bytes: bytes per host staging buffer reads land in (two are held: double-buffered; pinned when a
             target is on a GPU).
-        broadcast_replicated_tensors: in a distributed run, read each region several ranks hold identically on
+        broadcast_replicated_tensors: in a distributed run, read each box several ranks hold identically on
             one of them, and broadcast it.
 
     Raises:

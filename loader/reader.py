@@ -52,7 +52,7 @@ class SafetensorsReader(StorageReader):
             :class:`~loader.errors.PeerFailure`. None: no limit.
         staging_bytes: bytes per staging buffer reads land in (two are used: double-buffered; pinned for GPU
             targets).
-        broadcast_replicated_tensors: in a distributed load (with :class:`~loader.HFLoadPlanner`), read regions
+        broadcast_replicated_tensors: in a distributed load (with :class:`~loader.HFLoadPlanner`), read boxes
             several ranks need once and broadcast them.
 
     Attributes:

@@ -28,7 +28,7 @@ from loader.options import Rules
 from loader.rules import dot_natural_key
 from loader.save import TensorSpec, map_for_save, plan_layout, plan_rank_writes
 from loader.save.filelayout import header_bytes, parse_size, split_into_files
-from loader.save.write import RegionWriter, create_files
+from loader.save.write import BlockWriter, create_files
 from regiontrace.testing import programs, random_tensor
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -322,7 +322,7 @@ def test_random_bijections_write_their_sources_back(tmp_path_factory, program, s
     layout = plan_layout(mapping.specs, metadata={"format": "pt"})
     folder = tmp_path_factory.mktemp("prop")
     create_files(folder, layout)
-    with RegionWriter(folder, layout, staging_bytes=staging) as writer:
+    with BlockWriter(folder, layout, staging_bytes=staging) as writer:
         for block, values in plan_rank_writes(mapping, 0, 1).items:
             writer.write_block(block, values)
     assert writer.bytes_written == layout.data_bytes

@@ -3,7 +3,7 @@
 1. write a small MoE checkpoint in the original Hugging Face layout (per-expert tensors, separate gate/up);
 2. load it on N gloo ranks on localhost into tensor- and expert-parallel DTensor shards, and in this process
    into a plain model (the reference, itself checked against the saved model); check every shard;
-3. save the sharded model back on every rank (``save_hf_checkpoint``: each rank writes its own regions) and
+3. save the sharded model back on every rank (``save_hf_checkpoint``: each rank writes its own shards) and
    check the files against the original checkpoint, byte for byte;
 4. print per-rank tables and write the plan picture. Exit status 1 if any check fails.
 """
@@ -42,7 +42,7 @@ Generate a tiny MoE checkpoint in the original Hugging Face layout (per-expert t
 up projections: a qwen3_moe model written by save_pretrained, or a built-in model without transformers),
 load it with WORLD gloo ranks on localhost into tensor- and expert-parallel DTensor shards and once in this
 process as the reference, check every shard against the reference, save the sharded model back with
-save_hf_checkpoint on every rank (each writing only its own regions) into OUT/saved and check those files
+save_hf_checkpoint on every rank (each writing only its own shards) into OUT/saved and check those files
 against the original checkpoint byte for byte, then print per-rank tables (load; save: bytes written vs
 shard bytes) and write the plan picture (plan.svg) into the output folder. Exit status 1 if any check fails,
 a rank fails, or the command runs past --timeout. No network."""

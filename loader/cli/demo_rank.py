@@ -1,5 +1,5 @@
 """One rank of ``regiontrace demo``: load the checkpoint into DTensor shards, check each against the reference,
-then save the sharded model back (``save_hf_checkpoint``, every rank writing its own regions).
+then save the sharded model back (``save_hf_checkpoint``, every rank writing its own shards).
 
 Spawned by :mod:`loader.cli.demo` (gloo, file store). Results go to ``rank<R>.json``; no tensors cross
 processes except the reference the main process writes (``reference.pt``), which each rank waits for after

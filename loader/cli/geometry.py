@@ -1,5 +1,5 @@
 """What the plan picture shows, as plain data: per model tensor, which rank owns which part, and which
-regions of which checkpoint tensors each rank reads.
+boxes of which checkpoint tensors each rank reads.
 
 Every tensor is drawn in its *2-D view*: ``rows = prod(shape[:-1])`` and ``cols = shape[-1]`` (C order, so
 an expert tensor ``(E, 2I, H)`` is its experts stacked vertically). Boxes, strided block reads (their flat
@@ -178,7 +178,7 @@ def partition(owners: dict[int, list[Rect]], order: Sequence[int]) -> list[tuple
 
 
 def block_rects(block: Any) -> list[Rect]:
-    """The source regions a RemapBlock reads, as rectangles of the source's 2-D view."""
+    """The source elements a RemapBlock reads, as rectangles of the source's 2-D view."""
     sb = block.source_box()
     if sb is not None:
         offsets, lengths, _ = sb

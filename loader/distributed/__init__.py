@@ -1,5 +1,5 @@
 """Distributed collectives of a load: agreement of outcomes (:mod:`.session`; a failed rank's exception
-travels as :mod:`.remote` says) and broadcast of replicated regions (:mod:`.broadcast`). The distributed
+travels as :mod:`.remote` says) and broadcast of replicated boxes (:mod:`.broadcast`). The distributed
 load that composes them with planning and execution is :mod:`loader.load`."""
 
 from .broadcast import assign_owners, broadcast_owned, owned_subset

@@ -1,4 +1,4 @@
-"""Broadcast of replicated regions: a target several ranks hold with the same boxes is read by one of them
+"""Broadcast of replicated boxes: a target several ranks hold with the same boxes is read by one of them
 (its owner, balancing bytes) and broadcast to the others.
 """
 

@@ -1,4 +1,4 @@
-"""Plan: for one rank, which checkpoint regions go where — pure values, nothing read or written.
+"""Plan: for one rank, which checkpoint elements go where — pure values, nothing read or written.
 
 :mod:`.slots` (model tensors as load targets: ``TargetSlot``, boxes) ← :mod:`.traces` (traced conversions,
 cached by signature: ``Traced | Untraced``) and :mod:`.dtypes` (cast and FP8 checks) ← :mod:`.rank`

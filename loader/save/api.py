@@ -1,5 +1,5 @@
 """``save_hf_checkpoint``: write a (DTensor-sharded) model as a Hugging Face checkpoint in its original layout,
-each rank writing only the byte regions its local shards map to.
+each rank writing only the byte ranges its local shards map to.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..rules import dot_natural_key
 from .agreement import RankAgreement
 from .filelayout import SaveLayout, parse_size, plan_layout
 from .sources import SaveMapping, SourceShapes, map_for_save
-from .write import RegionWriter, commit, create_files, make_temp_folder, remove_folder, write_extras
+from .write import BlockWriter, commit, create_files, make_temp_folder, remove_folder, write_extras
 
 log = logging.getLogger("loader")
 
@@ -78,7 +78,7 @@ class SaveReport:
 
 @dataclass(frozen=True)
 class RankWrites:
-    """The regions one rank writes: ``(block, values)`` pairs (the box's values, run backwards through the block)."""
+    """What one rank writes: ``(block, values)`` pairs (the box's values, run backwards through the block)."""
 
     items: tuple[tuple[rt.RemapBlock, torch.Tensor], ...]
     written: tuple[str, ...]
@@ -104,7 +104,7 @@ def save_hf_checkpoint(
     passed down whole.
 
     Under ``torch.distributed`` every rank calls it with its (DTensor-sharded) model; each writes only the byte
-    regions its local shards map to (a tensor held by several ranks is written by the lowest of them). The
+    ranges its local shards map to (a tensor held by several ranks is written by the lowest of them). The
     files appear at ``path`` only once every rank has written its part.
 
     Args:
@@ -157,7 +157,7 @@ def save_hf_checkpoint(
 
 
 def plan_rank_writes(mapping: SaveMapping, rank: int, world: int) -> RankWrites:
-    """The regions this rank writes: for every model tensor, its local shard's boxes when this rank is the lowest
+    """What this rank writes: for every model tensor, its local shard's boxes when this rank is the lowest
     rank holding that shard (plain tensors: rank 0), each box's inverse blocks.
 
     Raises:
@@ -179,7 +179,7 @@ def collect_writes(
     mapping: SaveMapping,
     local_shard: Callable[[str, torch.Tensor], tuple[tuple[tuple[Box, Box], ...], torch.Tensor] | None],
 ) -> RankWrites:
-    """The regions a rank writes, given ``local_shard(name, model tensor)``: the ``(global box, local box)`` pairs
+    """What a rank writes, given ``local_shard(name, model tensor)``: the ``(global box, local box)`` pairs
     and the local tensor of each model tensor this rank writes (None: another rank writes it)."""
     items, written, nbytes = [], [], 0
     for saved in mapping.conversions:
@@ -214,10 +214,10 @@ def _prepare(
     return mapping, layout, plan_rank_writes(mapping, rank, world)
 
 
-def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool | None) -> RegionWriter:
+def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool | None) -> BlockWriter:
     bar = _progress_bar(progress, writes.nbytes)
     try:
-        with RegionWriter(folder, layout, on_write=bar.update if bar else None) as writer:
+        with BlockWriter(folder, layout, on_write=bar.update if bar else None) as writer:
             with torch.no_grad():
                 for block, values in writes.items:
                     writer.write_block(block, values)
@@ -230,7 +230,7 @@ def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool |
 def _save_distributed(
     model: torch.nn.Module, path: str, rules: Rules, source_shapes: Any, options: SaveOptions
 ) -> SaveReport:
-    """Plan on every rank; rank 0 creates the files; every rank writes its regions; rank 0 commits. Each step
+    """Plan on every rank; rank 0 creates the files; every rank writes its shards; rank 0 commits. Each step
     ends at an agreement point: a failure or a hang anywhere fails every rank, and rank 0 removes the files."""
     from ..distributed import LoadSession
 

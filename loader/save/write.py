@@ -1,7 +1,7 @@
 """Writing a :class:`~loader.save.filelayout.SaveLayout`: preallocated files, headers, positional writes of the byte
-regions a rank's shards map to, and the commit that makes the checkpoint appear (:mod:`.commit`).
+ranges a rank's shards map to, and the commit that makes the checkpoint appear (:mod:`.commit`).
 
-A region is written with one ``os.pwrite`` per run of contiguous file bytes: straight from the model tensor's
+A block is written with one ``os.pwrite`` per run of contiguous file bytes: straight from the model tensor's
 memory when the block reads a contiguous source range in order (a rename, a whole expert of a fused tensor, a
 row shard), else from a staging copy in source order (:func:`regiontrace.packed_source_runs`), at most
 ``staging_bytes`` at a time (a block is cut along its outer dims to fit).
@@ -95,8 +95,9 @@ def remove_folder(folder: str | None) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-class RegionWriter:
-    """Positional writes of model values into the files of a layout (opened lazily, write-only).
+class BlockWriter:
+    """Positional writes of model values into the files of a layout (opened lazily, write-only), a RemapBlock at
+    a time (:meth:`write_block`).
 
     Args:
         folder: the folder holding the preallocated files; None counts the writes without making them (the
@@ -120,7 +121,7 @@ class RegionWriter:
         self.files: set[str] = set()
         self._fds: dict[str, int] = {}
 
-    def __enter__(self) -> RegionWriter:
+    def __enter__(self) -> BlockWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

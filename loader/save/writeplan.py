@@ -2,8 +2,8 @@
 
 As :func:`loader.simulate.simulate_load` does for loads: the model may live on the meta device, its placements
 come from its DTensors or an explicit mapping, and each rank's local shard boxes are DTensor's own arithmetic.
-The regions come from the save's own code (:func:`~loader.save.api.collect_writes` and a
-:class:`~loader.save.write.RegionWriter` that counts its writes instead of making them), so the figures are the
+The writes come from the save's own code (:func:`~loader.save.api.collect_writes` and a
+:class:`~loader.save.write.BlockWriter` that counts its writes instead of making them), so the figures are the
 ones a real ``save_hf_checkpoint`` on that rank reports.
 """
 
@@ -21,7 +21,7 @@ from ..placements import shard_boxes
 from .api import Box, collect_writes, writer_coordinate
 from .filelayout import SaveLayout, plan_layout
 from .sources import SaveMapping, SourceShapes, map_for_save
-from .write import RegionWriter
+from .write import BlockWriter
 
 Placements = Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]]
 
@@ -125,7 +125,7 @@ def _rank_figures(
         return boxes, torch.empty(local_shape, dtype=tensor.dtype, device="meta")
 
     writes = collect_writes(mapping, local_shard)
-    counter = RegionWriter(None, layout)
+    counter = BlockWriter(None, layout)
     for block, values in writes.items:
         counter.write_block(block, values)
     order = [f.name for f in layout.files]
