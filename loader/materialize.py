@@ -51,14 +51,14 @@ def materialize(
     with torch.no_grad():
         for prefix, mod in model.named_modules(remove_duplicate=False):
             for table in tensor_tables(mod):
-                for leaf, t in list(table.items()):
+                for attr, t in list(table.items()):
                     if t is None or storage_of(t).device.type != "meta":
                         continue
                     if id(t) not in done:
                         done[id(t)] = _empty_like(t, device)
                     if undo is not None:
-                        undo.append((table, leaf, t))
-                    table[leaf] = made[f"{prefix}.{leaf}" if prefix else leaf] = done[id(t)]
+                        undo.append((table, attr, t))
+                    table[attr] = made[f"{prefix}.{attr}" if prefix else attr] = done[id(t)]
     return made
 
 
@@ -101,8 +101,8 @@ class MetaAllocation:
 
     def undo(self) -> None:
         """Put every meta tensor back where :meth:`__call__` replaced it (the model is as it was)."""
-        for table, leaf, t in reversed(self._undo):
-            table[leaf] = t
+        for table, attr, t in reversed(self._undo):
+            table[attr] = t
         self._undo.clear()
 
 

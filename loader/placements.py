@@ -324,11 +324,11 @@ def shard_module(
     with torch.no_grad():
         for mod in model.modules():
             for table in tensor_tables(mod):
-                for leaf, t in list(table.items()):
+                for attr, t in list(table.items()):
                     if t is not None:
                         if id(t) not in done:
                             done[id(t)] = _replacement(t, mesh, placed.get(id(t)), device, fill)
-                        table[leaf] = done[id(t)]
+                        table[attr] = done[id(t)]
     return model
 
 
