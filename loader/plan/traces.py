@@ -4,7 +4,8 @@ structure, and the blocks compiled for a box are cached with it.
 A conversion is traced by running it once on RegionTensors (canonical leaves ``#0, #1, …`` standing for its
 sources) and checking the result against its meta run (:attr:`~loader.rules.Conversion.meta`, made by the
 rules for its signature): each conversion runs on meta once per signature, and the trace reuses that run.
-The outcome is :class:`Traced` (region maps of its outputs) or :class:`Untraced` (why not).
+The outcome is :class:`Traced` (its outputs: index maps, or values computed from index maps by pointwise ops)
+or :class:`Untraced` (why not).
 
 A transformers rule's ops receive their sources cast to the model tensor's dtype
 (:func:`~loader.rules.conversion.source_cast`). For an index map the cast commutes with every movement op, so it is
@@ -29,7 +30,8 @@ from .slots import Box
 
 @dataclass(frozen=True, eq=False)
 class Traced:
-    """A conversion traced to exact index maps.
+    """A conversion traced: each output an exact index map, or values computed from index maps by pointwise ops
+    (:attr:`is_index_map` says which).
 
     Attributes:
         outputs: each target's RegionTensor (over canonical leaves ``#i``: the conversion's ``sources[i]``).
