@@ -6,7 +6,7 @@ every output element comes from and compiles, for any box of the output, into :c
 
 from .block_reads import distinct_read_numel, overlap_clusters, split_block, split_span
 from .compile import compile_blocks
-from .compose import compose, inverse_regions
+from .composition import compose, inverse_regions
 from .errors import NotInvertible, TraceMismatch, Untraceable
 from .execute import copy_cast, dest_view, execute_blocks, materialize, source_view
 from .invert import Inverse, invert, unmaterialize
