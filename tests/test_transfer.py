@@ -61,6 +61,42 @@ def test_one_process_transfer_equals_save_then_load(source_files):
     assert "transfer:" in str(report)
 
 
+def test_a_rope_permuted_pair(tmp_path):
+    """The source keeps q and k rope-permuted (its own ``Convert`` rules, keys from ``source_shapes``), the
+    destination fuses them unpermuted beside v: the composition undoes one permutation inside the other."""
+    from torch import nn
+
+    from loader import Convert
+
+    class Permuted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_rot = nn.Parameter(torch.randn(tm.HEADS * tm.D, tm.H))
+            self.k_rot = nn.Parameter(torch.randn(tm.KV * tm.D, tm.H))
+            self.v = nn.Parameter(torch.randn(tm.KV * tm.D, tm.H))
+
+    class Fused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Parameter(torch.zeros((tm.HEADS + 2 * tm.KV) * tm.D, tm.H))
+
+    src_rules = [
+        Convert("q", "q_rot", lambda w: tm.rope_permute(w, tm.HEADS)),
+        Convert("k", "k_rot", lambda w: tm.rope_permute(w, tm.KV)),
+        Convert("v", "v", lambda w: w),
+    ]
+    dst_rules = [Convert(["q", "k", "v"], "qkv", lambda q, k, v: torch.cat([q, k, v]))]
+    shapes = {"q": (tm.HEADS * tm.D, tm.H), "k": (tm.KV * tm.D, tm.H), "v": (tm.KV * tm.D, tm.H)}
+    torch.manual_seed(0)
+    source, dest = Permuted(), Fused()
+    report = transfer_weights(source, dest, src_mapping=src_rules, dst_mapping=dst_rules, source_shapes=shapes)
+    save_hf_checkpoint(source, str(tmp_path / "ckpt"), weights_mapping=src_rules, source_shapes=shapes, progress=False)
+    oracle = Fused()
+    load_hf_checkpoint(oracle, str(tmp_path / "ckpt"), weights_mapping=dst_rules, progress=False)
+    assert torch.equal(dest.qkv, oracle.qkv) and not torch.equal(dest.qkv[: tm.H], source.q_rot)
+    assert report.transferred == ("qkv",) and report.bytes_received == dest.qkv.numel() * 4
+
+
 def test_the_plan_is_a_pure_function_of_meta_models():
     """Planned for 8 simulated ranks from meta models: every destination rank receives exactly its shard."""
     from torch.distributed.tensor import Shard

@@ -83,6 +83,7 @@ def transfer_weights(
     timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
     rollback: bool = False,
     progress: bool | Callable[[int, int], None] | None = None,
+    source_shapes: Any = None,
 ) -> TransferReport:
     """Copy the weights of ``src`` into ``dst`` through their checkpoint layout, each rank receiving exactly its
     shards' elements. Collective: every rank of the world calls it.
@@ -99,6 +100,9 @@ def transfer_weights(
         timeout: seconds (or a ``timedelta``) to wait for a peer at each step; None: no limit.
         rollback: on failure, put back every destination tensor this rank had written.
         progress: True logs each round on the ``loader`` logger; a callable gets ``(done, total)`` rounds.
+        source_shapes: the source's checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint
+            (path or ``SafetensorsCheckpoint``): needed when ``src_mapping`` has a ``Convert`` rule, whose keys
+            cannot be derived from the model (as for ``save_hf_checkpoint``).
 
     Returns:
         This rank's :class:`TransferReport`.
@@ -118,7 +122,8 @@ def transfer_weights(
     dst_parts, dst_local = parts_of(dst)
     session = LoadSession(seconds) if distributed else contextlib.nullcontext()
     with session:
-        plan, keyplan = _plan(rank, src, dst, (src_mapping, dst_mapping), (src_parts, dst_parts), group, session)
+        mappings = (src_mapping, dst_mapping, source_shapes)
+        plan, keyplan = _plan(rank, src, dst, mappings, (src_parts, dst_parts), group, session)
         schedule = rounds(plan, bucket_bytes)
         buffers = {
             k: torch.empty(shape, dtype=dtype)
@@ -165,13 +170,17 @@ def transfer_weights(
 
 def _plan(rank: int, src, dst, mappings, parts, group, session) -> tuple[TransferPlan, Any]:
     """Steps 1-3: describe, map both sides on their first ranks, plan; failures raised on every rank."""
-    src_mapping, dst_mapping = mappings
+    src_mapping, dst_mapping, source_shapes = mappings
     holds = _gather((src is not None, dst is not None, *parts), group)
     srcs = [r for r, h in enumerate(holds) if h[0]]
     dsts = [r for r, h in enumerate(holds) if h[1]]
     if not srcs or not dsts:
         raise ValueError(f"no rank holds the {'source' if not srcs else 'destination'} model (src/dst None everywhere)")
-    source = _on_one(srcs[0] == rank, lambda: source_side(src, as_rules(src_mapping)), group, session)
+
+    def make_source() -> Any:
+        return source_side(src, as_rules(src_mapping), source_shapes=source_shapes)
+
+    source = _on_one(srcs[0] == rank, make_source, group, session)
     keyplan, error = None, None
     dest_here = None
     if dst is not None:

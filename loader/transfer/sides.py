@@ -61,14 +61,18 @@ def named(outputs: Mapping[str, rt.RegionTensor], keys: Sequence[str], specs: Ke
     return dict(rt.compose(dict(outputs), identity))
 
 
-def source_side(model: torch.nn.Module, rules: Rules | None = None) -> SourceSide:
+def source_side(model: torch.nn.Module, rules: Rules | None = None, *, source_shapes: Any = None) -> SourceSide:
     """The source's checkpoint layout and its conversions, each checked to be a bijection (as for a save).
+
+    Args:
+        source_shapes: the checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint: needed when
+            a ``Convert`` rule maps the source (as for ``save_hf_checkpoint``).
 
     Raises:
         ValueError: a conversion is not invertible (computes values, drops or repeats elements), or the layout
             cannot be derived; the message names the conversion (:func:`~loader.save.sources.map_for_save`).
     """
-    mapping = map_for_save(model, rules)
+    mapping = map_for_save(model, rules, source_shapes=source_shapes)
     keys = {s.key: (tuple(s.shape), s.dtype) for s in mapping.specs}
     conversions = []
     for saved in mapping.conversions:
