@@ -2,7 +2,8 @@
 
 :mod:`.plan` (the pure plan: cells, moves, rounds) ← :mod:`.sides` (the two models as plain values: the
 source's save mapping, the destination's traced load) ← :mod:`.exchange` (packing, ``all_to_all_single``,
-unpacking) ← :mod:`.api` (``transfer_weights``, ``TransferReport``).
+unpacking) ← :mod:`.api` (``transfer_weights``, ``TransferReport``); :mod:`.simulate` (the plan for any two meshes
+on meta models: ``simulate_transfer``).
 """
 
 from .api import BUCKET_BYTES, TransferReport, transfer_weights
@@ -21,6 +22,7 @@ from .plan import (
     rounds,
 )
 from .sides import as_rules, dest_side, model_parts, source_side
+from .simulate import RankTransfer, TransferFigures, mesh_parts, simulate_transfer
 
 __all__ = [
     "BUCKET_BYTES",
@@ -42,4 +44,8 @@ __all__ = [
     "plan_transfer",
     "rounds",
     "source_side",
+    "RankTransfer",
+    "TransferFigures",
+    "mesh_parts",
+    "simulate_transfer",
 ]
