@@ -285,7 +285,7 @@ def spec_of(tensor: Any) -> Spec:
     return tuple(tensor.shape), tensor.dtype
 
 
-def arg_layout(groups: Sequence[tuple[str, Sequence[str]]], sources: Sequence[str]) -> tuple:
+def source_feed(groups: Sequence[tuple[str, Sequence[str]]], sources: Sequence[str]) -> tuple:
     """How ``sources`` feed a conversion: ``(pattern, count)`` per group when the groups list the sources in
     order, else ``(pattern, positions in sources)`` — part of a :func:`signature`."""
     flat = [k for _, keys in groups for k in keys]
@@ -297,11 +297,12 @@ def arg_layout(groups: Sequence[tuple[str, Sequence[str]]], sources: Sequence[st
 
 def signature(
     rule: Hashable,
-    layout: tuple,
+    feed: tuple,
     shapes: tuple[tuple[int, ...], ...],
     dtypes: tuple[torch.dtype, ...],
     context: tuple = (),
 ) -> tuple:
-    """The signature of a conversion: its rule (the object itself), how sources feed it, their shapes and dtypes,
-    and anything else its run may read (``context``). Conversions with equal signatures run alike."""
-    return (rule, layout, shapes, dtypes, context)
+    """The signature of a conversion: its rule (the object itself), how sources feed it (``feed``:
+    :func:`source_feed`), their shapes and dtypes, and anything else its run may read (``context``). Conversions
+    with equal signatures run alike."""
+    return (rule, feed, shapes, dtypes, context)

@@ -20,7 +20,7 @@ import torch
 
 import regiontrace as rt
 
-from .conversion import Conversion, Convert, MetaRun, Rename, arg_layout, meta_tensors, signature, spec_of
+from .conversion import Conversion, Convert, MetaRun, Rename, meta_tensors, signature, source_feed, spec_of
 
 AVAILABLE = importlib.util.find_spec("transformers") is not None
 
@@ -166,7 +166,7 @@ def make_conversion(
         _NUMBERS.sub("#", first_target),
         tuple(_shape(state.get(first_target.replace(tp[0], t))) for t in tp),
     )
-    sig = signature(template, arg_layout(groups, sources), shapes, dtypes, context)
+    sig = signature(template, source_feed(groups, sources), shapes, dtypes, context)
     entry = runs.get(sig)
     if entry is None:
         entry = runs[sig] = _meta_chain(template, first_target, groups, sources, shapes, dtypes, model)

@@ -35,9 +35,9 @@ from .conversion import (
     MetaRun,
     Patterns,
     Rename,
-    arg_layout,
     run_on_meta,
     signature,
+    source_feed,
 )
 from .grouping import KeyGroup, base_prefix, duplicate_error, group_keys, visit_order
 from .keyplan import KeyPlan
@@ -233,7 +233,7 @@ def _make_convert_conversion(
         return dict(zip(targets, out))
 
     fn_name = getattr(convert.fn, "__qualname__", type(convert.fn).__name__)
-    sig = signature(convert, arg_layout(ordered, sources), shapes, dtypes, (len(targets),))
+    sig = signature(convert, source_feed(ordered, sources), shapes, dtypes, (len(targets),))
     conv = Conversion(targets, sources, f"Convert({fn_name})", False, ordered, convert, None, sig, runner)
     meta = runs.get(sig)
     if meta is None:
