@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
-    """Disable the cyclic garbage collector inside the block (nested uses and a collector already disabled by
+    """Disable the cyclic garbage collector inside the ``with`` body (nested uses and a collector already disabled by
     the caller are left as they are)."""
     if not gc.isenabled():
         yield
