@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,10 +47,13 @@ class SourceConversion:
         keys: the checkpoint keys it reads.
         outputs: source model tensor name -> RegionTensor over the keys (the forward trace; checked to be a
             bijection by the save mapping).
+        signature: equal for conversions whose traces are equal but for names (layers of one structure); None:
+            shared with no other. With the destination's, it lets a plan compile one layer for all.
     """
 
     keys: tuple[str, ...]
     outputs: Mapping[str, rt.RegionTensor]
+    signature: Hashable | None = None
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,14 @@ class DestConversion:
         targets: the destination model tensors it writes.
         outputs: target -> RegionTensor over the keys; None when it does not trace (then ``reason``).
         reason: why it does not trace (it is moved as a fallback).
+        signature: as :attr:`SourceConversion.signature`.
     """
 
     keys: tuple[str, ...]
     targets: tuple[str, ...]
     outputs: Mapping[str, rt.RegionTensor] | None
     reason: str = ""
+    signature: Hashable | None = None
 
 
 @dataclass(frozen=True)
@@ -192,27 +197,43 @@ def plan_transfer(
     per_tensor: dict[str, list[tuple[str, Cell]]] = {}
     for name, cell in cells.items():
         per_tensor.setdefault(cell.tensor, []).append((name, cell))
-    by_key = {k: i for i, c in enumerate(source.conversions) for k in c.keys}
+    by_key = {k: (i, j) for i, c in enumerate(source.conversions) for j, k in enumerate(c.keys)}
     inverses: dict[tuple[int, ...], rt.Inverse] = {}
+
+    def inverse_of(which: tuple[int, ...]) -> rt.Inverse:
+        inverse = inverses.get(which)
+        if inverse is None:
+            inverse = inverses[which] = _joint_inverse([source.conversions[i] for i in which], source, per_tensor)
+        return inverse
+
+    compiled: dict[Hashable, list] = {}
     load = [0] * world
     moves: list[Move] = []
     transferred: list[str] = []
     fallback: list[Fallback] = []
     for index, conv in enumerate(dest.conversions):
-        which = tuple(sorted({by_key[k] for k in conv.keys}))
-        inverse = inverses.get(which)
-        if inverse is None:
-            inverse = inverses[which] = _joint_inverse([source.conversions[i] for i in which], source, per_tensor)
-        composed, reason = _composed(conv, inverse)
-        if composed is not None:
-            for t in conv.targets:
-                moves += _moves(composed[t], t, dst_parts, cells, load, key=False)
+        which = tuple(sorted({by_key[k][0] for k in conv.keys}))
+        names = [name for i in which for t in source.conversions[i].outputs for name, _ in per_tensor[t]]
+        shape = _structure(conv, which, by_key, source, per_tensor, dst_parts)
+        blocks = compiled.get(shape) if shape is not None else None
+        if blocks is None:
+            composed, reason = _composed(conv, inverse_of(which))
+            if composed is not None:
+                blocks = _compile(composed, conv.targets, dst_parts, {n: i for i, n in enumerate(names)})
+                if shape is not None:
+                    compiled[shape] = blocks
+        if blocks is not None:
+            for t, rank, local, cell, block in blocks:
+                block = _renamed(block, names[cell])
+                src = _sender(cells[block.source], rank, load)
+                load[src] += block.numel * block.source_dtype.itemsize
+                moves.append(Move(src, rank, conv.targets[t], local, block))
             transferred += conv.targets
             continue
         ranks = tuple(r for r, parts in enumerate(dst_parts) if any(_owns(parts, t) for t in conv.targets))
         specs = tuple((tuple(source.keys[k][0]), source.keys[k][1]) for k in conv.keys)
         fallback.append(Fallback(index, conv.keys, conv.targets, ranks, reason, specs))
-        keys = rt.inverse_regions(inverse)
+        keys = rt.inverse_regions(inverse_of(which))
         for k in conv.keys:
             whole = {r: {k: (source.keys[k][0], source.keys[k][1], ((_full(source.keys[k][0]),) * 2,))}
                      for r in ranks}  # fmt: skip
@@ -286,6 +307,50 @@ def _composed(conv: DestConversion, inverse: rt.Inverse) -> tuple[dict[str, rt.R
 
 # ---------------------------------------------------------------------------------------------------
 # moves
+
+
+def _structure(
+    conv: DestConversion,
+    which: tuple[int, ...],
+    by_key: Mapping[str, tuple[int, int]],
+    source: SourceSide,
+    per_tensor: Mapping[str, list[tuple[str, Cell]]],
+    dst_parts: Sequence[Parts],
+) -> Hashable | None:
+    """What the blocks of ``conv`` depend on but names: equal for the layers of one structure (same traces, keys
+    in the same places, the same cells and destination boxes); None when a conversion has no signature."""
+    sigs = tuple(source.conversions[i].signature for i in which)
+    if conv.signature is None or any(s is None for s in sigs):
+        return None
+    places = tuple((which.index(by_key[k][0]), by_key[k][1]) for k in conv.keys)
+    grid = tuple(tuple(c.box for _, c in per_tensor[t]) for i in which for t in source.conversions[i].outputs)
+    boxes = tuple(
+        tuple(None if t not in parts else tuple(g for g, _ in parts[t][2]) for parts in dst_parts) for t in conv.targets
+    )
+    return (conv.signature, sigs, places, grid, boxes)
+
+
+def _compile(
+    composed: Mapping[str, rt.RegionTensor], targets: Sequence[str], dst_parts: Sequence[Parts], cell: Mapping
+) -> list[tuple[int, int, Box, int, rt.RemapBlock]]:
+    """``(target index, rank, local box, cell index, block)`` for every box a destination rank holds."""
+    out = []
+    for ti, t in enumerate(targets):
+        for rank, parts in enumerate(dst_parts):
+            part = parts.get(t)
+            for g, lb in part[2] if part is not None else ():
+                if _numel(g):
+                    out += [(ti, rank, lb, cell[b.source], b) for b in composed[t].remap_blocks(g)]
+    return out
+
+
+def _renamed(b: rt.RemapBlock, source: str) -> rt.RemapBlock:
+    if b.source == source:
+        return b
+    return rt.RemapBlock(
+        source, b.shape, b.src_offset, b.src_strides, b.dst_offset, b.dst_dims, b.dst_steps, b.source_shape,
+        b.source_dtype, b.casts,
+    )  # fmt: skip
 
 
 def _moves(

@@ -77,7 +77,8 @@ def source_side(model: torch.nn.Module, rules: Rules | None = None, *, source_sh
     conversions = []
     for saved in mapping.conversions:
         outputs = {t: saved.inverse.outputs[str(i)] for i, t in enumerate(saved.targets)}
-        conversions.append(SourceConversion(tuple(saved.sources), named(outputs, saved.sources, keys)))
+        outputs = named(outputs, saved.sources, keys)
+        conversions.append(SourceConversion(tuple(saved.sources), outputs, ("save", saved.signature)))
     return SourceSide(keys, tuple(conversions))
 
 
@@ -141,7 +142,8 @@ def dest_side(model: torch.nn.Module, rules: Rules | None, keys: Keys) -> tuple[
         outcome = cache.trace(conv, layout, cast)  # type: ignore[arg-type]
         if isinstance(outcome, Traced):
             outputs = named(outcome.outputs, conv.sources, keys)
-            conversions.append(DestConversion(tuple(conv.sources), tuple(conv.targets), outputs))
+            targets = tuple(conv.targets)
+            conversions.append(DestConversion(tuple(conv.sources), targets, outputs, signature=("load", outcome.key)))
         else:
             conversions.append(DestConversion(tuple(conv.sources), tuple(conv.targets), None, outcome.reason))
     return DestSide(tuple(conversions)), keyplan
