@@ -1,0 +1,127 @@
+"""``loader.transfer.simulate_transfer``: the transfer plan for any two meshes on meta models.
+
+Oracles independent of the plan: every source element labelled with the world rank holding it, the labels saved
+with ``save_hf_checkpoint`` and loaded into the destination with ``load_hf_checkpoint``; per destination rank,
+the count of each label in its shard is what it must receive from that source rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import transfer_models as tm
+from hf_models import build
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from loader import load_hf_checkpoint, save_hf_checkpoint
+from loader.plan import box_view
+from loader.transfer import mesh_parts, simulate_transfer
+
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
+
+FSDP = lambda name, shape: [Shard(0)]
+
+
+def _ep_tp(dest: torch.nn.Module) -> dict:
+    placements = tm.tp_placements(dest, two_dims=True)
+    return {
+        n: [Shard(0), _StridedShard(1, split_factor=2)] if n.endswith("gate_up_proj") else p
+        for n, p in placements.items()
+    }
+
+
+def _labelled_pairs(tmp_path, src_ranks: int, dst_mesh, dst_placements, offset: int) -> dict[tuple[int, int], int]:
+    """Bytes per (source rank, destination world rank), counted through files (no plan involved)."""
+    _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
+    with torch.no_grad():
+        for name, t in source.state_dict().items():
+            for r, parts in enumerate(mesh_parts(source, (src_ranks,), FSDP)):
+                for g, _ in parts[name][2]:
+                    box_view(t, g).fill_(r)
+    save_hf_checkpoint(source, str(tmp_path / "labels"), progress=False)
+    labels = tm.Engine()
+    load_hf_checkpoint(labels, str(tmp_path / "labels"), weights_mapping=tm.rules(), progress=False)
+    state = labels.state_dict()
+    want: dict[tuple[int, int], int] = {}
+    for d, parts in enumerate(mesh_parts(labels, dst_mesh, dst_placements)):
+        for name, (_, dtype, boxes) in parts.items():
+            for g, _ in boxes:
+                counts = torch.bincount(box_view(state[name], g).flatten().long(), minlength=src_ranks)
+                for s, n in enumerate(counts.tolist()):
+                    if n:
+                        want[s, d + offset] = want.get((s, d + offset), 0) + n * dtype.itemsize
+    return want
+
+
+def _meta_pair():
+    with torch.device("meta"):
+        _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
+        dest = tm.Engine()
+    return source, dest
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_fsdp_to_tp_bytes_per_rank_pair_are_what_each_destination_needs(tmp_path, colocated):
+    """FSDP over 2 ranks → TP over 2 (disaggregated: ranks 2-3; colocated: ranks 0-1), on meta models."""
+    source, dest = _meta_pair()
+    figures = simulate_transfer(
+        source, dest, dst_mapping=tm.rules(), src_mesh_shape=(2,), src_placements=FSDP,
+        dst_mesh_shape=(2,), dst_placements=tm.tp_placements(dest), colocated=colocated,
+    )  # fmt: skip
+    offset = 0 if colocated else 2
+    assert figures.world == 2 + offset and figures.dst_ranks == (offset, offset + 1)
+    assert dict(figures.pairs) == _labelled_pairs(tmp_path, 2, (2,), tm.tp_placements(tm.Engine()), offset)
+    for r in figures.ranks:
+        assert r.received == r.dst_shard_bytes  # each destination element received once
+    assert sum(r.sent for r in figures.ranks) == sum(r.dst_shard_bytes for r in figures.ranks)
+    if colocated:
+        assert all(r.local > 0 for r in figures.ranks)
+    else:
+        assert figures.bytes_moved == sum(r.dst_shard_bytes for r in figures.ranks)
+        assert [r.sent > 0 for r in figures.ranks] == [True, True, False, False]
+    assert figures.fallback == 0 and figures.plan_seconds > 0
+
+
+def test_fsdp_to_ep_tp_with_strided_shard(tmp_path):
+    """FSDP over 4 ranks → EP x TP on a 2 x 2 mesh (gate_up ``_StridedShard``), colocated."""
+    source, dest = _meta_pair()
+    figures = simulate_transfer(
+        source, dest, dst_mapping=tm.rules(), src_mesh_shape=(4,), src_placements=FSDP,
+        dst_mesh_shape=(2, 2), dst_placements=_ep_tp(dest), colocated=True,
+    )  # fmt: skip
+    assert dict(figures.pairs) == _labelled_pairs(tmp_path, 4, (2, 2), _ep_tp(tm.Engine()), 0)
+    assert all(r.received_ratio == 1.0 for r in figures.ranks)
+
+
+def test_the_same_as_a_transfer_in_one_process():
+    """One rank each: the simulated bytes are the report's of a real ``transfer_weights``."""
+    from loader import transfer_weights
+
+    _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
+    dest = tm.Engine()
+    report = transfer_weights(source, dest, dst_mapping=tm.rules())
+    figures = simulate_transfer(source, dest, dst_mapping=tm.rules(), colocated=True)
+    assert figures.ranks[0].received == report.bytes_received and figures.ranks[0].sent == report.bytes_sent
+    assert figures.transferred == len(report.transferred)
+
+
+def test_a_deepseek_v3_pair_plans_on_meta_without_data():
+    """A 4-layer DeepSeek-V3 (3 dense + 1 MoE layer of 256 experts) on the meta device: FSDP over 16 ranks →
+    EP4 x TP4 (bench/plan_scale.py's placements), disaggregated: every destination rank receives its shard."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import plan_scale
+
+    model = plan_scale.build_model(4)
+    assert all(t.is_meta for t in model.state_dict().values())
+    placements = plan_scale.placements_for(model)
+    figures = simulate_transfer(
+        model, model, src_mesh_shape=(16,), src_placements=FSDP, dst_mesh_shape=(4, 4), dst_placements=placements
+    )
+    dst = [figures.ranks[r] for r in figures.dst_ranks]
+    assert figures.world == 32 and all(r.received == r.dst_shard_bytes > 0 for r in dst)
+    assert all(r.sent > 0 for r in figures.ranks[:16]) and not any(r.sent for r in dst)
+    assert figures.fallback == 0
