@@ -411,3 +411,29 @@ def test_write_plan_is_the_saves_own_and_prints_a_table(tmp_path):
     report = save_hf_checkpoint(real, str(tmp_path / "saved"), progress=False, **kwargs)
     assert (report.bytes_written, report.writes) == (single.bytes_written, single.writes)
     assert report.bytes_written == total
+
+
+def test_plan_transfer_prints_bytes_per_rank_pair(tmp_path):
+    """`regiontrace plan CKPT --mesh 2x2 --transfer 4`: the checkpoint's model moved from FSDP over ranks 0-3
+    into EP x TP on ranks 4-7 (simulated): each destination rank receives its shard bytes (1.000), the pair
+    table and the JSON add up; `--colocated` puts the mesh on ranks 0-3."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hf_models import build
+
+    _, model = build("qwen3_moe", 0, tie_word_embeddings=False)
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    r = regiontrace("plan", str(tmp_path / "ckpt"), "--mesh", "2x2", "--transfer", "4")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout[r.stdout.index("transfer plan") :]
+    assert "Shard(0) over 4 rank(s) 0–3, into this sharding on ranks 4–7" in text
+    assert text.count(" 1.000 ") == 4 and "bytes per rank pair" in text and "plan time" in text
+    r = regiontrace("plan", str(tmp_path / "ckpt"), "--mesh", "2x2", "--transfer", "4", "--colocated", "--json")
+    assert r.returncode == 0, r.stderr
+    moved = json.loads(r.stdout)["transfer"]
+    assert moved["world"] == 4 and moved["dst_ranks"] == [0, 1, 2, 3]
+    for rank in moved["ranks"]:
+        assert rank["received"] == rank["dst_shard_bytes"] > 0 and rank["local"] > 0
+        assert rank["sent"] == sum(p["bytes"] for p in moved["pairs"] if p["src"] == rank["rank"])
+    bad = regiontrace("plan", str(tmp_path / "ckpt"), "--mesh", "2x2", "--transfer", "0")
+    assert bad.returncode != 0 and "--transfer 0" in bad.stderr

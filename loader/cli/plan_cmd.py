@@ -1,5 +1,6 @@
 """``regiontrace plan CHECKPOINT --mesh 2x4``: per-rank load plan of a checkpoint, simulated in one process
-(``--save``: also the per-rank write plan of saving the sharded model back)."""
+(``--save``: also the per-rank write plan of saving the sharded model back; ``--transfer N``: moving the
+weights of the same model from FSDP over N ranks into it)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .common import LOAD_COLUMNS, have_transformers, human_bytes, parse_mesh, qu
 from .models import build_meta_model, read_config
 from .save_plan import write_plan, write_plan_json, write_plan_text
 from .svg import render
+from .transfer_plan import transfer_plan, transfer_plan_json, transfer_plan_text
 
 HELP = "per-rank load plan of a Hugging Face checkpoint on a device mesh (no processes, no data read)"
 DESCRIPTION = """\
@@ -38,12 +40,18 @@ expert tensors (grouped_gemm) Shard(0) over experts on the FIRST dim of a 2-D me
 
 --save adds the write plan of saving the sharded model back with loader.save_hf_checkpoint on every rank
 (loader.save.plan_writes): bytes each rank writes against its shard bytes (the shards it is the lowest
-holder of), its positional writes and the files it writes into."""
+holder of), its positional writes and the files it writes into.
+
+--transfer N adds the plan of loader.transfer_weights moving the same model's weights from an FSDP-style
+Shard(0) over N ranks into the mesh's sharding (loader.transfer.simulate_transfer): destination ranks after
+the N source ranks (--colocated: on the same ranks from 0); bytes each rank sends and receives against its
+shard bytes, bytes per rank pair, and the time each rank takes to compute the plan."""
 EPILOG = """\
 examples:
   regiontrace plan ./Qwen3-30B-A3B --mesh 2x4
   regiontrace plan ./ckpt --mesh 8 --rank 3 --json
   regiontrace plan ./ckpt --mesh 2x4 --save      (the load plan, then the write plan)
+  regiontrace plan ./ckpt --mesh 2x4 --transfer 8   (then FSDP over ranks 0-7 -> EP x TP on ranks 8-15)
   regiontrace plan ./ckpt --mesh 2x2 --svg plan.svg --tensor '*layers.0.mlp.experts*'
   regiontrace plan Qwen/Qwen3-30B-A3B --mesh 2x4   (cached, e.g. by `hf download Qwen/Qwen3-30B-A3B`)"""
 
@@ -71,6 +79,13 @@ def add_parser(sub: Any) -> None:
         help="expert tensors: expert- or tensor-parallel (default: ep on a 2-D mesh, tp on a 1-D mesh)",
     )
     p.add_argument("--save", action="store_true", help="also the per-rank write plan of saving the model back")
+    p.add_argument(
+        "--transfer",
+        type=int,
+        metavar="N",
+        help="also the plan of moving the weights from FSDP (Shard(0)) over N ranks into the mesh's sharding",
+    )
+    p.add_argument("--colocated", action="store_true", help="--transfer: the mesh on the source's ranks")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--svg", metavar="FILE", help="write the plan picture")
     p.add_argument(
@@ -86,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     mesh_shape = parse_mesh(args.mesh)
     if len(mesh_shape) > 2:
         raise CLIError(f"--mesh {args.mesh}: use a 1-D (TP) or 2-D (EP x TP) mesh")
+    if args.transfer is not None and args.transfer < 1:
+        raise CLIError(f"--transfer {args.transfer}: give the number of source (FSDP) ranks, at least 1")
     checkpoint = _local_checkpoint(args.checkpoint, args.revision)
     if not have_transformers():
         raise CLIError("`plan` builds the model with transformers: pip install 'transformers>=5'")
@@ -103,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         title=f"Load plan: {os.path.basename(os.path.abspath(args.checkpoint))}",
         model_type=config.model_type,
         save=args.save,
+        transfer=args.transfer,
+        colocated=args.colocated,
     )
     if args.json:
         print(json.dumps(result["json"], indent=2))
@@ -150,9 +169,12 @@ def plan_model(
     planner_kwargs: dict | None = None,
     save: bool = False,
     save_kwargs: dict | None = None,
+    transfer: int | None = None,
+    colocated: bool = False,
 ) -> dict[str, Any]:
     """Simulate the load of ``model`` (placements from its TP plan unless given); text, JSON and picture.
-    ``save``: also the write plan of saving it back (``save_kwargs``: the save's rules, as ``plan_writes``'s)."""
+    ``save``: also the write plan of saving it back (``save_kwargs``: the save's rules, as ``plan_writes``'s).
+    ``transfer``: also the transfer into it from ``Shard(0)`` over that many ranks (``colocated``: same ranks)."""
     checkpoint = SafetensorsCheckpoint.open(checkpoint_path)
     why: dict[str, str] = {}
     if placements is None:
@@ -214,6 +236,10 @@ def plan_model(
         writes = write_plan(model, mesh_shape, placements, ranks, save_kwargs)
         text += ["", write_plan_text(writes)]
         out_json["save"] = write_plan_json(writes)
+    if transfer:
+        moved = transfer_plan(model, mesh_shape, placements, transfer, colocated=colocated)
+        text += ["", transfer_plan_text(moved)]
+        out_json["transfer"] = transfer_plan_json(moved)
     if svg:
         model_tensors = dict(model.state_dict(keep_vars=True))
         chosen = geometry.select_tensors(list(model_tensors), tensors)
