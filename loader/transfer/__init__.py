@@ -1,9 +1,9 @@
 """Moving weights between two (sharded) models without files: each destination rank receives exactly its bytes.
 
-:mod:`.plan` (the pure plan: cells, moves, rounds) ← :mod:`.sides` (the two models as plain values: the
-source's save mapping, the destination's traced load) ← :mod:`.exchange` (packing, ``all_to_all_single``,
-unpacking) ← :mod:`.api` (``transfer_weights``, ``TransferReport``); :mod:`.simulate` (the plan for any two meshes
-on meta models: ``simulate_transfer``).
+:mod:`.plan` (the pure plan: cells, moves) ← :mod:`.schedule` (moves in bounded rounds) ← :mod:`.sides` (the two
+models as plain values: the source's save mapping, the destination's traced load) ← :mod:`.exchange` (packing,
+``all_to_all_single``, unpacking) ← :mod:`.api` (``transfer_weights``, ``TransferReport``); :mod:`.simulate` (the
+plan for any two meshes on meta models: ``simulate_transfer``).
 """
 
 from .api import BUCKET_BYTES, TransferReport, transfer_weights
@@ -19,8 +19,8 @@ from .plan import (
     SourceSide,
     TransferPlan,
     plan_transfer,
-    rounds,
 )
+from .schedule import rounds
 from .sides import as_rules, dest_side, model_parts, source_side
 from .simulate import RankTransfer, TransferFigures, mesh_parts, simulate_transfer
 

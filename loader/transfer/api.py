@@ -29,7 +29,8 @@ from ..options import DEFAULT_TIMEOUT, Rules, timeout_seconds
 from ..plan.slots import box_view
 from ..rules.conversion import cast_like_transformers
 from .exchange import Counts, Exchange, log_progress
-from .plan import TransferPlan, plan_transfer, rounds
+from .plan import TransferPlan, plan_transfer
+from .schedule import rounds
 from .sides import as_rules, dest_side, parts_of, source_side
 
 #: default bound on the payload one rank sends (and receives) per round

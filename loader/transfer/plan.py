@@ -41,12 +41,12 @@ Parts = Mapping[str, Part]
 
 @dataclass(frozen=True)
 class SourceConversion:
-    """One conversion of the source's save mapping: each of its model tensors over leaves named by its keys.
+    """One conversion of the source's save mapping: each of its model tensors over its keys.
 
     Attributes:
         keys: the checkpoint keys it reads.
-        outputs: source model tensor name -> RegionTensor over the keys (the forward trace; checked to be a
-            bijection by the save mapping).
+        outputs: source model tensor name -> RegionTensor over canonical leaves ``#i`` standing for ``keys[i]``
+            (the forward trace, checked to be a bijection by the save mapping; see :func:`named`).
         signature: equal for conversions whose traces are equal but for names (layers of one structure); None:
             shared with no other. With the destination's, it lets a plan compile one layer for all.
     """
@@ -58,12 +58,13 @@ class SourceConversion:
 
 @dataclass(frozen=True)
 class DestConversion:
-    """One conversion of the destination's load: its model tensors over leaves named by its keys.
+    """One conversion of the destination's load: its model tensors over its keys.
 
     Attributes:
         keys: the checkpoint keys it reads.
         targets: the destination model tensors it writes.
-        outputs: target -> RegionTensor over the keys; None when it does not trace (then ``reason``).
+        outputs: target -> RegionTensor over canonical leaves ``#i`` standing for ``keys[i]``; None when it does
+            not trace (then ``reason``).
         reason: why it does not trace (it is moved as a fallback).
         signature: as :attr:`SourceConversion.signature`.
     """
@@ -217,7 +218,7 @@ def plan_transfer(
         shape = _structure(conv, which, by_key, source, per_tensor, dst_parts)
         blocks = compiled.get(shape) if shape is not None else None
         if blocks is None:
-            composed, reason = _composed(conv, inverse_of(which))
+            composed, reason = _composed(conv, inverse_of(which), source.keys)
             if composed is not None:
                 blocks = _compile(composed, conv.targets, dst_parts, {n: i for i, n in enumerate(names)})
                 if shape is not None:
@@ -279,13 +280,21 @@ def _cells(source: SourceSide, src_parts: Sequence[Parts]) -> dict[str, Cell]:
     return cells
 
 
+def named(outputs: Mapping[str, rt.RegionTensor], keys: Sequence[str], specs: Mapping) -> dict[str, rt.RegionTensor]:
+    """``outputs`` traced on canonical leaves ``#i`` (standing for ``keys[i]``) over leaves named by the keys:
+    composed with the identity from the keys (``specs``: key -> (shape, dtype))."""
+    leaves = [rt.RegionTensor.leaf(f"#{i}", *specs[k]) for i, k in enumerate(keys)]
+    identity = rt.invert({k: leaf for k, leaf in zip(keys, leaves)}, leaves)
+    return dict(rt.compose(dict(outputs), identity))
+
+
 def _joint_inverse(
     convs: Sequence[SourceConversion], source: SourceSide, cells: Mapping[str, list[tuple[str, Cell]]]
 ) -> rt.Inverse:
     """The inverse of the source conversions ``convs`` with their tensors cut into cells: each key over cells."""
     outputs = {}
     for conv in convs:
-        for tensor, out in conv.outputs.items():
+        for tensor, out in named(conv.outputs, conv.keys, source.keys).items():
             for name, cell in cells[tensor]:
                 if _numel(cell.box):
                     outputs[name] = out[tuple(slice(a, b) for a, b in cell.box)]
@@ -293,14 +302,16 @@ def _joint_inverse(
     return rt.invert(outputs, keys)
 
 
-def _composed(conv: DestConversion, inverse: rt.Inverse) -> tuple[dict[str, rt.RegionTensor] | None, str]:
+def _composed(
+    conv: DestConversion, inverse: rt.Inverse, specs: Mapping
+) -> tuple[dict[str, rt.RegionTensor] | None, str]:
     """The destination conversion over cells, or None and why it is moved as a fallback."""
     if conv.outputs is None:
         return None, conv.reason
     if not all(t.is_index_map for t in conv.outputs.values()):
         return None, "computes values by pointwise ops (moved whole, run on the destination)"
     try:
-        return dict(rt.compose(dict(conv.outputs), inverse)), ""
+        return dict(rt.compose(named(conv.outputs, conv.keys, specs), inverse)), ""
     except (ValueError, rt.Untraceable) as e:
         return None, f"{type(e).__name__}: {e}"
 
@@ -383,41 +394,3 @@ def _sender(cell: Cell, dst: int, load: list[int]) -> int:
     if dst in ranks:
         return dst
     return min(ranks, key=lambda r: (load[r], r))
-
-
-def split_move(move: Move, max_numel: int) -> list[Move]:
-    """``move`` cut (:func:`regiontrace.split_block`, outermost source dim first) into moves reading at most
-    ``max_numel`` elements each (at least one)."""
-    parts = rt.split_block(move.block, max_numel)
-    return [Move(move.src, move.dst, move.target, move.local, b, move.key) for b in parts]
-
-
-def rounds(plan: TransferPlan, bucket_bytes: int) -> list[list[Move]]:
-    """The moves in rounds: in each, every rank sends at most ``bucket_bytes`` and receives at most
-    ``bucket_bytes`` of payload to and from other ranks (moves within one rank are copies, in round 0).
-
-    Larger moves are split first. Pure: every rank computes the same rounds.
-    """
-    out: list[list[Move]] = [[]]
-    sent: list[dict[int, int]] = [{}]
-    received: list[dict[int, int]] = [{}]
-    last: dict[tuple[int, int], int] = {}
-    for whole in plan.moves:
-        if whole.src == whole.dst:
-            out[0].append(whole)
-            continue
-        for m in split_move(whole, max(1, bucket_bytes // whole.block.source_dtype.itemsize)):
-            r = last.get((m.src, m.dst), 0)
-            while r < len(out) and (
-                sent[r].get(m.src, 0) + m.nbytes > bucket_bytes or received[r].get(m.dst, 0) + m.nbytes > bucket_bytes
-            ) and (sent[r].get(m.src, 0) or received[r].get(m.dst, 0)):  # fmt: skip
-                r += 1
-            if r == len(out):
-                out.append([])
-                sent.append({})
-                received.append({})
-            out[r].append(m)
-            sent[r][m.src] = sent[r].get(m.src, 0) + m.nbytes
-            received[r][m.dst] = received[r].get(m.dst, 0) + m.nbytes
-            last[m.src, m.dst] = r
-    return out

@@ -1,10 +1,11 @@
 """The two sides of a transfer as plain values: what a rank holds, the source's save mapping, the destination's
-load conversions — each over leaves named by checkpoint keys, ready to compose (:mod:`loader.transfer.plan`).
+load conversions, ready to compose (:mod:`loader.transfer.plan`).
 
 Both sides reuse the existing traces: the source's is the save's (:func:`loader.save.sources.map_for_save`:
 traced, inverted and checked to be a bijection), the destination's is the load's
-(:class:`loader.plan.TraceCache`). Both trace on canonical leaves (``#0, #1, …``); :func:`named` renames them to
-the checkpoint keys by composing with the identity, so that conversions from different layers and rules meet.
+(:class:`loader.plan.TraceCache`). Both are on canonical leaves (``#0, #1, …``), shared by every layer of one
+structure; the plan names them after the checkpoint keys (:func:`~loader.transfer.plan.named`) only for the
+first layer of each structure.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-import regiontrace as rt
 
 from ..options import Rules
 from ..placements import slot_for
@@ -54,13 +53,6 @@ def parts_of(model: torch.nn.Module | None) -> tuple[dict[str, Any], dict[str, t
     return parts, local
 
 
-def named(outputs: Mapping[str, rt.RegionTensor], keys: Sequence[str], specs: Keys) -> dict[str, rt.RegionTensor]:
-    """``outputs`` traced on canonical leaves ``#i`` (``keys[i]``) over leaves named by the keys instead."""
-    leaves = [rt.RegionTensor.leaf(f"#{i}", *specs[k]) for i, k in enumerate(keys)]
-    identity = rt.invert({k: leaf for k, leaf in zip(keys, leaves)}, leaves)
-    return dict(rt.compose(dict(outputs), identity))
-
-
 def source_side(model: torch.nn.Module, rules: Rules | None = None, *, source_shapes: Any = None) -> SourceSide:
     """The source's checkpoint layout and its conversions, each checked to be a bijection (as for a save).
 
@@ -77,7 +69,6 @@ def source_side(model: torch.nn.Module, rules: Rules | None = None, *, source_sh
     conversions = []
     for saved in mapping.conversions:
         outputs = {t: saved.inverse.outputs[str(i)] for i, t in enumerate(saved.targets)}
-        outputs = named(outputs, saved.sources, keys)
         conversions.append(SourceConversion(tuple(saved.sources), outputs, ("save", saved.signature)))
     return SourceSide(keys, tuple(conversions))
 
@@ -141,7 +132,7 @@ def dest_side(model: torch.nn.Module, rules: Rules | None, keys: Keys) -> tuple[
         cast = source_cast(conv.rule, state[conv.targets[0]].dtype)
         outcome = cache.trace(conv, layout, cast)  # type: ignore[arg-type]
         if isinstance(outcome, Traced):
-            outputs = named(outcome.outputs, conv.sources, keys)
+            outputs = dict(outcome.outputs)
             targets = tuple(conv.targets)
             conversions.append(DestConversion(tuple(conv.sources), targets, outputs, signature=("load", outcome.key)))
         else:
