@@ -96,7 +96,8 @@ def transfer_weights(
             :class:`~loader.options.Rules`, a list of rules (replacing the default ones, like
             ``weights_mapping=``), or None (transformers' conversion mapping for a ``PreTrainedModel``, none
             otherwise), as for ``save_hf_checkpoint`` and ``load_hf_checkpoint``.
-        group: the process group of the exchange (default: the world; ranks are numbered in it).
+        group: the process group of the exchanges, holding every rank of the world (default: the world; e.g. a
+            gloo group for CPU tensors beside a default NCCL one).
         bucket_bytes: the most payload one rank sends, and receives, per round.
         timeout: seconds (or a ``timedelta``) to wait for a peer at each step; None: no limit.
         rollback: on failure, put back every destination tensor this rank had written.
