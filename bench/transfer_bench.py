@@ -1,0 +1,383 @@
+"""Benchmark: moving a model's weights between two shardings on 4 gloo ranks, against gather-then-load and
+broadcast-then-cut, and the plan time of a simulated DeepSeek-V3 pair.
+
+    python bench/transfer_bench.py [--repeat 3] [--bucket-mib 64] [--ds-layers 4,5] [--markdown]
+
+The source is transformers' Qwen3-MoE of bench/common.py (``QWEN3_MOE``: hidden 1024, 4 layers, 32 experts of
+512, bf16, ~440 MiB), every tensor FSDP-style ``Shard(0)`` over the 4 ranks (each rank's shard filled with its
+own random values). The destination, on the same 4 ranks (colocated, as a trainer and its rollout engine), is
+an inference-engine layout of the same weights: q, k and v fused into ``qkv_proj`` (rows, ``Shard(0)``), the
+experts' gate and up in ``mlp.gate_up_proj`` (``_StridedShard(1, split_factor=2)``: matching gate and up rows
+on each rank), ``mlp.down_proj`` ``Shard(2)``, ``o_proj`` ``Shard(1)``, vocab-parallel head, column-parallel
+embedding, norms and router replicated: tensor parallel over 4. Methods, same run, same shards:
+
+* ``transfer_weights``: ``loader.transfer_weights(src, dst, dst_mapping=RULES)`` (the plan composes the
+  source's save mapping with the destination's load rules, through the per-expert checkpoint keys);
+* ``gather + load`` (verl / OpenRLHF): per destination tensor, ``full_tensor()`` of each source tensor it is
+  made of (an ``all_gather`` on every rank), fused in memory, then each rank copies its boxes out of it;
+* ``broadcast + cut`` (checkpoint-engine): per source tensor, one owner (round robin) gathers it whole and
+  broadcasts it; every rank fuses and cuts its boxes.
+
+Per method and rank: payload bytes received (a rank's own bytes included) ÷ its destination shard bytes
+(1.000: each element once), bytes sent ÷ what the destinations need from that rank (the plan's pairs,
+from ``simulate_transfer`` on meta models: an independent count for the two other methods), peak extra memory
+(peak RSS during the call above the RSS before it: ``/proc/self/clear_refs`` resets the peak; glibc's mmap
+threshold is fixed at 64 KiB so that freed buffers leave RSS), wall (the slowest rank, best and median of
+``--repeat``). Every method's destination shards are checked equal to ``transfer_weights``'s bit for bit.
+Then ``simulate_transfer`` plans DeepSeek-V3 (bench/plan_scale.py's meta model and EP x TP placements) from
+FSDP over 64 ranks into EP8 x TP8 on 64 more: the plan time is what each rank computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mdtable
+from common import QWEN3_MOE
+
+WORLD = 4
+MIB = 1 << 20
+METHODS = ("transfer_weights", "gather + load", "broadcast + cut")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the two models
+
+
+def qkv(q, k, v):
+    import torch
+
+    return torch.cat([q, k, v])
+
+
+def gate_up(gates, ups):
+    import torch
+
+    return torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+
+
+def stack(ws):
+    import torch
+
+    return torch.stack(ws)
+
+
+def rules() -> list:
+    """Checkpoint (transformers' Qwen3-MoE keys) -> the engine layout."""
+    from loader import Convert
+
+    return [
+        Convert(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+                "self_attn.qkv_proj.weight", qkv),
+        Convert(["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"], "mlp.gate_up_proj", gate_up),
+        Convert("mlp.experts.*.down_proj.weight", "mlp.down_proj", stack),
+    ]  # fmt: skip
+
+
+def hf_model(device: str = "meta"):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **QWEN3_MOE), dtype=torch.bfloat16)
+
+
+def engine_model():
+    """The engine's layout on meta: the source's tensors renamed and fused."""
+    import torch
+    from torch import nn
+
+    names = {}
+    for name, t in hf_model().state_dict().items():
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            continue
+        shape = tuple(t.shape)
+        if name.endswith("q_proj.weight"):
+            name = name.replace("q_proj", "qkv_proj")
+            shape = (shape[0] + 2 * QWEN3_MOE["num_key_value_heads"] * QWEN3_MOE["head_dim"], shape[1])
+        names[name.replace("mlp.experts.", "mlp.")] = shape
+    root = nn.Module()
+    for name, shape in names.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, nn.Module())
+            mod = getattr(mod, p)
+        mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=torch.bfloat16, device="meta")))
+    return root
+
+
+def sources_of(dest_name: str) -> list[str]:
+    """The source tensors a destination tensor is fused from (in order)."""
+    if dest_name.endswith("qkv_proj.weight"):
+        return [dest_name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+    if dest_name.endswith(("mlp.gate_up_proj", "mlp.down_proj")):
+        return [dest_name.replace("mlp.", "mlp.experts.")]
+    return [dest_name]
+
+
+def fuse(tensors: list):
+    import torch
+
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def fsdp(name, shape):
+    from torch.distributed.tensor import Shard
+
+    return [Shard(0)]
+
+
+def tp_placements(model) -> dict:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out = {}
+    for name, _ in model.named_parameters():
+        if name.endswith(("qkv_proj.weight", "lm_head.weight")):
+            out[name] = [Shard(0)]
+        elif name.endswith("o_proj.weight"):
+            out[name] = [Shard(1)]
+        elif name.endswith("gate_up_proj"):
+            out[name] = [_StridedShard(1, split_factor=2)]
+        elif name.endswith("down_proj"):
+            out[name] = [Shard(2)]
+        elif name.endswith("embed_tokens.weight"):
+            out[name] = [Shard(1)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# one rank
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _gather_load(src, dst) -> tuple[int, int]:
+    """verl-style: every source tensor a destination tensor needs gathered whole on every rank, then cut."""
+    import torch.distributed as dist
+
+    from loader.placements import slot_for
+    from loader.plan import box_view
+
+    state, world = src.state_dict(), dist.get_world_size()
+    received = sent = 0
+    for name, t in dst.state_dict(keep_vars=True).items():
+        parts = [state[s].full_tensor() for s in sources_of(name)]
+        received += sum(p.numel() * p.element_size() for p in parts)
+        sent += sum(state[s].to_local().numel() * state[s].element_size() * world for s in sources_of(name))
+        full, slot = fuse(parts), slot_for(name, t)
+        for g, lb in slot.boxes:
+            box_view(slot.local, lb).copy_(box_view(full, g))
+    return received, sent
+
+
+def _broadcast_cut(src, dst) -> tuple[int, int]:
+    """checkpoint-engine-style: each source tensor gathered whole on one owner and broadcast; every rank cuts."""
+    import torch
+    import torch.distributed as dist
+
+    from loader.placements import slot_for
+    from loader.plan import box_view
+
+    state, world, rank = src.state_dict(), dist.get_world_size(), dist.get_rank()
+    received = sent = 0
+    for i, (name, t) in enumerate(dst.state_dict(keep_vars=True).items()):
+        parts = []
+        for s in sources_of(name):
+            local, owner = state[s].to_local().contiguous(), i % world
+            chunks = [torch.empty_like(local) for _ in range(world)] if rank == owner else None
+            dist.gather(local, chunks, dst=owner)
+            full = torch.cat(chunks) if rank == owner else torch.empty(state[s].shape, dtype=local.dtype)
+            dist.broadcast(full, src=owner)
+            nbytes = full.numel() * full.element_size()
+            received += nbytes
+            sent += local.numel() * local.element_size() + (nbytes * (world - 1) if rank == owner else 0)
+            parts.append(full)
+        full, slot = fuse(parts), slot_for(name, t)
+        for g, lb in slot.boxes:
+            box_view(slot.local, lb).copy_(box_view(full, g))
+    return received, sent
+
+
+def rank_main(rank: int, spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from loader import transfer_weights
+    from loader.placements import shard_module, slot_for
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    src = hf_model()
+    shard_module(src, mesh, {n: fsdp(n, None) for n in src.state_dict()}, fill=None)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    with torch.no_grad():
+        for name, t in src.state_dict(keep_vars=True).items():
+            local = slot_for(name, t).local
+            local.copy_(torch.randn(local.shape, generator=gen))
+    dst = engine_model()
+    shard_module(dst, mesh, tp_placements(dst), fill=None)
+    locals_ = {n: slot_for(n, t).local for n, t in dst.state_dict(keep_vars=True).items()}
+    reference = None
+    out = []
+    for method in METHODS:
+        for rep in range(spec["repeat"]):
+            with torch.no_grad():
+                for t in locals_.values():
+                    t.fill_(float("nan"))
+            dist.barrier()
+            rss = _vm("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            t0 = time.perf_counter()
+            if method == "transfer_weights":
+                r = transfer_weights(src, dst, dst_mapping=rules(), bucket_bytes=spec["bucket"], timeout=600)
+                received, sent, local, messages = r.bytes_received, r.bytes_sent, r.bytes_local, r.messages
+            else:
+                fn = _gather_load if method == "gather + load" else _broadcast_cut
+                with torch.no_grad():
+                    received, sent = fn(src, dst)
+                local = messages = None
+            wall = time.perf_counter() - t0
+            peak = _vm("VmHWM") - rss
+            if reference is None:
+                reference = {n: t.clone() for n, t in locals_.items()}
+            same = all(torch.equal(t, reference[n]) for n, t in locals_.items())
+            out.append(dict(method=method, rep=rep, wall=wall, peak=peak, received=received, sent=sent,
+                            local=local, messages=messages, same=same))  # fmt: skip
+    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the parent: simulations, the world, the tables
+
+
+def simulate_bench_pair():
+    from loader.transfer import simulate_transfer
+
+    dst = engine_model()
+    return simulate_transfer(
+        hf_model(), dst, dst_mapping=rules(), src_mesh_shape=(WORLD,), src_placements=fsdp,
+        dst_mesh_shape=(WORLD,), dst_placements=tp_placements(dst), colocated=True,
+    )  # fmt: skip
+
+
+def simulate_deepseek(layers: int) -> dict:
+    import plan_scale
+
+    from loader.transfer import simulate_transfer
+
+    model = plan_scale.build_model(layers)
+    f = simulate_transfer(
+        model, model, src_mesh_shape=(64,), src_placements=fsdp, dst_mesh_shape=plan_scale.MESH,
+        dst_placements=plan_scale.placements_for(model),
+    )  # fmt: skip
+    dst = [f.ranks[r] for r in f.dst_ranks]
+    return dict(layers=layers, plan=f.plan_seconds, map=f.map_seconds, moves=f.moves,
+                ratio=(min(r.received_ratio for r in dst), max(r.received_ratio for r in dst)),
+                moved=f.bytes_moved, fallback=f.fallback)  # fmt: skip
+
+
+def run_world(spec: dict) -> list[list[dict]]:
+    import torch.multiprocessing as mp
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)  # freed buffers leave RSS (inherited by the ranks)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        spec["init"] = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    mp.start_processes(rank_main, args=(spec,), nprocs=WORLD, join=True, start_method="spawn")
+    return [json.load(open(os.path.join(spec["out"], f"rank{r}.json"))) for r in range(WORLD)]
+
+
+def _range(values, fmt="{:.3f}") -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def tables(results: list[list[dict]], sim, ds: list[dict], bucket: int) -> str:
+    shard = [r.dst_shard_bytes for r in sim.ranks]
+    need = [r.sent for r in sim.ranks]
+    rows = []
+    for method in METHODS:
+        per = [[x for x in rank if x["method"] == method] for rank in results]
+        walls = [max(rep) for rep in zip(*[[x["wall"] for x in p] for p in per])]
+        last = [p[-1] for p in per]
+        rows.append([
+            f"`{method}`",
+            _range([x["received"] / s for x, s in zip(last, shard)]),
+            _range([x["sent"] / n for x, n in zip(last, need)]),
+            _range([max(x["peak"] for x in p) / MIB for p in per], "{:.0f}") + " MiB",
+            mdtable.spread(walls),
+            "yes" if all(x["same"] for p in per for x in p) else "**NO**",
+        ])  # fmt: skip
+    ours = [[x for x in rank if x["method"] == METHODS[0]][-1] for rank in results]
+    sim_ok = all(x["received"] == r.received and x["sent"] == r.sent for x, r in zip(ours, sim.ranks))
+    head = (
+        f"Qwen3-MoE (`QWEN3_MOE`, bf16, {sum(shard) / MIB:.0f} MiB of destination shards in all), "
+        f"4 gloo ranks colocated, source `Shard(0)` → fused TP destination, `bucket_bytes` {bucket // MIB} MiB; "
+        f"each rank's destination shard {_range([s / MIB for s in shard], '{:.1f}')} MiB. The simulated plan "
+        f"(`simulate_transfer` on meta models) {'equals' if sim_ok else '**differs from**'} the run's bytes "
+        "sent and received on every rank."
+    )
+    t1 = mdtable.table(
+        ["method", "received ÷ shard (per rank)", "sent ÷ needed from it", "peak extra memory", "wall",
+         "= transfer_weights"], rows,
+    )  # fmt: skip
+    t2 = mdtable.table(
+        ["DeepSeek-V3 layers", "plan time (each rank)", "mapping both models (once)", "strided copies",
+         "received ÷ shard", "moved between ranks"],
+        [[d["layers"], f"{d['plan']:.2f} s", f"{d['map']:.2f} s", d["moves"], _range(d["ratio"]),
+          f"{d['moved'] / (1 << 30):.1f} GiB"] for d in ds],
+    )  # fmt: skip
+    ds_head = (
+        "`simulate_transfer`: DeepSeek-V3 (bench/plan_scale.py's meta model, first 3 layers dense, bf16) from "
+        "FSDP `Shard(0)` over ranks 0–63 into EP8 x TP8 on ranks 64–127; one process, no data."
+    )
+    return "\n".join([head, "", t1, "", ds_head, "", t2])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--ds-layers", default="4,5", help="DeepSeek-V3 layer counts to simulate (comma-separated)")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args(argv)
+    watch = mdtable.LoadWatch()
+    sim = simulate_bench_pair()
+    with tempfile.TemporaryDirectory() as out:
+        spec = dict(out=out, repeat=args.repeat, bucket=args.bucket_mib * MIB)
+        results = run_world(spec)
+    ds = [simulate_deepseek(int(n)) for n in args.ds_layers.split(",") if n]
+    load = watch.stop()
+    text = tables(results, sim, ds, args.bucket_mib * MIB)
+    if args.markdown:
+        print(mdtable.run_line(load))
+        print()
+    else:
+        print(f"load average (1 min) during the run: {load}")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
