@@ -213,10 +213,11 @@ def _check_exact(per_rank: list[dict]) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["colocated_tp", "colocated_ep_tp"])
+@pytest.mark.parametrize("name", ["colocated_tp", "colocated_ep_tp", "ep_tp_source"])
 def test_colocated_fsdp_to_tp_bit_for_bit(results, name):
     """Every rank holds a Shard(0) of the transformers Qwen3-MoE and a TP (or EP x TP, _StridedShard gate_up)
-    shard of the fused engine model: each receives exactly its shard bytes, equal to save-then-load."""
+    shard of the fused engine model, or the reverse roles of the meshes (the source EP x TP with replicated
+    tensors, the engine TP): each receives exactly its shard bytes, equal to save-then-load."""
     per_rank = ok(results, name)
     _check_exact(per_rank)
     assert all(res["report"]["messages"] > 0 for res in per_rank)

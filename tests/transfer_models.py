@@ -126,3 +126,23 @@ def tp_placements(model: nn.Module, two_dims: bool = False) -> dict[str, list]:
 def fsdp_placements(model: nn.Module) -> dict[str, list]:
     """FSDP-style: every parameter ``Shard(0)``."""
     return {name: [Shard(0)] for name, _ in model.named_parameters()}
+
+
+def ep_tp_source_placements(model: nn.Module) -> dict[str, list]:
+    """A transformers Qwen3-MoE on a 2 x 2 mesh: experts over the first dim, TP over the second (gate_up as
+    ``_StridedShard``: cells not contiguous in the local shard), everything else replicated on both."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: dict[str, list] = {}
+    for name, _ in model.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            out[name] = [Replicate(), Shard(0)]
+        elif name.endswith("o_proj.weight"):
+            out[name] = [Replicate(), Shard(1)]
+        elif name.endswith("experts.gate_up_proj"):
+            out[name] = [Shard(0), _StridedShard(1, split_factor=2)]
+        elif name.endswith("experts.down_proj"):
+            out[name] = [Shard(0), Shard(2)]
+        else:
+            out[name] = [Replicate(), Replicate()]
+    return out

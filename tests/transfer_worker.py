@@ -30,11 +30,11 @@ MESHES: dict = {}
 KILLED = 2
 
 
-def source_model(mesh) -> torch.nn.Module:
-    """The source with its values, every parameter ``Shard(0)`` over ``mesh``."""
+def source_model(mesh, placements=tm.fsdp_placements) -> torch.nn.Module:
+    """The source with its values, sharded over ``mesh`` (default: every parameter ``Shard(0)``)."""
     _, model = build("qwen3_moe", 0, tie_word_embeddings=False)
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    shard_module(model, mesh, tm.fsdp_placements(model), fill=None)
+    shard_module(model, mesh, placements(model), fill=None)
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
             slot = slot_for(name, t)
@@ -102,6 +102,11 @@ def scenario_colocated_ep_tp(ctx: dict) -> dict:
     return _transfer(ctx, source_model(MESHES["world"]), dest_model(MESHES["2x2"], ep=True), "oracle")
 
 
+def scenario_ep_tp_source(ctx: dict) -> dict:
+    src = source_model(MESHES["2x2"], tm.ep_tp_source_placements)
+    return _transfer(ctx, src, dest_model(MESHES["world"]), "oracle", bucket_bytes=8192)
+
+
 def scenario_disaggregated(ctx: dict) -> dict:
     half = MESHES["half"]
     rank = dist.get_rank()
@@ -165,6 +170,7 @@ def scenario_killed(ctx: dict) -> dict:
 SCENARIOS = [
     ("colocated_tp", scenario_colocated_tp),
     ("colocated_ep_tp", scenario_colocated_ep_tp),
+    ("ep_tp_source", scenario_ep_tp_source),
     ("disaggregated", scenario_disaggregated),
     ("fallback", scenario_fallback),
     ("shape_mismatch", scenario_shape_mismatch),

@@ -83,11 +83,13 @@ class Exchange:
         self.plan, self.rank, self.sources, self.targets, self.keys = plan, rank, sources, targets, keys
         self.group, self.timeout = group, timeout
         self.counts = Counts()
+        self._cells: dict[str, torch.Tensor] = {}  # this round's contiguous copies of non-contiguous cells
 
     def run(self, rounds: Sequence[list[Move]], progress: Callable[[int, int], None] | None = None) -> Counts:
         """Run every round in order (each rank runs the same rounds: the collectives match)."""
         for i, moves in enumerate(rounds):
             self._round(moves)
+            self._cells.clear()
             if progress is not None:
                 progress(i + 1, len(rounds))
         return self.counts
@@ -141,10 +143,18 @@ class Exchange:
     # -- strided copies -----------------------------------------------------------------------------
 
     def _read(self, m: Move) -> torch.Tensor:
-        """The strided view of this rank's local source memory that ``m`` reads (the cell, C-contiguous)."""
-        cell = self.plan.cells[m.block.source]
-        local = dict(cell.owners)[self.rank]
-        return source_view(m.block, box_view(self.sources[cell.tensor], local))
+        """The strided view of this rank's local source memory that ``m`` reads.
+
+        A cell that is not contiguous in the local shard (a box of a ``_StridedShard`` along an inner dim) is
+        copied once per round, not once per move."""
+        name = m.block.source
+        view = self._cells.get(name)
+        if view is None:
+            cell = self.plan.cells[name]
+            view = box_view(self.sources[cell.tensor], dict(cell.owners)[self.rank])
+            if not view.is_contiguous():
+                view = self._cells[name] = view.contiguous()
+        return source_view(m.block, view)
 
     def _write(self, m: Move) -> torch.Tensor:
         return dest_view(m.block, box_view((self.keys if m.key else self.targets)[m.target], m.local))
