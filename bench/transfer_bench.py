@@ -1,7 +1,7 @@
 """Benchmark: moving a model's weights between two shardings on 4 gloo ranks, against gather-then-load and
 broadcast-then-cut, and the plan time of a simulated DeepSeek-V3 pair.
 
-    python bench/transfer_bench.py [--repeat 3] [--bucket-mib 64] [--ds-layers 4,5] [--markdown]
+    python bench/transfer_bench.py [--repeat 3] [--bucket-mib 64,16] [--ds-layers 4,5] [--markdown]
 
 The source is transformers' Qwen3-MoE of bench/common.py (``QWEN3_MOE``: hidden 1024, 4 layers, 32 experts of
 512, bf16, ~440 MiB), every tensor FSDP-style ``Shard(0)`` over the 4 ranks (each rank's shard filled with its
@@ -11,8 +11,9 @@ experts' gate and up in ``mlp.gate_up_proj`` (``_StridedShard(1, split_factor=2)
 on each rank), ``mlp.down_proj`` ``Shard(2)``, ``o_proj`` ``Shard(1)``, vocab-parallel head, column-parallel
 embedding, norms and router replicated: tensor parallel over 4. Methods, same run, same shards:
 
-* ``transfer_weights``: ``loader.transfer_weights(src, dst, dst_mapping=RULES)`` (the plan composes the
-  source's save mapping with the destination's load rules, through the per-expert checkpoint keys);
+* ``transfer_weights``: ``loader.transfer_weights(src, dst, dst_mapping=rules(), bucket_bytes=B)`` for each
+  ``--bucket-mib`` B (the plan composes the source's save mapping with the destination's load rules, through
+  the per-expert checkpoint keys; its wall includes planning on every rank);
 * ``gather + load`` (verl / OpenRLHF): per destination tensor, ``full_tensor()`` of each source tensor it is
   made of (an ``all_gather`` on every rank), fused in memory, then each rank copies its boxes out of it;
 * ``broadcast + cut`` (checkpoint-engine): per source tensor, one owner (round robin) gathers it whole and
@@ -44,7 +45,7 @@ from common import QWEN3_MOE
 
 WORLD = 4
 MIB = 1 << 20
-METHODS = ("transfer_weights", "gather + load", "broadcast + cut")
+OTHERS = ("gather + load", "broadcast + cut")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def rank_main(rank: int, spec: dict) -> None:
     locals_ = {n: slot_for(n, t).local for n, t in dst.state_dict(keep_vars=True).items()}
     reference = None
     out = []
-    for method in METHODS:
+    for method, bucket in [("transfer_weights", b) for b in spec["buckets"]] + [(m, 0) for m in OTHERS]:
         for rep in range(spec["repeat"]):
             with torch.no_grad():
                 for t in locals_.values():
@@ -247,7 +248,7 @@ def rank_main(rank: int, spec: dict) -> None:
                 f.write("5")
             t0 = time.perf_counter()
             if method == "transfer_weights":
-                r = transfer_weights(src, dst, dst_mapping=rules(), bucket_bytes=spec["bucket"], timeout=600)
+                r = transfer_weights(src, dst, dst_mapping=rules(), bucket_bytes=bucket, timeout=600)
                 received, sent, local, messages = r.bytes_received, r.bytes_sent, r.bytes_local, r.messages
             else:
                 fn = _gather_load if method == "gather + load" else _broadcast_cut
@@ -259,7 +260,7 @@ def rank_main(rank: int, spec: dict) -> None:
             if reference is None:
                 reference = {n: t.clone() for n, t in locals_.items()}
             same = all(torch.equal(t, reference[n]) for n, t in locals_.items())
-            out.append(dict(method=method, rep=rep, wall=wall, peak=peak, received=received, sent=sent,
+            out.append(dict(method=_label(method, bucket), rep=rep, wall=wall, peak=peak, received=received, sent=sent,
                             local=local, messages=messages, same=same))  # fmt: skip
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -308,16 +309,21 @@ def run_world(spec: dict) -> list[list[dict]]:
     return [json.load(open(os.path.join(spec["out"], f"rank{r}.json"))) for r in range(WORLD)]
 
 
+def _label(method: str, bucket: int) -> str:
+    return f"{method} ({bucket // MIB} MiB buckets)" if bucket else method
+
+
 def _range(values, fmt="{:.3f}") -> str:
     lo, hi = fmt.format(min(values)), fmt.format(max(values))
     return lo if lo == hi else f"{lo}–{hi}"
 
 
-def tables(results: list[list[dict]], sim, ds: list[dict], bucket: int) -> str:
+def tables(results: list[list[dict]], sim, ds: list[dict], buckets: list[int]) -> str:
     shard = [r.dst_shard_bytes for r in sim.ranks]
     need = [r.sent for r in sim.ranks]
     rows = []
-    for method in METHODS:
+    methods = [_label("transfer_weights", b) for b in buckets] + list(OTHERS)
+    for method in methods:
         per = [[x for x in rank if x["method"] == method] for rank in results]
         walls = [max(rep) for rep in zip(*[[x["wall"] for x in p] for p in per])]
         last = [p[-1] for p in per]
@@ -329,11 +335,11 @@ def tables(results: list[list[dict]], sim, ds: list[dict], bucket: int) -> str:
             mdtable.spread(walls),
             "yes" if all(x["same"] for p in per for x in p) else "**NO**",
         ])  # fmt: skip
-    ours = [[x for x in rank if x["method"] == METHODS[0]][-1] for rank in results]
+    ours = [[x for x in rank if x["method"] == methods[0]][-1] for rank in results]
     sim_ok = all(x["received"] == r.received and x["sent"] == r.sent for x, r in zip(ours, sim.ranks))
     head = (
         f"Qwen3-MoE (`QWEN3_MOE`, bf16, {sum(shard) / MIB:.0f} MiB of destination shards in all), "
-        f"4 gloo ranks colocated, source `Shard(0)` → fused TP destination, `bucket_bytes` {bucket // MIB} MiB; "
+        f"4 gloo ranks colocated, source `Shard(0)` → fused TP destination; "
         f"each rank's destination shard {_range([s / MIB for s in shard], '{:.1f}')} MiB. The simulated plan "
         f"(`simulate_transfer` on meta models) {'equals' if sim_ok else '**differs from**'} the run's bytes "
         "sent and received on every rank."
@@ -358,18 +364,19 @@ def tables(results: list[list[dict]], sim, ds: list[dict], bucket: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--bucket-mib", default="64,16", help="transfer_weights' bucket_bytes in MiB (comma-separated)")
     ap.add_argument("--ds-layers", default="4,5", help="DeepSeek-V3 layer counts to simulate (comma-separated)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     watch = mdtable.LoadWatch()
     sim = simulate_bench_pair()
     with tempfile.TemporaryDirectory() as out:
-        spec = dict(out=out, repeat=args.repeat, bucket=args.bucket_mib * MIB)
+        buckets = [int(b) * MIB for b in args.bucket_mib.split(",") if b]
+        spec = dict(out=out, repeat=args.repeat, buckets=buckets)
         results = run_world(spec)
     ds = [simulate_deepseek(int(n)) for n in args.ds_layers.split(",") if n]
     load = watch.stop()
-    text = tables(results, sim, ds, args.bucket_mib * MIB)
+    text = tables(results, sim, ds, buckets)
     if args.markdown:
         print(mdtable.run_line(load))
         print()
