@@ -114,8 +114,9 @@ class Exchange:
             return
         send_layouts = [segment_layout(ms) for ms in out]
         recv_layouts = [segment_layout(ms) for ms in into]
-        send = torch.empty(sum(n for _, n in send_layouts), dtype=torch.uint8)
-        recv = torch.empty(sum(n for _, n in recv_layouts), dtype=torch.uint8)
+        device = self._device()
+        send = torch.empty(sum(n for _, n in send_layouts), dtype=torch.uint8, device=device)
+        recv = torch.empty(sum(n for _, n in recv_layouts), dtype=torch.uint8, device=device)
         at = 0
         for ms, (offsets, size) in zip(out, send_layouts):
             for m, off in zip(ms, offsets):
@@ -139,6 +140,13 @@ class Exchange:
             for m, off in zip(ms, offsets):
                 self._unpack(m, recv, at + off)
             at += size
+
+    def _device(self) -> torch.device:
+        """Where the round's buffers live: the local tensors' GPU under NCCL (untested here), else the CPU."""
+        if dist.get_backend(self.group) != "nccl":
+            return torch.device("cpu")
+        tensors = [*self.sources.values(), *self.targets.values()]
+        return next((t.device for t in tensors if t is not None and t.device.type == "cuda"), torch.device("cpu"))
 
     # -- strided copies -----------------------------------------------------------------------------
 
