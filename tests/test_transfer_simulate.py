@@ -2,7 +2,8 @@
 
 Oracles independent of the plan: every source element labelled with the world rank holding it, the labels saved
 with ``save_hf_checkpoint`` and loaded into the destination with ``load_hf_checkpoint``; per destination rank,
-the count of each label in its shard is what it must receive from that source rank.
+the count of each label in its shard is what it must receive from that source rank; and real transfers on 4
+gloo ranks (colocated and disaggregated), whose reports give each rank's bytes sent, received and kept local.
 """
 
 from __future__ import annotations
@@ -125,3 +126,59 @@ def test_a_deepseek_v3_pair_plans_on_meta_without_data():
     assert figures.world == 32 and all(r.received == r.dst_shard_bytes > 0 for r in dst)
     assert all(r.sent > 0 for r in figures.ranks[:16]) and not any(r.sent for r in dst)
     assert figures.fallback == 0
+
+
+# -- against a real transfer on 4 gloo ranks ------------------------------------------------------------------------
+
+
+def _rank(rank: int, root: str) -> None:
+    """One rank: a colocated FSDP (4) -> EP x TP (2 x 2) transfer, then a disaggregated FSDP (2) -> TP (2) one;
+    each report saved to ``root/rank{rank}.json``."""
+    import json
+
+    import torch.distributed as dist
+    import transfer_worker as tw
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from loader import transfer_weights
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=4)
+    world, two = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    half = init_device_mesh("cpu", (2, 2), mesh_dim_names=("side", "tp"))["tp"]
+    out = {}
+    report = transfer_weights(tw.source_model(world), tw.dest_model(two, ep=True), dst_mapping=tm.rules(), timeout=60)
+    out["colocated"] = tw.report_dict(report)
+    src = tw.source_model(half) if rank < 2 else None
+    dst = tw.dest_model(half) if rank >= 2 else None
+    out["disaggregated"] = tw.report_dict(transfer_weights(src, dst, dst_mapping=tm.rules(), timeout=60))
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_the_same_bytes_per_rank_as_transfer_weights_on_four_gloo_ranks(tmp_path):
+    """Colocated (FSDP over 4 -> EP x TP 2 x 2, ``_StridedShard`` gate_up) and disaggregated (FSDP over ranks 0-1
+    -> TP over ranks 2-3): every rank's simulated bytes sent, received and kept local are its report's."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(str(tmp_path),), nprocs=4, join=True, start_method="spawn")
+    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
+    source, dest = _meta_pair()
+    colocated = simulate_transfer(
+        source, dest, dst_mapping=tm.rules(), src_mesh_shape=(4,), src_placements=FSDP,
+        dst_mesh_shape=(2, 2), dst_placements=_ep_tp(dest), colocated=True,
+    )  # fmt: skip
+    disaggregated = simulate_transfer(
+        source, dest, dst_mapping=tm.rules(), src_mesh_shape=(2,), src_placements=FSDP,
+        dst_mesh_shape=(2,), dst_placements=tm.tp_placements(dest),
+    )  # fmt: skip
+    for name, figures in (("colocated", colocated), ("disaggregated", disaggregated)):
+        for r, sim in enumerate(figures.ranks):
+            real = reports[r][name]
+            assert (real["bytes_sent"], real["bytes_received"], real["bytes_local"]) == (
+                sim.sent, sim.received, sim.local,
+            ), (name, r)  # fmt: skip
