@@ -416,7 +416,7 @@ def test_write_plan_is_the_saves_own_and_prints_a_table(tmp_path):
 def test_plan_transfer_prints_bytes_per_rank_pair(tmp_path):
     """`regiontrace plan CKPT --mesh 2x2 --transfer 4`: the checkpoint's model moved from FSDP over ranks 0-3
     into EP x TP on ranks 4-7 (simulated): each destination rank receives its shard bytes (1.000), the pair
-    table and the JSON add up; `--colocated` puts the mesh on ranks 0-3."""
+    table and the JSON add up; `--colocated` puts the mesh on ranks 0-3; `--transfer-svg` draws the pairs."""
     pytest.importorskip("transformers")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from hf_models import build
@@ -437,3 +437,8 @@ def test_plan_transfer_prints_bytes_per_rank_pair(tmp_path):
         assert rank["sent"] == sum(p["bytes"] for p in moved["pairs"] if p["src"] == rank["rank"])
     bad = regiontrace("plan", str(tmp_path / "ckpt"), "--mesh", "2x2", "--transfer", "0")
     assert bad.returncode != 0 and "--transfer 0" in bad.stderr
+    svg = tmp_path / "transfer.svg"
+    r = regiontrace("plan", str(tmp_path / "ckpt"), "--mesh", "4", "--transfer", "2", "--transfer-svg", str(svg))
+    assert r.returncode == 0 and f"wrote {svg}" in r.stdout, r.stderr
+    cells = [e for e in ET.parse(svg).getroot() if e.tag.endswith("rect") and "→" in "".join(e.itertext())]
+    assert len(cells) == 2 * 4  # one per (source rank, destination rank)

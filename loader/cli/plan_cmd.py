@@ -26,6 +26,7 @@ from .models import build_meta_model, read_config
 from .save_plan import write_plan, write_plan_json, write_plan_text
 from .svg import render
 from .transfer_plan import transfer_plan, transfer_plan_json, transfer_plan_text
+from .transfer_plan import transfer_svg as transfer_svg_text
 
 HELP = "per-rank load plan of a Hugging Face checkpoint on a device mesh (no processes, no data read)"
 DESCRIPTION = """\
@@ -45,7 +46,8 @@ holder of), its positional writes and the files it writes into.
 --transfer N adds the plan of loader.transfer_weights moving the same model's weights from an FSDP-style
 Shard(0) over N ranks into the mesh's sharding (loader.transfer.simulate_transfer): destination ranks after
 the N source ranks (--colocated: on the same ranks from 0); bytes each rank sends and receives against its
-shard bytes, bytes per rank pair, and the time each rank takes to compute the plan."""
+shard bytes, bytes per rank pair (--transfer-svg: as a picture), and the time each rank takes to compute
+the plan."""
 EPILOG = """\
 examples:
   regiontrace plan ./Qwen3-30B-A3B --mesh 2x4
@@ -86,6 +88,7 @@ def add_parser(sub: Any) -> None:
         help="also the plan of moving the weights from FSDP (Shard(0)) over N ranks into the mesh's sharding",
     )
     p.add_argument("--colocated", action="store_true", help="--transfer: the mesh on the source's ranks")
+    p.add_argument("--transfer-svg", metavar="FILE", help="--transfer: write its picture (bytes per rank pair)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--svg", metavar="FILE", help="write the plan picture")
     p.add_argument(
@@ -103,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--mesh {args.mesh}: use a 1-D (TP) or 2-D (EP x TP) mesh")
     if args.transfer is not None and args.transfer < 1:
         raise CLIError(f"--transfer {args.transfer}: give the number of source (FSDP) ranks, at least 1")
+    if args.transfer_svg and not args.transfer:
+        raise CLIError("--transfer-svg draws the plan of --transfer N: give --transfer")
     checkpoint = _local_checkpoint(args.checkpoint, args.revision)
     if not have_transformers():
         raise CLIError("`plan` builds the model with transformers: pip install 'transformers>=5'")
@@ -122,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         save=args.save,
         transfer=args.transfer,
         colocated=args.colocated,
+        transfer_svg=args.transfer_svg,
     )
     if args.json:
         print(json.dumps(result["json"], indent=2))
@@ -171,10 +177,12 @@ def plan_model(
     save_kwargs: dict | None = None,
     transfer: int | None = None,
     colocated: bool = False,
+    transfer_svg: str | None = None,
 ) -> dict[str, Any]:
     """Simulate the load of ``model`` (placements from its TP plan unless given); text, JSON and picture.
     ``save``: also the write plan of saving it back (``save_kwargs``: the save's rules, as ``plan_writes``'s).
-    ``transfer``: also the transfer into it from ``Shard(0)`` over that many ranks (``colocated``: same ranks)."""
+    ``transfer``: also the transfer into it from ``Shard(0)`` over that many ranks (``colocated``: same ranks;
+    ``transfer_svg``: its picture)."""
     checkpoint = SafetensorsCheckpoint.open(checkpoint_path)
     why: dict[str, str] = {}
     if placements is None:
@@ -240,6 +248,10 @@ def plan_model(
         moved = transfer_plan(model, mesh_shape, placements, transfer, colocated=colocated)
         text += ["", transfer_plan_text(moved)]
         out_json["transfer"] = transfer_plan_json(moved)
+        if transfer_svg:
+            with open(transfer_svg, "w") as f:
+                f.write(transfer_svg_text(moved, f"Transfer plan: {title.removeprefix('Load plan: ')}"))
+            text += [f"wrote {transfer_svg}"]
     if svg:
         model_tensors = dict(model.state_dict(keep_vars=True))
         chosen = geometry.select_tensors(list(model_tensors), tensors)

@@ -118,3 +118,67 @@ def transfer_plan_json(f: TransferFigures) -> dict[str, Any]:
         "plan_seconds": f.plan_seconds,
         "map_seconds": f.map_seconds,
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# the picture: bytes per rank pair as a matrix, received ÷ shard per destination rank as bars
+
+_FONT = 'font-family="Helvetica, Arial, sans-serif"'
+
+
+def _shade(x: float) -> str:
+    """White (0) to deep blue (1)."""
+    r, g, b = (int(255 + (c - 255) * x) for c in (33, 102, 172))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def transfer_svg(f: TransferFigures, title: str = "Transfer plan") -> str:
+    """A plain SVG: one cell per (source rank, destination rank), shaded by its bytes, and one bar per
+    destination rank: bytes received against its shard bytes (the tick)."""
+    from xml.sax.saxutils import escape
+
+    srcs, dsts = f.src_ranks, f.dst_ranks
+    cell = max(4, min(28, 640 // max(len(srcs), len(dsts))))
+    left, top = 96, 84
+    width, height = max(640, left + cell * len(dsts) + 40), top + cell * len(srcs) + 150
+    big = max(f.pairs.values(), default=1)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" {_FONT} font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="16" y="24" font-size="16" font-weight="bold">{escape(title)}</text>',
+        f'<text x="16" y="44">{len(srcs)} source rank(s) (rows) → {len(dsts)} destination rank(s) (columns): '
+        f"bytes per pair, darkest {escape(human_bytes(big))}; plan {f.plan_seconds:.3f} s</text>",
+        f'<text x="16" y="{top - 8}">src \\ dst</text>',
+    ]
+    step = max(1, 24 // cell)
+    for j, d in enumerate(dsts):
+        if j % step == 0:
+            out.append(f'<text x="{left + j * cell + cell / 2}" y="{top - 8}" text-anchor="middle">{d}</text>')
+    for i, s in enumerate(srcs):
+        y = top + i * cell
+        if i % step == 0:
+            out.append(f'<text x="{left - 6}" y="{y + cell / 2 + 4}" text-anchor="end">{s}</text>')
+        for j, d in enumerate(dsts):
+            n = f.pairs.get((s, d), 0)
+            fill = _shade(n / big) if n else "#f4f4f4"
+            out.append(
+                f'<rect x="{left + j * cell}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{fill}">'
+                f"<title>{s} → {d}: {escape(human_bytes(n))}</title></rect>"
+            )
+    y0 = top + cell * len(srcs) + 24
+    out.append(f'<text x="16" y="{y0 + 12}">received ÷ shard (tick: 1.0)</text>')
+    most = max([r.received / r.dst_shard_bytes for r in f.ranks if r.dst_shard_bytes] + [1.0])
+    for j, d in enumerate(dsts):
+        r = f.ranks[d]
+        ratio = r.received / r.dst_shard_bytes if r.dst_shard_bytes else 0.0
+        h = 90 * ratio / most
+        x, base = left + j * cell, y0 + 110
+        out.append(
+            f'<rect x="{x}" y="{base - h}" width="{cell - 1}" height="{h}" fill="{_shade(0.8)}">'
+            f"<title>rank {d}: received {escape(human_bytes(r.received))} of a "
+            f"{escape(human_bytes(r.dst_shard_bytes))} shard ({ratio:.3f})</title></rect>"
+        )
+        tick = base - 90 / most
+        out.append(f'<line x1="{x}" x2="{x + cell - 1}" y1="{tick}" y2="{tick}" stroke="black"/>')
+    out.append("</svg>")
+    return "\n".join(out)
