@@ -46,6 +46,15 @@ def results(source_files):
     return run_world(transfer_worker.__file__, root, str(root), ctx)
 
 
+@pytest.fixture(scope="module")
+def hung_results(source_files, results):
+    root, _ = source_files
+    out = root / "hung"
+    out.mkdir()
+    ctx = {"store": str(root / "hung_store"), "out": str(out), "oracle": str(root / "oracle.pt"), "hung": True}
+    return run_world(transfer_worker.__file__, out, str(out), ctx)
+
+
 # -- one process ---------------------------------------------------------------------------------------------------
 
 
@@ -246,6 +255,19 @@ def test_a_shape_mismatch_fails_every_rank_before_sending(results):
     for r, res in enumerate(ok(results, "shape_mismatch")):
         assert res["type"] == "ValueError" and "lm_head.weight" in res["message"], (r, res)
         assert not res["sent"] and res["unchanged"], (r, res)
+
+
+@pytest.mark.dist
+def test_a_hung_rank_fails_every_rank_within_the_timeout_and_rollback_restores(hung_results):
+    for r, every in enumerate(hung_results):
+        if r == transfer_worker.KILLED:
+            continue
+        res = every["hung"]
+        assert res["ok"], res.get("error")
+        assert res["type"] == "PeerFailure", (r, res)
+        assert "did not finish transferring" in res["message"], res["message"]
+        assert res["seconds"] < 30, res  # a 4 s timeout for the round, then 4 s for the agreement
+        assert res["unchanged"], f"rank {r} was not restored"
 
 
 @pytest.mark.dist

@@ -140,6 +140,45 @@ def scenario_shape_mismatch(ctx: dict) -> dict:
     return {**outcome, "sent": bool(sent), "unchanged": unchanged(dst)}
 
 
+def scenario_hung(ctx: dict) -> dict:
+    """Rank 2 hangs in the second round until the others gave up (then dies): they raise PeerFailure within
+    their timeout and put their shards back. Alone in its world: a collective that timed out leaves gloo's
+    process group unusable."""
+    import time
+
+    from loader import transfer_weights
+    from loader.transfer import exchange
+
+    mesh, rank = MESHES["world"], dist.get_rank()
+    src, dst = source_model(mesh), dest_model(mesh)
+    gave_up = [os.path.join(ctx["out"], f"hung_gave_up_{r}") for r in range(dist.get_world_size()) if r != KILLED]
+    calls = []
+    original = exchange.Exchange._round
+
+    def round_(self, moves):
+        calls.append(1)
+        if rank == KILLED and len(calls) == 2:
+            deadline = time.monotonic() + 120
+            while not all(map(os.path.exists, gave_up)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, moves)
+
+    exchange.Exchange._round = round_
+    t0 = time.monotonic()
+    try:
+        transfer_weights(src, dst, dst_mapping=tm.rules(), timeout=4, rollback=True, bucket_bytes=4096)
+        outcome = {"type": None}
+    except BaseException as e:
+        outcome = describe(e)
+    finally:
+        exchange.Exchange._round = original
+        seconds = time.monotonic() - t0
+        if rank != KILLED:
+            open(os.path.join(ctx["out"], f"hung_gave_up_{rank}"), "w").close()
+    return {**outcome, "seconds": seconds, "unchanged": unchanged(dst)}
+
+
 def scenario_killed(ctx: dict) -> dict:
     """Rank 2 is SIGKILLed in the second round; the others raise PeerFailure and put their shards back."""
     from loader import transfer_weights
@@ -176,6 +215,7 @@ SCENARIOS = [
     ("shape_mismatch", scenario_shape_mismatch),
     ("killed", scenario_killed),  # last: rank 2 dies
 ]
+HUNG_SCENARIOS = [("ready", lambda ctx: {}), ("hung", scenario_hung)]  # a world of its own: rank 2 hangs, dies
 
 
 def run_rank(rank: int, world: int, ctx: dict) -> None:
@@ -186,7 +226,7 @@ def run_rank(rank: int, world: int, ctx: dict) -> None:
     MESHES["world"] = init_device_mesh("cpu", (world,))
     MESHES["2x2"] = init_device_mesh("cpu", (2, 2))
     MESHES["half"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("side", "tp"))["tp"]
-    run_scenarios(SCENARIOS, ctx, rank)
+    run_scenarios(HUNG_SCENARIOS if ctx.get("hung") else SCENARIOS, ctx, rank)
 
 
 if __name__ == "__main__":  # run by tests/test_transfer.py: transfer_worker.py RANK WORLD CTX_JSON
