@@ -1,8 +1,8 @@
 """Plan: for one rank, which checkpoint elements go where — pure values, nothing read or written.
 
 :mod:`.slots` (model tensors as load targets: ``TargetSlot``, boxes) ← :mod:`.traces` (traced conversions,
-cached by signature: ``Traced | Untraced``) and :mod:`.dtypes` (cast and FP8 checks) ← :mod:`.rank`
-(``plan_rank`` → ``RankPlan``).
+cached by signature: ``TracedConversion | Untraced``, one value for load, save and transfer) and :mod:`.dtypes`
+(cast and FP8 checks) ← :mod:`.rank` (``plan_rank`` → ``RankPlan``).
 """
 
 from .rank import (
@@ -17,7 +17,7 @@ from .rank import (
     unique_read_bytes,
 )
 from .slots import Box, TargetSlot, box_view, full_box, iter_model_tensors, model_slots, plain_slot
-from .traces import TraceCache, Traced, Untraced
+from .traces import Layout, TraceCache, Traced, TracedConversion, Untraced
 
 __all__ = [
     "BlockRead",
@@ -25,8 +25,10 @@ __all__ = [
     "DeferredRead",
     "RankPlan",
     "TargetSlot",
+    "Layout",
     "TraceCache",
     "Traced",
+    "TracedConversion",
     "Untraced",
     "ValueRead",
     "box_view",

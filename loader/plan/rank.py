@@ -181,8 +181,8 @@ def plan_rank(
             outcome = Untraced("values computed by pointwise ops are read whole here (values=False)")
         outcomes.append(outcome)
         if isinstance(outcome, Traced):
-            reads += _compiled(conv, outcome, slots, cache)
-            value_reads += _compiled_values(conv, outcome, slots, cache, value_bytes)
+            reads += _compiled(conv, outcome, slots)
+            value_reads += _compiled_values(conv, outcome, slots, value_bytes)
         else:
             owned = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
             deferred.append(DeferredRead(conv, outcome.reason, owned))
@@ -247,7 +247,7 @@ def _checked_outputs(
     return casts
 
 
-def _compiled(conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot], cache: TraceCache) -> list[BlockRead]:
+def _compiled(conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot]) -> list[BlockRead]:
     """The region reads of a traced conversion: its blocks for every box this rank owns of its targets."""
     reads = []
     for i, t in enumerate(conv.targets):
@@ -256,12 +256,12 @@ def _compiled(conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot],
             continue
         for g, lb in slots[t].boxes:
             if _nonempty(g):
-                reads.extend(BlockRead(t, lb, block) for block in cache.blocks(traced.key, i, out, g, conv.sources))
+                reads.extend(BlockRead(t, lb, block) for block in traced.blocks(i, g, conv.sources))
     return reads
 
 
 def _compiled_values(
-    conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot], cache: TraceCache, value_bytes: int
+    conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot], value_bytes: int
 ) -> list[ValueRead]:
     """The value reads of a traced conversion: a program per owned box of its computed targets, boxes split so
     that a program's inputs hold at most ``value_bytes``."""
@@ -273,7 +273,7 @@ def _compiled_values(
         per_element = sum(d.itemsize for _, d, _ in rt.input_regions(out.value, out.dtype))
         for g, lb in slots[t].boxes:
             for gp, lp in split_box(g, lb, max(1, value_bytes // per_element)):
-                reads.append(ValueRead(t, lp, cache.program(traced.key, i, out, gp, conv.sources)))
+                reads.append(ValueRead(t, lp, traced.program(i, gp, conv.sources)))
     return reads
 
 

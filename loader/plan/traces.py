@@ -11,12 +11,16 @@ A transformers rule's ops receive their sources cast to the model tensor's dtype
 (:func:`~loader.rules.conversion.source_cast`). For an index map the cast commutes with every movement op, so it is
 left to the final copy; a conversion that computes values is traced again on cast leaves, so its arithmetic rounds
 in the dtype ``from_pretrained`` (and the deferred path) rounds in.
+
+One trace serves load, save and transfer: :class:`TracedConversion` also carries, lazily, the trace's inverse
+(:func:`regiontrace.invert`, the save's scatter back into the checkpoint) and its blocks compiled per box both
+ways, all shared by every conversion of its signature (:meth:`TraceCache.signature`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,23 +32,84 @@ from ..rules.conversion import MetaRun, cast_like_transformers, meta_tensors, ru
 from .slots import Box
 
 
+class _Shared:
+    """What every conversion of one signature shares: its traced outputs (in target order, on canonical leaves),
+    its inverse once asked for, and the blocks and value programs compiled per box."""
+
+    __slots__ = ("outputs", "leaves", "inverse", "blocks", "programs", "inverse_blocks")
+
+    def __init__(self, outputs: tuple[rt.RegionTensor, ...], leaves: tuple[rt.RegionTensor, ...]) -> None:
+        self.outputs, self.leaves = outputs, leaves
+        self.inverse: rt.Inverse | rt.NotInvertible | None = None
+        self.blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = {}
+        self.programs: dict[tuple, rt.ValueProgram] = {}
+        self.inverse_blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = {}
+
+
 @dataclass(frozen=True, eq=False)
-class Traced:
+class TracedConversion:
     """A conversion traced: each output an exact index map, or values computed from index maps by pointwise ops
-    (:attr:`is_index_map` says which).
+    (:attr:`is_index_map` says which). One value serves load (its blocks), save (its inverse) and transfer.
 
     Attributes:
         outputs: each target's RegionTensor (over canonical leaves ``#i``: the conversion's ``sources[i]``).
-        key: the signature's key in its :class:`TraceCache` (for :meth:`TraceCache.blocks`).
+        key: the signature's key in its :class:`TraceCache`.
     """
 
     outputs: Mapping[str, rt.RegionTensor]
     key: int
+    _shared: _Shared = field(repr=False)
 
     @property
     def is_index_map(self) -> bool:
         """Whether every output is an index map (no output computed by pointwise ops)."""
         return all(t.is_index_map for t in self.outputs.values())
+
+    def invert(self) -> rt.Inverse:
+        """The trace's inverse (outputs named ``"0", "1", …`` in target order), made once per signature.
+
+        Raises:
+            regiontrace.NotInvertible: the conversion is not a bijection (drops, repeats or computes elements).
+        """
+        shared = self._shared
+        if shared.inverse is None:
+            outputs = {str(i): t for i, t in enumerate(shared.outputs)}
+            try:
+                shared.inverse = rt.invert(outputs, list(shared.leaves))
+            except rt.NotInvertible as e:
+                shared.inverse = e
+        if isinstance(shared.inverse, rt.NotInvertible):
+            raise shared.inverse
+        return shared.inverse
+
+    def blocks(self, target_index: int, box: Box, names: tuple[str, ...]) -> tuple[rt.RemapBlock, ...]:
+        """Blocks for ``box`` of target ``target_index``, compiled once per signature, reading ``names``."""
+        cache, key = self._shared.blocks, (target_index, box)
+        blocks = cache.get(key)
+        if blocks is None:
+            blocks = cache[key] = self._shared.outputs[target_index].remap_blocks(box)
+        return tuple(_rename(b, names) for b in blocks)
+
+    def program(self, target_index: int, box: Box, names: tuple[str, ...]) -> rt.ValueProgram:
+        """The value program for ``box``, compiled once per signature, reading ``names``."""
+        cache, key = self._shared.programs, (target_index, box)
+        program = cache.get(key)
+        if program is None:
+            program = cache[key] = self._shared.outputs[target_index].value_program(box)
+        return program.with_blocks(lambda b: _rename(b, names))
+
+    def inverse_blocks(self, target_index: int, box: Box, names: tuple[str, ...]) -> tuple[rt.RemapBlock, ...]:
+        """The blocks of ``box`` (global) of target ``target_index`` run backwards (model tensor -> checkpoint
+        keys ``names``), compiled once per signature (:meth:`invert` raises when there is no inverse)."""
+        cache, key = self._shared.inverse_blocks, (target_index, box)
+        blocks = cache.get(key)
+        if blocks is None:
+            blocks = cache[key] = self.invert().blocks(str(target_index), box)
+        return tuple(_rename(b, names) for b in blocks)
+
+
+#: the name the load has always used
+Traced = TracedConversion
 
 
 @dataclass(frozen=True)
@@ -54,38 +119,59 @@ class Untraced:
     Attributes:
         reason: why (the :class:`~regiontrace.Untraceable` or :class:`~regiontrace.TraceMismatch` message, or
             the hook that rejected it).
+        untraceable: the reason is an op that does not trace (else: what the conversion returned, or a hook).
     """
 
     reason: str
+    untraceable: bool = False
+
+
+@dataclass(frozen=True)
+class _Info:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Layout:
+    """A checkpoint layout without a checkpoint, as :class:`TraceCache` reads one (``tensors[key].shape/.dtype``):
+    the save's and the transfer's stand-in for the checkpoint."""
+
+    def __init__(self, keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self.tensors = {k: _Info(tuple(s), d) for k, (s, d) in keys.items()}
 
 
 class TraceCache:
-    """Traces by signature: one trace serves every layer whose conversion has the same structure.
+    """Traces by signature: one trace serves every layer whose conversion has the same structure, for load, save
+    and transfer alike (:meth:`signature`).
 
     Attributes:
         hits, misses: trace lookups served from the cache, and traces made.
     """
 
     def __init__(self) -> None:
-        self._traces: dict[int, tuple[rt.RegionTensor, ...] | str] = {}
-        self._blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = {}
-        self._programs: dict[tuple, rt.ValueProgram] = {}
+        self._traces: dict[int, _Shared | Untraced] = {}
         self._keys: dict[tuple[int, int], tuple[Conversion, SafetensorsCheckpoint, int, MetaRun]] = {}
         self._interned: dict[Hashable, int] = {}
         self._reruns: dict[int, MetaRun] = {}
         self.hits = 0
         self.misses = 0
 
-    def meta(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> MetaRun:
+    def meta(self, conv: Conversion, checkpoint: SafetensorsCheckpoint | Layout) -> MetaRun:
         """``conv``'s meta run on ``checkpoint``'s shapes and dtypes (its own, when it was made on those)."""
         return self._key(conv, checkpoint)[1]
 
+    def signature(self, conv: Conversion, checkpoint: SafetensorsCheckpoint | Layout) -> int:
+        """The key of ``conv``'s signature on ``checkpoint``: equal for conversions of one rule and feed
+        (:attr:`~loader.rules.Conversion.signature`) whose sources have the same shapes and dtypes there."""
+        return self._key(conv, checkpoint)[0]
+
     def trace(
-        self, conv: Conversion, checkpoint: SafetensorsCheckpoint, cast: torch.dtype | None = None
-    ) -> Traced | Untraced:
+        self, conv: Conversion, checkpoint: SafetensorsCheckpoint | Layout, cast: torch.dtype | None = None
+    ) -> TracedConversion | Untraced:
         """Trace ``conv`` on canonical leaves, once per signature.
 
         Args:
+            checkpoint: the checkpoint, or a :class:`Layout` (its keys' shapes and dtypes).
             cast: the dtype the conversion's floating-point sources are cast to before it runs
                 (:func:`~loader.rules.conversion.source_cast`); None: they are not.
 
@@ -96,17 +182,15 @@ class TraceCache:
         if meta.error is not None:
             raise meta.error
         cached = self._traced(key, conv, meta, None)
-        if cast is not None and not isinstance(cached, str) and not all(t.is_index_map for t in cached):
+        if cast is not None and isinstance(cached, _Shared) and not all(t.is_index_map for t in cached.outputs):
             if any(d.is_floating_point and d != cast for d in meta.dtypes):
                 key = self._intern((key, "cast", cast))
                 cached = self._traced(key, conv, meta, cast)
-        if isinstance(cached, str):
-            return Untraced(cached)
-        return Traced(dict(zip(conv.targets, cached)), key)
+        if isinstance(cached, Untraced):
+            return cached
+        return TracedConversion(dict(zip(conv.targets, cached.outputs)), key, cached)
 
-    def _traced(
-        self, key: int, conv: Conversion, meta: MetaRun, cast: torch.dtype | None
-    ) -> tuple[rt.RegionTensor, ...] | str:
+    def _traced(self, key: int, conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> _Shared | Untraced:
         cached = self._traces.get(key)
         if cached is None:
             self.misses += 1
@@ -115,9 +199,9 @@ class TraceCache:
             self.hits += 1
         return cached
 
-    def _key(self, conv: Conversion, checkpoint: SafetensorsCheckpoint) -> tuple[int, MetaRun]:
+    def _key(self, conv: Conversion, checkpoint: SafetensorsCheckpoint | Layout) -> tuple[int, MetaRun]:
         """A small int standing for ``conv``'s signature on ``checkpoint`` (equal signatures, equal ints), and its
-        meta run.
+        meta run: the rule's signature with the sources' shapes and dtypes on ``checkpoint``.
 
         Memoised per (conversion, checkpoint) object: simulated ranks share both, and an expert merge's
         signature holds hundreds of source shapes, too costly to compare and hash per rank. The entry keeps both
@@ -130,38 +214,17 @@ class TraceCache:
         shapes, dtypes = tuple(i.shape for i in infos), tuple(i.dtype for i in infos)
         meta = conv.meta
         if meta is not None and conv.signature is not None and meta.shapes == shapes and meta.dtypes == dtypes:
-            key = self._intern(conv.signature)
+            key = self._intern(conv.signature)  # the rule's signature holds these shapes and dtypes already
         else:  # made on other dtypes (rules planned from shapes alone), or a conversion built by hand
             key = self._intern((conv.signature if conv.signature is not None else _Unique(conv), shapes, dtypes))
             meta = self._reruns.get(key)
             if meta is None:
                 meta = self._reruns[key] = run_on_meta(conv, shapes, dtypes)
-        self._keys[(id(conv), id(checkpoint))] = (conv, checkpoint, key, meta)
+        self._keys[(id(conv), id(checkpoint))] = (conv, checkpoint, key, meta)  # type: ignore[assignment]
         return key, meta
 
     def _intern(self, signature: Hashable) -> int:
         return self._interned.setdefault(signature, len(self._interned))
-
-    def blocks(
-        self, sig: int, target_index: int, traced: rt.RegionTensor, box: Box, names: tuple[str, ...]
-    ) -> tuple[rt.RemapBlock, ...]:
-        """Blocks for ``box``, compiled once per signature and renamed to this conversion's sources."""
-        key = (sig, target_index, box)
-        blocks = self._blocks.get(key)
-        if blocks is None:
-            blocks = traced.remap_blocks(box)
-            self._blocks[key] = blocks
-        return tuple(_rename(b, names) for b in blocks)
-
-    def program(
-        self, sig: int, target_index: int, traced: rt.RegionTensor, box: Box, names: tuple[str, ...]
-    ) -> rt.ValueProgram:
-        """The value program for ``box``, compiled once per signature and renamed to this conversion's sources."""
-        key = (sig, target_index, box)
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs[key] = traced.value_program(box)
-        return program.with_blocks(lambda b: _rename(b, names))
 
 
 class _Unique:
@@ -173,7 +236,7 @@ class _Unique:
         self.obj = obj
 
 
-def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> tuple[rt.RegionTensor, ...] | str:
+def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> _Shared | Untraced:
     """Run ``conv`` on RegionTensor leaves (cast to ``cast`` first when given), check it against its meta run;
     its outputs in target order, or the reason it does not trace."""
     leaves = {
@@ -182,7 +245,7 @@ def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> tuple[r
     }
     try:
         if cast is None:
-            out, expected = conv.run(leaves), _meta_outputs(conv, meta)
+            out, expected = conv.run(dict(leaves)), _meta_outputs(conv, meta)
         else:
             out = conv.run(cast_like_transformers(conv.rule, leaves, cast))
             expected = rt.run_on_meta(
@@ -191,13 +254,13 @@ def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> tuple[r
             )
         rt.check_trace(out, expected)
     except (rt.Untraceable, rt.TraceMismatch) as e:
-        return f"{type(e).__name__}: {e}"
-    if not isinstance(out, Mapping) or set(out) - set(conv.targets):
-        return f"conversion returned {sorted(out) if isinstance(out, Mapping) else type(out).__name__}"
+        return Untraced(f"{type(e).__name__}: {e}", untraceable=True)
+    if not isinstance(out, Mapping) or set(out) != set(conv.targets):
+        return Untraced(f"conversion returned {sorted(out) if isinstance(out, Mapping) else type(out).__name__}")
     for name, t in out.items():
         if not isinstance(t, rt.RegionTensor):
-            return f"output {name!r} is not derived from the checkpoint tensors"
-    return tuple(out[t] for t in conv.targets)
+            return Untraced(f"output {name!r} is not derived from the checkpoint tensors")
+    return _Shared(tuple(out[t] for t in conv.targets), tuple(leaves.values()))
 
 
 def _meta_outputs(conv: Conversion, meta: MetaRun) -> dict[str, torch.Tensor]:

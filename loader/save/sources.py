@@ -7,7 +7,8 @@ for renames, by reversing them; from ``source_shapes`` when the caller gives the
 reversed by name). Then the loader's own key plan (``plan_keys``, the rules ``load_hf_checkpoint`` uses) runs
 forwards on those keys, each conversion is traced on ``RegionTensor`` leaves and inverted
 (:func:`regiontrace.invert`): the model tensors' values are scattered back through the very mapping a load
-would read them with, checked to be a bijection.
+would read them with, checked to be a bijection. The trace is the load's own
+(:class:`~loader.plan.TracedConversion`, from a :class:`~loader.plan.TraceCache` a load may share).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import regiontrace as rt
 
 from .._torch import storage_key
 from ..options import Rules
+from ..plan.traces import Layout, TraceCache, TracedConversion, Untraced
 from ..rules import Conversion, Convert, Rename, dot_natural_key, plan_keys
 from ..rules import hf as hf_rules
 from .filelayout import TensorSpec
@@ -41,12 +43,15 @@ class SavedConversion:
         inverse: the checked inverse, on canonical leaves ``#0, #1, …`` and outputs ``"0", "1", …`` (one
             trace serves every layer of the same structure).
         sources: the checkpoint keys standing for ``#0, #1, …``.
+        signature: the trace's signature key in its :class:`~loader.plan.TraceCache`.
+        traced: the forward trace (shared by every conversion of the signature, with its compiled blocks).
     """
 
     conversion: Conversion
     inverse: rt.Inverse
     sources: tuple[str, ...]
     signature: int
+    traced: TracedConversion
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -69,16 +74,11 @@ class SaveMapping:
     conversions: list[SavedConversion]
     tensors: dict[str, torch.Tensor]
     derived_by: str
-    _blocks: dict[tuple, tuple[rt.RemapBlock, ...]] = field(default_factory=dict, repr=False)
 
     def blocks(self, saved: SavedConversion, target: str, box: tuple) -> tuple[rt.RemapBlock, ...]:
-        """The blocks of ``box`` (global) of model tensor ``target``, run backwards, named by checkpoint key."""
-        index = saved.targets.index(target)
-        key = (saved.signature, index, box)
-        blocks = self._blocks.get(key)
-        if blocks is None:
-            blocks = self._blocks[key] = saved.inverse.blocks(str(index), box)
-        return tuple(replace(b, source=saved.sources[int(b.source[1:])]) for b in blocks)
+        """The blocks of ``box`` (global) of model tensor ``target``, run backwards, named by checkpoint key
+        (compiled once per signature)."""
+        return saved.traced.inverse_blocks(saved.targets.index(target), box, saved.sources)
 
 
 def map_for_save(
@@ -86,6 +86,7 @@ def map_for_save(
     rules: Rules | None = None,
     *,
     source_shapes: SourceShapes | None = None,
+    cache: TraceCache | None = None,
 ) -> SaveMapping:
     """Find the checkpoint layout of ``model`` and invert every conversion into it.
 
@@ -96,6 +97,7 @@ def map_for_save(
         source_shapes: the checkpoint keys to save, with their shapes (or ``(shape, dtype)``; without a dtype, the
             dtype of the model tensors they convert to), or a checkpoint (path or ``SafetensorsCheckpoint``) whose
             keys, shapes and dtypes to use. Needed when a ``Convert`` rule is used.
+        cache: the traces by signature to use (e.g. a load's, or a transfer's other side); None: a new one.
 
     Raises:
         ValueError: the checkpoint keys cannot be derived (a ``Convert`` without ``source_shapes``), the rules do
@@ -124,9 +126,9 @@ def map_for_save(
         TensorSpec(key, tuple(shape), dtypes[key], storage, nbytes)
         for key, (shape, _, (storage, nbytes)) in originals.items()
     ]
-    shapes = {key: tuple(shape) for key, (shape, _, _) in originals.items()}
-    traces: dict[tuple, tuple[int, rt.Inverse]] = {}
-    conversions = [_invert(conv, dtypes, shapes, state, traces) for conv in keyplan.conversions]
+    layout = Layout({key: (tuple(shape), dtypes[key]) for key, (shape, _, _) in originals.items()})
+    cache = cache if cache is not None else TraceCache()
+    conversions = [_invert(conv, layout, state, cache) for conv in keyplan.conversions]
     tensors = {t: state[t] for c in keyplan.conversions for t in c.targets}
     return SaveMapping(specs, conversions, tensors, derived_by)
 
@@ -308,55 +310,30 @@ def _source_dtypes(conversions: list[Conversion], originals: dict, state: Mappin
     return dtypes
 
 
-def _signature(conv: Conversion, dtypes: Mapping, shapes: Mapping) -> tuple:
-    rule = conv.rule
-    fn = getattr(rule, "fn", None)
-    rule_id = (id(fn) if fn is not None else type(rule).__name__, repr(getattr(rule, "operations", None)))
-    groups = () if conv.is_rename else tuple((p, len(keys)) for p, keys in conv.groups)
-    # ops such as PermuteForRope decide by the target's name: layers differ only in their numbers
-    targets = tuple(re.sub(r"\d+", "#", t) for t in conv.targets)
-    sources = tuple((shapes[k], dtypes[k]) for k in conv.sources)
-    return (conv.is_rename, rule_id, conv.description, groups, sources, targets)
-
-
-def _invert(conv: Conversion, dtypes: Mapping, shapes: Mapping, state: Mapping, traces: dict) -> SavedConversion:
-    sig = _signature(conv, dtypes, shapes)
-    entry = traces.get(sig)
-    if entry is None:
-        entry = traces[sig] = (len(traces), _trace_and_invert(conv, dtypes, shapes))
-    index, inverse = entry
-    for i, t in enumerate(conv.targets):
-        traced, model = inverse.outputs[str(i)], state[t]
-        if tuple(traced.shape) != tuple(model.shape):
+def _invert(conv: Conversion, layout: Layout, state: Mapping, cache: TraceCache) -> SavedConversion:
+    """``conv``'s trace (the load's, by signature) and its inverse, checked against the model's shapes."""
+    traced = cache.trace(conv, layout)
+    if isinstance(traced, Untraced):
+        if traced.untraceable:
             raise ValueError(
-                f"{_what(conv)} gives {t!r} the shape {tuple(traced.shape)}, the model tensor has {tuple(model.shape)}"
+                f"cannot save {_what(conv)}: it is not a pure index mapping ({traced.reason}), so it has no "
+                "traced inverse"
             )
-    return SavedConversion(conv, inverse, conv.sources, index)
-
-
-def _trace_and_invert(conv: Conversion, dtypes: Mapping, shapes: Mapping) -> rt.Inverse:
-    leaves = {k: rt.RegionTensor.leaf(f"#{i}", shapes[k], dtypes[k]) for i, k in enumerate(conv.sources)}
+        raise ValueError(f"cannot save {_what(conv)}: {re.sub('^conversion returned', 'it returned', traced.reason)}")
     try:
-        out = rt.trace(conv.run, leaves)
-    except (rt.Untraceable, rt.TraceMismatch) as e:
-        raise ValueError(
-            f"cannot save {_what(conv)}: it is not a pure index mapping ({type(e).__name__}: {e}), so it has no "
-            "traced inverse"
-        ) from e
-    if not isinstance(out, Mapping) or set(out) != set(conv.targets):
-        raise ValueError(f"cannot save {_what(conv)}: it returned {sorted(out) if isinstance(out, Mapping) else out!r}")
-    outputs = {}
-    for name, t in out.items():
-        if not isinstance(t, rt.RegionTensor):
-            raise ValueError(f"cannot save {_what(conv)}: output {name!r} is not derived from the checkpoint tensors")
-        outputs[str(conv.targets.index(name))] = t
-    try:
-        return rt.invert(outputs, list(leaves.values()))
+        inverse = traced.invert()
     except rt.NotInvertible as e:
         names = {f"#{i}": k for i, k in enumerate(conv.sources)}
         message = re.sub(r"'(#\d+)'", lambda m: repr(names[m.group(1)]), str(e))
         message = re.sub(r"output '(\d+)'", lambda m: f"model tensor {conv.targets[int(m.group(1))]!r}", message)
         raise ValueError(f"cannot save {_what(conv)}: the conversion is not a bijection ({e.reason}): {message}") from e
+    for i, t in enumerate(conv.targets):
+        out, model = inverse.outputs[str(i)], state[t]
+        if tuple(out.shape) != tuple(model.shape):
+            raise ValueError(
+                f"{_what(conv)} gives {t!r} the shape {tuple(out.shape)}, the model tensor has {tuple(model.shape)}"
+            )
+    return SavedConversion(conv, inverse, conv.sources, traced.key, traced)
 
 
 def _what(conv: Conversion) -> str:
