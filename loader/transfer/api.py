@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..distributed import LoadSession, peer_errors
 from ..options import DEFAULT_TIMEOUT, Rules, timeout_seconds
+from ..plan import TraceCache
 from ..plan.slots import box_view
 from ..rules.conversion import cast_like_transformers
 from .exchange import Counts, Exchange, log_progress
@@ -179,15 +180,17 @@ def _plan(rank: int, src, dst, mappings, parts, group, session) -> tuple[Transfe
     if not srcs or not dsts:
         raise ValueError(f"no rank holds the {'source' if not srcs else 'destination'} model (src/dst None everywhere)")
 
+    cache = TraceCache()  # one trace per signature for both sides
+
     def make_source() -> Any:
-        return source_side(src, as_rules(src_mapping), source_shapes=source_shapes)
+        return source_side(src, as_rules(src_mapping), source_shapes=source_shapes, cache=cache)
 
     source = _on_one(srcs[0] == rank, make_source, group, session)
     keyplan, error = None, None
     dest_here = None
     if dst is not None:
         try:
-            dest_here, keyplan = dest_side(dst, as_rules(dst_mapping), source.keys)
+            dest_here, keyplan = dest_side(dst, as_rules(dst_mapping), source.keys, cache)
         except Exception as e:
             error = e
     dest = _on_one(dsts[0] == rank, lambda: _raise_or(dest_here, error), group, session, error if dst else None)

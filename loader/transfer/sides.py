@@ -1,24 +1,23 @@
 """The two sides of a transfer as plain values: what a rank holds, the source's save mapping, the destination's
 load conversions, ready to compose (:mod:`loader.transfer.plan`).
 
-Both sides reuse the existing traces: the source's is the save's (:func:`loader.save.sources.map_for_save`:
-traced, inverted and checked to be a bijection), the destination's is the load's
-(:class:`loader.plan.TraceCache`). Both are on canonical leaves (``#0, #1, …``), shared by every layer of one
-structure; the plan names them after the checkpoint keys (:func:`~loader.transfer.plan.named`) only for the
-first layer of each structure.
+Both sides are traced conversions (:class:`loader.plan.TracedConversion`), from one
+:class:`~loader.plan.TraceCache` when given: the source's inverted and checked to be a bijection, as for a save
+(:func:`loader.save.sources.map_for_save`), the destination's as for a load. Both are on canonical leaves
+(``#0, #1, …``), shared by every layer of one structure; the plan names them after the checkpoint keys
+(:func:`~loader.transfer.plan.named`) only for the first layer of each structure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..options import Rules
 from ..placements import slot_for
-from ..plan import TraceCache, Traced
+from ..plan import Layout, TraceCache, TracedConversion
 from ..plan.dtypes import kind_cast
 from ..plan.slots import iter_model_tensors
 from ..rules import KeyPlan, plan_keys
@@ -53,18 +52,21 @@ def parts_of(model: torch.nn.Module | None) -> tuple[dict[str, Any], dict[str, t
     return parts, local
 
 
-def source_side(model: torch.nn.Module, rules: Rules | None = None, *, source_shapes: Any = None) -> SourceSide:
+def source_side(
+    model: torch.nn.Module, rules: Rules | None = None, *, source_shapes: Any = None, cache: TraceCache | None = None
+) -> SourceSide:
     """The source's checkpoint layout and its conversions, each checked to be a bijection (as for a save).
 
     Args:
         source_shapes: the checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint: needed when
             a ``Convert`` rule maps the source (as for ``save_hf_checkpoint``).
+        cache: the traces by signature (shared with the destination side); None: a new one.
 
     Raises:
         ValueError: a conversion is not invertible (computes values, drops or repeats elements), or the layout
             cannot be derived; the message names the conversion (:func:`~loader.save.sources.map_for_save`).
     """
-    mapping = map_for_save(model, rules, source_shapes=source_shapes)
+    mapping = map_for_save(model, rules, source_shapes=source_shapes, cache=cache)
     keys = {s.key: (tuple(s.shape), s.dtype) for s in mapping.specs}
     conversions = []
     for saved in mapping.conversions:
@@ -73,22 +75,14 @@ def source_side(model: torch.nn.Module, rules: Rules | None = None, *, source_sh
     return SourceSide(keys, tuple(conversions))
 
 
-@dataclass(frozen=True)
-class _Info:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-class _Layout:
-    """The checkpoint layout as :class:`~loader.plan.TraceCache` reads it (``tensors[key].shape/.dtype``)."""
-
-    def __init__(self, keys: Keys) -> None:
-        self.tensors = {k: _Info(tuple(s), d) for k, (s, d) in keys.items()}
-
-
-def dest_side(model: torch.nn.Module, rules: Rules | None, keys: Keys) -> tuple[DestSide, KeyPlan]:
+def dest_side(
+    model: torch.nn.Module, rules: Rules | None, keys: Keys, cache: TraceCache | None = None
+) -> tuple[DestSide, KeyPlan]:
     """The destination's load from a checkpoint of layout ``keys``: its conversions traced (and its key plan,
     whose conversions run the fallbacks).
+
+    Args:
+        cache: the traces by signature (shared with the source side); None: a new one.
 
     Raises:
         ValueError: a destination tensor no key loads (the source lacks it), a shape mismatch, or a dtype of
@@ -111,10 +105,10 @@ def dest_side(model: torch.nn.Module, rules: Rules | None, keys: Keys) -> tuple[
             f"{len(missing)} destination tensor(s) have no checkpoint key in the source's layout: {missing[:8]} "
             "(the source lacks the keys they load from, or the mappings differ)"
         )
-    cache, layout = TraceCache(), _Layout(keys)
+    cache, layout = cache if cache is not None else TraceCache(), Layout(keys)
     conversions = []
     for conv in keyplan.conversions:
-        meta = cache.meta(conv, layout)  # type: ignore[arg-type]
+        meta = cache.meta(conv, layout)
         if meta.error is not None:
             raise meta.error
         for t, out in zip(conv.targets, meta.outputs or ()):
@@ -130,8 +124,8 @@ def dest_side(model: torch.nn.Module, rules: Rules | None, keys: Keys) -> tuple[
                     f"holds {want.dtype}"
                 )
         cast = source_cast(conv.rule, state[conv.targets[0]].dtype)
-        outcome = cache.trace(conv, layout, cast)  # type: ignore[arg-type]
-        if isinstance(outcome, Traced):
+        outcome = cache.trace(conv, layout, cast)
+        if isinstance(outcome, TracedConversion):
             outputs = dict(outcome.outputs)
             targets = tuple(conv.targets)
             conversions.append(DestConversion(tuple(conv.sources), targets, outputs, signature=("load", outcome.key)))
