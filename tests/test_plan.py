@@ -279,3 +279,29 @@ def test_planning_reading_and_reporting_pause_the_garbage_collector(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_load_then_a_save_of_the_same_model_share_one_trace_per_signature(folder):
+    from loader.options import Rules
+    from loader.save.sources import map_for_save
+
+    class Kept(nn.Module):  # the experts only: their stack is a bijection (``scaled`` sums: no inverse)
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Module() for _ in range(LAYERS)])
+            for layer in self.layers:
+                layer.experts = nn.Parameter(torch.empty(EXPERTS, 4, 6))
+
+    tensors = {k: v for k, v in checkpoint_tensors().items() if "experts" in k}
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    mapping = [Convert("experts.*.w", "experts", lambda ws: torch.stack(ws))]
+    model, checkpoint = Kept(), SafetensorsCheckpoint.open(folder)
+    planner = HFLoadPlanner(model, weights_mapping=mapping)
+    plan = planner.build_plan(checkpoint)
+    signatures = {planner.cache.signature(c, checkpoint) for c in plan.conversions}
+    assert len(signatures) == 1 and planner.cache.misses == 1
+    saved = map_for_save(model, Rules(weights_mapping=mapping), source_shapes=checkpoint, cache=planner.cache)
+    assert planner.cache.misses == len(signatures)  # the save inverted the load's trace: nothing traced again
+    assert {s.signature for s in saved.conversions} == signatures
+    loaded = [o for o in plan.outcomes if isinstance(o, Traced)]
+    assert all(s.traced._shared is loaded[0]._shared for s in saved.conversions)
