@@ -23,8 +23,7 @@ Vocabulary:
 
 from __future__ import annotations
 
-import itertools
-import math
+import functools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -33,10 +32,8 @@ import torch
 import regiontrace as rt
 from regiontrace import Box
 
-#: one rank's share of one model tensor: global shape, dtype, and its ``(global box, local box)`` pairs
-Part = tuple[tuple[int, ...], torch.dtype, tuple[tuple[Box, Box], ...]]
-#: one rank's shares of one model's tensors, by name (empty when the rank holds no part of the model)
-Parts = Mapping[str, Part]
+from ..plan.gcpause import paused_gc
+from .cells import Cell, Part, Parts, numel, sender, tensor_cells  # noqa: F401 (Cell, Part, Parts: re-exported)
 
 
 @dataclass(frozen=True)
@@ -92,16 +89,6 @@ class DestSide:
 
 
 @dataclass(frozen=True)
-class Cell:
-    """A box of source tensor ``tensor`` held whole by each of ``owners``: ``(rank, the box in its local
-    shard)``."""
-
-    tensor: str
-    box: Box
-    owners: tuple[tuple[int, Box], ...]
-
-
-@dataclass(frozen=True)
 class Move:
     """``block`` (reading cell ``block.source``) sent by rank ``src`` into box ``local`` of rank ``dst``'s local
     shard of ``target`` (block offsets are relative to ``local``); ``key``: ``target`` is a checkpoint key
@@ -135,14 +122,15 @@ class Fallback:
 
 @dataclass
 class TransferPlan:
-    """Every move of a transfer, the same on every rank.
+    """Every move of a transfer (the whole world's, the same on every rank), or one rank's.
 
     Attributes:
         world: the number of ranks.
-        moves: every strided copy, in a deterministic order.
+        moves: every strided copy, in a deterministic order (of one rank's plan: those it sends or receives).
         cells: the cells moves read, by name.
         transferred: destination tensors moved region by region.
         fallback: destination conversions moved as whole keys and run on the destination.
+        rank: None for the whole world's plan, else the rank whose moves it holds.
     """
 
     world: int
@@ -150,6 +138,7 @@ class TransferPlan:
     cells: Mapping[str, Cell]
     transferred: tuple[str, ...]
     fallback: tuple[Fallback, ...]
+    rank: int | None = None
     _pairs: dict[tuple[int, int], int] | None = field(default=None, repr=False)
 
     def pair_bytes(self) -> dict[tuple[int, int], int]:
@@ -168,8 +157,14 @@ class TransferPlan:
         return sum(n for (_, d), n in self.pair_bytes().items() if d == rank)
 
 
+@paused_gc()  # many small frozen values, no cycles: no full collections over the model meanwhile
 def plan_transfer(
-    source: SourceSide, dest: DestSide, src_parts: Sequence[Parts], dst_parts: Sequence[Parts]
+    source: SourceSide,
+    dest: DestSide,
+    src_parts: Sequence[Parts],
+    dst_parts: Sequence[Parts],
+    *,
+    rank: int | None = None,
 ) -> TransferPlan:
     """Plan a transfer: for every destination rank and box it holds, the source ranks and regions it comes from.
 
@@ -181,10 +176,14 @@ def plan_transfer(
         dest: the destination's traced load conversions (:func:`~loader.transfer.dest_side`).
         src_parts: per rank (index = rank), what it holds of the source model (empty: nothing).
         dst_parts: per rank, what it holds of the destination model.
+        rank: plan only the moves this rank sends or receives (the same moves, with the same senders, as the
+            whole world's plan has for it), compiling only its own destination boxes and the regions of cells
+            it holds; None: the whole world's.
 
     Returns:
         The :class:`TransferPlan`. A source element several ranks hold is sent by the destination rank itself
-        when it is one of them, else by the holder that has sent the fewest bytes so far (lowest rank on ties).
+        when it is one of them, else by a holder chosen from the cell and the destination rank alone
+        (:func:`loader.transfer.cells.sender`: balanced over the holders).
 
     Raises:
         ValueError: the destination needs keys the source lacks, a source tensor no rank holds (in part), or a
@@ -194,7 +193,7 @@ def plan_transfer(
     needed = [k for c in dest.conversions for k in c.keys if k not in source.keys]
     if needed:
         raise ValueError(f"the destination needs checkpoint key(s) the source does not have: {sorted(set(needed))[:8]}")
-    cells = _cells(source, src_parts)
+    cells, grids = _cells(source, src_parts)
     per_tensor: dict[str, list[tuple[str, Cell]]] = {}
     for name, cell in cells.items():
         per_tensor.setdefault(cell.tensor, []).append((name, cell))
@@ -208,27 +207,23 @@ def plan_transfer(
         return inverse
 
     compiled: dict[Hashable, list] = {}
-    load = [0] * world
     moves: list[Move] = []
     transferred: list[str] = []
     fallback: list[Fallback] = []
     for index, conv in enumerate(dest.conversions):
         which = tuple(sorted({by_key[k][0] for k in conv.keys}))
         names = [name for i in which for t in source.conversions[i].outputs for name, _ in per_tensor[t]]
-        shape = _structure(conv, which, by_key, source, per_tensor, dst_parts)
+        shape = _structure(conv, which, by_key, source, grids, dst_parts)
         blocks = compiled.get(shape) if shape is not None else None
         if blocks is None:
             composed, reason = _composed(conv, inverse_of(which), source.keys)
             if composed is not None:
-                blocks = _compile(composed, conv.targets, dst_parts, {n: i for i, n in enumerate(names)})
+                blocks = _compile(composed, conv.targets, dst_parts, names, cells, rank)
                 if shape is not None:
                     compiled[shape] = blocks
         if blocks is not None:
-            for t, rank, local, cell, block in blocks:
-                block = _renamed(block, names[cell])
-                src = _sender(cells[block.source], rank, load)
-                load[src] += block.numel * block.source_dtype.itemsize
-                moves.append(Move(src, rank, conv.targets[t], local, block))
+            for t, dst, local, cell, src, block in blocks:
+                moves.append(Move(src, dst, conv.targets[t], local, _renamed(block, names[cell])))
             transferred += conv.targets
             continue
         ranks = tuple(r for r, parts in enumerate(dst_parts) if any(_owns(parts, t) for t in conv.targets))
@@ -238,8 +233,8 @@ def plan_transfer(
         for k in conv.keys:
             whole = {r: {k: (source.keys[k][0], source.keys[k][1], ((_full(source.keys[k][0]),) * 2,))}
                      for r in ranks}  # fmt: skip
-            moves += _moves(keys[k], k, [whole.get(r, {}) for r in range(world)], cells, load, key=True)
-    return TransferPlan(world, tuple(moves), cells, tuple(transferred), tuple(fallback))
+            moves += _moves(keys[k], k, [whole.get(r, {}) for r in range(world)], cells, rank, key=True)
+    return TransferPlan(world, tuple(moves), cells, tuple(transferred), tuple(fallback), rank)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -252,32 +247,18 @@ def _full(shape: Sequence[int]) -> Box:
 
 def _owns(parts: Parts, name: str) -> bool:
     part = parts.get(name)
-    return part is not None and any(_numel(g) for g, _ in part[2])
+    return part is not None and any(numel(g) for g, _ in part[2])
 
 
-def _numel(box: Box) -> int:
-    return math.prod(b - a for a, b in box)
-
-
-def _cells(source: SourceSide, src_parts: Sequence[Parts]) -> dict[str, Cell]:
-    """Every source tensor cut into cells, each with the ranks holding it whole (in rank order)."""
-    cells: dict[str, Cell] = {}
+def _cells(source: SourceSide, src_parts: Sequence[Parts]) -> tuple[dict[str, Cell], dict[str, int]]:
+    """Every source tensor cut into cells (:func:`~loader.transfer.cells.tensor_cells`), by name, and each
+    tensor's grid number (equal for tensors cut alike)."""
+    cache: dict[Hashable, tuple[int, list[Cell]]] = {}
+    cells, grids = {}, {}
     for name, traced in ((t, out) for c in source.conversions for t, out in c.outputs.items()):
-        held = [(r, g, lb) for r, parts in enumerate(src_parts) if name in parts for g, lb in parts[name][2]]
-        held = [h for h in held if _numel(h[1])]
-        shape = tuple(traced.shape)
-        cuts = [sorted({0, n, *(x for _, g, _ in held for x in g[d])}) for d, n in enumerate(shape)]
-        grid = [list(zip(c, c[1:])) for c in cuts]
-        for i, box in enumerate(itertools.product(*grid)):
-            owners = tuple(
-                (r, tuple((lb[d][0] + a - g[d][0], lb[d][0] + b - g[d][0]) for d, (a, b) in enumerate(box)))
-                for r, g, lb in held
-                if all(g[d][0] <= a and b <= g[d][1] for d, (a, b) in enumerate(box))
-            )
-            if not owners and _numel(box):
-                raise ValueError(f"no rank holds elements {box} of source model tensor {name!r}")
-            cells[f"{name}@{i}"] = Cell(name, tuple(box), owners)
-    return cells
+        grids[name], cut = tensor_cells(name, tuple(traced.shape), src_parts, cache)
+        cells.update((f"{name}@{cell.index}", cell) for cell in cut)
+    return cells, grids
 
 
 def named(outputs: Mapping[str, rt.RegionTensor], keys: Sequence[str], specs: Mapping) -> dict[str, rt.RegionTensor]:
@@ -296,7 +277,7 @@ def _joint_inverse(
     for conv in convs:
         for tensor, out in named(conv.outputs, conv.keys, source.keys).items():
             for name, cell in cells[tensor]:
-                if _numel(cell.box):
+                if numel(cell.box):
                     outputs[name] = out[tuple(slice(a, b) for a, b in cell.box)]
     keys = {k: source.keys[k] for conv in convs for k in conv.keys}
     return rt.invert(outputs, keys)
@@ -325,16 +306,17 @@ def _structure(
     which: tuple[int, ...],
     by_key: Mapping[str, tuple[int, int]],
     source: SourceSide,
-    per_tensor: Mapping[str, list[tuple[str, Cell]]],
+    grids: Mapping[str, int],
     dst_parts: Sequence[Parts],
 ) -> Hashable | None:
     """What the blocks of ``conv`` depend on but names: equal for the layers of one structure (same traces, keys
-    in the same places, the same cells and destination boxes); None when a conversion has no signature."""
+    in the same places, the same cells with the same holders, the same destination boxes); None when a
+    conversion has no signature."""
     sigs = tuple(source.conversions[i].signature for i in which)
     if conv.signature is None or any(s is None for s in sigs):
         return None
     places = tuple((which.index(by_key[k][0]), by_key[k][1]) for k in conv.keys)
-    grid = tuple(tuple(c.box for _, c in per_tensor[t]) for i in which for t in source.conversions[i].outputs)
+    grid = tuple(grids[t] for i in which for t in source.conversions[i].outputs)
     boxes = tuple(
         tuple(None if t not in parts else tuple(g for g, _ in parts[t][2]) for parts in dst_parts) for t in conv.targets
     )
@@ -342,16 +324,39 @@ def _structure(
 
 
 def _compile(
-    composed: Mapping[str, rt.RegionTensor], targets: Sequence[str], dst_parts: Sequence[Parts], cell: Mapping
-) -> list[tuple[int, int, Box, int, rt.RemapBlock]]:
-    """``(target index, rank, local box, cell index, block)`` for every box a destination rank holds."""
+    composed: Mapping[str, rt.RegionTensor],
+    targets: Sequence[str],
+    dst_parts: Sequence[Parts],
+    names: Sequence[str],
+    cells: Mapping[str, Cell],
+    rank: int | None,
+) -> list[tuple[int, int, Box, int, int, rt.RemapBlock]]:
+    """``(target index, destination rank, local box, cell index in names, sender, block)`` for every box a
+    destination rank holds; for one ``rank``: only its own boxes and the blocks it sends (compiled from the
+    pieces reading the cells it holds)."""
+    index = {n: i for i, n in enumerate(names)}
+    held = set() if rank is None else {n for n in names if any(r == rank for r, _ in cells[n].owners)}
     out = []
     for ti, t in enumerate(targets):
-        for rank, parts in enumerate(dst_parts):
+        mine: rt.Region | None = None
+        for dst, parts in enumerate(dst_parts):
             part = parts.get(t)
-            for g, lb in part[2] if part is not None else ():
-                if _numel(g):
-                    out += [(ti, rank, lb, cell[b.source], b) for b in composed[t].remap_blocks(g)]
+            if part is None:
+                continue
+            if rank is None or dst == rank:
+                blocks = composed[t].remap_blocks
+            elif not held:
+                continue
+            else:
+                if mine is None:
+                    region = composed[t].region
+                    mine = rt.Region(region.shape, tuple(p for p in region.pieces if p.source.name in held))
+                blocks = functools.partial(rt.compile_blocks, mine)
+            for g, lb in part[2]:
+                for b in blocks(g) if numel(g) else ():
+                    src = sender(cells[b.source], dst)
+                    if rank is None or rank in (src, dst):
+                        out.append((ti, dst, lb, index[b.source], src, b))
     return out
 
 
@@ -369,28 +374,22 @@ def _moves(
     target: str,
     dst_parts: Sequence[Parts],
     cells: Mapping[str, Cell],
-    load: list[int],
+    rank: int | None,
     *,
     key: bool,
 ) -> list[Move]:
-    """The moves filling every destination rank's boxes of ``target`` (``tensor`` is over cells)."""
+    """The moves filling every destination rank's boxes of ``target`` (``tensor`` is over cells); for one
+    ``rank``: those it sends or receives."""
     out = []
-    for rank, parts in enumerate(dst_parts):
+    for dst, parts in enumerate(dst_parts):
         part = parts.get(target)
         if part is None:
             continue
         for g, lb in part[2]:
-            if not _numel(g):
+            if not numel(g):
                 continue
             for block in tensor.remap_blocks(g):
-                src = _sender(cells[block.source], rank, load)
-                load[src] += block.numel * block.source_dtype.itemsize
-                out.append(Move(src, rank, target, lb, block, key))
+                src = sender(cells[block.source], dst)
+                if rank is None or rank in (src, dst):
+                    out.append(Move(src, dst, target, lb, block, key))
     return out
-
-
-def _sender(cell: Cell, dst: int, load: list[int]) -> int:
-    ranks = [r for r, _ in cell.owners]
-    if dst in ranks:
-        return dst
-    return min(ranks, key=lambda r: (load[r], r))

@@ -2,8 +2,9 @@
 
 Nothing is allocated or sent: each model's parts on every rank of its mesh come from placements
 (:func:`loader.placements.shard_boxes`, DTensor's own arithmetic, no process group), the two sides are mapped
-as :func:`~loader.transfer.transfer_weights` maps them, and :func:`~loader.transfer.plan_transfer` — what every
-rank of a real transfer computes — is run once for the whole world and timed.
+as :func:`~loader.transfer.transfer_weights` maps them, and :func:`~loader.transfer.plan_transfer` is run once for
+the whole world (the figures) and once for each of a few ranks (``rank=``: what each rank of a real transfer
+computes), each timed.
 
 Vocabulary:
 
@@ -68,8 +69,10 @@ class TransferFigures:
         moves: strided copies in the plan; transferred: destination tensors moved region by region;
             fallback: destination tensors computed from keys moved whole.
         map_seconds: mapping both models to the checkpoint layout (done once, on a lead rank of each);
-            plan_seconds: :func:`plan_transfer` for the whole world (what each rank computes).
-        plan: the plan itself.
+            plan_seconds: :func:`plan_transfer` for the whole world.
+        rank_plan_seconds: world rank -> :func:`plan_transfer` for that rank alone (what it computes in a
+            transfer), for the ranks timed.
+        plan: the whole world's plan.
     """
 
     world: int
@@ -82,6 +85,7 @@ class TransferFigures:
     fallback: int
     map_seconds: float
     plan_seconds: float
+    rank_plan_seconds: Mapping[int, float]
     plan: TransferPlan = field(repr=False, compare=False)
 
     @property
@@ -136,6 +140,7 @@ def simulate_transfer(
     dst_mesh_shape: Sequence[int] | None = None,
     dst_placements: PlacementsArg = None,
     colocated: bool = False,
+    timed_ranks: Sequence[int] | None = None,
 ) -> TransferFigures:
     """Plan a transfer of ``src`` into ``dst`` for every rank of two meshes, without data or processes.
 
@@ -147,6 +152,8 @@ def simulate_transfer(
             e.g. FSDP over 64 ranks: ``(64,)`` and ``lambda name, shape: [Shard(0)]``.
         dst_mesh_shape, dst_placements: the destination's.
         colocated: the destination's mesh on world ranks ``0 …`` like the source's (default: after them).
+        timed_ranks: world ranks whose own plans are timed (default: the first source rank and the first
+            destination rank).
 
     Returns:
         The :class:`TransferFigures`.
@@ -167,6 +174,11 @@ def simulate_transfer(
     t1 = time.perf_counter()
     plan = plan_transfer(source, dest, src_world, dst_world)
     t2 = time.perf_counter()
+    rank_seconds = {}
+    for r in dict.fromkeys((0, offset) if timed_ranks is None else timed_ranks):
+        t = time.perf_counter()
+        plan_transfer(source, dest, src_world, dst_world, rank=r)
+        rank_seconds[r] = time.perf_counter() - t
     pairs = dict(plan.pair_bytes())
     sent, received = [0] * world, [0] * world
     for (s, d), n in pairs.items():
@@ -194,5 +206,6 @@ def simulate_transfer(
         fallback=sum(len(f.targets) for f in plan.fallback),
         map_seconds=t1 - t0,
         plan_seconds=t2 - t1,
+        rank_plan_seconds=rank_seconds,
         plan=plan,
     )
