@@ -126,3 +126,32 @@ def test_replicas_send_equal_bytes():
     plan = plan_transfer(src_side, dest_side(dest, Rules(weights_mapping=tm.rules()), src_side.keys)[0], src, dst)
     sent = [plan.bytes_sent(r) for r in range(4)]
     assert max(sent) - min(sent) <= max(m.nbytes for m in plan.moves), sent
+
+
+@pytest.mark.parametrize("bucket", [4096, 1 << 20])
+def test_each_ranks_rounds_agree_with_its_peers_and_are_bounded(bucket):
+    """Rounds from each rank's own plan: the two ends of a pair put the same moves in the same round, in the same
+    order, and in every round each rank sends and receives at most ``bucket`` bytes to and from other ranks."""
+    from loader.transfer.schedule import degrees, rank_rounds
+
+    with torch.device("meta"):
+        _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
+        dest = tm.Engine()
+    src, dst = _world(mesh_parts(source, (4,), FSDP), mesh_parts(dest, (2, 2), _ep_tp(dest)), True)
+    src_side = source_side(source)
+    dst_side, _ = dest_side(dest, Rules(weights_mapping=tm.rules()), src_side.keys)
+    plans = [plan_transfer(src_side, dst_side, src, dst, rank=r) for r in range(4)]
+    every = [degrees(p) for p in plans]
+    schedules = [rank_rounds(p, bucket, every) for p in plans]
+    assert max(map(len, schedules)) > (1 if bucket == 4096 else 0)
+    for r, schedule in enumerate(schedules):
+        for k, moves in enumerate(schedule):
+            assert sum(m.nbytes for m in moves if m.src == r != m.dst) <= bucket
+            assert sum(m.nbytes for m in moves if m.dst == r != m.src) <= bucket
+            assert k == 0 or all(m.src != m.dst for m in moves)
+            for peer in range(4):
+                if peer != r:
+                    theirs = schedules[peer][k] if k < len(schedules[peer]) else []
+                    assert [_move(m) for m in moves if m.dst == peer] == [_move(m) for m in theirs if m.src == r]
+    received = [sum(m.nbytes for ms in s for m in ms if m.dst == r) for r, s in enumerate(schedules)]
+    assert received == [sum(m.nbytes for m in p.moves if m.dst == r) for r, p in enumerate(plans)]

@@ -7,7 +7,9 @@ The steps, each agreed by every rank before the next (:class:`~loader.distribute
    ``all_gather_object``;
 2. the first rank holding the source maps it to its checkpoint layout and inverts it (as a save does); the first
    rank holding the destination traces its load from that layout (as a load does): two ``all_gather_object``;
-3. every rank computes the same :class:`~loader.transfer.TransferPlan` from those values (pure);
+3. every rank computes its own part of the :class:`~loader.transfer.TransferPlan` from those values (pure:
+   ``plan_transfer(..., rank=r)``, the moves it sends or receives), and its rounds from it and every rank's
+   count of peers (one ``all_gather_object``, then one more to agree on the number of rounds);
 4. rounds of ``all_to_all_single`` with exact split sizes move the payload (:mod:`.exchange`); destination
    conversions that do not trace run on the destination ranks from their keys moved whole.
 """
@@ -31,7 +33,7 @@ from ..plan.slots import box_view
 from ..rules.conversion import cast_like_transformers
 from .exchange import Counts, Exchange, log_progress
 from .plan import TransferPlan, plan_transfer
-from .schedule import rounds
+from .schedule import degrees, rank_rounds
 from .sides import as_rules, dest_side, parts_of, source_side
 
 #: default bound on the payload one rank sends (and receives) per round
@@ -127,7 +129,9 @@ def transfer_weights(
     with session:
         mappings = (src_mapping, dst_mapping, source_shapes)
         plan, keyplan = _plan(rank, src, dst, mappings, (src_parts, dst_parts), group, session)
-        schedule = rounds(plan, bucket_bytes)
+        schedule = rank_rounds(plan, bucket_bytes, _gather(degrees(plan), group))
+        total = max(_gather(len(schedule) if any(m.src != m.dst for m in plan.moves) else 0, group))
+        schedule += [[] for _ in range(max(total, 1) - len(schedule))]
         buffers = {
             k: torch.empty(shape, dtype=dtype)
             for f in plan.fallback
@@ -141,7 +145,9 @@ def transfer_weights(
         counts = Counts()
         try:
             report = log_progress(rank) if progress is True else (progress or None)
-            exchange = Exchange(plan, rank, src_local, dst_local, buffers, group=group, timeout=seconds)
+            exchange = Exchange(
+                plan, rank, src_local, dst_local, buffers, group=group, timeout=seconds, every_round=total > 0
+            )
             with peer_errors("transferring", "exchanging the weights") if distributed else contextlib.nullcontext():
                 counts = exchange.run(schedule, report)
             _run_fallbacks(plan, rank, keyplan, buffers, dst_parts, dst_local)
@@ -196,7 +202,7 @@ def _plan(rank: int, src, dst, mappings, parts, group, session) -> tuple[Transfe
     dest = _on_one(dsts[0] == rank, lambda: _raise_or(dest_here, error), group, session, error if dst else None)
     plan, error = None, None
     try:
-        plan = plan_transfer(source, dest, [h[2] for h in holds], [h[3] for h in holds])
+        plan = plan_transfer(source, dest, [h[2] for h in holds], [h[3] for h in holds], rank=rank)
     except Exception as e:
         error = e
     _agree(session, error)

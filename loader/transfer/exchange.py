@@ -67,6 +67,10 @@ class Exchange:
         keys: the buffers of the checkpoint keys its fallbacks receive whole, by key.
         group: the process group (None: the default one).
         timeout: seconds each round may take (None: no limit).
+        every_round: run the collective in every round, even one without a message here (rounds from each
+            rank's own plan, :func:`~loader.transfer.schedule.rank_rounds`: only their number is agreed); else
+            a round that moves nothing between ranks (the same on every rank, from the whole world's plan) has
+            none.
     """
 
     def __init__(
@@ -79,9 +83,10 @@ class Exchange:
         *,
         group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
+        every_round: bool = False,
     ) -> None:
         self.plan, self.rank, self.sources, self.targets, self.keys = plan, rank, sources, targets, keys
-        self.group, self.timeout = group, timeout
+        self.group, self.timeout, self.every_round = group, timeout, every_round
         self.counts = Counts()
         self._cells: dict[str, torch.Tensor] = {}  # this round's contiguous copies of non-contiguous cells
 
@@ -110,7 +115,7 @@ class Exchange:
                     out[m.dst].append(m)
                 elif m.dst == me:
                     into[m.src].append(m)
-        if not remote:  # every rank knows: no collective this round
+        if not remote and not self.every_round:  # every rank knows: no collective this round
             return
         send_layouts = [segment_layout(ms) for ms in out]
         recv_layouts = [segment_layout(ms) for ms in into]

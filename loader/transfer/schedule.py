@@ -1,11 +1,14 @@
 """The rounds of a transfer: its moves grouped so that, in each round, every rank sends and receives a bounded
 payload (``bucket_bytes``) to and from other ranks.
 
-Pure: every rank computes the same rounds from the same :class:`~loader.transfer.plan.TransferPlan`, so the
-collectives of each round match.
+Pure: from the whole world's plan every rank computes the same rounds (:func:`rounds`); from its own plan
+(``plan_transfer(..., rank=r)``) each rank computes its part of them (:func:`rank_rounds`), the two ends of each
+pair the same chunks, so that the collectives of each round match.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import regiontrace as rt
 
@@ -48,3 +51,54 @@ def rounds(plan: TransferPlan, bucket_bytes: int) -> list[list[Move]]:
             received[r][m.dst] = received[r].get(m.dst, 0) + m.nbytes
             last[m.src, m.dst] = r
     return out
+
+
+def degrees(plan: TransferPlan) -> tuple[int, int]:
+    """The other ranks one rank's plan (``plan.rank``) sends to and receives from: ``(out, in)`` counts."""
+    me = plan.rank
+    return len({m.dst for m in plan.moves if m.src == me != m.dst}), len(
+        {m.src for m in plan.moves if m.dst == me != m.src}
+    )
+
+
+def rank_rounds(plan: TransferPlan, bucket_bytes: int, every: Sequence[tuple[int, int]]) -> list[list[Move]]:
+    """One rank's rounds, from its own plan (``plan.rank``) and every rank's :func:`degrees` (``every``, index =
+    rank): its moves with each peer, in an order both ends share, cut into chunks of at most ``bucket_bytes //
+    max(the sender's out-degree, the receiver's in-degree)`` payload bytes, chunk ``k`` in round ``k``; so that,
+    in each round, every rank sends and receives at most ``bucket_bytes`` (moves within the rank are copies, in
+    round 0). Both ends of a pair compute the same chunks; the ranks agree on the number of rounds afterwards
+    (the longest; the others' last rounds are empty here).
+    """
+    me = plan.rank
+    out: list[list[Move]] = [[m for m in plan.moves if m.src == m.dst == me]]
+    pairs: dict[tuple[int, int], list[Move]] = {}
+    for m in plan.moves:
+        if m.src != m.dst:
+            pairs.setdefault((m.src, m.dst), []).append(m)
+    for (s, d), moves in sorted(pairs.items()):
+        budget = max(1, bucket_bytes // max(every[s][0], every[d][1]))
+        k, filled = 0, 0
+        for whole in sorted(moves, key=_order):
+            for m in split_move(whole, max(1, budget // whole.block.source_dtype.itemsize)):
+                if filled and filled + m.nbytes > budget:
+                    k, filled = k + 1, 0
+                out += [[] for _ in range(k + 1 - len(out))]
+                out[k].append(m)
+                filled += m.nbytes
+    return out
+
+
+def _order(m: Move) -> tuple:
+    b = m.block
+    return (
+        m.target,
+        m.key,
+        m.local,
+        b.source,
+        b.src_offset,
+        b.dst_offset,
+        b.shape,
+        b.src_strides,
+        b.dst_dims,
+        b.dst_steps,
+    )
