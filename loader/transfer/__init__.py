@@ -1,6 +1,7 @@
 """Moving weights between two (sharded) models without files: each destination rank receives exactly its bytes.
 
-:mod:`.plan` (the pure plan: cells, moves) ← :mod:`.schedule` (moves in bounded rounds) ← :mod:`.sides` (the two
+:mod:`.cells` (the source's cells, who sends each) ← :mod:`.plan` (the pure plan: moves, the whole world's or
+one rank's) ← :mod:`.schedule` (moves in bounded rounds) ← :mod:`.sides` (the two
 models as plain values: the source's save mapping, the destination's traced load) ← :mod:`.exchange` (packing,
 ``all_to_all_single``, unpacking) ← :mod:`.api` (``transfer_weights``, ``TransferReport``); :mod:`.simulate` (the
 plan for any two meshes on meta models: ``simulate_transfer``).
