@@ -71,7 +71,9 @@ def transfer_plan_text(f: TransferFigures) -> str:
         f"{f.moves} strided copies, {human_bytes(f.bytes_moved)} between ranks, "
         f"{human_bytes(sum(r.local for r in f.ranks))} copied within ranks; {f.transferred} tensor(s) traced, "
         f"{f.fallback} moved whole",
-        f"plan time (each rank computes the whole plan): {f.plan_seconds:.3f} s; mapping both models to the "
+        "plan time of one rank (what each computes: its own moves): "
+        + ", ".join(f"{t:.3f} s (rank {r})" for r, t in f.rank_plan_seconds.items())
+        + f"; of the whole world (this simulation): {f.plan_seconds:.3f} s; mapping both models to the "
         f"checkpoint layout (once, on one rank of each): {f.map_seconds:.3f} s",
     ]
     return "\n".join(lines)
