@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -30,10 +27,10 @@ from loader.checkpoint import FileReader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import test_read_faults as read_faults
 from test_read_faults import (
     FIRST,
     SECOND,
-    TIMEOUT,
     ColumnShardPlanner,
     Net,
     bit_equal,
@@ -166,21 +163,8 @@ def scenario_truncated_mid_read_default_planner(root: Path, rollback: bool) -> N
 
 
 def run_scenario(root: Path, call: str) -> dict:
-    """Run ``call`` in a fresh interpreter; its exit status must be 0 (negative: killed by a signal)."""
-    script = textwrap.dedent(f"""
-        import sys
-        from pathlib import Path
-        sys.path.insert(0, {TESTS!r})
-        from test_dcp_faults import *
-        root = Path(sys.argv[1])
-        {call}
-    """)
-    proc = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, f"exit status {proc.returncode} (negative: killed by signal)\n{proc.stderr}"
-    result = json.loads((root / "result.json").read_text())
-    result["before"] = load_file(str(root / "before.safetensors"))
-    result["after"] = load_file(str(root / "after.safetensors"))
-    return result
+    """Run ``call``, a scenario of this module, in a fresh interpreter (see :func:`test_read_faults.run_scenario`)."""
+    return read_faults.run_scenario(root, call, module="test_dcp_faults")
 
 
 @pytest.fixture

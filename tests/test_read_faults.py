@@ -274,13 +274,14 @@ def scenario_truncated_between_blocks(root: Path) -> None:
     _finish(root, before, net, error, blocks_done=len(calls))
 
 
-def run_scenario(root: Path, call: str) -> dict:
-    """Run ``call`` (e.g. ``scenario_replaced(root, True)``) in a fresh interpreter; its exit status must be 0."""
+def run_scenario(root: Path, call: str, module: str = "test_read_faults") -> dict:
+    """Run ``call`` (e.g. ``scenario_replaced(root, True)``), a function of test module ``module``, in a fresh
+    interpreter; its exit status must be 0 (negative: killed by a signal)."""
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path
         sys.path.insert(0, {TESTS!r})
-        from test_read_faults import *
+        from {module} import *
         root = Path(sys.argv[1])
         {call}
     """)
