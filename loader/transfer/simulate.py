@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..placements import shard_boxes
+from ..plan import TraceCache
 from ..plan.slots import full_box, iter_model_tensors
 from ..simulate import coordinate_of, model_placements
 from .plan import Part, Parts, TransferPlan, plan_transfer
@@ -169,8 +170,9 @@ def simulate_transfer(
     src_world = [src_parts[r] if r < len(src_parts) else {} for r in range(world)]
     dst_world = [dst_parts[r - offset] if 0 <= r - offset < len(dst_parts) else {} for r in range(world)]
     t0 = time.perf_counter()
-    source = source_side(src, as_rules(src_mapping), source_shapes=source_shapes)
-    dest, _ = dest_side(dst, as_rules(dst_mapping), source.keys)
+    cache = TraceCache()  # one trace per signature for both sides, as in transfer_weights
+    source = source_side(src, as_rules(src_mapping), source_shapes=source_shapes, cache=cache)
+    dest, _ = dest_side(dst, as_rules(dst_mapping), source.keys, cache)
     t1 = time.perf_counter()
     plan = plan_transfer(source, dest, src_world, dst_world)
     t2 = time.perf_counter()
