@@ -1,0 +1,351 @@
+"""Real servers on 127.0.0.1 for the remote-loading tests and benchmarks: nginx, moto's S3, a fault server.
+
+Each is a context manager that starts the server as a child process in its own process group, waits until it
+answers, yields its URL, and on exit stops the whole group (also when the body raised), so no process outlives
+it. A server whose program is not installed raises :class:`ServerUnavailable` (tests turn it into a skip).
+
+- ``nginx(root, limit_rate=, hub=)``: Debian's nginx serving ``root`` with single and multi-range responses
+  (``max_ranges 1024``), strong ETags, ``If-Match``; ``hub=True`` adds the Hugging Face Hub's resolve URLs and the
+  two API routes ``HfFileSystem`` reads (see :mod:`hub_layout`).
+- ``s3_server()``: moto's server mode in a subprocess; ``put_folder`` uploads a folder with boto3, ``s3_env``
+  gives the variables a client needs.
+- ``fault_server(root)``: :mod:`fault_server`, a small HTTP/1.1 server whose misbehaviour is switched per path.
+
+The nginx and fault servers yield a :class:`ServerUrl`: a ``str`` (the base URL, no trailing slash) that also
+reads the server's request log, so tests and benchmarks can count requests and bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+HERE = Path(__file__).resolve().parent
+HOST = "127.0.0.1"
+START_TIMEOUT = 30.0  # seconds a server may take to answer (moto imports for a few seconds on a busy machine)
+STOP_TIMEOUT = 5.0  # seconds between the polite signal and SIGKILL
+#: dummy credentials moto accepts; ``s3_env`` hands them to clients
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class ServerUnavailable(RuntimeError):
+    """The server's program is not installed here (tests skip with this message)."""
+
+
+class LoggedRequest(NamedTuple):
+    """One request a server answered: ``status`` 0 when it never answered (``hang``, ``reset``)."""
+
+    method: str
+    path: str  # the URL path, query removed
+    range: str | None  # the Range header as sent
+    status: int
+    bytes: int  # body bytes sent
+
+
+class ServerUrl(str):
+    """A server's base URL (``http://127.0.0.1:PORT``) that can also read the server's request log."""
+
+    _read_log: Callable[[], list[LoggedRequest]]
+    pid: int  #: the server's process (and process group) id
+
+    def __new__(cls, url: str, read_log: Callable[[], list[LoggedRequest]], pid: int) -> ServerUrl:
+        self = super().__new__(cls, url)
+        self._read_log, self.pid = read_log, pid
+        return self
+
+    def requests(self, path: str | None = None) -> list[LoggedRequest]:
+        """Requests answered so far, oldest first; only those for URL path ``path`` when given."""
+        return [r for r in self._read_log() if path is None or r.path == path]
+
+
+# --- child processes -------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the server binds it next; a lost race is retried)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _stop(proc: subprocess.Popen, polite: int) -> None:
+    """Signal the child's process group ``polite``, then SIGKILL whatever is left; reap the child."""
+    for sig in (polite, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(STOP_TIMEOUT)
+            if sig == signal.SIGKILL or not _group_alive(proc.pid):
+                return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+@contextlib.contextmanager
+def child(
+    argv: list[str], port: int, log: Path, *, env: dict | None = None, polite: int = signal.SIGTERM
+) -> Iterator[int]:
+    """Run ``argv`` (which must listen on ``port``) in its own process group until the block ends; yields its pid.
+
+    Waits until the port accepts connections; a child that exits first raises ``RuntimeError`` with the end of
+    its ``log`` (``PortTaken`` when it says the address is in use, so the caller can retry on another port).
+    """
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not _answers(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-2000:]
+                kind = PortTaken if "in use" in tail else RuntimeError
+                raise kind(f"{argv[0]} did not start on port {port} (exit {proc.poll()}):\n{tail}")
+            time.sleep(0.05)
+        yield proc.pid
+    finally:
+        _stop(proc, polite)
+
+
+class PortTaken(RuntimeError):
+    """The child could not bind its port (another process took it after :func:`free_port`)."""
+
+
+@contextlib.contextmanager
+def _on_free_port(start: Callable[[int], contextlib.AbstractContextManager[int]]) -> Iterator[tuple[int, int]]:
+    """``(port, pid)``: ``start(port)`` on a free port, up to three ports when another process takes the first."""
+    for attempt in range(3):
+        port = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                pid = stack.enter_context(start(port))
+            except PortTaken:
+                if attempt == 2:
+                    raise
+                continue
+            yield port, pid
+            return
+
+
+# --- nginx -----------------------------------------------------------------------------------------------------
+
+NGINX_CONF = """\
+{user}worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    types {{ application/json json; text/plain txt; }}
+    default_type application/octet-stream;
+    log_format rt escape=json
+        '{{"method":"$request_method","path":"$request_uri","range":"$http_range","status":$status,'
+        '"bytes":$body_bytes_sent}}';
+    access_log {tmp}/access.log rt;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    sendfile on;
+    keepalive_requests 100000;
+    max_ranges 1024;
+    large_client_header_buffers 4 64k;  # a Range header of 1024 ranges is about 25 KiB (the default line: 8 KiB)
+    etag on;
+{maps}
+    server {{
+        listen {host}:{port};
+        root {root};
+{limit_rate}
+{locations}
+    }}
+}}
+"""
+
+
+def nginx_binary() -> str:
+    """The nginx program, or :class:`ServerUnavailable` naming how to install it."""
+    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+    if found is None:
+        raise ServerUnavailable("nginx is not installed (apt-get install nginx-light; .ci/run does)")
+    return found
+
+
+def nginx_config(root: Path, tmp: Path, port: int, *, limit_rate: int | None = None, hub: bool = False) -> str:
+    """The whole nginx.conf: everything nginx writes lives under ``tmp``."""
+    from hub_layout import hub_config
+
+    maps, locations = hub_config(root, tmp) if hub else ("", "        location / { }")
+    return NGINX_CONF.format(
+        user="user root;\n" if os.geteuid() == 0 else "",  # root's default worker user (nobody) cannot read /tmp/...
+        tmp=tmp,
+        host=HOST,
+        port=port,
+        root=root,
+        maps=maps,
+        locations=locations,
+        limit_rate=f"        limit_rate {limit_rate};" if limit_rate else "",
+    )
+
+
+def _access_log(path: Path) -> Callable[[], list[LoggedRequest]]:
+    def read() -> list[LoggedRequest]:
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [
+            LoggedRequest(r["method"], r["path"].split("?")[0], r["range"] or None, r["status"], r["bytes"])
+            for r in rows
+        ]
+
+    return read
+
+
+@contextlib.contextmanager
+def nginx(root: str | os.PathLike, *, limit_rate: int | None = None, hub: bool = False) -> Iterator[ServerUrl]:
+    """Serve folder ``root`` with Debian's nginx on 127.0.0.1; yields the base URL.
+
+    ``limit_rate``: bytes per second per connection. ``hub``: Hugging Face Hub layout, ``root/{org}/{name}/{revision}/
+    {file}`` served at ``/{org}/{name}/resolve/{revision}/{file}`` (see :mod:`hub_layout`).
+    """
+    binary = nginx_binary()
+    root = Path(root).resolve()
+    with tempfile.TemporaryDirectory(prefix="nginx-") as tmp_name:
+        tmp = Path(tmp_name)
+
+        def start(port: int) -> contextlib.AbstractContextManager:
+            (tmp / "nginx.conf").write_text(nginx_config(root, tmp, port, limit_rate=limit_rate, hub=hub))
+            argv = [binary, "-p", str(tmp), "-e", str(tmp / "error.log"), "-c", str(tmp / "nginx.conf")]
+            return child([*argv, "-g", "daemon off;"], port, tmp / "stderr.log", polite=signal.SIGQUIT)
+
+        with _on_free_port(start) as (port, pid):
+            yield ServerUrl(f"http://{HOST}:{port}", _access_log(tmp / "access.log"), pid)
+
+
+# --- moto's S3 -------------------------------------------------------------------------------------------------
+
+
+def s3_env(endpoint_url: str) -> dict[str, str]:
+    """Environment variables that point boto3 / s3fs / the AWS CLI at ``endpoint_url`` with the dummy keys."""
+    return {**S3_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint_url, "AWS_ENDPOINT_URL_S3": endpoint_url}
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """moto's S3 server (``python -m moto.server``) in a subprocess on 127.0.0.1; yields its endpoint URL."""
+    try:
+        import moto.server  # noqa: F401  (only to know it is there; the server runs in the child)
+    except ImportError as e:
+        raise ServerUnavailable(f"moto's server mode is not installed (pip install 'moto[server]'): {e}") from e
+    env = {**os.environ, **S3_CREDENTIALS}
+    with tempfile.TemporaryDirectory(prefix="moto-") as tmp:
+
+        def start(port: int) -> contextlib.AbstractContextManager:
+            argv = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)]
+            return child(argv, port, Path(tmp) / "moto.log", env=env)
+
+        with _on_free_port(start) as (port, _):
+            yield f"http://{HOST}:{port}"
+
+
+def s3_client(endpoint_url: str):
+    """A boto3 S3 client for ``endpoint_url`` with the dummy credentials."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        region_name=S3_CREDENTIALS["AWS_DEFAULT_REGION"],
+    )
+
+
+def put_folder(endpoint_url: str, bucket: str, prefix: str, folder: str | os.PathLike) -> str:
+    """Create ``bucket`` (if new) and upload every file under ``folder`` to ``prefix/<relative path>``.
+
+    Returns the folder's URL, ``s3://bucket/prefix``. Bucket names follow S3's rules (3-63 characters).
+    """
+    client = s3_client(endpoint_url)
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=bucket)
+    folder = Path(folder)
+    prefix = prefix.strip("/")
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        key = "/".join(filter(None, [prefix, path.relative_to(folder).as_posix()]))
+        client.upload_file(str(path), bucket, key)
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+
+# --- the fault server ------------------------------------------------------------------------------------------
+
+
+class FaultControl:
+    """Switches the fault server's behaviour per URL path and reads its request log.
+
+    Modes (:data:`fault_server.MODES`): ``ignore_range``, ``status=404|403``, ``fail_then_ok=N``, ``truncate``,
+    ``change_etag_after=K``, ``hang``, ``reset``. Counters (``fail_then_ok``, ``change_etag_after``) start when
+    the mode is set.
+    """
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
+
+    def _call(self, method: str, route: str, body: dict | None = None) -> object:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base_url + route, data=data, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:
+            raise ValueError(f"fault server {route}: {e.code} {e.read().decode(errors='replace').strip()}") from None
+
+    def set(self, path: str, **mode: object) -> None:
+        """Give URL path ``path`` (``/model.safetensors``) the faults ``mode`` (replacing its previous ones)."""
+        self._call("POST", "/__control__", {"path": path, "mode": mode})
+
+    def clear(self) -> None:
+        """Every path back to normal, counters and request log emptied."""
+        self._call("DELETE", "/__control__")
+
+    def log(self) -> list[LoggedRequest]:
+        """Requests so far (control requests excluded), oldest first."""
+        return [LoggedRequest(*row) for row in self._call("GET", "/__log__")]
+
+
+@contextlib.contextmanager
+def fault_server(root: str | os.PathLike) -> Iterator[tuple[ServerUrl, FaultControl]]:
+    """Serve ``root`` with :mod:`fault_server` in a subprocess; yields ``(base_url, control)``."""
+    with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
+
+        def start(port: int) -> contextlib.AbstractContextManager:
+            argv = [sys.executable, str(HERE / "fault_server.py"), str(Path(root).resolve()), HOST, str(port)]
+            return child(argv, port, Path(tmp) / "faults.log")
+
+        with _on_free_port(start) as (port, pid):
+            control = FaultControl(f"http://{HOST}:{port}")
+            yield ServerUrl(control.base_url, control.log, pid), control
