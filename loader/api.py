@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import FileReader, SafetensorsCheckpoint
+from .checkpoint import SafetensorsCheckpoint
 from .execute import execute_plan
 from .load import load_distributed
 from .materialize import MetaAllocation, on_meta
@@ -39,6 +39,7 @@ def load_hf_checkpoint(
     revision: str | None = None,
     device: str | torch.device | None = None,
     staging_bytes: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
 
@@ -48,8 +49,10 @@ def load_hf_checkpoint(
 
     Args:
         model: an already-built module (tensors materialised, possibly DTensors).
-        path: a ``.safetensors`` file, a folder with ``model.safetensors`` or shards + index.json, or a
-            Hugging Face repo id (``"org/name"``, resolved through the local hub cache).
+        path: a ``.safetensors`` file, a folder with ``model.safetensors`` or shards + index.json, a
+            Hugging Face repo id (``"org/name"``, resolved through the local hub cache), or the URL of a file or
+            folder in an object store or on the Hub (``s3://``, ``https://``, ``hf://org/name``): each rank then
+            fetches only its byte ranges (docs/remote.md).
         weights_mapping: rules replacing the default ones (transformers' conversion mapping for a
             ``PreTrainedModel``, none otherwise): ``WeightRenaming``/``WeightConverter``, ``Rename``/``Convert``.
         extra_weights_mapping: rules tried before all others.
@@ -72,6 +75,8 @@ def load_hf_checkpoint(
             left on the meta device. None: a meta tensor is an error.
         staging_bytes: bytes per host staging buffer reads land in (two are held: double-buffered; pinned when
             a target is on a GPU). None: 64 MiB (``loader.options.STAGING_BYTES``).
+        storage_options: options for a URL's backend (endpoint, credentials, timeouts, concurrency: see
+            docs/remote.md); only for URLs.
 
     Returns:
         A :class:`LoadReport` for this rank.
@@ -108,18 +113,21 @@ def load_hf_checkpoint(
         allocate = MetaAllocation(model, device, strict=planner.strict, slot_for=planner.hooks.target_slot)
     try:
         if world > 1:
-            return load_distributed(planner, path, options, revision=revision, allocate=allocate)
-        plan = planner.build_plan(SafetensorsCheckpoint.open(path, revision=revision), check_devices=allocate is None)
+            return load_distributed(
+                planner, path, options, revision=revision, allocate=allocate, storage_options=storage_options
+            )
+        checkpoint = SafetensorsCheckpoint.open(path, revision=revision, storage_options=storage_options)
+        plan = planner.build_plan(checkpoint, check_devices=allocate is None)
         plan = allocate(plan) if allocate is not None else plan
         log.info(describe(plan))
-        with FileReader() as reader:
+        with checkpoint.reader() as reader:
             execute_plan(plan, reader, options)
-            bytes_read = reader.bytes_read
+            bytes_read, requests = reader.bytes_read, reader.reads
     except BaseException:
         if allocate is not None:
             allocate.undo()
         raise
     plan.keyplan.record_on_model(model)
-    report = load_report(plan, bytes_read, rank, world, seconds=time.perf_counter() - started)
+    report = load_report(plan, bytes_read, rank, world, seconds=time.perf_counter() - started, requests=requests)
     log.info("loaded %d tensors, read %d bytes", len(report.loaded_keys), bytes_read)
     return report

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -25,10 +26,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from regiontrace import copy_cast, dest_view, source_view
 
-from .checkpoint import FileIdentity, SafetensorsCheckpoint, TensorInfo
+from .checkpoint import SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred
 from .plan import BlockRead, DeferredRead, RankPlan
 from .plan.slots import TargetSlot, box_view
+from .storage import FileIdentity, ObjectIdentity, is_url, open_store
 
 __all__ = ["CheckpointRoot", "DcpLoad", "checkpoint_from_metadata", "checkpoint_metadata"]
 
@@ -244,19 +246,24 @@ def _box_shaped(view: torch.Tensor, box: tuple) -> torch.Tensor | None:
     return view if tuple(view.shape) == tuple(lengths) else None
 
 
-def checkpoint_from_metadata(metadata: Metadata | None) -> SafetensorsCheckpoint:
+def checkpoint_from_metadata(
+    metadata: Metadata | None, storage_options: Mapping[str, Any] | None = None
+) -> SafetensorsCheckpoint:
     """Checkpoint headers from DCP metadata: ours (SafetensorsReader: with each file's identity as its header was
-    read, which the reads check) or torch's HF reader's."""
+    read, which the reads check) or torch's HF reader's. A URL root is read through its store, opened with
+    ``storage_options``."""
     if metadata is None:
         raise ValueError("no checkpoint metadata")
     infos, identities = {}, {}
     for index, info in (metadata.storage_data or {}).items():
         if isinstance(info, TensorInfo):
             infos[index.fqn] = info
-        elif isinstance(info, FileIdentity):
+        elif isinstance(info, (FileIdentity, ObjectIdentity)):
             identities[index.fqn] = info
     if infos:
-        checkpoint = SafetensorsCheckpoint.from_infos(infos, root=_root(metadata))
+        root = _root(metadata)
+        store = open_store(root, storage_options) if is_url(root) else None
+        checkpoint = SafetensorsCheckpoint.from_infos(infos, root=root, store=store)
         checkpoint.identities.update(identities)
         return checkpoint
     for key, md in metadata.state_dict_metadata.items():

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
-from .checkpoint import FileReader, SafetensorsCheckpoint
+from .checkpoint import SafetensorsCheckpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from .distributed import LoadSession, broadcast_owned, owned_subset, peer_errors
 from .execute import execute_plan, restore, snapshot
@@ -30,13 +31,14 @@ from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead, describe
 from .planner import HFLoadPlanner
 from .report import LoadReport, load_report
+from .storage import RangeReader, is_url
 
 log = logging.getLogger("loader")
 
 
 def read_together(
     plan: RankPlan,
-    reader: FileReader,
+    reader: RangeReader,
     reads: Sequence[BlockRead],
     deferred: Sequence[DeferredRead],
     options: LoadOptions,
@@ -104,12 +106,12 @@ def load_distributed(
     *,
     revision: str | None = None,
     allocate: Callable[[RankPlan], RankPlan] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadReport:
     """Plan on every rank, agree on the outcome, then read each rank's own byte ranges.
 
     Args:
-        planner: the load planner (its :meth:`~loader.HFLoadPlanner.build_plan` plans this rank).
-        path: checkpoint file, folder or Hugging Face repo id.
+        path: checkpoint file, folder, Hugging Face repo id or URL.
         options: how the load runs and reads (see :func:`read_together`); ``timeout``: seconds each rank waits for
             the others at the end of planning and of reading.
         revision: the revision of a repo id.
@@ -117,6 +119,7 @@ def load_distributed(
             ``allocate(plan)`` allocates them and returns the plan bound to them (a
             :class:`~loader.materialize.MetaAllocation`), before the outcome of planning is agreed; undoing it
             when this raises is the caller's.
+        storage_options: options for a URL's backend.
 
     Returns:
         This rank's :class:`~loader.LoadReport`.
@@ -131,26 +134,26 @@ def load_distributed(
         _resolve_on_rank_zero_first(session, path, revision)
         error = plan = None
         try:
-            plan = planner.build_plan(
-                SafetensorsCheckpoint.open(path, revision=revision), check_devices=allocate is None
-            )
+            checkpoint = SafetensorsCheckpoint.open(path, revision=revision, storage_options=storage_options)
+            plan = planner.build_plan(checkpoint, check_devices=allocate is None)
             plan = allocate(plan) if allocate is not None else plan
         except Exception as e:  # agreed below: every rank raises, none hangs
             error = e
         session.agree(error, "planning")
         assert plan is not None
         log.info("rank %d: %s", rank, describe(plan))
-        with FileReader() as reader:
+        with plan.checkpoint.reader() as reader:
             read_together(plan, reader, plan.reads, plan.deferred, options, session=session)
-            bytes_read = reader.bytes_read
+            bytes_read, requests = reader.bytes_read, reader.reads
     plan.keyplan.record_on_model(planner.model)
-    return load_report(plan, bytes_read, rank, world, seconds=time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return load_report(plan, bytes_read, rank, world, seconds=seconds, requests=requests)
 
 
 def _resolve_on_rank_zero_first(session: LoadSession, path: str, revision: str | None) -> None:
     """A Hub repo id not on disk is resolved (downloaded when not cached) by rank 0 alone, while the others
     wait without limit; then every rank finds it in the cache. Local paths need nothing."""
-    if os.path.exists(path) or not looks_like_repo_id(path):
+    if is_url(path) or os.path.exists(path) or not looks_like_repo_id(path):
         return
     error = None
     if session.rank == 0 or session.solo:  # torch's fake process group: no rank 0 to wait for

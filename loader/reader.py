@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch.futures import Future
 import regiontrace as rt
 from regiontrace import contiguous_strides
 
-from .checkpoint import FileReader, SafetensorsCheckpoint
+from .checkpoint import SafetensorsCheckpoint
 from .dcpload import checkpoint_from_metadata, checkpoint_metadata, holds_headers
 from .execute import BlockExecutor, execute_plan, restore
 from .load import read_together
@@ -37,13 +38,14 @@ from .options import DEFAULT_TIMEOUT, STAGING_BYTES, LoadOptions
 from .placements import rank_and_world
 from .plan import BlockRead
 from .plan.slots import full_box, plain_slot
+from .storage import RangeReader, is_url
 
 
 class SafetensorsReader(StorageReader):
     """Reads a Hugging Face safetensors checkpoint (a file, or a folder with shards and index.json).
 
     Args:
-        path: the checkpoint file or folder.
+        path: the checkpoint file or folder, or its URL (``s3://``, ``https://``, ``hf://``; docs/remote.md).
         rollback: when a read fails (a file truncated, replaced or rewritten since its header was read), restore
             every model tensor this ``read_data`` wrote before raising (at the cost of a copy of them), as
             ``load_hf_checkpoint(rollback=True)`` does; in a distributed load, when a read failed on any rank.
@@ -54,6 +56,7 @@ class SafetensorsReader(StorageReader):
             targets).
         broadcast_replicated_tensors: in a distributed load (with :class:`~loader.HFLoadPlanner`), read boxes
             several ranks need once and broadcast them.
+        storage_options: options for a URL's backend (endpoint, credentials, timeouts); only for URLs.
 
     Attributes:
         options: the :class:`~loader.options.LoadOptions` built from these arguments.
@@ -71,9 +74,11 @@ class SafetensorsReader(StorageReader):
         timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
         staging_bytes: int = STAGING_BYTES,
         broadcast_replicated_tensors: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.path = None if path is None else os.fspath(path)
+        self.storage_options = dict(storage_options or {})
         self.options = LoadOptions(
             rollback=rollback,
             timeout=timeout,
@@ -93,19 +98,19 @@ class SafetensorsReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         p = os.fspath(checkpoint_id)
-        return os.path.isdir(p) or p.endswith(".safetensors")
+        return is_url(p) or os.path.isdir(p) or p.endswith(".safetensors")
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
             raise ValueError("SafetensorsReader needs a checkpoint path (or checkpoint_id)")
-        self.checkpoint = SafetensorsCheckpoint.open(self.path)
+        self.checkpoint = SafetensorsCheckpoint.open(self.path, storage_options=self.storage_options or None)
         self._metadata = checkpoint_metadata(self.checkpoint)
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata is not self._metadata and holds_headers(metadata):
             # headers read elsewhere: read what they say, checked against the identities they recorded
-            self.checkpoint = checkpoint_from_metadata(metadata)
+            self.checkpoint = checkpoint_from_metadata(metadata, self.storage_options or None)
         elif self.checkpoint is None:
             self.read_metadata()
 
@@ -129,12 +134,12 @@ class SafetensorsReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _file_reader(self) -> FileReader:
+    def _file_reader(self) -> RangeReader:
         """The reader of one ``read_data``, told every file's identity (checked on open and after the last read)."""
         assert self.checkpoint is not None
-        return FileReader(self.checkpoint.identities)
+        return self.checkpoint.reader()
 
-    def _read_boxes(self, plan: LoadPlan, planner: LoadPlanner, reader: FileReader) -> None:
+    def _read_boxes(self, plan: LoadPlan, planner: LoadPlanner, reader: RangeReader) -> None:
         saved: dict[str, torch.Tensor] = {}  # rollback: each target's values before it was written
         targets: dict[str, Any] = {}
         try:
@@ -167,7 +172,7 @@ class SafetensorsReader(StorageReader):
             raise
 
 
-def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: FileReader, options: LoadOptions) -> None:
+def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: RangeReader, options: LoadOptions) -> None:
     """Execute the RemapBlocks and deferred conversions ``dcp_plan``'s items stand for (any strided read), as
     ``planner.planned_reads`` lists them; with ``options.rollback``, a failure restores every tensor the plan
     writes (every rank's, in a distributed load)."""

@@ -31,7 +31,8 @@ class LoadReport:
         unexpected_keys: checkpoint keys no rule maps to a model tensor, or whose tensor a key before them
             loads through the base model prefix (see :class:`~loader.rules.KeyPlan`); logged as one warning on
             rank 0, as ``from_pretrained`` does; natural-sorted.
-        bytes_read: bytes this process read from checkpoint files.
+        bytes_read: bytes this process read from checkpoint files (remotely: bytes fetched, the gaps coalesced
+            requests read through included).
         traced: model tensors loaded by traced conversions (region reads, or value reads: pointwise ops).
         deferred: model tensors loaded through deferred (run-for-real) conversions.
         blocks: RemapBlocks executed (region reads and value reads' inputs).
@@ -43,6 +44,7 @@ class LoadReport:
             that of the values its conversion produced (the checkpoint tensor's, for a rename). Such a load
             also warns once (``UserWarning``). Casts within a kind (bf16 -> float32) are normal and not listed.
         seconds: wall time of the load on this rank (0.0 where the caller did not time it).
+        requests: read requests this process made: read system calls locally, HTTP requests remotely.
     """
 
     loaded_keys: tuple[str, ...]
@@ -58,6 +60,7 @@ class LoadReport:
     world_size: int = 1
     cast_keys: tuple[tuple[str, torch.dtype, torch.dtype], ...] = ()
     seconds: float = field(default=0.0, compare=False)  # timing: not part of what the load did
+    requests: int = field(default=0, compare=False)  # how the bytes were read, not what was loaded
 
     def __str__(self) -> str:
         casts = f", {len(self.cast_keys)} cast across kinds" if self.cast_keys else ""
@@ -73,7 +76,7 @@ class LoadReport:
 
 @paused_gc()  # one tuple per key, no cycles: no full collections over the model meanwhile
 def load_report(
-    plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int = 1, seconds: float = 0.0
+    plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int = 1, seconds: float = 0.0, requests: int = 0
 ) -> LoadReport:
     """The :class:`LoadReport` of ``plan``, executed; warns once when values changed kind, and logs the unexpected
     checkpoint keys (rank 0 only: every rank has the same).
@@ -83,6 +86,7 @@ def load_report(
         bytes_read: bytes this process read from checkpoint files.
         rank, world_size: this process's rank and the world size.
         seconds: wall time of the load.
+        requests: read requests made.
 
     Returns:
         The report.
@@ -114,6 +118,7 @@ def load_report(
         world_size=world_size,
         cast_keys=casts,
         seconds=seconds,
+        requests=requests,
     )
 
 

@@ -24,6 +24,7 @@ LOADER_LAYERS = (
     ("_torch",),  # torch's private names, imports nothing of the project
     ("options",),  # Rules, LoadOptions: the values every layer passes down, imports nothing of the project
     ("errors",),
+    ("storage",),  # where bytes come from: local files (preadv) or object stores (ranged requests)
     ("checkpoint",),
     ("rules",),
     ("plan",),

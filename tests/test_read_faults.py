@@ -481,7 +481,7 @@ def test_read_spans_short_file_is_an_error(root):
 def test_pread_consecutive_reads_the_exact_bytes_and_refuses_a_short_file(tmp_path):
     """Many buffers filled from consecutive file bytes with one preadv per IOV_MAX of them: the same bytes as one
     read per buffer, empty buffers skipped; a file that ends early is a CheckpointError naming it."""
-    from loader.checkpoint.files import IOV_MAX
+    from loader.storage import IOV_MAX
 
     path = str(tmp_path / "bytes.bin")
     data = np.random.default_rng(0).integers(0, 256, 3 * IOV_MAX * 5 + 7, dtype=np.uint8).tobytes()

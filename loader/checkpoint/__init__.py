@@ -2,16 +2,15 @@
 (one file or a sharded folder, :mod:`.folder`), the ``quantization_config`` of its ``config.json``
 (:mod:`.config`) and Hub repo ids resolved to cached snapshots (:mod:`.hub`)."""
 
-from .config import quantization_config
-from .files import FileReader, coalesce_ranges, read_ranges, read_tensor
+from ..storage import FileIdentity, FileReader
+from .config import config_location, quantization_config
+from .files import coalesce_ranges, read_ranges, read_tensor
 from .folder import INDEX_NAME, MAX_INDEX_BYTES, SINGLE_NAME, SafetensorsCheckpoint
 from .header import (
     DTYPES,
     MAX_HEADER_BYTES,
-    FileIdentity,
     HeaderFile,
     TensorInfo,
-    open_regular_file,
     read_header,
     read_header_file,
 )
@@ -29,7 +28,7 @@ __all__ = [
     "SafetensorsCheckpoint",
     "TensorInfo",
     "coalesce_ranges",
-    "open_regular_file",
+    "config_location",
     "quantization_config",
     "read_header",
     "read_header_file",

@@ -4,29 +4,34 @@
 
 from __future__ import annotations
 
-import os
-
-from .untrusted import err, read_json_file
+from ..storage import Store
+from ..storage.untrusted import err, loads_json
 
 CONFIG_NAME = "config.json"
 #: a config larger than this is refused before it is read (real ones are a few KiB)
 MAX_CONFIG_BYTES = 4 << 20
 
 
-def quantization_config(root: str) -> dict | None:
-    """The ``quantization_config`` object of ``root/config.json``; None when there is no config or no such entry.
+def config_location(store: Store) -> str:
+    """Where the checkpoint's ``config.json`` is."""
+    return store.locate(CONFIG_NAME)
+
+
+def quantization_config(store: Store) -> dict | None:
+    """The ``quantization_config`` object of the folder's ``config.json``; None when there is no config or no such
+    entry.
 
     Args:
-        root: the checkpoint folder.
+        store: the checkpoint folder's store.
 
     Raises:
         CheckpointError: the config is not a regular file, over :data:`MAX_CONFIG_BYTES`, not valid JSON, not
             an object, or its ``quantization_config`` is not an object (naming the file).
     """
-    path = os.path.join(root, CONFIG_NAME)
-    if not os.path.lexists(path):
+    path = config_location(store)
+    if not store.exists(path):
         return None
-    config = read_json_file(path, MAX_CONFIG_BYTES, "config")
+    config = loads_json(path, store.read_small(path, MAX_CONFIG_BYTES, "config"), "config")
     if not isinstance(config, dict):
         raise err(path, f"config must be a JSON object, got {type(config).__name__}")
     quant = config.get("quantization_config")

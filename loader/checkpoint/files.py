@@ -1,268 +1,14 @@
-"""Reading exact byte ranges of checkpoint files with ``preadv``, optionally coalescing nearby ranges.
-
-Every read is a system call on a file descriptor, never a memory map: a file that shrinks underneath the
-load becomes a short read and a :class:`~loader.errors.CheckpointError` naming the file, never a SIGBUS.
-A :class:`FileReader` told a file's :class:`~.header.FileIdentity` (recorded when its header was read)
-checks it (:class:`IdentityChecks`) when the file is opened for data and on :meth:`FileReader.verify`: a file
-replaced or rewritten since its header was read is refused instead of loading garbage.
-"""
+"""Reading byte ranges of a checkpoint's files through a :class:`~loader.storage.RangeReader`: several ranges
+coalesced (:func:`read_ranges`), or one whole tensor (:func:`read_tensor`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from .header import FileIdentity, TensorInfo
-from .untrusted import err, open_regular_file
-
-_HAS_PREADV = hasattr(os, "preadv")
-#: buffers per ``preadv`` call (the kernel's limit, IOV_MAX: 1024 on Linux)
-IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
-#: the page size: the unit in which the kernel reads files into its page cache
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-class IdentityChecks:
-    """The :class:`~.header.FileIdentity` each file must still have, checked against an open descriptor."""
-
-    __slots__ = ("_expected",)
-
-    def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
-        self._expected: dict[str, FileIdentity] = dict(identities or {})
-
-    def expect(self, file: str, identity: FileIdentity) -> None:
-        """Require ``file`` to be ``identity`` from now on."""
-        self._expected[file] = identity
-
-    def check(self, file: str, fd: int) -> None:
-        """Raise :class:`~loader.errors.CheckpointError` when ``fd`` (open on ``file``) is no longer the identity
-        ``file`` is expected to have (a change of inode, size, mtime or ctime); nothing when none is expected."""
-        want = self._expected.get(file)
-        if want is None:
-            return
-        got = FileIdentity.of(os.fstat(fd))
-        if got != want:
-            changed = ", ".join(
-                f"{f.name} {getattr(want, f.name)} -> {getattr(got, f.name)}"
-                for f in dataclasses.fields(want)
-                if getattr(want, f.name) != getattr(got, f.name)
-            )
-            raise err(file, f"file changed underneath since its header was read ({changed})")
-
-
-def open_checked(file: str, checks: IdentityChecks) -> int:
-    """Open ``file`` for reading (a FIFO swapped in cannot block the open) and check its identity."""
-    fd, _ = open_regular_file(file)
-    try:
-        checks.check(file, fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def read_exact(file: str, fd: int, offset: int, view: memoryview, checks: IdentityChecks) -> None:
-    """Read exactly ``len(view)`` bytes of ``fd`` (open on ``file``) from ``offset`` into ``view``.
-
-    Raises:
-        CheckpointError: the file ended first (a replaced or shrunk file says so first, see ``checks``).
-    """
-    size, pos = len(view), 0
-    while pos < size:
-        if _HAS_PREADV:  # reads straight into ``view``, no intermediate bytes object
-            n = os.preadv(fd, [view[pos:]], offset + pos)
-        else:  # pragma: no cover - platforms without preadv
-            chunk = os.pread(fd, size - pos, offset + pos)
-            n = len(chunk)
-            view[pos : pos + n] = chunk
-        if n == 0:
-            checks.check(file, fd)
-            msg = f"unexpected end of file reading bytes [{offset}, {offset + size}) (got {pos})"
-            raise err(file, msg + "; file changed underneath?")
-        pos += n
-
-
-def read_consecutive(file: str, fd: int, offset: int, views: Sequence[memoryview], checks: IdentityChecks) -> int:
-    """Read consecutive bytes of ``fd`` from ``offset`` into the non-empty ``views``, one ``preadv`` call per
-    :data:`IOV_MAX` buffers, then buffer by buffer where a call read short. Returns the number of read calls."""
-    pos, calls = offset, 0
-    for i in range(0, len(views), IOV_MAX):
-        chunk = views[i : i + IOV_MAX]
-        size = sum(len(v) for v in chunk)
-        n = os.preadv(fd, chunk, pos) if _HAS_PREADV else 0
-        calls += 1
-        if n < size:  # a short read (or no preadv): the rest buffer by buffer, exactly
-            at = pos
-            for v in chunk:
-                if n >= len(v):
-                    n -= len(v)
-                else:
-                    read_exact(file, fd, at + n, v[n:], checks)
-                    calls, n = calls + 1, 0
-                at += len(v)
-        pos += size
-    return calls
-
-
-class FileReader:
-    """Holds open read-only file descriptors and reads exact byte ranges with ``preadv``.
-
-    Thread-safe: descriptors are opened lazily under a lock and ``preadv`` has no shared file position.
-    Use as a context manager (or call :meth:`close`) to release the descriptors.
-
-    Args:
-        identities: ``{file: FileIdentity}`` each file must still have (see :meth:`expect`).
-
-    Attributes:
-        bytes_read: Bytes read from the OS for callers so far (including any coalescing over-read of
-            :func:`read_ranges`); the gaps :meth:`read_spans` reads through are in ``gap_bytes``.
-        gap_bytes: Bytes :meth:`read_spans` read between the runs a caller wanted (on pages those runs
-            touch anyway) and discarded.
-        reads: Number of read requests that read at least one byte.
-    """
-
-    def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
-        self._fds: dict[str, int] = {}
-        self._checks = IdentityChecks(identities)
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-        self.gap_bytes = 0
-        self.reads = 0
-
-    def __enter__(self) -> FileReader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close every open descriptor. The reader may be reused afterwards (files reopen lazily)."""
-        with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-    def expect(self, file: str, identity: FileIdentity | None) -> None:
-        """Require ``file`` to be ``identity`` from now on: checked now if it is open, else when it is opened.
-
-        ``None`` is ignored (nothing is known about the file).
-
-        Raises:
-            CheckpointError: the open file is no longer ``identity``.
-        """
-        if identity is None:
-            return
-        with self._lock:
-            self._checks.expect(file, identity)
-            fd = self._fds.get(file)
-        if fd is not None:
-            self._checks.check(file, fd)
-
-    def verify(self, file: str) -> None:
-        """Check that ``file``, if open and expected, is still the identity it was expected to be.
-
-        Raises:
-            CheckpointError: it was replaced, resized or rewritten (a change of inode, size, mtime or ctime).
-        """
-        fd = self._fds.get(file)
-        if fd is not None:
-            self._checks.check(file, fd)
-
-    def verify_all(self) -> None:
-        """:meth:`verify` every open file."""
-        for file in list(self._fds):
-            self.verify(file)
-
-    def advise_sparse(self, file: str) -> None:
-        """Tell the kernel this file is read sparsely: no readahead beyond the ranges asked for."""
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd(file), 0, 0, os.POSIX_FADV_RANDOM)
-
-    def advise_willneed(self, file: str, start: int, end: int) -> None:
-        """Ask the kernel to start reading bytes ``[start, end)`` of ``file`` now (asynchronously)."""
-        if hasattr(os, "posix_fadvise") and end > start:
-            os.posix_fadvise(self.fd(file), start, end - start, os.POSIX_FADV_WILLNEED)
-
-    def fd(self, file: str) -> int:
-        """Return an open descriptor for ``file``, opening it (and checking its identity) on first use.
-
-        Raises:
-            CheckpointError: the file is not the identity :meth:`expect` was told.
-        """
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(file)
-                if fd is None:
-                    fd = self._fds[file] = open_checked(file, self._checks)
-        return fd
-
-    def pread_into(self, file: str, offset: int, out: memoryview | bytearray) -> None:
-        """Read exactly ``len(out)`` bytes of ``file`` starting at ``offset`` into ``out``.
-
-        Args:
-            file: Path of the file.
-            offset: Absolute byte offset to start at.
-            out: Writable, C-contiguous buffer; its length is the number of bytes read.
-
-        Raises:
-            CheckpointError: The file ended before ``len(out)`` bytes were read, or changed underneath.
-        """
-        view = memoryview(out).cast("B")
-        if len(view) == 0:
-            return
-        read_exact(file, self.fd(file), offset, view, self._checks)
-        self._count(len(view), 1)
-
-    def pread_consecutive(self, file: str, offset: int, outs: Sequence[memoryview]) -> None:
-        """Read consecutive bytes of ``file`` from ``offset`` into the buffers ``outs``, one after another: one
-        ``preadv`` call per :data:`IOV_MAX` buffers (many small tensors side by side in the file), not one per buffer.
-
-        Raises:
-            CheckpointError: The file ended before the last buffer was filled, or changed underneath.
-        """
-        views = [v for v in (memoryview(o).cast("B") for o in outs) if len(v)]
-        calls = read_consecutive(file, self.fd(file), offset, views, self._checks)
-        self._count(sum(len(v) for v in views), calls)
-
-    def read_spans(
-        self, file: str, spans: Sequence[tuple[int, int]], out: memoryview, base: int, *, wanted: int | None = None
-    ) -> None:
-        """Read each byte range ``[a, b)`` of ``file`` into ``out[a - base : b - base]`` (one call per range).
-
-        A ``preadv`` call reads one contiguous stretch of the file, so a range holding several runs reads
-        their gaps too; one buffer per range (then one strided copy by the caller) measured 3x faster than an
-        iovec per run and per gap (up to IOV_MAX per call).
-
-        Args:
-            file: Path of the file.
-            spans: Absolute, non-empty byte ranges, each within ``[base, base + len(out))``.
-            out: Writable byte buffer standing for the file bytes from ``base`` on.
-            base: File offset of ``out[0]``.
-            wanted: Bytes of the spans the caller uses (counted in ``bytes_read``; the rest in
-                ``gap_bytes``); default all of them.
-
-        Raises:
-            CheckpointError: The file ended before a range's end, or changed underneath.
-        """
-        view = memoryview(out).cast("B")
-        fd = self.fd(file)
-        total = 0
-        for a, b in spans:
-            read_exact(file, fd, a, view[a - base : b - base], self._checks)
-            total += b - a
-        used = total if wanted is None else wanted
-        self._count(used, len(spans), total - used)
-
-    def _count(self, nbytes: int, reads: int, gap_bytes: int = 0) -> None:
-        with self._lock:
-            self.bytes_read += nbytes
-            self.gap_bytes += gap_bytes
-            self.reads += reads
+from ..storage import FileReader, RangeReader
+from .header import TensorInfo
 
 
 def coalesce_ranges(
@@ -314,7 +60,7 @@ def read_ranges(
     *,
     max_gap: int = 4096,
     max_overread: float = 2.0,
-    reader: FileReader | None = None,
+    reader: RangeReader | None = None,
 ) -> list[memoryview]:
     """Read several absolute byte ranges of one file, coalescing nearby ranges (see :func:`coalesce_ranges`).
 
@@ -350,7 +96,7 @@ def read_ranges(
     return out
 
 
-def read_tensor(info: TensorInfo, reader: FileReader | None = None) -> torch.Tensor:
+def read_tensor(info: TensorInfo, reader: RangeReader | None = None) -> torch.Tensor:
     """Read one whole tensor into a new CPU tensor (bit-identical to ``safetensors.torch.load_file``).
 
     Args:

@@ -8,14 +8,17 @@ cache links ``snapshots/<rev>/*`` into ``../../blobs``; a user's symlink farm do
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import warnings
 from collections.abc import Iterator, KeysView, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointNotFoundError
-from .header import FileIdentity, TensorInfo, read_header_file
+from ..storage import LocalStore, RangeReader, Store, is_url, open_store
+from ..storage.untrusted import err, loads_json
+from .header import HeaderFile, TensorInfo, read_header_file
 from .hub import resolve_checkpoint
-from .untrusted import err, read_json_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -26,30 +29,37 @@ _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _Meta = dict[str, dict[str, str]]
 
 
-def read_index(index_path: str) -> object:
+#: headers of a remote checkpoint's files read at once (one request or two each)
+REMOTE_HEADER_THREADS = 16
+
+
+def read_index(index_path: str, store: Store | None = None) -> object:
     """Read and parse an index file (any JSON value; :func:`_index_files` checks its shape).
 
     Raises:
         CheckpointError: not a regular file, over :data:`MAX_INDEX_BYTES`, or not valid UTF-8 JSON.
     """
-    return read_json_file(index_path, MAX_INDEX_BYTES, "index")
+    store = store if store is not None else LocalStore(os.path.dirname(index_path))
+    return loads_json(index_path, store.read_small(index_path, MAX_INDEX_BYTES, "index"), "index")
 
 
-def _shard_path(root: str, index_path: str, key: str, name: object) -> str:
-    """The path of a file the index names, refusing names that are not plain paths inside ``root``."""
+def _shard_path(store: Store, index_path: str, key: str, name: object) -> str:
+    """The location of a file the index names, refusing names that are not plain paths inside the folder."""
+    root = store.root
     if not isinstance(name, str) or not name:
         raise err(index_path, f"weight_map value must be a file name, got {name!r}", key)
     if "\0" in name:
         raise err(index_path, f"file name {name!r} holds a NUL byte", key)
-    norm = os.path.normpath(name)
-    if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
+    norm = posixpath.normpath(name) if store.remote else os.path.normpath(name)
+    sep = "/" if store.remote else os.sep
+    if name.startswith("/") or os.path.isabs(name) or norm == ".." or norm.startswith(".." + sep):
         raise err(index_path, f"file {name!r} escapes the checkpoint folder {root}", key)
-    return os.path.join(root, norm)
+    return store.locate(norm)
 
 
-def _index_files(root: str, index_path: str) -> dict[str, list[str]]:
-    """Parse an index file; return ``{absolute shard path: [keys]}`` in sorted shard order."""
-    index = read_index(index_path)
+def _index_files(store: Store, index_path: str) -> dict[str, list[str]]:
+    """Parse an index file; return ``{shard location: [keys]}`` in sorted shard order."""
+    index = read_index(index_path, store)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise err(index_path, "index must be a JSON object with a 'weight_map' object")
@@ -58,25 +68,27 @@ def _index_files(root: str, index_path: str) -> dict[str, list[str]]:
     for key, name in weight_map.items():
         path = checked.get(name) if isinstance(name, str) else None
         if path is None:
-            path = checked[name] = _shard_path(root, index_path, key, name)
+            path = checked[name] = _shard_path(store, index_path, key, name)
         by_file.setdefault(path, []).append(key)
     for path, keys in by_file.items():
-        if not os.path.lexists(path):  # a link that exists but leads nowhere is reported when opened
+        # a link that exists but leads nowhere is reported when opened; a missing remote object when its header is
+        if not store.remote and not store.exists(path):
             raise err(index_path, f"names missing file {path}", keys[0])
     return {path: by_file[path] for path in sorted(by_file)}
 
 
-def _folder_files(root: str) -> list[str]:
+def _folder_files(store: Store) -> list[str]:
     """Every ``*.safetensors`` entry of a folder without index or ``model.safetensors``, sorted.
 
     Entries that are not regular files (a directory, a symlink loop) are kept, so that opening them
     reports what is wrong instead of the folder looking empty.
     """
-    try:
-        names = os.listdir(root)
-    except OSError as e:
-        raise err(root, f"cannot list the folder: {e.strerror or e}") from e
-    files = sorted(os.path.join(root, n) for n in names if n.endswith(".safetensors"))
+    root, names = store.root, store.list_names()
+    if names is None:
+        raise CheckpointNotFoundError(
+            f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found (a folder at this URL cannot be listed)", path=root
+        )
+    files = sorted(store.locate(n) for n in names if n.endswith(".safetensors"))
     shards = sorted(n for n in names if _SHARD_NAME.fullmatch(n))
     if shards:  # a sharded save whose index is missing: some shards may be missing or of another save too
         raise err(
@@ -90,18 +102,55 @@ def _folder_files(root: str) -> list[str]:
     return files
 
 
+def _locate(
+    path: str | os.PathLike[str], revision: str | None, storage_options: Mapping[str, object] | None
+) -> tuple[Store, str]:
+    """The store of the checkpoint ``path`` names and the file name in it (``""`` for the folder itself)."""
+    text = os.fspath(path)
+    if is_url(text):
+        text = text.rstrip("/")
+        head, _, last = text.rpartition("/")
+        named = last.endswith(".safetensors") or last == INDEX_NAME
+        return open_store(head if named else text, storage_options, revision=revision), last if named else ""
+    if storage_options:
+        raise ValueError(f"storage_options apply to URLs only, not to the local path {text!r}")
+    local = resolve_checkpoint(text, revision=revision)
+    if os.path.isdir(local):
+        return LocalStore(local), ""
+    return LocalStore(os.path.dirname(local)), os.path.basename(local)
+
+
+def _read_headers(store: Store, files: list[str]) -> list[HeaderFile]:
+    """Every file's header, in order; a remote store's several at once (each costs a round trip)."""
+    if not store.remote or len(files) < 2:
+        return [read_header_file(f, store) for f in files]
+    with ThreadPoolExecutor(min(REMOTE_HEADER_THREADS, len(files))) as pool:
+        return list(pool.map(lambda f: read_header_file(f, store), files))
+
+
+def _warn_deprecated() -> None:
+    warnings.warn(
+        "SafetensorsCheckpoint.open(allow_external_symlinks=...) is deprecated and ignored: symlinks to "
+        "regular files are always accepted",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
     """A safetensors checkpoint (one file or a sharded folder), known from its headers only.
 
     A read-only mapping from tensor key to :class:`TensorInfo`.
 
     Attributes:
-        root: Absolute folder of the checkpoint.
-        files: Absolute paths of the files in use, in order (symlinks are not resolved).
+        root: The checkpoint's folder: an absolute path, or a URL.
+        files: Locations of the files in use, in order (absolute paths, symlinks not resolved; or URLs).
         tensors: ``{key: TensorInfo}``.
         metadata: ``{file: __metadata__ dict}`` for every file in ``files``.
-        identities: ``{file: FileIdentity}`` of every file in ``files`` as its header was read (from the
-            ``fstat`` of the descriptor the header was read through); empty for :meth:`from_infos`.
+        identities: ``{file: identity}`` of every file in ``files`` as its header was read (a
+            :class:`~loader.storage.FileIdentity` from the ``fstat`` of the descriptor the header was read through,
+            or a remote object's :class:`~loader.storage.ObjectIdentity`); empty for :meth:`from_infos`.
+        store: Where the bytes are (:class:`~loader.storage.Store`): readers come from :meth:`reader`.
     """
 
     def __init__(
@@ -110,13 +159,19 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         files: Sequence[str],
         tensors: dict[str, TensorInfo],
         metadata: _Meta | None = None,
-        identities: Mapping[str, FileIdentity] | None = None,
+        identities: Mapping[str, object] | None = None,
+        store: Store | None = None,
     ) -> None:
-        self.root = os.path.abspath(root)
+        self.store = store if store is not None else LocalStore(root)
+        self.root = self.store.root
         self.files = tuple(files)
         self.tensors = tensors
         self.metadata = metadata if metadata is not None else {f: {} for f in self.files}
-        self.identities: dict[str, FileIdentity] = dict(identities or {})
+        self.identities: dict[str, object] = dict(identities or {})
+
+    def reader(self) -> RangeReader:
+        """A new :class:`~loader.storage.RangeReader` of this checkpoint's files, told each file's identity."""
+        return self.store.reader(self.identities)
 
     @classmethod
     def open(
@@ -124,20 +179,24 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         path: str | os.PathLike[str],
         *,
         revision: str | None = None,
+        storage_options: Mapping[str, object] | None = None,
         allow_external_symlinks: bool | None = None,
     ) -> SafetensorsCheckpoint:
         """Open a checkpoint, reading and validating only its headers.
 
-        ``path`` may be a ``.safetensors`` file, a ``model.safetensors.index.json`` file, a folder, or a
-        Hugging Face Hub repo id (``"org/name"``, see :func:`~loader.checkpoint.hub.resolve_checkpoint`).
+        ``path`` may be a ``.safetensors`` file, a ``model.safetensors.index.json`` file, a folder, a
+        Hugging Face Hub repo id (``"org/name"``, see :func:`~loader.checkpoint.hub.resolve_checkpoint`), or the
+        URL of any of these (``s3://``, ``https://``, ``hf://org/name``; see docs/remote.md): a URL's folder is
+        never listed (its index, else its ``model.safetensors``).
         In a folder the index is used if present (exactly the files and keys it names; keys a shard has
         beyond the index are ignored), else ``model.safetensors``, else every ``*.safetensors`` (sorted) —
         unless there are ``model-0000i-of-0000n.safetensors`` shards, which without their index are refused.
         Files may be symlinks to regular files anywhere; the names an index gives must stay in the folder.
 
         Args:
-            path: File, folder or repo id.
-            revision: Branch, tag or commit of a repo id; ``None``: the default branch. Only for repo ids.
+            path: File, folder, repo id or URL.
+            revision: Branch, tag or commit of a repo id or ``hf://`` URL; ``None``: the default branch.
+            storage_options: Options for a URL's backend (credentials, endpoint, timeouts); only for URLs.
             allow_external_symlinks: Deprecated and ignored: symlinks to regular files are always accepted.
 
         Returns:
@@ -150,37 +209,31 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
                 keys, escapes the folder, or two files hold the same key; a folder holds shards but no index.
         """
         if allow_external_symlinks is not None:
-            warnings.warn(
-                "SafetensorsCheckpoint.open(allow_external_symlinks=...) is deprecated and ignored: symlinks to "
-                "regular files are always accepted",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        path = resolve_checkpoint(path, revision=revision)
-        if not os.path.isdir(path) and os.path.basename(path) != INDEX_NAME:
-            header = read_header_file(path)
-            return cls(os.path.dirname(path), (path,), header.tensors, {path: header.metadata}, {path: header.identity})
-        root = os.path.dirname(path) if os.path.basename(path) == INDEX_NAME else path
-        index_path = os.path.join(root, INDEX_NAME)
+            _warn_deprecated()
+        store, name = _locate(path, revision, storage_options)  # a URL's store is given the revision
+        if name and name != INDEX_NAME:
+            file = store.locate(name)
+            header = read_header_file(file, store)
+            return cls(store.root, (file,), header.tensors, {file: header.metadata}, {file: header.identity}, store)
+        index_path = store.locate(INDEX_NAME)
         wanted: dict[str, list[str]] | None = None
-        if os.path.lexists(index_path):
-            wanted = _index_files(root, index_path)
+        if name == INDEX_NAME or store.exists(index_path):
+            wanted = _index_files(store, index_path)
             files = list(wanted)
-        elif os.path.lexists(os.path.join(root, SINGLE_NAME)):
-            files = [os.path.join(root, SINGLE_NAME)]
+        elif store.exists(store.locate(SINGLE_NAME)):
+            files = [store.locate(SINGLE_NAME)]
         else:
-            files = _folder_files(root)
-        return cls._from_files(root, files, wanted, index_path)
+            files = _folder_files(store)
+        return cls._from_files(store, files, wanted, index_path)
 
     @classmethod
     def _from_files(
-        cls, root: str, files: list[str], wanted: dict[str, list[str]] | None, index_path: str
+        cls, store: Store, files: list[str], wanted: dict[str, list[str]] | None, index_path: str
     ) -> SafetensorsCheckpoint:
         tensors: dict[str, TensorInfo] = {}
         metadata: _Meta = {}
-        identities: dict[str, FileIdentity] = {}
-        for file in files:
-            header = read_header_file(file)
+        identities: dict[str, object] = {}
+        for file, header in zip(files, _read_headers(store, files)):
             metadata[file], identities[file] = header.metadata, header.identity
             if wanted is not None:
                 for key in wanted[file]:
@@ -193,15 +246,18 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
                     other = os.path.basename(tensors[key].file)
                     raise err(file, f"key {key!r} in both {other} and {os.path.basename(file)}", key)
                 tensors[key] = info
-        return cls(root, files, tensors, metadata, identities)
+        return cls(store.root, files, tensors, metadata, identities, store)
 
     @classmethod
-    def from_infos(cls, infos: Mapping[str, TensorInfo], root: str = ".") -> SafetensorsCheckpoint:
+    def from_infos(
+        cls, infos: Mapping[str, TensorInfo], root: str = ".", store: Store | None = None
+    ) -> SafetensorsCheckpoint:
         """Build a checkpoint from tensor metadata alone (no files touched), e.g. for planning simulations.
 
         Args:
             infos: ``{key: TensorInfo}``; each info's ``key`` must match its mapping key.
             root: Folder to report as :attr:`root`.
+            store: The store the files are in; default: the local folder ``root``.
 
         Returns:
             The checkpoint; ``files`` lists the infos' files in first-seen order, ``metadata`` is ``{}``
@@ -214,7 +270,7 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
             if info.key != key:
                 raise ValueError(f"mapping key {key!r} holds TensorInfo for {info.key!r}")
         files = tuple(dict.fromkeys(info.file for info in infos.values()))
-        return cls(root, files, dict(infos))
+        return cls(root, files, dict(infos), store=store)
 
     def __getitem__(self, key: str) -> TensorInfo:
         return self.tensors[key]

@@ -5,8 +5,8 @@ Vocabulary: a *header* is the JSON object after the 8-byte length prefix; each *
 *identity* (device, inode, size, mtime, ctime) is recorded when its header is read, so later reads can tell the
 file changed underneath.
 
-Files are opened through :mod:`.untrusted` (regular files only, never blocking). Parsing is linear in the
-header size: entries are validated as the JSON parser builds them, so the parsed header never exists as
+Files are read through a :class:`~loader.storage.Store` (locally: regular files only, never blocking). Parsing is
+linear in the header size: entries are validated as the JSON parser builds them, so the parsed header never exists as
 dicts, the usual in-order layout is checked in the same pass, and each parsed entry is freed as soon as it
 becomes a :class:`TensorInfo` (``bench/header_bench.py`` measures time and memory).
 """
@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from .untrusted import DuplicateKeyError, err, gc_paused, loads_json, open_regular_file, pread_exact, short, strict_dict
+from ..storage import FileIdentity, LocalStore, ObjectIdentity, Store
+from ..storage.untrusted import DuplicateKeyError, err, gc_paused, loads_json, short, strict_dict
 
 MAX_HEADER_BYTES = 100_000_000  # same limit as the safetensors reference implementation
 _MAX_FAST_NDIM = 64  # longer shapes take the careful path (bounded products)
@@ -41,32 +42,6 @@ DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, attr) for name, attr in _DTYPE_NAMES.items() if hasattr(torch, attr)
 }
 _ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """What identifies one file's contents: if any field changes, the file was replaced or rewritten.
-
-    Attributes:
-        device: ``st_dev``.
-        inode: ``st_ino``.
-        size: ``st_size`` in bytes.
-        mtime_ns: ``st_mtime_ns``.
-        ctime_ns: ``st_ctime_ns``: the kernel sets it on every write, rename or ``utime``, and no user-space call
-            can set it back, so a file rewritten in place with its mtime restored (``os.utime``), or replaced by
-            a new file that reuses the inode number, still differs.
-    """
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileIdentity:
-        """The identity of a ``stat``/``fstat`` result."""
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -111,12 +86,13 @@ class HeaderFile(NamedTuple):
     Attributes:
         tensors: ``{key: TensorInfo}`` in header order.
         metadata: The ``__metadata__`` dict (``{}`` if absent).
-        identity: The file's identity, from the ``fstat`` of the descriptor the header was read through.
+        identity: The file's identity as its header was read (:class:`~loader.storage.FileIdentity` from the
+            ``fstat`` of the descriptor the header was read through, or a remote object's ETag and size).
     """
 
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
-    identity: FileIdentity
+    identity: FileIdentity | ObjectIdentity
 
 
 # ----------------------------------------------------------------------------------------------- entries
@@ -293,23 +269,20 @@ def parse_header(path: str, raw: bytes, data_base: int, data_size: int) -> tuple
 # ----------------------------------------------------------------------------------------------- files
 
 
-def _read_raw_header(fd: int, path: str, file_size: int) -> bytes:
-    if file_size < 8:
-        raise err(path, f"truncated: {file_size} bytes, too short for the 8-byte header length")
-    (header_len,) = struct.unpack("<Q", pread_exact(fd, path, 8, 0))
-    if header_len > file_size - 8:
-        raise err(path, f"header length {header_len} runs past the end of the file ({file_size} bytes)")
-    if header_len > MAX_HEADER_BYTES:
-        raise err(path, f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
-    return pread_exact(fd, path, header_len, 8)
+#: bytes of a remote object's first request: most headers fit, so one request reads the length and the header
+REMOTE_HEAD_BYTES = 256 << 10
 
 
-def read_header_file(path: str) -> HeaderFile:
+def read_header_file(path: str, store: Store | None = None) -> HeaderFile:
     """Read and validate the header of one safetensors file (no tensor data is read), with its identity.
 
+    Locally the 8-byte length is read, then the header; remotely the first :data:`REMOTE_HEAD_BYTES` in one
+    request, and the rest of a longer header in a second.
+
     Args:
-        path: Path of the ``.safetensors`` file (symlinks followed); stored as given in
+        path: The file's location (a path, symlinks followed, or a URL of ``store``); stored as given in
             :attr:`TensorInfo.file`.
+        store: The store it is in; default: the local folder holding ``path``.
 
     Returns:
         The tensors, metadata and the identity of the file the header was read from.
@@ -318,16 +291,22 @@ def read_header_file(path: str) -> HeaderFile:
         CheckpointError: The file cannot be opened or is not a regular file, is truncated, the header is
             malformed, or its entries are inconsistent or do not tile the data section.
     """
-    fd, st = open_regular_file(path)
-    try:
-        if hasattr(os, "posix_fadvise"):  # a header read must not pull the data after it into the page cache
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        raw = _read_raw_header(fd, path, st.st_size)
-    finally:
-        os.close(fd)
-    data_base = 8 + len(raw)
-    tensors, metadata = parse_header(path, raw, data_base, st.st_size - data_base)
-    return HeaderFile(tensors, metadata, FileIdentity.of(st))
+    store = store if store is not None else LocalStore(os.path.dirname(path) or ".")
+    head = store.head(path, REMOTE_HEAD_BYTES if store.remote else 8)
+    size = head.size
+    if size < 8:
+        raise err(path, f"truncated: {size} bytes, too short for the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", head.data[:8])
+    if header_len > size - 8:
+        raise err(path, f"header length {header_len} runs past the end of the file ({size} bytes)")
+    if header_len > MAX_HEADER_BYTES:
+        raise err(path, f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    raw = head.data[8 : 8 + header_len]
+    if len(raw) < header_len:
+        raw += store.read_range(path, 8 + len(raw), 8 + header_len, head.identity)
+    data_base = 8 + header_len
+    tensors, metadata = parse_header(path, raw, data_base, size - data_base)
+    return HeaderFile(tensors, metadata, head.identity)
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:

@@ -16,7 +16,7 @@ import re
 
 from loader.errors import CheckpointError, CheckpointNotFoundError
 
-from .untrusted import open_regular_file, pread_exact, short
+from ..storage.untrusted import open_regular_file, pread_exact, short
 
 log = logging.getLogger(__name__)
 

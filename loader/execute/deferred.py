@@ -6,13 +6,14 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checkpoint import FileReader, SafetensorsCheckpoint, read_tensor
+from ..checkpoint import SafetensorsCheckpoint, read_tensor
 from ..plan import DeferredRead, deferred_inputs
 from ..plan.slots import TargetSlot, box_view
+from ..storage import RangeReader
 
 
 def run_deferred(
-    deferred: DeferredRead, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot], reader: FileReader
+    deferred: DeferredRead, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot], reader: RangeReader
 ) -> None:
     """Read the conversion's sources whole, run it for real, copy the owned boxes of its outputs.
 

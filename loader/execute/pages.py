@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..checkpoint.files import PAGE
+from ..storage import PAGE, ByteRuns
 
 
 def page_spans(starts: np.ndarray, length: int, page: int = PAGE) -> list[tuple[int, int]]:
@@ -16,9 +16,4 @@ def page_spans(starts: np.ndarray, length: int, page: int = PAGE) -> list[tuple[
 
     Reading such a range through its gaps reads no page more than the runs alone would.
     """
-    starts = np.sort(starts)
-    ends = starts + length
-    cut = np.flatnonzero(starts[1:] // page - (ends[:-1] - 1) // page > 1) + 1
-    firsts = np.concatenate(([0], cut))
-    lasts = np.concatenate((cut - 1, [len(starts) - 1]))
-    return list(zip(starts[firsts].tolist(), ends[lasts].tolist()))
+    return ByteRuns(np.asarray(starts, dtype=np.int64), length).spans(page)

@@ -28,11 +28,11 @@ import torch
 import regiontrace as rt
 from regiontrace import ReadLayout, dest_view, read_layout, split_span
 
-from ..checkpoint import FileReader, SafetensorsCheckpoint, TensorInfo, coalesce_ranges
+from ..checkpoint import SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, box_view, whole_boxes
-from .pages import page_spans
+from ..storage import ByteRuns, RangeReader
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
 
 #: blocks reading more contiguous runs than this are read by byte span and copied in one strided copy
@@ -111,6 +111,16 @@ def _alone(items: list[tuple[BlockRead, TensorInfo]]) -> list[bool]:
     return [sizes[c] == 1 for c in clusters]
 
 
+def _byte_ranges(items: list[tuple[BlockRead, TensorInfo]]) -> list[tuple[int, int]]:
+    """The byte ranges ``items`` read, in order: each block's runs (a remote reader fetches these ahead)."""
+    out = []
+    for r, info in items:
+        layout, item = read_layout(r.block), info.itemsize
+        nbytes = layout.run * item
+        out.extend((info.data_start + s * item, info.data_start + s * item + nbytes) for s in layout.runs)
+    return out
+
+
 def _pack_bytes(block: rt.RemapBlock, span: int, wanted: int, room: int) -> int:
     """Bytes to reserve for packing ``block`` on the host before a copy to a device: its values' bytes when its
     span is sparse (more than :data:`~.staging.GATHER_OVERREAD` times the ``wanted`` bytes it reads) and they
@@ -122,9 +132,9 @@ def _pack_bytes(block: rt.RemapBlock, span: int, wanted: int, room: int) -> int:
 
 class _DirectReads:
     """Reads straight into model memory, gathered while their bytes follow one another in the file, then read by
-    :meth:`~loader.checkpoint.FileReader.pread_consecutive`: one call for many small tensors side by side."""
+    :meth:`~loader.checkpoint.RangeReader.pread_consecutive`: one call for many small tensors side by side."""
 
-    def __init__(self, reader: FileReader, file: str, progress: Callable[[int], None]) -> None:
+    def __init__(self, reader: RangeReader, file: str, progress: Callable[[int], None]) -> None:
         self.reader, self.file, self.progress = reader, file, progress
         self.start = self.end = 0
         self.views: list[memoryview] = []
@@ -185,7 +195,7 @@ class BlockExecutor:
         self,
         checkpoint: SafetensorsCheckpoint,
         slots: Mapping[str, TargetSlot],
-        reader: FileReader,
+        reader: RangeReader,
         *,
         staging_bytes: int = STAGING_BYTES,
         progress: Callable[[int], None] | None = None,
@@ -234,8 +244,10 @@ class BlockExecutor:
     def _run_file(self, file: str, items: list[tuple[BlockRead, TensorInfo]]) -> None:
         items.sort(key=lambda it: it[1].data_start + it[0].block.source_span()[0] * it[1].itemsize)
         wanted = sum(r.block.read_numel * info.itemsize for r, info in items)
-        if wanted < SPARSE_FRACTION * os.path.getsize(file):
-            self.reader.advise_sparse(file)  # readahead would read what other ranks need
+        identity = (getattr(self.checkpoint, "identities", None) or {}).get(file)
+        size = identity.size if identity is not None else os.path.getsize(file)
+        # sparse: readahead would read what other ranks need
+        self.reader.will_read(file, lambda: _byte_ranges(items), sparse=wanted < SPARSE_FRACTION * size)
         cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(self.reader, file, self.progress)
         for (r, info), alone in zip(items, _alone(items)):
             local = self.slots[r.target].local
@@ -282,12 +294,8 @@ class BlockExecutor:
         pack = _pack_bytes(r.block, span, wanted, self.staging_bytes - align(span))
         stage = self.ring.acquire(align(span) + align(pack))
         base = info.data_start + layout.base * item
-        starts = info.data_start + np.asarray(layout.runs, dtype=np.int64) * item
-        spans = page_spans(starts, layout.run * item)
-        if len(spans) > 1:  # queue every stretch's pages at once rather than one synchronous read after another
-            for a, b in spans:
-                self.reader.advise_willneed(file, a, b)
-        self.reader.read_spans(file, spans, _bytes_view(stage.data[:span]), base, wanted=wanted)
+        runs = ByteRuns(info.data_start + np.asarray(layout.runs, dtype=np.int64) * item, layout.run * item)
+        self.reader.read_runs(file, runs, _bytes_view(stage.data[:span]), base, wanted=wanted)
         self._deliver(stage, r, info, dest, layout, 0, align(span) if pack else None)
         self.ring.release(stage)
         self.progress(wanted)

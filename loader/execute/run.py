@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import FileReader
 from ..options import LoadOptions
 from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
 from ..plan.gcpause import paused_gc
+from ..storage import RangeReader
 from .deferred import run_deferred
 from .reads import BlockExecutor
 from .staging import StagingRing
@@ -29,7 +29,7 @@ def _progress_bar(enabled: bool | None, plan: RankPlan) -> Any:
 @paused_gc()  # a few acyclic records per block: no full collections over the model meanwhile
 def execute_plan(
     plan: RankPlan,
-    reader: FileReader,
+    reader: RangeReader,
     options: LoadOptions | None = None,
     *,
     reads: Sequence[BlockRead] | None = None,

@@ -15,9 +15,10 @@ import torch
 
 from regiontrace import ValueInput, evaluate_into, fill_inputs
 
-from ..checkpoint import FileReader, SafetensorsCheckpoint
+from ..checkpoint import SafetensorsCheckpoint
 from ..plan import BlockRead, TargetSlot, ValueRead, full_box
 from ..plan.slots import box_view
+from ..storage import RangeReader
 from .reads import STAGING_BYTES, BlockExecutor
 from .staging import StagingRing
 
@@ -26,7 +27,7 @@ def run_values(
     values: Iterable[ValueRead],
     checkpoint: SafetensorsCheckpoint,
     slots: Mapping[str, TargetSlot],
-    reader: FileReader,
+    reader: RangeReader,
     *,
     progress: Callable[[int], None] | None = None,
     staging: StagingRing | None = None,

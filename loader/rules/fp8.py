@@ -20,14 +20,13 @@ weight elements and the scales of the quant blocks they touch.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..checkpoint import SafetensorsCheckpoint, quantization_config
+from ..checkpoint import SafetensorsCheckpoint, config_location, quantization_config
 from ..errors import CheckpointError
 from .conversion import Conversion, cast_like_transformers
 from .keyplan import KeyPlan
@@ -195,8 +194,8 @@ def dequantized_keyplan(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, mod
     """
     if not any(info.dtype in FLOAT8 for info in checkpoint.tensors.values()):
         return keyplan  # the usual case: nothing to read or rewrite
-    quant = quantization_config(checkpoint.root)
-    where = os.path.join(checkpoint.root, "config.json")
+    quant = quantization_config(checkpoint.store)
+    where = config_location(checkpoint.store)
     if quant is None:
         config = getattr(getattr(model, "config", None), "quantization_config", None)
         quant = config.to_dict() if hasattr(config, "to_dict") else config

@@ -19,7 +19,7 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from loader.errors import CheckpointError
+from ..errors import CheckpointError
 
 #: flags for reading checkpoint data (descriptors that :func:`open_regular_file` already vetted)
 OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
