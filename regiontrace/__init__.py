@@ -12,6 +12,7 @@ from .execute import copy_cast, dest_view, execute_blocks, materialize, source_v
 from .invert import Inverse, invert, unmaterialize
 from .region import PIECE_BUDGET, Region, contiguous_strides
 from .remap_block import Box, ReadLayout, RemapBlock, read_layout
+from .run_grid import RunGrid
 from .scatter import PackedRuns, packed_source_runs, scatter_blocks
 from .tensor import RegionTensor
 from .trace import check_trace, run_on_meta, trace
@@ -35,6 +36,7 @@ __all__ = [
     "compile_blocks",
     "ReadLayout",
     "read_layout",
+    "RunGrid",
     "distinct_read_numel",
     "overlap_clusters",
     "split_block",

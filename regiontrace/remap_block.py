@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .region import contiguous_strides
+from .run_grid import RunGrid
 
 __all__ = ["Box", "ReadLayout", "RemapBlock", "box_read", "read_layout", "source_span"]
 
@@ -112,8 +113,9 @@ class RemapBlock:
 class ReadLayout:
     """Where the source elements of a block lie, and how they sit in a read buffer.
 
-    The block reads ``count`` runs of ``run`` contiguous source elements; :attr:`runs` are their flat start
-    offsets in *packed order*: the block dims not inside a run are enumerated, the one of largest source
+    The block reads ``count`` runs of ``run`` contiguous source elements, a :meth:`grid` of them (``outer``
+    over ``base``), whose count, span, merged runs and page spans are arithmetic; :attr:`runs` lists their flat
+    start offsets in *packed order*: the block dims not inside a run are enumerated, the one of largest source
     stride major. Broadcast dims (stride 0) are read once. Read the runs one after another into a buffer and
     :meth:`packed_view` is the block's read; read the span ``[base, end)`` and :meth:`span_view` is.
 
@@ -158,17 +160,15 @@ class ReadLayout:
             object.__setattr__(self, "_runs", runs)
         return runs
 
+    def grid(self, scale: int = 1, offset: int = 0) -> RunGrid:
+        """The runs as a :class:`~regiontrace.run_grid.RunGrid` (count, span, merged runs, page spans in closed
+        form), in units of ``1 / scale`` of an element from ``offset``: ``grid(itemsize, data_start)`` in bytes."""
+        dims = ((0, 1),) if 0 in self.shape else tuple([(n, s * scale) for n, s in self.outer])
+        return RunGrid(offset + self.base * scale, self.run * scale, dims)
+
     def merged_runs(self) -> list[tuple[int, int]]:
         """The runs as sorted ``(start, length)`` pairs, runs that touch or overlap merged."""
-        merged: list[tuple[int, int]] = []
-        run = self.run
-        for b in sorted(self.runs):
-            if merged and merged[-1][0] + merged[-1][1] >= b:
-                a, length = merged[-1]
-                merged[-1] = (a, max(length, b + run - a))
-            else:
-                merged.append((b, run))
-        return merged
+        return [(a, b - a) for a, b in self.grid().touching()]
 
     def packed_view(self, packed: torch.Tensor) -> torch.Tensor:
         """The block's read (block index order) from ``packed``, the runs read one after another."""
