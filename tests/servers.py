@@ -8,7 +8,8 @@ it. A server whose program is not installed raises :class:`ServerUnavailable` (t
   (``max_ranges 1024``), strong ETags, ``If-Match``; ``hub=True`` adds the Hugging Face Hub's resolve URLs and the
   two API routes ``HfFileSystem`` reads (see :mod:`hub_layout`).
 - ``s3_server()``: moto's server mode in a subprocess; ``put_folder`` uploads a folder with boto3, ``s3_env``
-  gives the variables a client needs.
+  gives the variables a client needs; ``throttle(upstream, limit_rate)`` puts a bandwidth-limiting nginx proxy in
+  front of it (or of any server).
 - ``fault_server(root)``: :mod:`fault_server`, a small HTTP/1.1 server whose misbehaviour is switched per path.
 
 The nginx and fault servers yield a :class:`ServerUrl`: a ``str`` (the base URL, no trailing slash) that also
@@ -197,20 +198,35 @@ def nginx_binary() -> str:
     return found
 
 
-def nginx_config(root: Path, tmp: Path, port: int, *, limit_rate: int | None = None, hub: bool = False) -> str:
+PROXY = """\
+        location / {{
+            proxy_pass {upstream};
+            proxy_set_header Host $http_host;  # as the client sent (and signed: SigV4 signs the Host header)
+            proxy_http_version 1.1;
+            proxy_buffering on;  # with it off, limit_rate was not honoured here (nginx 1.22)
+        }}"""
+
+
+def nginx_config(
+    root: Path | None, tmp: Path, port: int, *, limit_rate: int | None = None, hub: bool = False, upstream: str = ""
+) -> str:
     """The whole nginx.conf: everything nginx writes lives under ``tmp``."""
     from hub_layout import hub_config
 
-    maps, locations = hub_config(root, tmp) if hub else ("", "        location / { }")
+    if upstream:
+        maps, locations = "", PROXY.format(upstream=upstream)
+    else:
+        maps, locations = hub_config(root, tmp) if hub else ("", "        location / { }")
     return NGINX_CONF.format(
         user="user root;\n" if os.geteuid() == 0 else "",  # root's default worker user (nobody) cannot read /tmp/...
         tmp=tmp,
         host=HOST,
         port=port,
-        root=root,
+        root=root or tmp,
         maps=maps,
         locations=locations,
-        limit_rate=f"        limit_rate {limit_rate};" if limit_rate else "",
+        # proxy_limit_rate: a proxy reads its upstream at the rate too (limit_rate alone lets a buffered one burst)
+        limit_rate=f"        limit_rate {limit_rate};\n        proxy_limit_rate {limit_rate};" if limit_rate else "",
     )
 
 
@@ -232,13 +248,28 @@ def nginx(root: str | os.PathLike, *, limit_rate: int | None = None, hub: bool =
     ``limit_rate``: bytes per second per connection. ``hub``: Hugging Face Hub layout, ``root/{org}/{name}/{revision}/
     {file}`` served at ``/{org}/{name}/resolve/{revision}/{file}`` (see :mod:`hub_layout`).
     """
+    with _nginx(Path(root).resolve(), limit_rate=limit_rate, hub=hub) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def throttle(upstream: str, limit_rate: int) -> Iterator[ServerUrl]:
+    """nginx as a reverse proxy to ``upstream`` (moto's S3 endpoint, say), each connection at ``limit_rate`` bytes/s.
+
+    Yields the proxy's base URL, to use as the endpoint instead of ``upstream``; its log counts the bytes sent.
+    """
+    with _nginx(None, limit_rate=limit_rate, upstream=upstream.rstrip("/")) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _nginx(root: Path | None, **config: object) -> Iterator[ServerUrl]:
     binary = nginx_binary()
-    root = Path(root).resolve()
     with tempfile.TemporaryDirectory(prefix="nginx-") as tmp_name:
         tmp = Path(tmp_name)
 
         def start(port: int) -> contextlib.AbstractContextManager:
-            (tmp / "nginx.conf").write_text(nginx_config(root, tmp, port, limit_rate=limit_rate, hub=hub))
+            (tmp / "nginx.conf").write_text(nginx_config(root, tmp, port, **config))
             argv = [binary, "-p", str(tmp), "-e", str(tmp / "error.log"), "-c", str(tmp / "nginx.conf")]
             return child([*argv, "-g", "daemon off;"], port, tmp / "stderr.log", polite=signal.SIGQUIT)
 

@@ -201,6 +201,19 @@ def test_s3_ranged_get_etag_and_if_match(s3, root, data, monkeypatch):
     assert many["ResponseMetadata"]["HTTPStatusCode"] == 200 and many["Body"].read() == data
 
 
+def test_throttle_proxies_s3_ranges_and_etags(s3, root, data):
+    """A bandwidth-limited nginx proxy in front of moto keeps 206, Content-Range, ETag and If-Match; its log counts."""
+    servers.put_folder(s3, "throttled", "", root)
+    for proxy in serve(servers.throttle(s3, limit_rate=50_000_000)):
+        client = servers.s3_client(proxy)
+        got = client.get_object(Bucket="throttled", Key="model.safetensors", Range="bytes=100-1099")
+        assert got["ContentRange"] == f"bytes 100-1099/{SIZE}" and got["Body"].read() == data[100:1100]
+        with pytest.raises(Exception, match="PreconditionFailed"):
+            client.get_object(Bucket="throttled", Key="model.safetensors", Range="bytes=0-9", IfMatch='"x"')
+        first = proxy.requests("/throttled/model.safetensors")[0]
+        assert (first.range, first.status, first.bytes) == ("bytes=100-1099", 206, 1000)
+
+
 # --- the fault server ------------------------------------------------------------------------------------------
 
 
