@@ -30,9 +30,12 @@ import socket
 import struct
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from processes import exit_with_parent
 
 MODES = ("ignore_range", "status", "fail_then_ok", "truncate", "change_etag_after", "hang", "reset")
 BOUNDARY = "fault-server-boundary"
@@ -151,7 +154,7 @@ class Handler(BaseHTTPRequestHandler):
         self._serve_file(path, mode, count)
 
     def _serve_file(self, path: str, mode: dict, count: int) -> None:
-        file = (self.server.root / path.lstrip("/")).resolve()
+        file = (self.server.root / urllib.parse.unquote(path).lstrip("/")).resolve()
         if not file.is_relative_to(self.server.root) or not file.is_file():
             return self._send(404, {"Content-Type": "text/plain"}, b"not found\n")
         stat = file.stat()
@@ -207,6 +210,7 @@ class FaultServer(ThreadingHTTPServer):
 
 
 def main(argv: list[str]) -> None:
+    exit_with_parent()
     root, host, port = Path(argv[0]), argv[1], int(argv[2])
     server = FaultServer(root, (host, port))
     try:

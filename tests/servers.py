@@ -23,23 +23,24 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from processes import HOST, child, on_free_port
+
 HERE = Path(__file__).resolve().parent
-HOST = "127.0.0.1"
-START_TIMEOUT = 30.0  # seconds a server may take to answer (moto imports for a few seconds on a busy machine)
-STOP_TIMEOUT = 5.0  # seconds between the polite signal and SIGKILL
 #: dummy credentials moto accepts; ``s3_env`` hands them to clients
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+#: ``python -m moto.server`` that exits with the process that started it (see ``processes.exit_with_parent``)
+MOTO = f"import sys; sys.path.insert(0, {str(HERE)!r}); import processes; processes.exit_with_parent(); "
+MOTO += "import moto.server; moto.server.main(sys.argv[1:])"
 
 
 class ServerUnavailable(RuntimeError):
@@ -67,92 +68,12 @@ class ServerUrl(str):
         self._read_log, self.pid = read_log, pid
         return self
 
+    def __reduce__(self) -> tuple:  # to another process (a rank) it is the plain URL
+        return str, (str(self),)
+
     def requests(self, path: str | None = None) -> list[LoggedRequest]:
         """Requests answered so far, oldest first; only those for URL path ``path`` when given."""
         return [r for r in self._read_log() if path is None or r.path == path]
-
-
-# --- child processes -------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the server binds it next; a lost race is retried)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def _stop(proc: subprocess.Popen, polite: int) -> None:
-    """Signal the child's process group ``polite``, then SIGKILL whatever is left; reap the child."""
-    for sig in (polite, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(STOP_TIMEOUT)
-            if sig == signal.SIGKILL or not _group_alive(proc.pid):
-                return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-@contextlib.contextmanager
-def child(
-    argv: list[str], port: int, log: Path, *, env: dict | None = None, polite: int = signal.SIGTERM
-) -> Iterator[int]:
-    """Run ``argv`` (which must listen on ``port``) in its own process group until the block ends; yields its pid.
-
-    Waits until the port accepts connections; a child that exits first raises ``RuntimeError`` with the end of
-    its ``log`` (``PortTaken`` when it says the address is in use, so the caller can retry on another port).
-    """
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not _answers(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text(errors="replace")[-2000:]
-                kind = PortTaken if "in use" in tail else RuntimeError
-                raise kind(f"{argv[0]} did not start on port {port} (exit {proc.poll()}):\n{tail}")
-            time.sleep(0.05)
-        yield proc.pid
-    finally:
-        _stop(proc, polite)
-
-
-class PortTaken(RuntimeError):
-    """The child could not bind its port (another process took it after :func:`free_port`)."""
-
-
-@contextlib.contextmanager
-def _on_free_port(start: Callable[[int], contextlib.AbstractContextManager[int]]) -> Iterator[tuple[int, int]]:
-    """``(port, pid)``: ``start(port)`` on a free port, up to three ports when another process takes the first."""
-    for attempt in range(3):
-        port = free_port()
-        with contextlib.ExitStack() as stack:
-            try:
-                pid = stack.enter_context(start(port))
-            except PortTaken:
-                if attempt == 2:
-                    raise
-                continue
-            yield port, pid
-            return
 
 
 # --- nginx -----------------------------------------------------------------------------------------------------
@@ -271,9 +192,10 @@ def _nginx(root: Path | None, **config: object) -> Iterator[ServerUrl]:
         def start(port: int) -> contextlib.AbstractContextManager:
             (tmp / "nginx.conf").write_text(nginx_config(root, tmp, port, **config))
             argv = [binary, "-p", str(tmp), "-e", str(tmp / "error.log"), "-c", str(tmp / "nginx.conf")]
-            return child([*argv, "-g", "daemon off;"], port, tmp / "stderr.log", polite=signal.SIGQUIT)
+            guarded = [sys.executable, str(HERE / "processes.py"), *argv, "-g", "daemon off;"]  # see guard()
+            return child(guarded, port, tmp / "stderr.log", polite=signal.SIGQUIT)
 
-        with _on_free_port(start) as (port, pid):
+        with on_free_port(start) as (port, pid):
             yield ServerUrl(f"http://{HOST}:{port}", _access_log(tmp / "access.log"), pid)
 
 
@@ -296,10 +218,10 @@ def s3_server() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="moto-") as tmp:
 
         def start(port: int) -> contextlib.AbstractContextManager:
-            argv = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)]
+            argv = [sys.executable, "-c", MOTO, "-H", HOST, "-p", str(port)]
             return child(argv, port, Path(tmp) / "moto.log", env=env)
 
-        with _on_free_port(start) as (port, _):
+        with on_free_port(start) as (port, _):
             yield f"http://{HOST}:{port}"
 
 
@@ -377,6 +299,6 @@ def fault_server(root: str | os.PathLike) -> Iterator[tuple[ServerUrl, FaultCont
             argv = [sys.executable, str(HERE / "fault_server.py"), str(Path(root).resolve()), HOST, str(port)]
             return child(argv, port, Path(tmp) / "faults.log")
 
-        with _on_free_port(start) as (port, pid):
+        with on_free_port(start) as (port, pid):
             control = FaultControl(f"http://{HOST}:{port}")
             yield ServerUrl(control.base_url, control.log, pid), control
