@@ -14,6 +14,20 @@ it. A server whose program is not installed raises :class:`ServerUnavailable` (t
 
 The nginx and fault servers yield a :class:`ServerUrl`: a ``str`` (the base URL, no trailing slash) that also
 reads the server's request log, so tests and benchmarks can count requests and bytes on the wire.
+
+What a client meets (seen with nginx 1.22.1, moto 5.2.1, huggingface_hub 2.4; tests/test_servers.py checks most):
+
+- nginx, several ranges: a ``multipart/byteranges`` 206, parts in the order asked, overlapping or adjacent ranges
+  not merged, about 116 bytes of part headers each; unsatisfiable ranges dropped (one left: a plain single-range
+  206); ranges adding up to more than the file, or more than 1024 of them: 200 with the whole file. ``If-Match``
+  mismatch: 412; ``If-Range`` mismatch: 200 with the whole file.
+- moto: 206 + ``Content-Range`` + ``ETag`` for one range; several ranges: 200 with the whole object (as S3);
+  ``If-Match`` mismatch: 412; unsigned requests: 403; ``Connection: close`` on every response (no keep-alive);
+  an object uploaded in parts (boto3 above 8 MiB) has a multipart ETag ``"<md5>-<parts>"``.
+- ``HfFileSystem`` reads whole 4 MiB blocks from a range's start (``cat_file``, ``cat_ranges``, a default
+  ``open``); ``open(..., cache_type="none")`` asks for exactly the bytes read.
+- ``tests/hf_models.py`` sets ``HF_HUB_OFFLINE=1`` for the whole test process: a Hub test against ``nginx(hub=True)``
+  turns it off (``huggingface_hub.constants.HF_HUB_OFFLINE``).
 """
 
 from __future__ import annotations
