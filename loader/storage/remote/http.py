@@ -1,0 +1,253 @@
+"""HTTP(S) objects through ``requests``: ``stat`` by ``HEAD``, ``get`` by a ranged ``GET``, every response checked.
+
+Vocabulary: a *ranged GET* asks ``Range: bytes=a-b`` (several ranges comma-separated: a *multi-range* request,
+answered as ``multipart/byteranges``, parsed with Python's :mod:`email` parser) with ``If-Match: <etag>`` where the
+object has a strong ETag; its answer must be ``206`` with the asked ``Content-Range`` (each part's, for a
+multi-range one), the exact length, and the same ETag (else Last-Modified) as the object's identity.
+
+What each answer becomes (the fetcher retries :class:`Transient`, gives up with a ``CheckpointError`` after):
+
+======================================  ===============================================================
+``206`` as asked                        the bytes
+``200`` to a one-range request          ``CheckpointError``: the server ignores ``Range`` requests
+``200`` / one part to a multi-range     the server cannot serve several ranges at once: this backend's
+                                        :attr:`~HttpBackend.multi_range` turns ``False`` (a debug log says
+                                        so) and the ranges are fetched one by one
+``404`` / ``410``                       ``stat``: ``None``; ``get``: ``CheckpointError`` (not found)
+``401`` / ``403``                       ``CheckpointError``: access refused (no header is ever echoed)
+``412``, another ETag or size           ``CheckpointError``: the object changed
+``416``, another ``Content-Range``      ``CheckpointError``
+``408``, ``429``, ``5xx``               :class:`Transient`
+a reset, a timeout, a short body        :class:`Transient`
+======================================  ===============================================================
+
+Errors name the URL without its user info and query (a presigned URL's signature stays out of logs).
+"""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import requests
+import urllib3
+
+from ...errors import CheckpointError
+from ..base import ObjectIdentity
+from .backend import RemoteOptions, Transient
+from .checks import changed, check_part, check_status, parse_content_range, range_header, redact
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeaderNames:
+    """Where a response tells an object's identity; the first header present wins.
+
+    Attributes:
+        etag: The ETag's headers (the Hub: ``X-Linked-Etag`` first, for files in LFS/Xet storage).
+        size: The size's headers, read from ``HEAD`` answers (the Hub: ``X-Linked-Size`` first).
+        version: A header naming the object's version (the Hub: ``X-Repo-Commit``); ``""``: Last-Modified is the
+            version where there is no strong ETag.
+        error_code: A header whose value on a ``404`` says more than "not found" (the Hub's ``X-Error-Code``:
+            ``RepoNotFound``, ``RevisionNotFound``), raised as a ``CheckpointError`` instead of ``None``.
+    """
+
+    etag: tuple[str, ...] = ("ETag",)
+    size: tuple[str, ...] = ("Content-Length",)
+    version: str = ""
+    error_code: str = ""
+
+
+def identity_of(headers: Mapping[str, str], size: int, names: HeaderNames) -> ObjectIdentity:
+    """The identity ``headers`` give: a strong ETag; the version from ``names.version``, else, without a strong
+    ETag, Last-Modified (else the weak ETag)."""
+    tag = next((headers[h] for h in names.etag if headers.get(h)), "")
+    strong = tag if tag.startswith('"') else ""
+    version = headers.get(names.version, "") if names.version else ""
+    return ObjectIdentity(size, strong, version or ("" if strong else headers.get("Last-Modified") or tag))
+
+
+def check_identity(name: str, headers: Mapping[str, str], identity: ObjectIdentity, names: HeaderNames) -> None:
+    """Raise when a response's ETag (else version) differs from the object's identity."""
+    got = identity_of(headers, identity.size, names)
+    if identity.etag and got.etag and got.etag != identity.etag:
+        raise changed(name, f"ETag {got.etag}, was {identity.etag}")
+    if not identity.etag and identity.version and got.version and got.version != identity.version:
+        raise changed(name, f"version {got.version!r}, was {identity.version!r}")
+
+
+def multipart_parts(name: str, content_type: str, body: bytes) -> list[tuple[str | None, bytes]]:
+    """``(Content-Range, payload)`` of each part of a ``multipart/byteranges`` body (Python's email parser)."""
+    head = f"Content-Type: {content_type}\r\n\r\n".encode()
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
+    if not message.is_multipart():
+        raise CheckpointError(f"{name}: a multipart/byteranges answer that does not parse", path=name)
+    return [(part["Content-Range"], part.get_payload(decode=True) or b"") for part in message.iter_parts()]
+
+
+def merged_headers(response: requests.Response) -> dict[str, str]:
+    """The final response's headers, with the ``X-Linked-*`` / ``X-Repo-Commit`` of redirects before it (the
+    Hub sends them on the redirect to its CDN)."""
+    headers = requests.structures.CaseInsensitiveDict(response.headers)
+    for earlier in response.history:
+        for key, value in earlier.headers.items():
+            if key.lower().startswith(("x-linked-", "x-repo-commit")) and key not in headers:
+                headers[key] = value
+    return headers
+
+
+class transport_errors:
+    """A context manager: what ``requests``/``urllib3`` raise, as :class:`Transient` or ``CheckpointError``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, _tb: object) -> None:
+        if error is None or isinstance(error, (CheckpointError, Transient)):
+            return
+        if isinstance(error, requests.exceptions.SSLError):
+            raise CheckpointError(f"{self.name}: TLS failed: {error}", path=self.name) from error
+        transient = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
+        transient += (requests.exceptions.ChunkedEncodingError, urllib3.exceptions.HTTPError, OSError)
+        if isinstance(error, transient):
+            raise Transient(f"{self.name}: {type(error).__name__}: {error}") from error
+        if isinstance(error, requests.exceptions.RequestException):
+            raise CheckpointError(f"{self.name}: {type(error).__name__}: {error}", path=self.name) from error
+
+
+class HttpBackend:
+    """HTTP(S) objects by URL (see the module's table); thread-safe (a ``requests.Session`` per thread).
+
+    Args:
+        options: Timeouts (``options.timeout``: connect, and between bytes) and pool size.
+        headers: Sent with every request (an ``Authorization``, say).
+        verify: TLS certificate checking: ``True``, ``False`` or a CA bundle's path.
+        auth: ``(user, password)`` for HTTP basic authentication.
+        names: Where responses tell the identity.
+        if_match: Send ``If-Match`` with the ETag (off where a redirect leads to a server with other ETags).
+    """
+
+    def __init__(
+        self,
+        options: RemoteOptions,
+        *,
+        headers: Mapping[str, str] | None = None,
+        verify: bool | str = True,
+        auth: tuple[str, str] | None = None,
+        names: HeaderNames = HeaderNames(),
+        if_match: bool = True,
+    ) -> None:
+        self.multi_range = True
+        self.timeout = options.timeout
+        self.headers = {**dict(headers or {}), "Accept-Encoding": "identity"}
+        self.verify, self.auth, self.if_match = verify, auth, if_match
+        self.names = names
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._lock = threading.Lock()
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+            session.headers.update(self.headers)
+            session.verify, session.auth = self.verify, self.auth
+            with self._lock:
+                self._sessions.append(session)
+        return session
+
+    def close(self) -> None:
+        with self._lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            session.close()
+        self._local = threading.local()
+
+    def stat(self, location: str) -> ObjectIdentity | None:
+        return self.stat_url(location, redact(location))
+
+    def get(self, location: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity) -> list[bytes]:
+        return self.get_url(location, redact(location), ranges, identity)
+
+    def stat_url(self, url: str, name: str) -> ObjectIdentity | None:
+        """:meth:`stat` of ``url``, naming ``name`` in errors: ``HEAD``, else a ``GET`` of its first byte."""
+        with transport_errors(name), self._session().head(url, timeout=self.timeout, allow_redirects=True) as r:
+            headers = merged_headers(r)
+            if r.status_code in (404, 410):
+                return self._missing(name, headers)
+            size = next((headers[h] for h in self.names.size if headers.get(h, "").isdigit()), None)
+            if r.status_code == 200 and size is not None:
+                return identity_of(headers, int(size), self.names)
+            if r.status_code not in (405, 501):
+                check_status(name, r.status_code)
+        with transport_errors(name), self._send(url, [(0, 1)], None) as r:  # no HEAD or no size: the first byte
+            if r.status_code in (404, 410):
+                return self._missing(name, merged_headers(r))
+            if r.status_code == 416:
+                return ObjectIdentity(0)
+            self._check_206(name, r)
+            total = (parse_content_range(r.headers.get("Content-Range")) or (0, 0, None))[2]
+            if total is None:
+                raise CheckpointError(f"{name}: the server tells no size (no Content-Length, no Content-Range)")
+            return identity_of(merged_headers(r), total, self.names)
+
+    def _missing(self, name: str, headers: Mapping[str, str]) -> None:
+        code = headers.get(self.names.error_code, "") if self.names.error_code else ""
+        if code and code != "EntryNotFound":
+            raise CheckpointError(f"{name}: {code} (HTTP 404)", path=name)
+        return None
+
+    def get_url(self, url: str, name: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity) -> list[bytes]:
+        """:meth:`get` of ``url``, naming ``name`` in errors."""
+        if len(ranges) > 1 and self.multi_range:
+            parts = self._get_multi(url, name, ranges, identity)
+            if parts is not None:
+                return parts
+            self.multi_range = False
+            log.debug("%s answers a multi-range request without multipart/byteranges: ranges one by one", name)
+        return [self._get_one(url, name, a, b, identity) for a, b in ranges]
+
+    def _send(self, url: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity | None):
+        headers = {"Range": range_header(ranges)}
+        if self.if_match and identity is not None and identity.etag:
+            headers["If-Match"] = identity.etag
+        return self._session().get(url, headers=headers, stream=True, timeout=self.timeout)
+
+    def _check_206(self, name: str, r: requests.Response) -> None:
+        check_status(name, r.status_code)
+        if r.status_code == 200:
+            raise CheckpointError(f"{name}: the server ignores Range requests (200 instead of 206)", path=name)
+        encoding = r.headers.get("Content-Encoding", "identity").lower()
+        if encoding != "identity":
+            raise CheckpointError(f"{name}: a ranged answer with Content-Encoding {encoding}", path=name)
+
+    def _get_one(self, url: str, name: str, start: int, end: int, identity: ObjectIdentity) -> bytes:
+        with transport_errors(name), self._send(url, [(start, end)], identity) as r:
+            self._check_206(name, r)
+            check_identity(name, merged_headers(r), identity, self.names)
+            body = r.raw.read(decode_content=False)
+            return check_part(name, r.headers.get("Content-Range"), start, end, identity.size, body)
+
+    def _get_multi(
+        self, url: str, name: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity
+    ) -> list[bytes] | None:
+        """The ranges from one multi-range request; ``None`` when the server answers otherwise (200, one part)."""
+        with transport_errors(name), self._send(url, ranges, identity) as r:
+            content_type = r.headers.get("Content-Type", "")
+            if r.status_code == 200 or (r.status_code == 206 and not content_type.startswith("multipart/")):
+                return None  # the body is not read: closing the response drops the connection
+            self._check_206(name, r)
+            check_identity(name, merged_headers(r), identity, self.names)
+            body = r.raw.read(decode_content=False)
+        parts = multipart_parts(name, content_type, body)
+        if len(parts) != len(ranges):
+            raise CheckpointError(f"{name}: asked {len(ranges)} ranges, the server sent {len(parts)} parts", path=name)
+        return [check_part(name, cr, a, b, identity.size, p) for (cr, p), (a, b) in zip(parts, ranges)]
