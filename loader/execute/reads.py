@@ -22,7 +22,6 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 import regiontrace as rt
@@ -32,7 +31,7 @@ from ..checkpoint import SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, box_view, whole_boxes
-from ..storage import ByteRuns, RangeReader
+from ..storage import RangeReader
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
 
 #: blocks reading more contiguous runs than this are read by byte span and copied in one strided copy
@@ -45,7 +44,7 @@ SPARSE_FRACTION = 0.5
 
 def _direct_target(block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout) -> torch.Tensor | None:
     """The destination view when the block can be pread straight into model memory, else None."""
-    if block.casts or dest.dtype != block.source_dtype or len(layout.runs) != 1 or layout.flips:
+    if block.casts or dest.dtype != block.source_dtype or layout.count != 1 or layout.flips:
         return None
     if dest.device.type != "cpu":
         return None
@@ -112,12 +111,11 @@ def _alone(items: list[tuple[BlockRead, TensorInfo]]) -> list[bool]:
 
 
 def _byte_ranges(items: list[tuple[BlockRead, TensorInfo]]) -> list[tuple[int, int]]:
-    """The byte ranges ``items`` read, in order: each block's runs (a remote reader fetches these ahead)."""
+    """The byte ranges ``items`` read, in order: each block's runs, touching ones merged (a remote reader fetches
+    these ahead)."""
     out = []
     for r, info in items:
-        layout, item = read_layout(r.block), info.itemsize
-        nbytes = layout.run * item
-        out.extend((info.data_start + s * item, info.data_start + s * item + nbytes) for s in layout.runs)
+        out.extend(read_layout(r.block).grid(info.itemsize, info.data_start).touching())
     return out
 
 
@@ -259,7 +257,7 @@ class BlockExecutor:
             # a block whose bytes may overlap another's is batched, where overlapping ranges are read once
             direct = _direct_target(r.block, dest, layout) if alone and self.ring.link_for(dest) is None else None
             if direct is not None:
-                direct_reads.add(info.data_start + layout.runs[0] * info.itemsize, _bytes_view(direct))
+                direct_reads.add(info.data_start + layout.base * info.itemsize, _bytes_view(direct))
                 continue
             item = info.itemsize
             span, want = (layout.end - layout.base) * item, layout.count * layout.run * item
@@ -293,9 +291,8 @@ class BlockExecutor:
         span, wanted = (layout.end - layout.base) * item, layout.count * layout.run * item
         pack = _pack_bytes(r.block, span, wanted, self.staging_bytes - align(span))
         stage = self.ring.acquire(align(span) + align(pack))
-        base = info.data_start + layout.base * item
-        runs = ByteRuns(info.data_start + np.asarray(layout.runs, dtype=np.int64) * item, layout.run * item)
-        self.reader.read_runs(file, runs, _bytes_view(stage.data[:span]), base, wanted=wanted)
+        runs = layout.grid(item, info.data_start)  # the runs in closed form: page spans without listing them
+        self.reader.read_runs(file, runs, _bytes_view(stage.data[:span]), runs.first, wanted=wanted)
         self._deliver(stage, r, info, dest, layout, 0, align(span) if pack else None)
         self.ring.release(stage)
         self.progress(wanted)
@@ -305,10 +302,7 @@ class BlockExecutor:
         stage = self.ring.acquire(batch.need(batch.base, batch.end, 0))
         ranges = []
         for _, info, _, layout, _, _ in batch.items:
-            nbytes = layout.run * info.itemsize
-            ranges.extend(
-                (info.data_start + s * info.itemsize, info.data_start + s * info.itemsize + nbytes) for s in layout.runs
-            )
+            ranges.extend(layout.grid(info.itemsize, info.data_start).touching())
         for a, b, _ in coalesce_ranges(ranges, max_gap=0, max_overread=1.0):
             self.reader.pread_into(file, a, _bytes_view(stage.data[a - batch.base : b - batch.base]))
         pack_at = align(batch.end - batch.base)
