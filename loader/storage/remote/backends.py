@@ -25,7 +25,7 @@ from .backend import Backend, RemoteOptions
 #: how to install what the backends import
 EXTRA = "pip install 'regiontrace[remote]'"
 #: the libraries the ``remote`` extra installs
-_LIBRARIES = {"requests", "urllib3", "boto3", "botocore", "huggingface_hub", "fsspec"}
+_LIBRARIES = {"requests", "requests_toolbelt", "urllib3", "boto3", "botocore", "huggingface_hub", "fsspec"}
 #: the HTTP backend's options
 HTTP_OPTIONS = ("headers", "verify", "auth")
 

@@ -1,9 +1,9 @@
 """HTTP(S) objects through ``requests``: ``stat`` by ``HEAD``, ``get`` by a ranged ``GET``, every response checked.
 
 Vocabulary: a *ranged GET* asks ``Range: bytes=a-b`` (several ranges comma-separated: a *multi-range* request,
-answered as ``multipart/byteranges``, parsed with Python's :mod:`email` parser) with ``If-Match: <etag>`` where the
-object has a strong ETag; its answer must be ``206`` with the asked ``Content-Range`` (each part's, for a
-multi-range one), the exact length, and the same ETag (else Last-Modified) as the object's identity.
+answered as ``multipart/byteranges``, parsed by requests_toolbelt's ``MultipartDecoder``) with ``If-Match:
+<etag>`` where the object has a strong ETag; its answer must be ``206`` with the asked ``Content-Range`` (each
+part's, for a multi-range one), the exact length, and the same ETag (else Last-Modified) as the object's identity.
 
 What each answer becomes (the fetcher retries :class:`Transient`, gives up with a ``CheckpointError`` after):
 
@@ -26,8 +26,6 @@ Errors name the URL without its user info and query (a presigned URL's signature
 
 from __future__ import annotations
 
-import email.parser
-import email.policy
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -35,6 +33,11 @@ from dataclasses import dataclass
 
 import requests
 import urllib3
+from requests_toolbelt.multipart.decoder import (
+    ImproperBodyPartContentException,
+    MultipartDecoder,
+    NonMultipartContentTypeException,
+)
 
 from ...errors import CheckpointError
 from ..base import ObjectIdentity
@@ -82,12 +85,13 @@ def check_identity(name: str, headers: Mapping[str, str], identity: ObjectIdenti
 
 
 def multipart_parts(name: str, content_type: str, body: bytes) -> list[tuple[str | None, bytes]]:
-    """``(Content-Range, payload)`` of each part of a ``multipart/byteranges`` body (Python's email parser)."""
-    head = f"Content-Type: {content_type}\r\n\r\n".encode()
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
-    if not message.is_multipart():
-        raise CheckpointError(f"{name}: a multipart/byteranges answer that does not parse", path=name)
-    return [(part["Content-Range"], part.get_payload(decode=True) or b"") for part in message.iter_parts()]
+    """``(Content-Range, payload)`` of each part of a ``multipart/byteranges`` body (requests_toolbelt's decoder:
+    it splits on the boundary; Python's email parser, line by line, reads about 14 MB/s)."""
+    try:
+        decoder = MultipartDecoder(body, content_type)
+    except (NonMultipartContentTypeException, ImproperBodyPartContentException) as e:
+        raise CheckpointError(f"{name}: a multipart/byteranges answer that does not parse: {e}", path=name) from e
+    return [(part.headers.get(b"Content-Range", b"").decode("latin-1") or None, part.content) for part in decoder.parts]
 
 
 def merged_headers(response: requests.Response) -> dict[str, str]:
