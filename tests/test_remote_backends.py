@@ -362,12 +362,17 @@ def test_fsspec_file_and_memory(root, data):
     fsspec = pytest.importorskip("fsspec")
     backend = make_backend(f"file://{root}", {})
     identity = check_reads(backend, f"file://{root}/{NAME}", data)
-    assert identity.version and not backend.checks_identity
+    assert identity.version
     assert backend.stat(f"file://{root}/missing") is None
     with pytest.raises(CheckpointError, match="not found"):
         backend.get(f"file://{root}/missing", [(0, 8)], identity)
-    fsspec.filesystem("memory").pipe_file("/ckpt/model.safetensors", data)
-    check_reads(make_backend("memory://ckpt", {}), "memory://ckpt/model.safetensors", data)
+    memory = fsspec.filesystem("memory")
+    memory.pipe_file("/ckpt/model.safetensors", data)
+    backend = make_backend("memory://ckpt", {})
+    identity = check_reads(backend, "memory://ckpt/model.safetensors", data)
+    memory.pipe_file("/ckpt/model.safetensors", data[::-1])  # replaced: each get stats it again
+    with pytest.raises(CheckpointError, match="changed"):
+        backend.get("memory://ckpt/model.safetensors", [(0, 8)], identity)
 
 
 def test_fsspec_unknown_protocol_and_missing_package():

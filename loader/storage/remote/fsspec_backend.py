@@ -5,9 +5,10 @@ Vocabulary: the backend options are the filesystem's own (``fsspec.filesystem(pr
 ``token``, adlfs' ``account_name`` ...). An object's identity is its size with the ``etag`` (any case) and a version
 (``generation``, ``VersionId``, ``version_id``, else a modification time) that ``fs.info`` gives.
 
-A ranged read through ``cat_file`` returns bytes only, no headers: *this backend cannot check an object's
-identity on each response* (:attr:`FsspecBackend.checks_identity` is ``False``); it checks the length of each
-answer, and the reader's ``verify`` re-stats the object (another ``fs.info``) to see that it is unchanged.
+A ranged read through ``cat_file`` returns bytes only, no headers, so the answer itself cannot show which version
+of the object it came from: each :meth:`~FsspecBackend.get` checks the length of each answer and then stats the
+object again (one more ``fs.info``): bytes read before a stat that still shows the identity are that identity's
+(twice the requests of the other backends, for never loading a replaced object's bytes silently).
 What each failure becomes: ``FileNotFoundError`` → ``None`` from ``stat``, a ``CheckpointError`` from ``get``;
 ``PermissionError`` → ``CheckpointError`` (access refused); a short answer, ``TimeoutError``, ``ConnectionError``
 and other ``OSError`` → :class:`Transient`.
@@ -22,9 +23,10 @@ import fsspec
 from ...errors import CheckpointError
 from ..base import ObjectIdentity
 from .backend import Transient
+from .checks import changed
 
 #: ``fs.info`` keys that name a version, first present wins
-VERSION_KEYS = ("generation", "VersionId", "version_id", "mtime", "LastModified", "last_modified", "updated")
+VERSION_KEYS = ("generation", "VersionId", "version_id", "mtime", "LastModified", "last_modified", "updated", "created")
 
 
 def info_identity(info: Mapping[str, object]) -> ObjectIdentity:
@@ -71,7 +73,6 @@ class FsspecBackend:
     """
 
     multi_range = False
-    checks_identity = False
 
     def __init__(self, protocol: str, backend_options: Mapping[str, object] | None = None) -> None:
         self.protocol = protocol
@@ -99,10 +100,18 @@ class FsspecBackend:
         out = []
         for start, end in ranges:
             if end > identity.size:
-                raise CheckpointError(f"{location}: bytes {start}-{end - 1} past its {identity.size} bytes")
+                raise CheckpointError(
+                    f"{location}: bytes {start}-{end - 1} past its {identity.size} bytes", path=location
+                )
             with fs_errors(location):
                 data = self.fs.cat_file(self._path(location), start=start, end=end)
             if len(data) != end - start:
                 raise Transient(f"{location}: {len(data)} bytes received of bytes {start}-{end - 1}")
             out.append(bytes(data))
+        now = self.stat(location)
+        if now != identity:
+            why = "gone" if now is None else f"size {now.size}, etag {now.etag!r}, version {now.version!r}"
+            raise changed(
+                location, f"now {why}; was size {identity.size}, etag {identity.etag!r}, {identity.version!r}"
+            )
         return out

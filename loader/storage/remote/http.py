@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ class HttpBackend:
         self.verify, self.auth, self.if_match = verify, auth, if_match
         self.names = names
         self._local = threading.local()
-        self._sessions: list[requests.Session] = []
+        self._sessions: weakref.WeakSet[requests.Session] = weakref.WeakSet()  # a dead thread's goes with it
         self._lock = threading.Lock()
 
     def _session(self) -> requests.Session:
@@ -165,12 +166,12 @@ class HttpBackend:
             session.headers.update(self.headers)
             session.verify, session.auth = self.verify, self.auth
             with self._lock:
-                self._sessions.append(session)
+                self._sessions.add(session)
         return session
 
     def close(self) -> None:
         with self._lock:
-            sessions, self._sessions = self._sessions, []
+            sessions, self._sessions = list(self._sessions), weakref.WeakSet()
         for session in sessions:
             session.close()
         self._local = threading.local()
