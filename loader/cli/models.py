@@ -10,24 +10,38 @@ import torch
 
 from regiontrace.cli.common import CLIError
 
+from ..checkpoint import config_location
+from ..checkpoint.config import MAX_CONFIG_BYTES
+from ..storage import Store
 
-def read_config(checkpoint: str, config_file: str | None, model_type: str | None) -> Any:
-    """A transformers config: ``config_file`` or the checkpoint's ``config.json``, optionally as ``model_type``."""
+
+def read_config(checkpoint: str | Store, config_file: str | None, model_type: str | None) -> Any:
+    """A transformers config: ``config_file`` or the checkpoint's ``config.json`` (``checkpoint``: a local path, or
+    the :class:`~loader.storage.Store` of a remote one), optionally as ``model_type``."""
     from transformers import AutoConfig
 
-    path = config_file or (
-        os.path.join(checkpoint, "config.json")
-        if os.path.isdir(checkpoint)
-        else os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "config.json")
-    )
     data: dict[str, Any] = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            data = json.load(f)
-    elif config_file:
+    if isinstance(checkpoint, str) or config_file:
+        where = checkpoint if isinstance(checkpoint, str) else ""
+        path = config_file or (
+            os.path.join(where, "config.json")
+            if os.path.isdir(where)
+            else os.path.join(os.path.dirname(os.path.abspath(where)), "config.json")
+        )
+        found = os.path.isfile(path)
+        if found:
+            with open(path) as f:
+                data = json.load(f)
+    else:
+        path = config_location(checkpoint)
+        found = checkpoint.exists(path)
+        if found:
+            data = json.loads(checkpoint.read_small(path, MAX_CONFIG_BYTES, "config"))
+    if not found and config_file:
         raise CLIError(f"no such config file: {config_file}")
-    elif not model_type:
-        raise CLIError(f"no config.json next to {checkpoint}: pass --config FILE or --model-type TYPE")
+    if not found and not model_type:
+        named = checkpoint if isinstance(checkpoint, str) else checkpoint.root
+        raise CLIError(f"no config.json next to {named}: pass --config FILE or --model-type TYPE")
     model_type = model_type or data.get("model_type")
     if not model_type:
         raise CLIError(f"{path} has no model_type: pass --model-type TYPE")

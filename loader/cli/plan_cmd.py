@@ -20,6 +20,7 @@ from ..checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from ..errors import CheckpointNotFoundError
 from ..placements import placement_text, plan_placements
 from ..simulate import coordinate_of, rank_figures, simulate_plans
+from ..storage import is_url
 from . import geometry
 from .common import LOAD_COLUMNS, have_transformers, human_bytes, parse_mesh, quiet_transformers, table
 from .models import build_meta_model, read_config
@@ -65,10 +66,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "checkpoint",
         metavar="CHECKPOINT",
-        help="a checkpoint folder (model.safetensors or shards + index), a .safetensors file, or a "
-        "Hugging Face repo id (org/name) in the local cache (plan never downloads)",
+        help="a checkpoint folder (model.safetensors or shards + index), a .safetensors file, a "
+        "Hugging Face repo id (org/name) in the local cache (plan never downloads), or the URL of a folder or "
+        "file (s3://, https://, hf://org/name): only headers, index and config are fetched",
     )
-    p.add_argument("--revision", metavar="REV", help="branch, tag or commit of a repo id (default: main)")
+    p.add_argument("--revision", metavar="REV", help="branch, tag or commit of a repo id or hf:// URL (default: main)")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option for a URL's backend (repeatable; VALUE is JSON, else a string), e.g. endpoint_url=http://...",
+    )
     p.add_argument("--mesh", required=True, metavar="AxB", help="device mesh shape, e.g. 8 or 2x4 (EP x TP)")
     who = p.add_mutually_exclusive_group()
     who.add_argument("--rank", type=int, action="append", metavar="R", help="only rank R (repeatable)")
@@ -112,17 +121,24 @@ def run(args: argparse.Namespace) -> int:
     if not have_transformers():
         raise CLIError("`plan` builds the model with transformers: pip install 'transformers>=5'")
     quiet_transformers()
-    config = read_config(checkpoint, args.config, args.model_type)
+    options = _storage_options(args.storage_option)
+    if is_url(checkpoint):
+        opened = SafetensorsCheckpoint.open(checkpoint, revision=args.revision, storage_options=options or None)
+        config = read_config(opened.store, args.config, args.model_type)
+    else:
+        if options:
+            raise CLIError("--storage-option is for URLs, not the local path " + checkpoint)
+        opened, config = checkpoint, read_config(checkpoint, args.config, args.model_type)
     model = build_meta_model(config)
     result = plan_model(
         model,
-        checkpoint,
+        opened,
         mesh_shape,
         ranks=_ranks(args, mesh_shape),
         experts=args.experts,
         svg=args.svg,
         tensors=args.tensor,
-        title=f"Load plan: {os.path.basename(os.path.abspath(args.checkpoint))}",
+        title=f"Load plan: {_base_name(args.checkpoint)}",
         model_type=config.model_type,
         save=args.save,
         transfer=args.transfer,
@@ -136,8 +152,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _base_name(path: str) -> str:
+    return path.rstrip("/").rpartition("/")[2] if is_url(path) else os.path.basename(os.path.abspath(path))
+
+
+def _storage_options(items: Sequence[str]) -> dict[str, Any]:
+    """``--storage-option KEY=VALUE`` items as a dict (VALUE parsed as JSON when it is JSON)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise CLIError(f"--storage-option {item!r}: write KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 def _local_checkpoint(path: str, revision: str | None) -> str:
-    """``path`` itself, or the cached snapshot folder of the Hub repo id ``path`` (never downloaded)."""
+    """``path`` itself (a local path or a URL), or the cached snapshot folder of the Hub repo id ``path`` (never
+    downloaded)."""
+    if is_url(path):
+        return path
     if os.path.exists(path):
         if revision is not None:
             raise CLIError(f"--revision is for Hub repo ids, not the local path {path}")
@@ -162,7 +199,7 @@ def _ranks(args: argparse.Namespace, mesh_shape: Sequence[int]) -> list[int]:
 
 def plan_model(
     model: Any,
-    checkpoint_path: str,
+    checkpoint_path: str | SafetensorsCheckpoint,
     mesh_shape: Sequence[int],
     *,
     ranks: Sequence[int],
@@ -183,7 +220,11 @@ def plan_model(
     ``save``: also the write plan of saving it back (``save_kwargs``: the save's rules, as ``plan_writes``'s).
     ``transfer``: also the transfer into it from ``Shard(0)`` over that many ranks (``colocated``: same ranks;
     ``transfer_svg``: its picture)."""
-    checkpoint = SafetensorsCheckpoint.open(checkpoint_path)
+    checkpoint = (
+        checkpoint_path
+        if isinstance(checkpoint_path, SafetensorsCheckpoint)
+        else SafetensorsCheckpoint.open(checkpoint_path)
+    )
     why: dict[str, str] = {}
     if placements is None:
         placements, why = plan_placements(model, mesh_shape, experts=experts)
