@@ -216,6 +216,14 @@ def test_conversions_without_an_inverse_are_refused(tmp_path, fn, source, says):
 # the folder: replaced in place, nothing left by a failed save
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/prefix", "https://example.org/folder", "hf://org/name"])
+def test_saving_to_a_url_is_refused_before_anything_is_written(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="object store or the Hub is not supported"):
+        save_hf_checkpoint(nn.Linear(2, 2), url)
+    assert os.listdir(tmp_path) == []  # not even a temp folder named after the URL
+
+
 def test_an_existing_folder_gets_its_weights_replaced(tmp_path):
     _, model = build("llama")
     out = tmp_path / "out"

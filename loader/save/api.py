@@ -23,6 +23,7 @@ from ..options import Rules, SaveOptions, timeout_seconds
 from ..placements import rank_and_world, slot_for
 from ..report import human_bytes
 from ..rules import dot_natural_key
+from ..storage import is_url
 from .agreement import RankAgreement
 from .filelayout import SaveLayout, parse_size, plan_layout
 from .sources import SaveMapping, SourceShapes, map_for_save
@@ -128,16 +129,21 @@ def save_hf_checkpoint(
         A :class:`SaveReport` for this rank.
 
     Raises:
-        ValueError: the layout cannot be derived, a conversion is not invertible, ``max_shard_size`` is not a
-            size, a tensor's checkpoint key is ``__metadata__``, a tensor is a contiguous conj / neg view (its
-            memory is not its values), or ranks hold a tensor differently (placements, kind, global shape,
-            dtype, mesh): nothing is written.
+        ValueError: ``path`` is a URL (saving to object stores is out of scope); the layout cannot be derived, a
+            conversion is not invertible, ``max_shard_size`` is not a size, a tensor's checkpoint key is
+            ``__metadata__``, a tensor is a contiguous conj / neg view (its memory is not its values), or ranks
+            hold a tensor differently (placements, kind, global shape, dtype, mesh): nothing is written.
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left.
         OSError, RuntimeError: a write failed (on any rank, in a distributed run); ``path`` is left as it was
             (no folder, or the old checkpoint, whole).
         TimeoutError: another save into ``path`` was committing for more than ``timeout``.
     """
     started = time.perf_counter()
+    if is_url(path):  # before anything is planned or written, on every rank
+        raise ValueError(
+            f"save_hf_checkpoint: {path!r} is a URL; saving to an object store or the Hub is not supported: save to a "
+            "local folder, then upload it (e.g. `aws s3 sync`, `hf upload`)"
+        )
     options = SaveOptions(max_shard_size, {"format": "pt", **(metadata or {})}, progress, timeout)
     rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
     rank, world = rank_and_world()
