@@ -1,5 +1,6 @@
 """Checks every backend makes of an answer: its status, its ``Content-Range``, its length; and the URL as errors
-name it. Only the standard library (the S3 backend uses these without ``requests``)."""
+name it. A :class:`~.backend.Transient` says what failed, not where: the fetcher names the location when it gives
+up. Only the standard library (the S3 backend uses these without ``requests``)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def check_status(name: str, status: int) -> None:
     if status in (200, 206):
         return
     if status in TRANSIENT_STATUS or status >= 500:
-        raise Transient(f"{name}: HTTP {status}")
+        raise Transient(f"HTTP {status}")
     if status in (404, 410):
         raise CheckpointError(f"{name}: not found (HTTP {status})", path=name)
     if status in (401, 403):
@@ -67,5 +68,5 @@ def check_part(name: str, content_range: str | None, start: int, end: int, size:
     if got[:2] != (start, end):
         raise CheckpointError(f"{name}: asked bytes {start}-{end - 1}, the server sent {content_range!r}", path=name)
     if len(body) != end - start:
-        raise Transient(f"{name}: {len(body)} bytes received of bytes {start}-{end - 1}")
+        raise Transient(f"{len(body)} bytes received of bytes {start}-{end - 1}")
     return body

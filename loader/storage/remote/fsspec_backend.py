@@ -57,7 +57,7 @@ class fs_errors:
         if isinstance(error, (IsADirectoryError, NotADirectoryError, ValueError)):
             raise CheckpointError(f"{name}: {type(error).__name__}: {error}", path=name) from error
         if isinstance(error, (TimeoutError, ConnectionError, OSError)):
-            raise Transient(f"{name}: {type(error).__name__}: {error}") from error
+            raise Transient(f"{type(error).__name__}: {error}") from error
 
 
 class FsspecBackend:
@@ -106,7 +106,7 @@ class FsspecBackend:
             with fs_errors(location):
                 data = self.fs.cat_file(self._path(location), start=start, end=end)
             if len(data) != end - start:
-                raise Transient(f"{location}: {len(data)} bytes received of bytes {start}-{end - 1}")
+                raise Transient(f"{len(data)} bytes received of bytes {start}-{end - 1}")
             out.append(bytes(data))
         now = self.stat(location)
         if now != identity:

@@ -123,7 +123,7 @@ class transport_errors:
         transient = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
         transient += (requests.exceptions.ChunkedEncodingError, urllib3.exceptions.HTTPError, OSError)
         if isinstance(error, transient):
-            raise Transient(f"{self.name}: {type(error).__name__}: {error}") from error
+            raise Transient(f"{type(error).__name__}: {error}") from error
         if isinstance(error, requests.exceptions.RequestException):
             raise CheckpointError(f"{self.name}: {type(error).__name__}: {error}", path=self.name) from error
 

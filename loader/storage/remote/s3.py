@@ -88,7 +88,7 @@ def _raise_client_error(name: str, error: botocore.exceptions.ClientError) -> No
     status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
     code = error.response.get("Error", {}).get("Code", "")
     if code in ("SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"):
-        raise Transient(f"{name}: {code} (HTTP {status})") from error
+        raise Transient(f"{code} (HTTP {status})") from error
     if code in ("NoSuchKey", "NoSuchBucket", "NotFound") and status != 404:
         status = 404
     check_status(name, status)
@@ -115,7 +115,7 @@ class S3Backend:
                 return None
             _raise_client_error(location, e)
         except _TRANSIENT as e:
-            raise Transient(f"{location}: {type(e).__name__}: {e}") from e
+            raise Transient(f"{type(e).__name__}: {e}") from e
         except botocore.exceptions.BotoCoreError as e:  # no credentials, a bad endpoint ...
             raise CheckpointError(f"{location}: {type(e).__name__}: {e}", path=location) from e
         return ObjectIdentity(int(head["ContentLength"]), head.get("ETag", ""), head.get("VersionId", "") or "")
@@ -137,7 +137,7 @@ class S3Backend:
         except botocore.exceptions.ClientError as e:
             _raise_client_error(location, e)
         except _TRANSIENT as e:
-            raise Transient(f"{location}: {type(e).__name__}: {e}") from e
+            raise Transient(f"{type(e).__name__}: {e}") from e
         except botocore.exceptions.BotoCoreError as e:
             raise CheckpointError(f"{location}: {type(e).__name__}: {e}", path=location) from e
         status = got.get("ResponseMetadata", {}).get("HTTPStatusCode")
