@@ -1,0 +1,35 @@
+"""Remote stores: checkpoint folders at URLs (``https://``, ``s3://``, ``hf://``, other fsspec protocols), read by
+ranged requests.
+
+The protocol-independent half: :mod:`.requests_plan` (which requests fetch a file's wanted ranges: the cost
+model), :mod:`.fetch` (running them: concurrency, retries, accounting), :mod:`.pieces` and :mod:`.reader` (the
+:class:`RemoteReader`: fetched ahead within a window, reads served from the pieces), :mod:`.store` (the
+:class:`RemoteStore`). The protocols' half: :mod:`.backend` (the contract) and :mod:`.backends` (one per scheme,
+each importing its library only when such a URL is used).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .backend import Backend, RemoteOptions, Transient
+from .reader import RemoteReader
+from .store import RemoteStore
+
+
+def remote_store(url: str, storage_options: Mapping[str, object], revision: str | None = None) -> RemoteStore:
+    """The :class:`RemoteStore` of the folder ``url``: ``storage_options`` split into ours
+    (:class:`RemoteOptions`) and the backend's, the backend picked by the URL's scheme.
+
+    Raises:
+        ValueError: an option of the wrong type, or unknown to the backend; a revision for a URL not ``hf://``.
+        ImportError: the scheme's library is not installed (the ``remote`` extra).
+    """
+    from .backends import make_backend
+
+    options, rest = RemoteOptions.split(storage_options)
+    root = url.rstrip("/")
+    return RemoteStore(root, make_backend(root, rest, revision, options), options)
+
+
+__all__ = ["Backend", "RemoteOptions", "RemoteReader", "RemoteStore", "Transient", "remote_store"]

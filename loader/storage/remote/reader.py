@@ -1,0 +1,298 @@
+"""The remote :class:`~loader.storage.base.RangeReader`: a file's wanted ranges fetched ahead, reads served from them.
+
+:meth:`RemoteReader.will_read` plans a file's requests (:func:`~.requests_plan.plan_requests`) and submits them in
+order while the window allows (:class:`~.pieces.Window`: at most ``window_bytes`` fetched and not yet consumed);
+a read copies its bytes out of the fetched pieces, waiting for them, piece by piece, freeing each piece once its
+wanted bytes were all served and submitting the next fetches as the window empties; bytes no piece holds (no
+:meth:`~RemoteReader.will_read`, a read ahead of the window, bytes served before from a piece since freed) are
+fetched directly (:func:`fetch_direct`). A failure cancels every pending fetch and propagates.
+
+Identity: :meth:`RemoteReader.expect` records the :class:`~loader.storage.ObjectIdentity` every request is made
+against; the backend checks it on every response (ETag, version, size), so every byte served comes from that
+object. :meth:`RemoteReader.verify` therefore makes no request: a re-stat after the last read would prove
+nothing about the bytes already read, which their responses proved one by one; it releases what was fetched
+ahead for the file instead (the executor calls it after the file's last read).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import CancelledError, Future
+
+from ..base import ObjectIdentity, Runs
+from ..untrusted import err
+from .backend import Backend, RemoteOptions
+from .fetch import Cancelled, Fetcher, with_retries
+from .pieces import Fetch, Piece, Window
+from .requests_plan import Request, plan_requests
+
+#: ``(offset, destination)``: the bytes ``[offset, offset + len(destination))`` of an object go to ``destination``
+Segment = tuple[int, memoryview]
+
+
+def cover(segments: Sequence[Segment], pieces: Sequence[Piece]) -> tuple[list[tuple[Piece, list]], list[Segment]]:
+    """Which piece serves which part of ``segments`` (ascending, disjoint), and the parts no piece holds.
+
+    Returns:
+        ``[(piece, [(lo, hi, destination), ...]), ...]`` in the pieces' order, and the missing segments.
+    """
+    served: list[tuple[Piece, list]] = []
+    missing: list[Segment] = []
+    k = 0
+    for off, view in segments:
+        pos, end = off, off + len(view)
+        while k < len(pieces) and pieces[k].end <= pos:
+            k += 1
+        j = k
+        while pos < end and j < len(pieces) and pieces[j].start < end:
+            p = pieces[j]
+            if p.start > pos:
+                missing.append((pos, view[pos - off : p.start - off]))
+                pos = p.start
+            hi = min(end, p.end)
+            if not served or served[-1][0] is not p:
+                served.append((p, []))
+            served[-1][1].append((pos, hi, view[pos - off : hi - off]))
+            pos = hi
+            j += 1
+        if pos < end:
+            missing.append((pos, view[pos - off :]))
+    return served, missing
+
+
+def consecutive(offset: int, outs: Sequence[memoryview]) -> list[Segment]:
+    """The non-empty buffers ``outs`` as the segments of consecutive bytes from ``offset``."""
+    segments, pos = [], offset
+    for o in outs:
+        view = memoryview(o).cast("B")
+        if len(view):
+            segments.append((pos, view))
+            pos += len(view)
+    return segments
+
+
+def _result(future: Future[list[bytes]], location: str) -> list[bytes]:
+    try:
+        return future.result()
+    except CancelledError:
+        raise Cancelled(f"{location}: read cancelled (another read of this reader failed)", path=location) from None
+
+
+class RemoteReader:
+    """Reads exact byte ranges of remote objects (see the module; the surface of :class:`~loader.storage.FileReader`).
+
+    Thread-safe. A context manager: :meth:`close` cancels what is pending and frees what was fetched ahead.
+
+    Args:
+        backend: The store's backend (shared, thread-safe).
+        options: Concurrency, retries, cost model, window.
+        identities: ``{location: ObjectIdentity}`` each object must still have.
+
+    Attributes:
+        bytes_read: Bytes fetched (payload and gaps read through; fetched ahead and never read included).
+        gap_bytes: Of those, the gaps between wanted ranges.
+        reads: Requests made (retries included).
+        peak_bytes: The most bytes ever fetched ahead and not yet consumed (the window's bound, measured).
+    """
+
+    def __init__(
+        self, backend: Backend, options: RemoteOptions, identities: Mapping[str, object] | None = None
+    ) -> None:
+        self.backend, self.options = backend, options
+        self._fetcher = Fetcher(backend, options)
+        self._identities: dict[str, ObjectIdentity] = {}
+        self._window = Window(options.window_bytes)
+        self._lock = threading.Lock()
+        for location, identity in (identities or {}).items():
+            self.expect(location, identity)
+
+    @property
+    def bytes_read(self) -> int:
+        return self._fetcher.bytes_read
+
+    @property
+    def gap_bytes(self) -> int:
+        return self._fetcher.gap_bytes
+
+    @property
+    def reads(self) -> int:
+        return self._fetcher.reads
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._window.peak
+
+    def __enter__(self) -> RemoteReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel pending fetches and free what was fetched ahead; the reader may be reused (counts are kept)."""
+        self._fail()
+        self._fetcher.close()
+
+    def expect(self, location: str, identity: object | None) -> None:
+        """Require ``location`` to have ``identity`` (an :class:`~loader.storage.ObjectIdentity`) from now on;
+        ``None`` is ignored."""
+        if identity is None:
+            return
+        if not isinstance(identity, ObjectIdentity):
+            raise TypeError(f"{location}: a remote object's identity is an ObjectIdentity, got {identity!r}")
+        with self._lock:
+            self._identities[location] = identity
+
+    def verify(self, location: str) -> None:
+        """Nothing to check (see the module: every response was checked); frees what was fetched ahead for
+        ``location`` and not read."""
+        with self._lock:
+            futures = self._window.drop(location)
+        for f in futures:
+            f.cancel()
+
+    def verify_all(self) -> None:
+        """Nothing to check (see :meth:`verify`)."""
+
+    def will_read(self, location: str, ranges: Callable[[], Sequence[tuple[int, int]]], *, sparse: bool) -> None:
+        """Plan ``location``'s requests for ``ranges()`` and start fetching them in order, within the window
+        (``sparse`` changes nothing: nothing is read ahead beyond the ranges anyway)."""
+        self._identity(location)  # known before any fetch is submitted (stat'ed now if not expected)
+        requests = plan(self.backend, self.options, ranges())
+        with self._lock:
+            stale = self._window.plan(location, requests)
+            self._window.fill(self._submit)
+        for f in stale:
+            f.cancel()
+
+    def pread_into(self, location: str, offset: int, out: memoryview | bytearray) -> None:
+        """Read exactly ``len(out)`` bytes at ``offset`` into ``out``.
+
+        Raises:
+            CheckpointError: the bytes lie past the object's end, or a request failed (naming the URL).
+        """
+        view = memoryview(out).cast("B")
+        if len(view):
+            self._read(location, [(offset, view)])
+
+    def pread_consecutive(self, location: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Read consecutive bytes from ``offset`` into the buffers ``outs``, one after another."""
+        segments = consecutive(offset, outs)
+        if segments:
+            self._read(location, segments)
+
+    def read_runs(self, location: str, runs: Runs, out: memoryview, base: int, *, wanted: int) -> None:
+        """Read every run into ``out[s - base:]``: runs only (touching ones together), gaps not fetched unless
+        the plan read them through; ``wanted`` is not needed (the fetcher counts what it fetched)."""
+        view = memoryview(out).cast("B")
+        segments = [(a, view[a - base : b - base]) for a, b in runs.spans(1)]  # page 1: touching runs merged
+        if segments:
+            self._read(location, segments)
+
+    # -- reading -----------------------------------------------------------------------------------------------
+
+    def _read(self, location: str, segments: list[Segment]) -> None:
+        identity = self._identity(location)
+        lo, hi = segments[0][0], segments[-1][0] + len(segments[-1][1])
+        if lo < 0 or hi > identity.size:
+            raise err(location, f"bytes [{lo}, {hi}) lie outside the object ({identity.size} bytes)")
+        submit = self._submit
+        try:
+            with self._lock:
+                pieces = self._window.overlapping(location, lo, hi)
+            served, missing = cover(segments, pieces)
+            for piece, parts in served:
+                with self._lock:
+                    future = self._window.future(piece, parts, submit)
+                if future is None:  # not fetched (beyond the window) or freed: fetched directly
+                    missing.extend((a, dst) for a, _, dst in parts)
+                    continue
+                data = _result(future, location)[piece.index]
+                for a, b, dst in parts:
+                    dst[:] = data[a - piece.start : b - piece.start]
+                with self._lock:
+                    self._window.consumed(piece, parts, submit)
+            if missing:
+                requests = plan(self.backend, self.options, [(a, a + len(v)) for a, v in missing])
+                fetch_direct(self._fetcher, location, identity, requests, sorted(missing, key=lambda s: s[0]))
+        except BaseException:
+            self._fail()
+            raise
+
+    def _submit(self, fetch: Fetch) -> Future[list[bytes]]:
+        """Submit a planned fetch (called under the lock; its object's identity is known since :meth:`will_read`)."""
+        return self._fetcher.submit(fetch.location, fetch.request, self._identities[fetch.location])
+
+    def _identity(self, location: str) -> ObjectIdentity:
+        """The identity requests for ``location`` are made against: expected, else stat'ed once."""
+        identity = self._identities.get(location)
+        if identity is None:
+            identity = self._identities.setdefault(location, stat_identity(self.backend, self.options, location))
+        return identity
+
+    def _fail(self) -> None:
+        """Cancel everything pending: a read failed, and the load is stopping."""
+        with self._lock:
+            futures = self._window.clear()
+        self._fetcher.cancel()
+        for f in futures:
+            f.cancel()
+
+
+def stat_identity(backend: Backend, options: RemoteOptions, location: str) -> ObjectIdentity:
+    """The object's identity, from one ``stat`` (retried).
+
+    Raises:
+        CheckpointError: it does not exist, or the stat failed.
+    """
+    identity = with_retries(location, "stat", lambda: backend.stat(location), options)
+    if identity is None:
+        raise err(location, "not found (404)")
+    return identity
+
+
+def plan(backend: Backend, options: RemoteOptions, ranges: Sequence[tuple[int, int]]) -> list[Request]:
+    """The requests fetching ``ranges`` of one object through ``backend`` (:func:`~.requests_plan.plan_requests`)."""
+    return plan_requests(
+        ranges,
+        gap_bytes=options.gap_bytes,
+        max_request_bytes=options.max_request_bytes,
+        multi_range=bool(getattr(backend, "multi_range", False)),
+        max_ranges=options.max_ranges,
+    )
+
+
+def fetch_direct(
+    fetcher: Fetcher, location: str, identity: ObjectIdentity, requests: list[Request], segments: list[Segment]
+) -> None:
+    """Fetch ``requests`` now (planned for the ``segments``, ascending and disjoint), in order with at most
+    ``window_bytes`` in flight, each span copied into the segments it holds."""
+    starts = [a for a, _ in segments]
+    if len(requests) == 1:
+        _scatter(requests[0], fetcher.get(location, requests[0], identity), segments, starts)
+        return
+    window, inflight = fetcher.options.window_bytes, deque()
+    held, i = 0, 0
+    while i < len(requests) or inflight:
+        while i < len(requests) and (not inflight or held + requests[i].nbytes <= window):
+            inflight.append((requests[i], fetcher.submit(location, requests[i], identity)))
+            held += requests[i].nbytes
+            i += 1
+        request, future = inflight.popleft()
+        _scatter(request, _result(future, location), segments, starts)
+        held -= request.nbytes
+
+
+def _scatter(request: Request, data: list[bytes], segments: list[Segment], starts: list[int]) -> None:
+    """Copy each span's bytes into the ``segments`` (ascending by ``starts``) it overlaps."""
+    for span, chunk in zip(request.spans, data):
+        i = max(bisect.bisect_right(starts, span.start) - 1, 0)
+        while i < len(segments) and starts[i] < span.end:
+            a, dst = segments[i]
+            lo, hi = max(a, span.start), min(a + len(dst), span.end)
+            if lo < hi:
+                dst[lo - a : hi - a] = chunk[lo - span.start : hi - span.start]
+            i += 1

@@ -1,0 +1,383 @@
+"""The protocol-independent half of remote reading: planning requests, fetching them, the remote reader and store.
+
+The backend here is a real one over local files (``os.pread`` on a real file, an identity from its ``stat``,
+every answer checked as the HTTP and S3 backends check theirs), with failures switched on per call: transient
+ones (retried), permanent ones (a ``CheckpointError``), an object replaced mid-read, a request that blocks until
+released. The backends over real servers are tested in tests/test_remote_backends.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader.errors import CheckpointError, CheckpointNotFoundError
+from loader.storage import ByteRuns, ObjectIdentity, RangeReader
+from loader.storage.remote import RemoteOptions, RemoteReader, RemoteStore, Transient
+from loader.storage.remote.reader import plan as plan_for
+from loader.storage.remote.requests_plan import MAX_OVERREAD, join_limit, merge_ranges, plan_requests
+
+URL = "test://bucket/ckpt"
+
+
+class FileBackend:
+    """A :class:`~loader.storage.remote.Backend` over the files of a local folder: ``URL/name`` is ``folder/name``.
+
+    Attributes:
+        calls: Every ``get``'s ranges, in the order they started.
+        transient: Calls to fail with :class:`Transient` before answering (counted down).
+        fail_at: Offsets whose request (the one whose first range starts there) raises a ``CheckpointError``.
+        gate: When set to an Event, the other requests wait for it.
+    """
+
+    def __init__(self, folder: str, *, multi_range: bool = False) -> None:
+        self.folder, self.multi_range = folder, multi_range
+        self.calls: list[list[tuple[int, int]]] = []
+        self.transient = 0
+        self.fail_at: set[int] = set()
+        self.gate: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def path(self, location: str) -> str:
+        assert location.startswith(URL + "/"), location
+        return os.path.join(self.folder, location[len(URL) + 1 :])
+
+    def stat(self, location: str) -> ObjectIdentity | None:
+        try:
+            st = os.stat(self.path(location))
+        except FileNotFoundError:
+            return None
+        return ObjectIdentity(st.st_size, f'"{st.st_mtime_ns:x}-{st.st_ino:x}"')
+
+    def get(self, location: str, ranges, identity: ObjectIdentity) -> list[bytes]:
+        assert ranges and (len(ranges) == 1 or self.multi_range), ranges
+        assert all(0 <= a < b for a, b in ranges) and all(b <= a for (_, b), (a, _) in zip(ranges, ranges[1:]))
+        with self._lock:
+            self.calls.append(list(ranges))
+            transient = self.transient > 0
+            self.transient -= transient
+        if self.gate is not None and ranges[0][0] not in self.fail_at:
+            self.gate.wait(30)
+        if transient:
+            raise Transient(f"{location}: HTTP 503")
+        if ranges[0][0] in self.fail_at:
+            raise CheckpointError(f"{location}: access refused (HTTP 403)", path=location)
+        now = self.stat(location)
+        if now != identity:
+            raise CheckpointError(f"{location}: the object changed ({now} != {identity})", path=location)
+        fd = os.open(self.path(location), os.O_RDONLY)
+        try:
+            return [os.pread(fd, b - a, a) for a, b in ranges]
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def blob(tmp_path):
+    """A 4 MiB object of random bytes: ``(location, its bytes, the folder)``."""
+    data = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
+    (tmp_path / "model.safetensors").write_bytes(data)
+    return f"{URL}/model.safetensors", data, str(tmp_path)
+
+
+def _reader(folder: str, multi_range: bool = False, **options) -> tuple[RemoteReader, FileBackend]:
+    backend = FileBackend(folder, multi_range=multi_range)
+    opts = RemoteOptions(**{"backoff": 0.0, **options})
+    return RemoteReader(backend, opts), backend
+
+
+def _column_shard(rows: int, row_bytes: int, shard_bytes: int, rank: int = 1) -> list[tuple[int, int]]:
+    """A row-parallel weight's shard: ``shard_bytes`` of every ``row_bytes`` row, at the rank's column."""
+    return [(r * row_bytes + rank * shard_bytes, r * row_bytes + (rank + 1) * shard_bytes) for r in range(rows)]
+
+
+# -- planning ----------------------------------------------------------------------------------------------------
+
+ranges_st = st.lists(st.tuples(st.integers(0, 1 << 18), st.integers(0, 1 << 16)), max_size=60).map(
+    lambda xs: [(a, a + n) for a, n in xs]
+)
+
+
+def _counts(ranges, size: int = (1 << 18) + (1 << 16)) -> np.ndarray:
+    """How many of ``ranges`` hold each byte."""
+    delta = np.zeros(size + 1, dtype=np.int64)
+    for a, b in ranges:
+        delta[a] += 1
+        delta[b] -= 1
+    return np.cumsum(delta)[:-1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ranges=ranges_st,
+    gap=st.integers(0, 1 << 18),
+    max_bytes=st.integers(1 << 8, 1 << 17),
+    multi=st.booleans(),
+    max_ranges=st.integers(1, 8),
+)
+def test_plan_covers_every_wanted_byte_once_within_the_limits(ranges, gap, max_bytes, multi, max_ranges):
+    plan = plan_requests(ranges, gap_bytes=gap, max_request_bytes=max_bytes, multi_range=multi, max_ranges=max_ranges)
+    spans = [s for r in plan for s in r.spans]
+    wanted = _counts(ranges) > 0
+    # ascending, disjoint spans whose wanted ranges hold every wanted byte once, and nothing else
+    assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))
+    assert (_counts(w for s in spans for w in s.wanted) == wanted).all()
+    for s in spans:
+        assert s.wanted[0][0] == s.start and s.wanted[-1][1] == s.end
+        assert all(a < b <= c for (a, b), (c, _) in zip(s.wanted, s.wanted[1:]))
+        assert s.nbytes <= max_bytes
+        gaps = [c - b for (_, b), (c, _) in zip(s.wanted, s.wanted[1:])]
+        assert all(g <= join_limit(gap, multi, max_ranges) for g in gaps)
+    for r in plan:
+        assert len(r.spans) <= (max_ranges if multi else 1)
+        assert r.nbytes <= max_bytes
+    fetched = sum(r.nbytes for r in plan)
+    assert fetched <= (1 + MAX_OVERREAD) * wanted.sum()
+
+
+def test_merge_ranges_merges_overlapping_and_touching_and_refuses_bad_ones():
+    assert merge_ranges([(5, 9), (0, 3), (3, 4), (8, 12), (20, 20)]).tolist() == [[0, 4], [5, 12]]
+    with pytest.raises(ValueError, match=r"\(4, 2\)"):
+        merge_ranges([(0, 1), (4, 2)])
+
+
+@pytest.mark.parametrize(("rows", "row_bytes", "shard_bytes"), [(1024, 8 << 10, 2 << 10), (512, 56 << 10, 7 << 10)])
+def test_a_column_shard_reads_no_gap_with_the_defaults(rows, row_bytes, shard_bytes):
+    """A row-parallel shard (a quarter, an eighth of each row): its gaps are under ``gap_bytes`` yet not read:
+    bytes fetched = bytes wanted; 64 rows a request over multi-range HTTP, a request per row on S3."""
+    o = RemoteOptions()
+    ranges = _column_shard(rows, row_bytes, shard_bytes)
+    assert row_bytes - shard_bytes < o.gap_bytes  # a fixed gap threshold would read every gap
+    for multi, count in ((True, -(-rows // o.max_ranges)), (False, rows)):
+        plan = plan_requests(
+            ranges, gap_bytes=o.gap_bytes, max_request_bytes=o.max_request_bytes, multi_range=multi, max_ranges=64
+        )
+        assert sum(r.nbytes for r in plan) == rows * shard_bytes
+        assert len(plan) == count
+
+
+def test_small_gaps_are_read_through_and_huge_ranges_split():
+    o = RemoteOptions()
+    kw = {"gap_bytes": o.gap_bytes, "max_request_bytes": o.max_request_bytes, "multi_range": False, "max_ranges": 64}
+    tensors = [(i * ((1 << 20) + 8), i * ((1 << 20) + 8) + (1 << 20)) for i in range(32)]  # 8 bytes between
+    plan = plan_requests(tensors, **kw)
+    assert len(plan) == 1 and plan[0].nbytes == 32 * (1 << 20) + 31 * 8
+    plan = plan_requests([(0, 200 << 20)], **kw)
+    assert [r.nbytes for r in plan] == [50 << 20] * 4
+
+
+# -- the reader ----------------------------------------------------------------------------------------------------
+
+
+def test_remote_reader_is_a_range_reader(blob):
+    reader, _ = _reader(blob[2])
+    assert isinstance(reader, RangeReader)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_planned_reads_are_served_from_the_pieces_exactly(blob, multi):
+    location, data, folder = blob
+    reader, backend = _reader(folder, multi, max_ranges=4, max_request_bytes=64 << 10)
+    ranges = _column_shard(128, 16 << 10, 2 << 10) + [(3 << 20, (3 << 20) + 300_000)]
+    with reader:
+        reader.will_read(location, lambda: ranges, sparse=True)
+        for a, b in ranges:
+            out = bytearray(b - a)
+            reader.pread_into(location, a, out)
+            assert out == data[a:b]
+        reader.verify(location)
+        assert reader._window.held == 0  # every piece freed as its bytes were served
+    plan = plan_for(backend, reader.options, ranges)
+    assert reader.reads == len(backend.calls) == len(plan)
+    assert reader.bytes_read == sum(r.nbytes for r in plan) == sum(b - a for a, b in ranges)
+    assert reader.gap_bytes == 0
+
+
+def test_out_of_order_overlapping_and_unplanned_reads(blob):
+    location, data, folder = blob
+    rng = random.Random(1)
+    reader, backend = _reader(folder, True, max_ranges=8, max_request_bytes=32 << 10, window_bytes=256 << 10)
+    ranges = [(a, a + rng.randrange(1, 5000)) for a in sorted(rng.sample(range(0, 4 << 20, 8192), 300))]
+    reads = ranges + [(a + 10, b + 3000) for a, b in ranges[::7]] + [(0, 100), (len(data) - 50, len(data))]
+    rng.shuffle(reads)
+    with reader:
+        reader.will_read(location, lambda: ranges, sparse=True)
+        for a, b in reads:
+            out = bytearray(b - a)
+            reader.pread_into(location, a, out)
+            assert out == data[a:b], (a, b)
+    assert reader.peak_bytes <= 256 << 10
+
+
+def test_consecutive_reads_and_runs_across_pieces(blob):
+    location, data, folder = blob
+    reader, backend = _reader(folder, max_request_bytes=10_000)
+    with reader:
+        reader.will_read(location, lambda: [(1000, 101_000)], sparse=False)
+        outs = [bytearray(n) for n in (1, 9_999, 0, 50_000, 40_000)]
+        reader.pread_consecutive(location, 1000, [memoryview(o) for o in outs])
+        assert b"".join(outs) == data[1000:101_000]
+        # runs: 100 bytes every 4096 from 200_000; gaps are not fetched, the runs land at their offsets
+        runs = ByteRuns(200_000 + 4096 * np.arange(64, dtype=np.int64), 100)
+        ranges = [(int(s), int(s) + 100) for s in runs.starts()]
+        before = reader.bytes_read
+        reader.will_read(location, lambda: ranges, sparse=True)
+        out = bytearray(4096 * 63 + 100)
+        reader.read_runs(location, runs, memoryview(out), 200_000, wanted=6400)
+        for s in runs.starts().tolist():
+            assert out[s - 200_000 : s - 200_000 + 100] == data[s : s + 100]
+        assert reader.bytes_read - before == 6400
+    assert reader.bytes_read == 100_000 + 6400 and reader.gap_bytes == 0
+
+
+def test_the_window_bounds_the_bytes_fetched_ahead(blob):
+    location, data, folder = blob
+    window = 100_000
+    reader, backend = _reader(folder, max_request_bytes=30_000, window_bytes=window, concurrency=4)
+    ranges = [(a, a + 20_000) for a in range(0, 4 << 20, 40_000)]
+    with reader:
+        reader.will_read(location, lambda: ranges, sparse=True)
+        assert sum(b - a for c in backend.calls for a, b in c) <= window  # nothing consumed yet
+        out = bytearray(len(data))
+        for a, b in ranges:
+            reader.pread_into(location, a, memoryview(out)[a:b])
+            assert out[a:b] == data[a:b]
+    assert 0 < reader.peak_bytes <= window
+    assert reader.bytes_read == sum(b - a for a, b in ranges)  # every range fetched once
+
+
+def test_a_read_past_the_window_is_fetched_directly_and_not_again(blob):
+    location, data, folder = blob
+    reader, backend = _reader(folder, window_bytes=50_000)
+    ranges = [(a, a + 40_000) for a in range(0, 1_000_000, 100_000)]
+    with reader:
+        reader.will_read(location, lambda: ranges, sparse=False)
+        out = bytearray(40_000)
+        reader.pread_into(location, 500_000, out)  # beyond the window: fetched now, its planned fetch dropped
+        assert out == data[500_000:540_000]
+        for a, b in ranges:
+            reader.pread_into(location, a, out)
+            assert out == data[a:b]
+    # its planned fetch was skipped; the second read of the same bytes is fetched directly again
+    assert reader.bytes_read == 440_000 and reader.reads == 11
+
+
+def test_transient_failures_are_retried(blob):
+    location, data, folder = blob
+    reader, backend = _reader(folder, retries=3)
+    backend.transient = 3
+    with reader:
+        reader.will_read(location, lambda: [(0, 1000)], sparse=False)
+        out = bytearray(1000)
+        reader.pread_into(location, 0, out)
+    assert out == data[:1000]
+    assert reader.reads == 4 and reader.bytes_read == 1000
+
+
+def test_retries_exhausted_name_the_url_and_what_failed(blob):
+    location, _, folder = blob
+    reader, backend = _reader(folder, retries=2)
+    backend.transient = 10
+    with reader, pytest.raises(CheckpointError, match=r"model\.safetensors: GET bytes \[0, 1000\) failed after 3 "):
+        reader.pread_into(location, 0, bytearray(1000))
+    assert reader.reads == 3 and reader.bytes_read == 0
+
+
+def test_a_failure_cancels_the_pending_fetches(blob):
+    location, data, folder = blob
+    reader, backend = _reader(folder, concurrency=2, max_request_bytes=10_000)
+    backend.fail_at, backend.gate = {0}, threading.Event()
+    ranges = [(a, a + 10_000) for a in range(0, 400_000, 20_000)]
+    with reader:
+        reader.will_read(location, lambda: ranges, sparse=True)
+        with pytest.raises(CheckpointError, match="403") as e:
+            reader.pread_into(location, 0, bytearray(10_000))
+        assert e.value.path == location
+        backend.gate.set()
+        reader._fetcher.close()  # waits for the fetch that was running
+        assert len(backend.calls) <= 3  # the failed one, the one running beside it, at most one starting
+    backend.fail_at = set()
+    reader.pread_into(location, 0, out := bytearray(100))  # closed: usable again
+    assert out == data[:100]
+
+
+def test_an_object_replaced_mid_read_is_refused(blob):
+    location, data, folder = blob
+    store = RemoteStore(URL, FileBackend(folder), RemoteOptions(backoff=0.0))
+    head = store.head(location, 8)
+    with store.reader({location: head.identity}) as reader:
+        reader.pread_into(location, 0, bytearray(10))
+        path = os.path.join(folder, "model.safetensors")
+        os.replace(path, path + ".old")
+        with open(path, "wb") as f:
+            f.write(data)
+        with pytest.raises(CheckpointError, match="changed") as e:
+            reader.pread_into(location, 100, bytearray(10))
+        assert e.value.path == location
+
+
+def test_reads_from_several_threads(blob):
+    location, data, folder = blob
+    reader, _ = _reader(folder, True, max_request_bytes=64 << 10, window_bytes=1 << 20)
+    ranges = _column_shard(400, 10_000, 3000)
+    errors = []
+
+    def read(part):
+        try:
+            for a, b in part:
+                out = bytearray(b - a)
+                reader.pread_into(location, a, out)
+                assert out == data[a:b]
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    with reader:
+        reader.will_read(location, lambda: ranges, sparse=True)
+        threads = [threading.Thread(target=read, args=(ranges[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+
+
+def test_reads_outside_the_object_are_refused(blob):
+    location, data, folder = blob
+    reader, backend = _reader(folder)
+    with reader, pytest.raises(CheckpointError, match=r"bytes \[4194300, 4194310\) lie outside"):
+        reader.pread_into(location, len(data) - 4, bytearray(10))
+    assert backend.calls == []
+
+
+# -- the store -----------------------------------------------------------------------------------------------------
+
+
+def test_the_remote_store(blob):
+    location, data, folder = blob
+    (open(os.path.join(folder, "config.json"), "wb")).write(b'{"a": 1}')
+    backend = FileBackend(folder)
+    store = RemoteStore(URL + "/", backend, RemoteOptions(backoff=0.0))
+    assert store.root == URL and store.remote and store.list_names() is None
+    assert store.locate("config.json") == URL + "/config.json"
+    assert store.exists(location) and not store.exists(URL + "/missing.json")
+    head = store.head(location, 1000)
+    assert head.data == data[:1000] and head.size == len(data) and head.identity == backend.stat(location)
+    assert store.read_range(location, 5, 50, head.identity) == data[5:50]
+    assert store.read_small(URL + "/config.json", 100, "config") == b'{"a": 1}'
+    calls = len(backend.calls)
+    with pytest.raises(CheckpointError, match="index is 4194304 bytes, over the 1000-byte limit"):
+        store.read_small(location, 1000, "index")
+    assert len(backend.calls) == calls  # refused before reading
+    with pytest.raises(CheckpointNotFoundError, match="missing.json: not found"):
+        store.head(URL + "/missing.json", 8)
+    backend.transient = 2
+    assert store.read_range(location, 0, 4, head.identity) == data[:4]
