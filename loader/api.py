@@ -40,6 +40,7 @@ def load_hf_checkpoint(
     device: str | torch.device | None = None,
     staging_bytes: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    io_threads: int | None = None,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
 
@@ -77,6 +78,9 @@ def load_hf_checkpoint(
             a target is on a GPU). None: 64 MiB (``loader.options.STAGING_BYTES``).
         storage_options: options for a URL's backend (endpoint, credentials, timeouts, concurrency: see
             docs/remote.md); only for URLs.
+        io_threads: threads reading (and copying) independent blocks at once, sharing the staging budget.
+            None: from the CPUs this process may use, shared with the other ranks on this host (1 when ranks
+            already fill the cores).
 
     Returns:
         A :class:`LoadReport` for this rank.
@@ -85,7 +89,8 @@ def load_hf_checkpoint(
         CheckpointError: a bad checkpoint file (names the file and tensor); nothing was written.
         ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``), or, with
             ``device`` and ``strict``, a meta tensor nothing loads or initialises (before anything is read); a
-            ``planner`` with rule arguments or ``strict``; a timeout that is not positive, ``staging_bytes`` below 1.
+            ``planner`` with rule arguments or ``strict``; a timeout that is not positive, ``staging_bytes`` below 1,
+            ``io_threads`` below 1.
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
@@ -96,6 +101,7 @@ def load_hf_checkpoint(
         timeout=timeout,
         staging_bytes=STAGING_BYTES if staging_bytes is None else staging_bytes,
         broadcast_replicated_tensors=broadcast_replicated_tensors,
+        io_threads=io_threads,
     )  # a bad timeout is refused in one process too
     rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
     if planner is None:

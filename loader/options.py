@@ -5,9 +5,9 @@ Vocabulary:
         model tensors, and through which conversions. A planning setting: :class:`~loader.HFLoadPlanner`
         carries them.
     options: how a load runs and reads (:class:`LoadOptions`): rollback, progress bar, timeout, staging buffer,
-        broadcasting. An I/O setting, as torch DCP puts them on the storage reader: ``load_hf_checkpoint``
-        builds one from its keyword arguments, :class:`~loader.SafetensorsReader` holds one inside ``dcp.load``.
-        A save's are a :class:`SaveOptions`.
+        broadcasting, I/O threads. An I/O setting, as torch DCP puts them on the storage reader:
+        ``load_hf_checkpoint`` builds one from its keyword arguments, :class:`~loader.SafetensorsReader` holds
+        one inside ``dcp.load``. A save's are a :class:`SaveOptions`.
 
 This module imports nothing of the project: every layer may use it.
 """
@@ -19,7 +19,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_TIMEOUT", "STAGING_BYTES", "LoadOptions", "Rules", "SaveOptions", "timeout_seconds"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "STAGING_BYTES",
+    "LoadOptions",
+    "Rules",
+    "SaveOptions",
+    "check_io_threads",
+    "timeout_seconds",
+]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits at an agreement point for the others (``load_hf_checkpoint(timeout=...)``)."""
@@ -40,6 +48,18 @@ def timeout_seconds(timeout: float | datetime.timedelta | None) -> float | None:
     if not seconds > 0:
         raise ValueError(f"timeout must be positive (or None for no limit), got {timeout!r}")
     return seconds
+
+
+def check_io_threads(io_threads: int | None) -> None:
+    """Refuse an ``io_threads`` that is neither None (automatic) nor an int of at least 1.
+
+    Raises:
+        ValueError: any other value (``0``, ``-1``, ``2.0``, ``True``).
+    """
+    if io_threads is None:
+        return
+    if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+        raise ValueError(f"io_threads must be an int of at least 1 (or None: from the free CPUs), got {io_threads!r}")
 
 
 @dataclass(frozen=True)
@@ -88,9 +108,13 @@ class LoadOptions:
             target is on a GPU).
         broadcast_replicated_tensors: in a distributed run, read each box several ranks hold identically on
             one of them, and broadcast it.
+        io_threads: threads reading (and copying) independent blocks at once; the staging budget (two buffers
+            of ``staging_bytes``) is split among them. None: from the CPUs this process may use, shared with the
+            other ranks on this host (1 when ranks already fill the cores).
 
     Raises:
-        ValueError: a timeout that is not positive, or ``staging_bytes`` below 1.
+        ValueError: a timeout that is not positive, ``staging_bytes`` below 1, ``io_threads`` below 1 (or not an
+            int).
     """
 
     rollback: bool = False
@@ -98,11 +122,13 @@ class LoadOptions:
     timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT
     staging_bytes: int = STAGING_BYTES
     broadcast_replicated_tensors: bool = False
+    io_threads: int | None = None
 
     def __post_init__(self) -> None:
         timeout_seconds(self.timeout)
         if self.staging_bytes < 1:
             raise ValueError(f"staging_bytes must be at least 1, got {self.staging_bytes}")
+        check_io_threads(self.io_threads)
 
 
 @dataclass(frozen=True)

@@ -57,13 +57,15 @@ class SafetensorsReader(StorageReader):
         broadcast_replicated_tensors: in a distributed load (with :class:`~loader.HFLoadPlanner`), read boxes
             several ranks need once and broadcast them.
         storage_options: options for a URL's backend (endpoint, credentials, timeouts); only for URLs.
+        io_threads: threads reading independent blocks at once (with :class:`~loader.HFLoadPlanner`), sharing the
+            staging budget; None: from the CPUs this process may use, shared with the ranks on this host.
 
     Attributes:
         options: the :class:`~loader.options.LoadOptions` built from these arguments.
         bytes_read: bytes this reader read from checkpoint files (this process).
 
     Raises:
-        ValueError: a timeout that is not positive, or ``staging_bytes`` below 1.
+        ValueError: a timeout that is not positive, ``staging_bytes`` below 1, ``io_threads`` below 1.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class SafetensorsReader(StorageReader):
         staging_bytes: int = STAGING_BYTES,
         broadcast_replicated_tensors: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        io_threads: int | None = None,
     ) -> None:
         super().__init__()
         self.path = None if path is None else os.fspath(path)
@@ -84,6 +87,7 @@ class SafetensorsReader(StorageReader):
             timeout=timeout,
             staging_bytes=staging_bytes,
             broadcast_replicated_tensors=broadcast_replicated_tensors,
+            io_threads=io_threads,
         )
         self.checkpoint: SafetensorsCheckpoint | None = None
         self._metadata: Metadata | None = None

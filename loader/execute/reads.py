@@ -32,6 +32,7 @@ from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, box_view, whole_boxes
 from ..storage import RangeReader
+from .pool import ReadPool, acquire, copy_threads, resolve_io_threads, submit_consecutive, submit_staged, torch_threads
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
 
 #: blocks reading more contiguous runs than this are read by byte span and copied in one strided copy
@@ -132,8 +133,8 @@ class _DirectReads:
     """Reads straight into model memory, gathered while their bytes follow one another in the file, then read by
     :meth:`~loader.checkpoint.RangeReader.pread_consecutive`: one call for many small tensors side by side."""
 
-    def __init__(self, reader: RangeReader, file: str, progress: Callable[[int], None]) -> None:
-        self.reader, self.file, self.progress = reader, file, progress
+    def __init__(self, read: Callable[[str, int, list[memoryview]], None], file: str) -> None:
+        self.read, self.file = read, file
         self.start = self.end = 0
         self.views: list[memoryview] = []
 
@@ -147,8 +148,7 @@ class _DirectReads:
 
     def flush(self) -> None:
         if self.views:
-            self.reader.pread_consecutive(self.file, self.start, self.views)
-            self.progress(self.end - self.start)
+            self.read(self.file, self.start, self.views)
             self.views = []
 
 
@@ -186,7 +186,9 @@ class BlockExecutor:
         progress: called with the bytes of each block once it is read.
         staging: a ring of staging buffers to use (e.g. shared by several executors, so that pinned buffers
             are allocated once); its ``capacity`` then replaces ``staging_bytes``. Default: a new
-            :class:`~.staging.StagingRing` of two buffers of ``staging_bytes``.
+            :class:`~.staging.StagingRing` of two buffers of ``staging_bytes`` (for several I/O threads,
+            ``io_threads + 1`` buffers sharing that budget).
+        io_threads: threads reading independent blocks at once (:mod:`.pool`); None: from the CPU share.
     """
 
     def __init__(
@@ -198,9 +200,11 @@ class BlockExecutor:
         staging_bytes: int = STAGING_BYTES,
         progress: Callable[[int], None] | None = None,
         staging: StagingRing | None = None,
+        io_threads: int | None = 1,
     ) -> None:
         self.checkpoint, self.slots, self.reader = checkpoint, slots, reader
-        self.ring = staging if staging is not None else StagingRing(staging_bytes)
+        self.threads = resolve_io_threads(io_threads)
+        self.ring = staging if staging is not None else StagingRing.for_threads(staging_bytes, self.threads)
         self.staging_bytes = self.ring.capacity
         self.progress = progress or (lambda n: None)
 
@@ -230,10 +234,13 @@ class BlockExecutor:
                     hint += align((hi - lo) * info.itemsize)
         locals_ = (self.slots[t].local for t in targets)
         self.ring.prepare({t.device for t in locals_ if t is not None}, hint)
-        try:
-            for file, items in by_file.items():
-                self.reader.expect(file, identities.get(file))
-                self._run_file(file, items)
+        try:  # our copies with torch's threads at this thread's part of the CPU share (none oversubscribed)
+            with torch_threads(copy_threads(self.threads)), ReadPool(self.threads) as self.pool:
+                for file, items in by_file.items():
+                    self.reader.expect(file, identities.get(file))
+                    self._run_file(file, items)
+                self.pool.drain()
+            for file in by_file:
                 self.reader.verify(file)  # rewritten during the reads: the bytes read may be garbage
         finally:
             if finish:
@@ -246,7 +253,8 @@ class BlockExecutor:
         size = identity.size if identity is not None else os.path.getsize(file)
         # sparse: readahead would read what other ranks need
         self.reader.will_read(file, lambda: _byte_ranges(items), sparse=wanted < SPARSE_FRACTION * size)
-        cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(self.reader, file, self.progress)
+        consecutive = functools.partial(submit_consecutive, self.pool, self.reader, self.progress)
+        cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(consecutive, file)
         for (r, info), alone in zip(items, _alone(items)):
             local = self.slots[r.target].local
             if alone and _whole_copy(r, local) and self.ring.link_for(local) is None:
@@ -290,27 +298,33 @@ class BlockExecutor:
         item = info.itemsize
         span, wanted = (layout.end - layout.base) * item, layout.count * layout.run * item
         pack = _pack_bytes(r.block, span, wanted, self.staging_bytes - align(span))
-        stage = self.ring.acquire(align(span) + align(pack))
+        stage = acquire(self.pool, self.ring, align(span) + align(pack))
         runs = layout.grid(item, info.data_start)  # the runs in closed form: page spans without listing them
-        self.reader.read_runs(file, runs, _bytes_view(stage.data[:span]), runs.first, wanted=wanted)
-        self._deliver(stage, r, info, dest, layout, 0, align(span) if pack else None)
-        self.ring.release(stage)
-        self.progress(wanted)
+        view = _bytes_view(stage.data[:span])
+        read = functools.partial(self.reader.read_runs, file, runs, view, runs.first, wanted=wanted)
+        deliver = functools.partial(self._deliver, stage, r, info, dest, layout, 0, align(span) if pack else None)
+        submit_staged(self.pool, self.ring, stage, read, deliver, functools.partial(self.progress, wanted), [dest])
 
     def _staged(self, file: str, batch: _Batch) -> None:
         """Read a batch's runs at their offsets from ``batch.base`` (touching ranges in one call), copy each out."""
-        stage = self.ring.acquire(batch.need(batch.base, batch.end, 0))
+        stage = acquire(self.pool, self.ring, batch.need(batch.base, batch.end, 0))
         ranges = []
         for _, info, _, layout, _, _ in batch.items:
             ranges.extend(layout.grid(info.itemsize, info.data_start).touching())
-        for a, b, _ in coalesce_ranges(ranges, max_gap=0, max_overread=1.0):
-            self.reader.pread_into(file, a, _bytes_view(stage.data[a - batch.base : b - batch.base]))
-        pack_at = align(batch.end - batch.base)
-        for r, info, dest, layout, start, pack in batch.items:
-            self._deliver(stage, r, info, dest, layout, start - batch.base, pack_at if pack else None)
-            pack_at += align(pack)
-            self.progress(layout.count * layout.run * info.itemsize)
-        self.ring.release(stage)
+
+        def read() -> None:
+            for a, b, _ in coalesce_ranges(ranges, max_gap=0, max_overread=1.0):
+                self.reader.pread_into(file, a, _bytes_view(stage.data[a - batch.base : b - batch.base]))
+
+        def deliver() -> None:
+            pack_at = align(batch.end - batch.base)
+            for r, info, dest, layout, start, pack in batch.items:
+                self._deliver(stage, r, info, dest, layout, start - batch.base, pack_at if pack else None)
+                pack_at += align(pack)
+
+        wanted = sum(layout.count * layout.run * info.itemsize for _, info, _, layout, _, _ in batch.items)
+        done = functools.partial(self.progress, wanted)
+        submit_staged(self.pool, self.ring, stage, read, deliver, done, [it[2] for it in batch.items])
 
     def _deliver(
         self, stage: Stage, r: BlockRead, info: TensorInfo, dest: torch.Tensor, layout: ReadLayout, at: int, pack_at

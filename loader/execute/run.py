@@ -13,6 +13,7 @@ from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
 from ..plan.gcpause import paused_gc
 from ..storage import RangeReader
 from .deferred import run_deferred
+from .pool import resolve_io_threads
 from .reads import BlockExecutor
 from .staging import StagingRing
 from .values import run_values
@@ -44,8 +45,9 @@ def execute_plan(
         reader: the open file reader (counts the bytes read).
         options: ``progress`` (tqdm progress bar; default on when stderr is a terminal), ``rollback`` (restore
             every tensor the plan writes if a read fails), ``staging_bytes`` (bytes per staging buffer: two are
-            used, double-buffered; pinned for GPU targets); the others are a distributed load's. Default:
-            :class:`~loader.options.LoadOptions` ().
+            used, double-buffered; pinned for GPU targets), ``io_threads`` (threads reading at once, sharing that
+            budget); the others are a distributed load's or the reader's. Default: :class:`~loader.options.LoadOptions`
+            ().
         reads: the region reads to run (default: all of the plan's).
         deferred: the deferred conversions to run (default: all of the plan's).
         values: the value reads to run (default: all of the plan's).
@@ -62,8 +64,10 @@ def execute_plan(
     saved = snapshot(plan) if options.rollback else None
     bar = _progress_bar(options.progress, plan)
     try:
-        ring = StagingRing(options.staging_bytes)  # one ring of staging buffers (pinned for GPU targets) for every read
-        BlockExecutor(checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring).run(reads)
+        threads = resolve_io_threads(options.io_threads)
+        ring = StagingRing.for_threads(options.staging_bytes, threads)  # one ring (pinned for GPU targets) for all
+        progress = bar.update if bar else None
+        BlockExecutor(checkpoint, slots, reader, progress=progress, staging=ring, io_threads=threads).run(reads)
         run_values(values, checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring)
         for d in deferred:
             if d.boxes:

@@ -23,6 +23,7 @@ How a block's values reach the device:
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -132,6 +133,15 @@ class StagingRing:
             (span to a device temporary, gathered there), ``pack`` (packed on the host first).
     """
 
+    @classmethod
+    def for_threads(cls, staging_bytes: int, threads: int) -> StagingRing:
+        """A ring for ``threads`` I/O threads within the budget of :data:`BUFFERS` buffers of ``staging_bytes``:
+        with one thread that ring; with more, ``threads + 1`` buffers sharing the budget (each thread reads into
+        one while the calling thread copies out of another), fewer where the budget holds fewer ``ALIGN`` bytes."""
+        budget = BUFFERS * staging_bytes
+        count = BUFFERS if threads <= 1 else max(BUFFERS, min(threads + 1, budget // ALIGN))
+        return cls(staging_bytes if count == BUFFERS else budget // count // ALIGN * ALIGN, count)
+
     def __init__(self, capacity: int, count: int = BUFFERS, *, link: Link | None = None) -> None:
         if capacity < 1 or count < 1:
             raise ValueError(f"a staging ring needs capacity >= 1 and count >= 1, got {capacity}, {count}")
@@ -142,6 +152,7 @@ class StagingRing:
         self.counts: collections.Counter[str] = collections.Counter()
         self._next = 0
         self._links: dict[torch.device, Link] = {}
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ buffers
 
@@ -242,8 +253,9 @@ class StagingRing:
                 copy to a device (None: copy its span whole and gather on the device).
         """
         link = self.link_for(dest)
-        if link is None:
-            self.counts["host"] += 1
+        if link is None:  # I/O threads copy into host tensors at once: the count under a lock
+            with self._lock:
+                self.counts["host"] += 1
             copy_cast(dest, src.flip(list(flips)) if flips else src, casts)
             return
         if src.numel() == 0:
