@@ -240,8 +240,9 @@ def plan_model(
         rules.setdefault(generic_name(name), (placement_text(pl), why.get(name, "")))
     mesh_text = "x".join(map(str, mesh_shape))
     data_bytes = checkpoint.total_bytes
+    shown = checkpoint.root if isinstance(checkpoint_path, SafetensorsCheckpoint) else checkpoint_path  # a URL's
     head = (
-        f"{checkpoint_path}: {len(checkpoint)} checkpoint tensors, {human_bytes(data_bytes)}"
+        f"{shown}: {len(checkpoint)} checkpoint tensors, {human_bytes(data_bytes)}"
         + (f", model type {model_type}" if model_type else "")
         + f"; mesh {mesh_text}"
     )
@@ -273,7 +274,7 @@ def plan_model(
         text += ["", "deferred conversions (read whole, run for real):"]
         text += [f"  {t}: {reason}" for t, reason in deferred.items()]
     out_json = {
-        "checkpoint": checkpoint_path,
+        "checkpoint": shown,
         "mesh": list(mesh_shape),
         "model_type": model_type,
         "checkpoint_bytes": data_bytes,
