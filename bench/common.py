@@ -1,5 +1,6 @@
-"""What the bench scripts share: the Qwen3-MoE shape of the load benchmarks, a checkpoint folder's files, and
-the whole-file ``preadv`` the read floors are made of."""
+"""What the bench scripts share: the Qwen3-MoE shape of the load benchmarks, a checkpoint folder's files, the
+whole-file ``preadv`` the read floors are made of, and the accounting of cold loads (dropping files from the page
+cache, the physical bytes a process read, the pages resident) and of peak memory."""
 
 from __future__ import annotations
 
@@ -37,3 +38,78 @@ def pread_all(path: str, view: memoryview, size: int) -> None:
             pos += os.preadv(fd, [view[pos:size]], pos)
     finally:
         os.close(fd)
+
+
+def drop_cache(files: list[str]) -> None:
+    """Drop ``files``' pages from the page cache (``POSIX_FADV_DONTNEED``; pages still mapped or dirty stay)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_bytes() -> int:
+    """``read_bytes`` of ``/proc/self/io``: bytes this process caused to be read from block devices."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def resident_bytes(files: list[str]) -> int | None:
+    """Bytes of ``files`` in the page cache (``mincore``), or None where that cannot be asked."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except OSError:
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for path in files:
+        size = os.path.getsize(path)
+        if not size:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED: maps, faults nothing in
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+                if libc.mincore(addr, size, vec) != 0:
+                    return None
+                total += sum(v & 1 for v in vec) * page
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return total
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS (``/proc/self/clear_refs`` = 5); return the RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # pragma: no cover - not Linux / not permitted: the peak then includes earlier phases
+        pass
+    return _status("VmRSS")
+
+
+def peak() -> int:
+    """Peak RSS (``VmHWM``) since the last :func:`reset_peak`."""
+    return _status("VmHWM")

@@ -1,7 +1,7 @@
 """Benchmark: load a ~400 MB Qwen3-MoE-shaped bf16 checkpoint (3 shards, per-expert HF layout).
 
-    python bench/load_bench.py [--out DIR] [--repeat 3] [--rounds 1] [--methods ...] [--profile-first]
-                               [--markdown]
+    python bench/load_bench.py [--out DIR] [--repeat 3] [--rounds 1] [--methods ...] [--threads N]
+                               [--profile-first] [--markdown]
 
 Methods, each in its own fresh subprocess (so that peak-memory figures do not mix, and so that the first
 load of each is the first in its process):
@@ -12,6 +12,10 @@ load of each is the first in its process):
   ``HuggingFaceStorageReader`` and ``DefaultLoadPlanner``, from ``DIR/flat/``: the same tensors saved in the
   model's own layout (merged experts under the model's names), since torch's reader cannot merge experts.
 * ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.bfloat16)``.
+* ``vllm``, ``runai``, ``fastsafetensors``: the peers of bench/peers.py (``safe_open``; runai-model-streamer's
+  ``SafetensorsStreamer``; fastsafetensors' ``SafeTensorsFileLoader`` with ``nogds=True`` on ``"cpu"``), each
+  reading every tensor of the same files whole and copying it into the built model (the per-expert tensors into
+  the fused expert tensors), as vLLM's loaders do.
 * ``copy``: the copy limit, ``safetensors.torch.load_file`` of every shard + ``clone()`` of every tensor.
 
 In each subprocess: the imports are timed (``import torch`` + transformers' Qwen3-MoE modelling module,
@@ -33,7 +37,14 @@ tensors are subtracted. RSS counts file pages mapped by ``safetensors``' mmap to
 ``from_pretrained``, ``dcp_hf``); ``ours`` reads with ``pread`` into anonymous memory only. After the loads,
 ``ours``, ``dcp_hf`` and ``from_pretrained`` checksum the model's state dict: the three must agree.
 
-``--markdown`` prints the tables docs/benchmarks.md holds instead of the plain report.
+After the warm loads, ``--repeat`` cold loads: before each, the method's files are dropped from the page cache
+(``posix_fadvise(POSIX_FADV_DONTNEED)``), and the bytes it then reads from the device are ``read_bytes`` of
+``/proc/self/io``; ``ours`` also times the read floor cold. ``--threads N`` sets torch's intra-op threads in every
+method's process (default: torch's own); each method's figure says how many it ran with. A peer whose package
+is missing or that fails here is a row with its reason, not a failed run.
+
+``--markdown`` prints the tables docs/benchmarks.md holds instead of the plain report, the first of them the
+side-by-side table of issue 19 (cold and warm medians, bytes read, peak memory; ours / the fastest peer).
 """
 
 from __future__ import annotations
@@ -49,13 +60,15 @@ import tempfile
 import time
 import zlib
 
-from common import QWEN3_MOE, pread_all, safetensors_files
+import peers
+from common import QWEN3_MOE, drop_cache, pread_all, read_bytes, resident_bytes, safetensors_files
 
 CONFIG = QWEN3_MOE
 HIDDEN, LAYERS = CONFIG["hidden_size"], CONFIG["num_hidden_layers"]
 EXPERTS, MOE_INTERMEDIATE = CONFIG["num_experts"], CONFIG["moe_intermediate_size"]
 MIB = 1 << 20
-METHODS = ("copy", "ours", "dcp_hf", "from_pretrained")
+METHODS = ("copy", "ours", "dcp_hf", "vllm", "runai", "fastsafetensors", "from_pretrained")
+PEERS = ("dcp_hf", "vllm", "runai", "fastsafetensors", "from_pretrained")  # what ours is compared with
 
 
 def _status() -> dict[str, int]:
@@ -180,11 +193,15 @@ class _PlanTimer:
         return out
 
 
-def worker(method: str, directory: str, repeat: int, profile: bool) -> dict:
+def worker(method: str, directory: str, repeat: int, profile: bool, threads: int = 0) -> dict:
     """Run ``method`` in this fresh process: the imports, the build and the first load timed apart, the
-    first load's peak memory, then ``repeat`` timed warm loads."""
+    first load's peak memory, then ``repeat`` timed warm loads, then ``repeat`` cold loads (the method's
+    files dropped from the page cache before each)."""
     t0 = time.perf_counter()
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401 - what building the model imports
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -201,6 +218,9 @@ def worker(method: str, directory: str, repeat: int, profile: bool) -> dict:
         from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
     elif method == "copy":
         from safetensors.torch import load_file
+    elif method in peers.LOADERS:
+        load_peer = peers.LOADERS[method]
+        __import__({"vllm": "safetensors", "runai": "runai_model_streamer"}.get(method, method))
     elif method != "from_pretrained":
         raise ValueError(method)
     method_import = time.perf_counter() - t0
@@ -216,7 +236,7 @@ def worker(method: str, directory: str, repeat: int, profile: bool) -> dict:
     }
 
     model = None
-    if method in ("ours", "dcp_hf"):  # built (and touched) before the load; not timed as part of it
+    if method in ("ours", "dcp_hf", *peers.LOADERS):  # built (and touched) before the load; not timed
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         result["build"] = time.perf_counter() - t0
@@ -230,6 +250,12 @@ def worker(method: str, directory: str, repeat: int, profile: bool) -> dict:
 
         def run():
             dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(flat), planner=DefaultLoadPlanner())
+            return model
+
+    elif method in peers.LOADERS:
+
+        def run():
+            load_peer(model, directory)
             return model
 
     elif method == "from_pretrained":
@@ -290,11 +316,31 @@ def worker(method: str, directory: str, repeat: int, profile: bool) -> dict:
         del out
     best = min(range(repeat), key=times.__getitem__)
     result.update(times=times, best=times[best], peak_extra=peak, model_bytes=model_bytes)
+    files = safetensors_files(directory if method != "dcp_hf" else flat)
+    result.update(_cold(run, files, repeat))
     if method == "ours":
         result["best_plan"] = plans[best]
         result["plan"] = min(_timed(lambda: _plan_only(model, directory)) for _ in range(repeat))
-        result["read_floor"] = min(_read_floor(directory) for _ in range(repeat))
+        floors = [_read_floor(directory) for _ in range(repeat)]
+        result["read_floor"], result["floor_times"] = min(floors), floors
+        result.update({"floor_" + k: v for k, v in _cold(lambda: _read_floor(directory), files, repeat).items()})
     return result
+
+
+def _cold(run, files: list[str], repeat: int) -> dict:
+    """``repeat`` cold loads: ``files`` dropped from the page cache (``POSIX_FADV_DONTNEED``) before each; their
+    times, the physical bytes each read (``/proc/self/io``) and the most of ``files`` still cached after a drop."""
+    times, physical, left = [], [], []
+    for _ in range(repeat):
+        gc.collect()
+        drop_cache(files)
+        left.append(resident_bytes(files) or 0)
+        io, t0 = read_bytes(), time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+        physical.append(read_bytes() - io)
+        del out
+    return {"cold_times": times, "cold_physical": physical, "cold_left": max(left)}
 
 
 def _timed(fn) -> float:
@@ -337,6 +383,11 @@ def print_plain(rounds: list[dict[str, dict]], repeat: int) -> None:
         if len(rounds) > 1:
             print(f"round {i + 1}:")
         for method, r in results.items():
+            if "error" in r:
+                print(f"{method:>16}: could not run: {r['error']}")
+                continue
+            cold = ", ".join(f"{t:.3f}" for t in r["cold_times"])
+            print(f"{method:>16}: cold [{cold}] s, read {statistics.median(r['cold_physical']) / MIB:.1f} MiB")
             times = ", ".join(f"{t:.3f}" for t in r["times"])
             print(
                 f"{method:>16}: best {r['best']:.3f} s of [{times}]  {r['model_bytes'] / MIB / r['best']:.0f} MiB/s  "
@@ -410,9 +461,9 @@ def print_markdown(rounds: list[dict[str, dict]], repeat: int, load: str) -> Non
     def fig(values: list[float], fmt: str = "{:.3f}", unit: str = " s") -> str:
         return mdtable.spread(values, fmt, unit) if values else "–"
 
-    methods = list(rounds[0])
+    methods = [m for m in rounds[0] if not any("error" in r[m] for r in rounds)]
     n = len(rounds)
-    print(mdtable.run_line(load, ("torch", "transformers", "safetensors")))
+    print(mdtable.run_line(load, ("torch", "transformers", "safetensors", *peers.PACKAGES.values())))
     print()
     per = f"best of {repeat} warm loads per process" + (f"; {n} processes: best–worst [median]" if n > 1 else "")
     names = {
@@ -420,7 +471,12 @@ def print_markdown(rounds: list[dict[str, dict]], repeat: int, load: str) -> Non
         "copy": "copy limit (`load_file` + `clone`)",
         "dcp_hf": "dcp_hf (`dcp.load`, `HuggingFaceStorageReader`)",
         "from_pretrained": "`from_pretrained`",
+        "vllm": "vllm-style (`safe_open`, whole tensors copied)",
+        "runai": "runai-model-streamer (`SafetensorsStreamer`, copied)",
+        "fastsafetensors": "fastsafetensors (`SafeTensorsFileLoader`, `nogds`, copied)",
     }
+    print(side_by_side(rounds, names, repeat))
+    print()
     rows = []
     for m in methods:
         best = over(m, "best")
@@ -502,6 +558,47 @@ def print_markdown(rounds: list[dict[str, dict]], repeat: int, load: str) -> Non
         print(f"State dicts after loading ({checked}): {'identical' if len(sums) == 1 else '**DIFFER**'}.")
 
 
+def side_by_side(rounds: list[dict[str, dict]], names: dict[str, str], repeat: int) -> str:
+    """Issue 19's table: per method, cold and warm medians, bytes read cold, peak extra memory; ours / fastest."""
+    import mdtable
+
+    def values(method: str, key: str) -> list[float]:
+        return [v for r in rounds for v in r[method][key]]
+
+    rows, left = [], 0
+    for m in rounds[0]:
+        own = " + its own I/O threads" if m in ("runai", "fastsafetensors") else ""
+        error = next((r[m]["error"] for r in rounds if "error" in r[m]), None)
+        threads = next((str(r[m]["threads"]) for r in rounds if "threads" in r[m]), "–") + own
+        if error:
+            rows.append({"method": m, "label": names.get(m, m), "threads": threads, "error": error})
+            continue
+        cold, warm, physical = (mdtable.median(values(m, k)) for k in ("cold_times", "times", "cold_physical"))
+        memory = mdtable.median([r[m]["peak_extra"] for r in rounds])
+        cells = [(cold, f"{cold:.3f} s"), (warm, f"{warm:.3f} s")]
+        cells += [(physical, f"{physical / MIB:.1f} MiB"), (memory, f"{memory / MIB:.1f} MiB")]
+        rows.append({"method": m, "label": names.get(m, m), "threads": threads, "cells": cells})
+        left = max([left, *(r[m]["cold_left"] for r in rounds)])
+        if m == "ours":
+            cold, warm, physical = (
+                mdtable.median(values(m, k)) for k in ("floor_cold_times", "floor_times", "floor_cold_physical")
+            )
+            cells = [(cold, f"{cold:.3f} s"), (warm, f"{warm:.3f} s"), (physical, f"{physical / MIB:.1f} MiB")]
+            cells.append((None, "–"))
+            label = "`preadv` floor (every shard whole, no model)"
+            rows.append({"method": "floor", "label": label, "threads": threads, "cells": cells})
+    columns = ["cold (median)", "warm (median)", "bytes read (physical, cold)", "peak extra memory (first load)"]
+    head = (
+        f"Side by side (issue 19): medians over {len(rounds)} process(es) per method x {repeat} loads; cold = the "
+        "method's files dropped from the page cache (`POSIX_FADV_DONTNEED`) before each load"
+        + (f" (at most {left / MIB:.1f} MiB of them stayed cached after a drop)" if left else " (none stayed cached)")
+        + "; ratio = ours / the least value among the peers "
+        f"({', '.join(p for p in PEERS if p in rounds[0])}) in each column."
+    )
+    table = mdtable.side_by_side(columns, rows, "ours", [p for p in PEERS if p in rounds[0]])
+    return head + "\n\n" + table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="checkpoint folder (generated there if absent; default: a temp folder)")
@@ -512,11 +609,14 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-first", action="store_true", help="also cProfile ours' first load, in one more fresh process"
     )
     parser.add_argument("--markdown", action="store_true", help="print the tables docs/benchmarks.md holds")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads in every method's process (0: torch's default)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.out, args.repeat, args.profile)))
+        print(json.dumps(worker(args.worker, args.out, args.repeat, args.profile, args.threads)))
         return 0
     methods = args.methods.split(",")
     for m in methods:
@@ -546,8 +646,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(method: str, *extra: str) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--out", directory]
-        proc = subprocess.run([*cmd, "--repeat", str(args.repeat), *extra], capture_output=True, text=True, check=False)
+        cmd += ["--repeat", str(args.repeat), "--threads", str(args.threads), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
+            if method in peers.LOADERS:  # a peer that cannot run here: its reason goes in the table
+                lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+                return {"method": method, "error": (lines[-1] if lines else f"exit status {proc.returncode}")[:200]}
             print(proc.stdout, proc.stderr, file=sys.stderr)
             raise SystemExit(f"{method} failed")
         return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -120,3 +120,40 @@ def spread(values: Sequence[float], fmt: str = "{:.3f}", unit: str = " s") -> st
         return fmt.format(values[0]) + unit
     median = values[(len(values) - 1) // 2]
     return f"{fmt.format(values[0])}–{fmt.format(values[-1])} [{fmt.format(median)}]{unit}"
+
+
+def median(values: Sequence[float]) -> float:
+    """The median (of an even count, the lower middle one, as :func:`spread` prints it)."""
+    values = sorted(values)
+    return values[(len(values) - 1) // 2]
+
+
+def side_by_side(columns: Sequence[str], rows: Sequence[dict], ours: str, peers: Sequence[str]) -> str:
+    """The side-by-side table of issue 19: one row per method, then ``ours / fastest peer`` per column.
+
+    Each row is a dict: ``method`` (its key), ``label``, ``threads`` (text), and either ``cells`` — one
+    ``(value or None, text)`` per column, lower is better — or ``error``, why the method could not run here.
+    The last row divides ours' value by the least value among ``peers`` in each column, naming that peer
+    (bold where ours is at or below it).
+    """
+    body = []
+    for row in rows:
+        if row.get("error"):
+            body.append(
+                [row["label"], row.get("threads", "–"), f"could not run: {row['error']}"] + ["–"] * (len(columns) - 1)
+            )
+        else:
+            body.append([row["label"], row.get("threads", ""), *(text for _, text in row["cells"])])
+    by = {row["method"]: row for row in rows if not row.get("error")}
+    ratios = []
+    for i in range(len(columns)):
+        mine = by[ours]["cells"][i][0] if ours in by else None
+        theirs = [(by[p]["cells"][i][0], p) for p in peers if p in by and by[p]["cells"][i][0] is not None]
+        if mine is None or not theirs:
+            ratios.append("–")
+            continue
+        best, peer = min(theirs)
+        ratio = mine / best if best else float("inf")
+        ratios.append(f"**{ratio:.2f}x** ({peer})" if ratio <= 1 else f"{ratio:.2f}x ({peer})")
+    body.append([f"{ours} / fastest peer", "", *ratios])
+    return table(["method", "torch threads", *columns], body)

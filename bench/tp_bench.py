@@ -1,7 +1,7 @@
 """Benchmark: bytes read per rank and wall time of a 4-rank tensor-parallel load (localhost gloo).
 
-    python bench/tp_bench.py [--out DIR] [--methods ours,ours_random,ours_dcp,vllm,dcp_hf] [--layout tp|ep]
-                             [--strided] [--profile METHOD] [--rounds N] [--markdown]
+    python bench/tp_bench.py [--out DIR] [--methods ours,ours_random,ours_dcp,vllm,dcp_hf,runai,...]
+                             [--layout tp|ep] [--strided] [--threads 1] [--profile METHOD] [--rounds N] [--markdown]
 
 A Qwen3-MoE-shaped checkpoint (~400 MB bf16: hidden 1024, 4 layers, 32 experts, moe_intermediate 512) is
 written once to ``DIR`` in two layouts: ``hf/`` as ``save_pretrained`` writes it (per-expert tensors
@@ -27,7 +27,14 @@ Methods, all loading the same shards:
 * ``vllm``: what vLLM's loader does — every rank opens every file with ``safetensors.safe_open``, takes each
   tensor whole (``get_tensor``) and narrows it to its shard (``hf/``);
 * ``dcp_hf``: ``torch.distributed.checkpoint.load`` of the DTensor state dict with torch's
-  ``HuggingFaceStorageReader`` and ``DefaultLoadPlanner`` from ``flat/`` (box slices via ``get_slice``).
+  ``HuggingFaceStorageReader`` and ``DefaultLoadPlanner`` from ``flat/`` (box slices via ``get_slice``);
+* ``runai``, ``fastsafetensors``: runai-model-streamer's ``SafetensorsStreamer`` and fastsafetensors'
+  ``SafeTensorsFileLoader`` (``nogds=True``, ``"cpu"``, a group of one) over every file of ``hf/``, each tensor
+  whole, this rank's shard cut out and copied into the DTensor's local tensor, as ``vllm`` does (bench/peers.py);
+* ``floor``: the ``preadv`` floor — this rank's page-bound byte ranges read into one touched buffer, no
+  planning, no model filled.
+
+A peer that fails here is reported with its reason (on every rank the method is then skipped).
 
 Each rank reads its own copy of the files (``DIR/r0`` … ``DIR/r3``), so that ranks do not share page-cache
 pages (as on separate nodes) and ``read_bytes`` of ``/proc/self/io`` (block-device reads this process caused,
@@ -46,8 +53,12 @@ and the non-layer tensors' shards equal DTensor's own split of the full tensors 
 ``safetensors``: an oracle independent of ``loader``). The page bound is the
 number of distinct 4 KiB file pages holding the bytes a rank's shards need, x 4 KiB: no reader going
 through the page cache can physically read less. With 2 CPUs for 4 ranks, times are contended.
+Each load's peak extra memory is the rank's peak RSS during it (reset before, ``/proc/self/clear_refs``) minus
+its RSS before it. ``--threads`` sets torch's intra-op threads per rank (default 1: 4 ranks on 2 CPUs).
 ``--rounds N`` repeats the whole run N times with fresh ranks (walls then given as a range), and
-``--markdown`` prints the table docs/benchmarks.md holds instead of the per-rank report.
+``--markdown`` prints the tables docs/benchmarks.md holds instead of the per-rank report: bytes and checks per
+method, then the side-by-side table of issue 19 (cold and warm medians, bytes read, peak extra memory, and
+ours / the fastest peer in each column).
 """
 
 from __future__ import annotations
@@ -61,7 +72,8 @@ import tempfile
 import time
 from datetime import timedelta
 
-from common import QWEN3_MOE
+import peers
+from common import QWEN3_MOE, drop_cache, peak, read_bytes, reset_peak, resident_bytes
 
 CONFIG = QWEN3_MOE
 HIDDEN, LAYERS = CONFIG["hidden_size"], CONFIG["num_hidden_layers"]
@@ -69,7 +81,8 @@ EXPERTS, MOE_INTERMEDIATE = CONFIG["num_experts"], CONFIG["moe_intermediate_size
 WORLD = 4
 PAGE = 4096
 MIB = 1 << 20
-METHODS = ("ours", "ours_random", "ours_dcp", "vllm", "dcp_hf")
+METHODS = ("ours", "ours_random", "ours_dcp", "vllm", "dcp_hf", "runai", "fastsafetensors", "floor")
+NOT_LOADING = ("floor",)  # methods that fill no model: no shard checks
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -140,59 +153,6 @@ def checkpoint_files(root: str) -> list[str]:
 # I/O accounting
 
 
-def read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
-
-
-def drop_cache(files: list[str]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_bytes(files: list[str]) -> int | None:
-    """Bytes of ``files`` in the page cache (``mincore``), or None where that cannot be asked."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    except OSError:
-        return None
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for path in files:
-        size = os.path.getsize(path)
-        if not size:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED: maps, faults nothing in
-            if addr in (None, ctypes.c_void_p(-1).value):
-                return None
-            try:
-                vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-                if libc.mincore(addr, size, vec) != 0:
-                    return None
-                total += sum(v & 1 for v in vec) * page
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
-
-
 def physical_reads_visible(files: list[str]) -> bool:
     """Whether read_bytes counts this process's reads here (it stays 0 in some containers)."""
     drop_cache(files[:1])
@@ -254,8 +214,9 @@ def shard_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in locals_of(model).values())
 
 
-def needed_pages(model, directory: str) -> int:
-    """Distinct 4 KiB file pages holding the bytes this rank's shards need (from the plan of ``ours``)."""
+def needed_ranges(model, directory: str) -> dict[str, list[tuple[int, int]]]:
+    """Per file, the byte ranges of the distinct 4 KiB pages holding the bytes this rank's shards need (from
+    the plan of ``ours``), adjacent pages merged."""
     from loader import HFLoadPlanner, SafetensorsCheckpoint
 
     checkpoint = SafetensorsCheckpoint.open(directory)
@@ -268,7 +229,15 @@ def needed_pages(model, directory: str) -> int:
             lo = info.data_start + a * info.itemsize
             hi = lo + n * info.itemsize
             pages.setdefault(info.file, set()).update(range(lo // PAGE, (hi - 1) // PAGE + 1))
-    return sum(len(p) for p in pages.values())
+    out: dict[str, list[tuple[int, int]]] = {}
+    for file, numbers in pages.items():
+        ranges = out.setdefault(file, [])
+        for p in sorted(numbers):
+            if ranges and ranges[-1][1] == p * PAGE:
+                ranges[-1] = (ranges[-1][0], (p + 1) * PAGE)
+            else:
+                ranges.append((p * PAGE, (p + 1) * PAGE))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -332,68 +301,47 @@ def load_ours_dcp(model, out: str) -> int:
     return planner.finish(path).bytes_read
 
 
-def _hf_key_region(key: str, shapes: dict) -> tuple[str, tuple] | None:
-    """Where an HF checkpoint tensor lands in the model: (parameter name, global index tuple)."""
-    parts = key.split(".")
-    if "experts" in parts:
-        i = parts.index("experts")
-        expert, proj = int(parts[i + 1]), parts[i + 2]
-        prefix = ".".join(parts[: i + 1])
-        if proj == "down_proj":
-            return prefix + ".down_proj", (expert,)
-        rows = shapes[prefix + ".gate_up_proj"][1] // 2
-        sl = slice(0, rows) if proj == "gate_proj" else slice(rows, 2 * rows)
-        return prefix + ".gate_up_proj", (expert, sl)
-    return (key, ()) if key in shapes else None
+def _peer(name: str):
+    """A peer of bench/peers.py reading ``hf/`` (whole tensors, this rank's shard cut out and copied)."""
+
+    def load(model, out: str) -> int:
+        return peers.LOADERS[name](model, os.path.join(out, "hf"))
+
+    load.__name__ = f"load_{name}"
+    return load
 
 
-def load_vllm(model, out: str) -> int:
-    """Every file, every tensor whole (``get_tensor``), narrowed to this rank's shard and copied."""
-    import torch
-    from safetensors import safe_open
+_FLOOR: dict[str, list[tuple[int, int]]] = {}  # this rank's needed_ranges, set by rank_main
 
-    from loader.placements import slot_for
 
-    directory = os.path.join(out, "hf")
-    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
-    sd = model.state_dict(keep_vars=True)
-    shapes = {n: tuple(t.shape) for n, t in sd.items()}
-    slots = {n: slot_for(n, t) for n, t in sd.items()}
-    logical = 0
-    for name in files:
-        with safe_open(os.path.join(directory, name), framework="pt") as f:
-            for key in f.keys():
-                full = f.get_tensor(key)  # the whole tensor, read from the mmap
-                logical += full.numel() * full.element_size()
-                where = _hf_key_region(key, shapes)
-                if where is None:
-                    continue
-                param, index = where
-                # the region of the parameter this tensor fills, as per-dim (start, stop)
-                region = []
-                for d, n in enumerate(shapes[param]):
-                    s = index[d] if d < len(index) else slice(0, n)
-                    region.append((s, s + 1) if isinstance(s, int) else (s.start, s.stop))
-                drop = [d for d in range(len(index)) if isinstance(index[d], int)]
-                slot = slots[param]
-                with torch.no_grad():
-                    for g, lb in slot.boxes:  # narrow to each owned box
-                        lo = [max(a, ra) for (a, _), (ra, _) in zip(g, region)]
-                        hi = [min(b, rb) for (_, b), (_, rb) in zip(g, region)]
-                        if any(h <= l for l, h in zip(lo, hi)):
-                            continue
-                        src = full
-                        for d, (l, h) in enumerate(zip(lo, hi)):
-                            if d in drop:
-                                continue
-                            src = src.narrow(d - sum(1 for x in drop if x < d), l - region[d][0], h - l)
-                        dst = slot.local
-                        for d, (l, h) in enumerate(zip(lo, hi)):
-                            dst = dst.narrow(d, lb[d][0] + l - g[d][0], h - l)
-                        dst.copy_(src.reshape(dst.shape))
-                del full
-    return logical
+def load_floor(model, out: str) -> int:
+    """The ``preadv`` floor: this rank's page-bound ranges (:func:`needed_ranges`) read into one touched buffer,
+    no planning, nothing copied into the model — what any reader going through the page cache must pay."""
+    import numpy as np
+
+    size = max((hi - lo for ranges in _FLOOR.values() for lo, hi in ranges), default=0)
+    buf = _FLOOR_BUFFER.get(size)
+    if buf is None:
+        buf = _FLOOR_BUFFER[size] = memoryview(np.ones(size, dtype=np.uint8))
+    total = 0
+    for file, ranges in _FLOOR.items():
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            end = os.fstat(fd).st_size
+            for lo, hi in ranges:
+                pos, hi = lo, min(hi, end)  # the last page may run past the end of the file
+                while pos < hi:
+                    n = os.preadv(fd, [buf[pos - lo : hi - lo]], pos)
+                    if n <= 0:
+                        raise OSError(f"{file}: short read at byte {pos}")
+                    pos += n
+                total += hi - lo
+        finally:
+            os.close(fd)
+    return total
+
+
+_FLOOR_BUFFER: dict[int, memoryview] = {}
 
 
 def load_dcp_hf(model, out: str) -> int:
@@ -417,8 +365,11 @@ LOADERS = {
     "ours": load_ours,
     "ours_random": load_ours_random,
     "ours_dcp": load_ours_dcp,
-    "vllm": load_vllm,
+    "vllm": _peer("vllm"),
     "dcp_hf": load_dcp_hf,
+    "runai": _peer("runai"),
+    "fastsafetensors": _peer("fastsafetensors"),
+    "floor": load_floor,
 }
 
 
@@ -433,7 +384,8 @@ def rank_main(rank: int, world: int, args: dict) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)
+    if args["threads"]:
+        torch.set_num_threads(args["threads"])
     dist.init_process_group(
         "gloo", init_method=f"file://{args['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
@@ -441,10 +393,13 @@ def rank_main(rank: int, world: int, args: dict) -> None:
     files = checkpoint_files(out)
     mesh = init_device_mesh("cpu", (world,))
     model = build_sharded_model(os.path.join(out, "hf"), mesh, args["strided"], args["layout"])
+    _FLOOR.clear()
+    _FLOOR.update(needed_ranges(model, os.path.join(out, "hf")))
     result: dict = {
         "rank": rank,
         "shard_bytes": shard_bytes(model),
-        "page_bound": needed_pages(model, os.path.join(out, "hf")) * PAGE,
+        "page_bound": sum(hi - lo for ranges in _FLOOR.values() for lo, hi in ranges),
+        "threads": torch.get_num_threads(),
         "methods": {},
     }
     reference = None
@@ -466,9 +421,19 @@ def rank_main(rank: int, world: int, args: dict) -> None:
                 prof.enable()
             _count_gaps()
             _GAPS[0] = 0
+            rss = reset_peak()
             io, t = read_bytes(), time.perf_counter()
-            logical = fn(model, out)
+            try:
+                logical = fn(model, out)
+            except Exception as e:  # a peer that cannot run here: its reason goes in the table
+                r["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             r[f"{phase}_seconds"] = time.perf_counter() - t
+            r[f"{phase}_peak"] = peak() - rss
+            failed = torch.tensor([int("error" in r)])
+            dist.all_reduce(failed)
+            if failed.item():
+                r.setdefault("error", "failed on another rank")
+                break
             if profile:
                 import pstats
 
@@ -480,7 +445,11 @@ def rank_main(rank: int, world: int, args: dict) -> None:
             r["logical"] = logical
             r["gaps"] = _GAPS[0]
             dist.barrier()
-        r["physical"] = r["cold_physical"]
+        if "error" not in r:
+            r["physical"] = r["cold_physical"]
+        if "error" in r or method in NOT_LOADING:
+            result["methods"][method] = r
+            continue
         r["oracle"] = oracle_check(model, out, rank, world)
         values = {n: v.clone() for n, v in locals_of(model).items()}
         if reference is None:
@@ -541,7 +510,11 @@ def print_plain(ranks: list[dict], methods: list[str], visible: bool) -> None:
         f"{'cached MiB':>10} {'/shard':>7} {'cold s':>7} {'warm s':>7}"
     )
     print(header)
+    ran = [m for m in methods if not _error([ranks], m)]
     for method in methods:
+        if method not in ran:
+            print(f"{method:>11}  could not run: {_error([ranks], method)}")
+            continue
         for res in ranks:
             r, sb = res["methods"][method], res["shard_bytes"]
             phys = f"{r['physical'] / MIB:12.2f} {r['physical'] / sb:7.3f}" if visible else f"{'n/a':>12} {'':>7}"
@@ -555,16 +528,20 @@ def print_plain(ranks: list[dict], methods: list[str], visible: bool) -> None:
                 f"{r['cold_seconds']:7.3f} {r['warm_seconds']:7.3f}"
             )
         rs = [res["methods"][method] for res in ranks]
-        ok = all(r["equal"] for r in rs)
-        oracle = all(r["oracle"] for r in rs)
+        ok = all(r.get("equal", True) for r in rs)
+        oracle = all(r.get("oracle", True) for r in rs)
         gaps = max(r.get("gaps", 0) for r in rs) / MIB
         print(
             f"{method:>11}  wall (slowest rank): cold {max(r['cold_seconds'] for r in rs):.3f} s, warm "
             f"{max(r['warm_seconds'] for r in rs):.3f} s; "
             + (f"gaps read through and discarded: up to {gaps:.2f} MiB per rank; " if gaps else "")
-            + f"shards {'equal' if ok else 'DIFFER'}"
-            f"{' to ' + methods[0] + ' (bit for bit)' if method != methods[0] else ' (every element loaded)'}; "
-            f"sampled shards {'match' if oracle else 'DO NOT match'} DTensor's own split"
+            + (
+                "fills no model"
+                if method in NOT_LOADING
+                else f"shards {'equal' if ok else 'DIFFER'}"
+                f"{' to ' + methods[0] + ' (bit for bit)' if method != methods[0] else ' (every element loaded)'}; "
+                f"sampled shards {'match' if oracle else 'DO NOT match'} DTensor's own split"
+            )
         )
     print()
     worst = {
@@ -572,13 +549,20 @@ def print_plain(ranks: list[dict], methods: list[str], visible: bool) -> None:
             max(res["methods"][m]["logical"] / res["shard_bytes"] for res in ranks),
             max(res["methods"][m]["physical"] / res["shard_bytes"] for res in ranks),
         )
-        for m in methods
+        for m in ran
     }
     for m, (lg, ph) in worst.items():
         print(
             f"{m:>11}: worst rank logical {lg:.3f} x shard bytes (target <= 1.02), physical "
             + (f"{ph:.3f} x (target <= 1.10)" if visible else "n/a")
         )
+
+
+def _error(rounds: list[list[dict]], method: str) -> str | None:
+    """Why ``method`` could not run (the first rank's own reason), or None where it ran on every rank."""
+    errors = [res["methods"][method].get("error") for ranks in rounds for res in ranks]
+    own = [e for e in errors if e and e != "failed on another rank"]
+    return (own or [e for e in errors if e] or [None])[0]
 
 
 def _ratio_range(values: list[float]) -> str:
@@ -605,7 +589,11 @@ def print_markdown(rounds: list[list[dict]], methods: list[str], visible: bool, 
     print()
     rows = []
     cached = {}  # method -> largest |cached pages - physical bytes| over ranks and runs
+    ran = [m for m in methods if not _error(rounds, m)]
     for method in methods:
+        if method not in ran:
+            rows.append([method, f"could not run: {_error(rounds, method)}", "", "", "", "", ""])
+            continue
         rs = [(res["methods"][method], res["shard_bytes"]) for res in every]
         logical = _ratio_range([r["logical"] / sb for r, sb in rs])
         gaps = "–"
@@ -618,11 +606,13 @@ def print_markdown(rounds: list[list[dict]], methods: list[str], visible: bool, 
         )
         cold = [max(res["methods"][method]["cold_seconds"] for res in ranks) for ranks in rounds]
         warm = [max(res["methods"][method]["warm_seconds"] for res in ranks) for ranks in rounds]
-        oracle = all(r["oracle"] for r, _ in rs)
-        equal = all(r["equal"] for r, _ in rs)
+        oracle = all(r.get("oracle", True) for r, _ in rs)
+        equal = all(r.get("equal", True) for r, _ in rs)
         check = "= DTensor's split" if oracle else "**differ from DTensor's split**"
         if method != methods[0]:
             check += f", = {methods[0]}" if equal else f", **differ from {methods[0]}**"
+        if method in NOT_LOADING:
+            check = "fills no model"
         rows.append([method, logical, gaps, physical, mdtable.spread(cold), mdtable.spread(warm), check])
     bound = _ratio_range([res["page_bound"] / res["shard_bytes"] for res in every])
     rows.append(["page bound", "", "", bound, "", "", ""])
@@ -633,14 +623,65 @@ def print_markdown(rounds: list[list[dict]], methods: list[str], visible: bool, 
         )
     )
     if visible:
-        same = [m for m in methods if not cached[m]]
-        differ = [f"{m} (by up to {cached[m] / MIB:.2f} MiB on a rank)" for m in methods if cached[m]]
+        same = [m for m in ran if not cached[m]]
+        differ = [f"{m} (by up to {cached[m] / MIB:.2f} MiB on a rank)" for m in ran if cached[m]]
         print()
         print(
             "Checkpoint pages in the page cache after each cold load (`mincore`) = the physical bytes on every rank"
             + (f" for {', '.join(same)}" if differ and same else "")
             + (f"; they differ for {', '.join(differ)}." if differ else ".")
         )
+    print()
+    print(
+        "Side by side (issue 19): cold and warm = median over runs of the slowest rank's wall; bytes read = the "
+        "worst rank's physical read in the cold load (`/proc/self/io`); peak extra memory = the worst rank's peak "
+        "RSS over its warm and cold loads minus its RSS before each (mmapped checkpoint pages count); ratio = ours "
+        f"/ the least value among the peers ({', '.join(m for m in PEERS if m in methods)}) in each column."
+    )
+    print()
+    print(side_by_side(rounds, methods, visible))
+
+
+LABELS = {
+    "vllm": "vllm-style (`safe_open`, whole tensors, shard cut and copied)",
+    "dcp_hf": "dcp_hf (`dcp.load`, `HuggingFaceStorageReader`, `flat/`)",
+    "runai": "runai-model-streamer (`SafetensorsStreamer`, shard cut and copied)",
+    "fastsafetensors": "fastsafetensors (`SafeTensorsFileLoader`, `nogds`, shard cut and copied)",
+    "floor": "`preadv` floor (the rank's page-bound ranges, no model)",
+}
+OWN_THREADS = ("runai", "fastsafetensors")  # peers that read with threads of their own
+PEERS = ("vllm", "dcp_hf", *OWN_THREADS)  # what ours is compared with
+
+
+def side_by_side(rounds: list[list[dict]], methods: list[str], visible: bool) -> str:
+    """One row per method: cold and warm walls (medians), bytes read, peak extra memory; ours / fastest peer."""
+    import mdtable
+
+    every = [res for ranks in rounds for res in ranks]
+    threads = str(every[0]["threads"])
+    rows = []
+    for method in methods:
+        label = LABELS.get(method, method)
+        own = " + its own I/O threads" if method in OWN_THREADS else ""
+        if _error(rounds, method):
+            rows.append({"method": method, "label": label, "threads": threads + own, "error": _error(rounds, method)})
+            continue
+        cold = mdtable.median([max(res["methods"][method]["cold_seconds"] for res in ranks) for ranks in rounds])
+        warm = mdtable.median([max(res["methods"][method]["warm_seconds"] for res in ranks) for ranks in rounds])
+        worst = max(every, key=lambda res: res["methods"][method]["physical"])
+        physical = worst["methods"][method]["physical"]
+        memory = max(max(res["methods"][method]["warm_peak"], res["methods"][method]["cold_peak"]) for res in every)
+        cells = [
+            (cold, f"{cold:.3f} s"),
+            (warm, f"{warm:.3f} s"),
+            (physical, f"{physical / MIB:.1f} MiB ({physical / worst['shard_bytes']:.3f}x shard)")
+            if visible
+            else (None, "n/a"),
+            (memory, f"{memory / MIB:.1f} MiB"),
+        ]
+        rows.append({"method": method, "label": label, "threads": threads + own, "cells": cells})
+    columns = ["cold (median)", "warm (median)", "bytes read (physical, cold, worst rank)", "peak extra memory"]
+    return mdtable.side_by_side(columns, rows, "ours", [m for m in PEERS if m in methods])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -657,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=("tp", "ep"),
         default="tp",
         help="tp: experts TP as above (default); ep: whole experts per rank (Shard(0))",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads per rank (0: torch's default); default 1"
     )
     parser.add_argument("--profile", metavar="METHOD", help="cProfile rank 0's warm load with METHOD")
     parser.add_argument("--rounds", type=int, default=1, help="runs of all methods (fresh ranks each time)")
@@ -687,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     say(
         f"checkpoint: {out} (hf/ and flat/, {hf_size / MIB:.1f} MiB each layout, ready in "
         f"{time.perf_counter() - t0:.1f} s); qwen3_moe hidden {HIDDEN}, {LAYERS} layers, {EXPERTS} experts, "
-        f"moe_intermediate {MOE_INTERMEDIATE}, bf16; world {WORLD} (gloo, 1 torch thread per rank), "
+        f"moe_intermediate {MOE_INTERMEDIATE}, bf16; world {WORLD} (gloo, torch threads per rank: "
+        f"{args.threads or 'default'}), "
         f"{os.cpu_count()} CPUs; experts {experts}"
     )
     visible = physical_reads_visible(files)
@@ -702,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
                 "strided": args.strided,
                 "profile": args.profile if i == 0 else None,
                 "layout": args.layout,
+                "threads": args.threads,
                 "store": os.path.join(tmp, "store"),
                 "results": tmp,
             }
