@@ -1,15 +1,18 @@
 """The protocol-independent half of remote reading: planning requests, fetching them, the remote reader and store.
 
-The backend here is a real one over local files (``os.pread`` on a real file, an identity from its ``stat``,
-every answer checked as the HTTP and S3 backends check theirs), with failures switched on per call: transient
+The backend of the first tests is a real one over local files (``os.pread`` on a real file, an identity from its
+``stat``, every answer checked as the HTTP and S3 backends check theirs), with failures switched on per call: transient
 ones (retried), permanent ones (a ``CheckpointError``), an object replaced mid-read, a request that blocks until
-released. The backends over real servers are tested in tests/test_remote_backends.py.
+released. The last tests read through the real backends (tests/test_remote_backends.py tests them alone) from
+real servers on 127.0.0.1: a column shard over nginx and moto's S3, and the fault server's faults as the reader
+meets them (retried, refused, cancelling what was pending).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 
 import numpy as np
@@ -19,9 +22,13 @@ from hypothesis import strategies as st
 
 from loader.errors import CheckpointError, CheckpointNotFoundError
 from loader.storage import ByteRuns, ObjectIdentity, RangeReader
-from loader.storage.remote import RemoteOptions, RemoteReader, RemoteStore, Transient
+from loader.storage.remote import RemoteOptions, RemoteReader, RemoteStore, Transient, remote_store
 from loader.storage.remote.reader import plan as plan_for
 from loader.storage.remote.requests_plan import MAX_OVERREAD, join_limit, merge_ranges, plan_requests
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import servers
 
 URL = "test://bucket/ckpt"
 
@@ -381,3 +388,133 @@ def test_the_remote_store(blob):
         store.head(URL + "/missing.json", 8)
     backend.transient = 2
     assert store.read_range(location, 0, 4, head.identity) == data[:4]
+
+
+# -- over real servers (tests/servers.py: nginx, moto's S3, the fault server on 127.0.0.1) -------------------------
+
+ROWS, ROW_BYTES, SHARD_BYTES = 256, 8 << 10, 2 << 10  # a bf16 weight of 4096 columns; a rank of four's columns
+
+
+def _serve(manager):
+    try:
+        with manager as value:
+            yield value
+    except servers.ServerUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A 2 MiB object (a weight of ROWS rows of ROW_BYTES) in a folder: ``(folder, its bytes)``."""
+    folder = tmp_path_factory.mktemp("served")
+    data = np.random.default_rng(1).integers(0, 256, ROWS * ROW_BYTES, dtype=np.uint8).tobytes()
+    (folder / "model.safetensors").write_bytes(data)
+    return folder, data
+
+
+@pytest.fixture(scope="module")
+def faults_server(served):
+    pytest.importorskip("requests")
+    yield from _serve(servers.fault_server(served[0]))
+
+
+@pytest.fixture
+def faults(faults_server):
+    url, control = faults_server
+    control.clear()
+    return url, control
+
+
+def _read_column_shard(store: RemoteStore, data: bytes, rank: int = 1) -> RemoteReader:
+    """Read a rank's column shard of the weight as the executor does (will_read, read_runs, verify), checked."""
+    location = store.locate("model.safetensors")
+    ranges = _column_shard(ROWS, ROW_BYTES, SHARD_BYTES, rank)
+    runs = ByteRuns(np.array([a for a, _ in ranges], dtype=np.int64), SHARD_BYTES)
+    base, out = ranges[0][0], bytearray(ranges[-1][1] - ranges[0][0])
+    with store.reader({location: store.head(location, 8).identity}) as reader:
+        reader.will_read(location, lambda: ranges, sparse=True)
+        reader.read_runs(location, runs, memoryview(out), base, wanted=ROWS * SHARD_BYTES)
+        reader.verify(location)
+    assert all(out[a - base : b - base] == data[a:b] for a, b in ranges)
+    return reader
+
+
+def test_a_column_shard_over_nginx_in_multi_range_requests(served):
+    pytest.importorskip("requests")
+    folder, data = served
+    for url in _serve(servers.nginx(folder)):
+        store = remote_store(url, {})
+        reader = _read_column_shard(store, data)
+        assert reader.bytes_read == ROWS * SHARD_BYTES and reader.gap_bytes == 0  # no gap fetched
+        assert reader.reads == ROWS // RemoteOptions().max_ranges  # 64 rows a request
+        gets = [r for r in url.requests("/model.safetensors") if r.method == "GET"]
+        assert len(gets) == reader.reads + 1 and sum(r.status == 206 for r in gets) == len(gets)  # + the head
+
+
+def test_a_column_shard_over_s3_a_request_per_row(served):
+    pytest.importorskip("boto3")
+    folder, data = served
+    for endpoint in _serve(servers.s3_server()):
+        url = servers.put_folder(endpoint, "ckpt", "tiny", folder)
+        store = remote_store(url, {"endpoint_url": endpoint, "key": "testing", "secret": "testing"})
+        reader = _read_column_shard(store, data)
+        assert reader.bytes_read == ROWS * SHARD_BYTES and reader.reads == ROWS
+
+
+def test_a_server_error_is_retried_by_the_reader(faults, served):
+    url, control = faults
+    store = remote_store(url, {"backoff": 0.0})
+    location = store.locate("model.safetensors")
+    control.set("/model.safetensors", fail_then_ok=2)
+    reader = _read_column_shard(store, served[1])  # the head's stat and get fail twice, then all is well
+    assert reader.bytes_read == ROWS * SHARD_BYTES
+    assert [r.status for r in control.log()][:3] == [500, 500, 200]
+    control.set("/model.safetensors", fail_then_ok=1)
+    with store.reader() as reader:
+        out = bytearray(100)
+        reader.pread_into(location, 1000, out)  # stat: a 500, then the identity; then the get
+    assert out == served[1][1000:1100] and reader.reads == 1
+
+
+@pytest.mark.parametrize(("mode", "match"), [("hang", "failed after 2 attempts"), ("truncate", "failed after 2")])
+def test_a_server_that_hangs_or_truncates_fails_after_the_retries(faults, mode, match):
+    url, control = faults
+    store = remote_store(url, {"timeout": 0.5, "retries": 1, "backoff": 0.0})
+    location = store.locate("model.safetensors")
+    identity = store.head(location, 8).identity
+    control.set("/model.safetensors", **{mode: True})
+    with store.reader({location: identity}) as reader:
+        with pytest.raises(CheckpointError, match=match) as e:
+            reader.pread_into(location, 0, bytearray(5000))
+        assert e.value.path == location and reader.reads == 2
+
+
+def test_a_server_that_ignores_range_is_refused_at_once(faults):
+    url, control = faults
+    store = remote_store(url, {"backoff": 0.0})
+    location = store.locate("model.safetensors")
+    identity = store.head(location, 8).identity
+    control.set("/model.safetensors", ignore_range=True)
+    with store.reader({location: identity}) as reader, pytest.raises(CheckpointError, match="Range") as e:
+        reader.pread_into(location, 0, bytearray(10))
+    assert e.value.path == location and reader.reads == 1  # not retried
+
+
+def test_an_object_replaced_mid_load_stops_the_load(faults, served):
+    """Replaced after 5 answers: the reads fail with a CheckpointError naming the URL, and what was pending is
+    cancelled (the server sees few requests after the change)."""
+    url, control = faults
+    store = remote_store(url, {"backoff": 0.0, "concurrency": 2, "max_ranges": 1})
+    location = store.locate("model.safetensors")
+    identity = store.head(location, 8).identity
+    control.set("/model.safetensors", change_etag_after=5)
+    ranges = _column_shard(ROWS, ROW_BYTES, SHARD_BYTES)
+    with store.reader({location: identity}) as reader:
+        reader.will_read(location, lambda: ranges, sparse=True)
+        with pytest.raises(CheckpointError, match="changed") as e:
+            for a, b in ranges:
+                out = bytearray(b - a)
+                reader.pread_into(location, a, out)
+                assert out == served[1][a:b]
+        assert e.value.path == location
+    assert len(control.log()) < 5 + 2 * 2 + 2  # the 5 answered, those in flight, none of the ROWS queued

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from ...errors import CheckpointError
@@ -87,6 +87,7 @@ class Fetcher:
         options: Concurrency, retries, backoff.
 
     Attributes:
+        failure: The first failure of a submitted fetch (until :meth:`close`).
         bytes_read: Bytes fetched (payload and gaps read through).
         gap_bytes: Of those, gap bytes.
         reads: Requests made (attempts, retries included).
@@ -99,6 +100,7 @@ class Fetcher:
         self._stop = threading.Event()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: set[Future] = set()
+        self.failure: BaseException | None = None  # the first failure of a submitted fetch, until close
 
     def get(self, location: str, request: Request, identity: ObjectIdentity) -> list[bytes]:
         """Fetch ``request`` now, retrying: each span's bytes, exactly.
@@ -124,14 +126,36 @@ class Fetcher:
         return out
 
     def submit(self, location: str, request: Request, identity: ObjectIdentity) -> Future[list[bytes]]:
-        """Fetch ``request`` in the pool (at most ``concurrency`` at once); the future holds :meth:`get`'s answer."""
+        """Fetch ``request`` in the pool (at most ``concurrency`` at once); the future holds :meth:`get`'s answer.
+        The first failure cancels everything pending at once (:meth:`cancel`): the load is stopping."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="remote-fetch")
-            future = self._pool.submit(self.get, location, request, identity)
+            future = self._pool.submit(self._get_or_stop, location, request, identity)
             self._pending.add(future)
         future.add_done_callback(self._done)
         return future
+
+    def result(self, future: Future[list[bytes]], location: str) -> list[bytes]:
+        """A submitted fetch's answer, waiting for it; the first failure of this fetcher where it was cancelled
+        because of one (the cause, not the cancellation, is what a caller should see)."""
+        try:
+            return future.result()
+        except (CancelledError, Cancelled):
+            if self.failure is not None:
+                raise self.failure from None
+            raise Cancelled(f"{location}: read cancelled (the reader was closed)", path=location) from None
+
+    def _get_or_stop(self, location: str, request: Request, identity: ObjectIdentity) -> list[bytes]:
+        try:
+            return self.get(location, request, identity)
+        except Cancelled:
+            raise
+        except BaseException as e:
+            with self._lock:
+                self.failure = self.failure or e
+            self.cancel()
+            raise
 
     def cancel(self) -> None:
         """Stop: pending requests are cancelled, running ones give up before their next attempt; until
@@ -150,6 +174,7 @@ class Fetcher:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         self._stop.clear()
+        self.failure = None
 
     def _count_attempt(self) -> None:
         with self._lock:

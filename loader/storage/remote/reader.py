@@ -20,12 +20,12 @@ import bisect
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 
 from ..base import ObjectIdentity, Runs
 from ..untrusted import err
 from .backend import Backend, RemoteOptions
-from .fetch import Cancelled, Fetcher, with_retries
+from .fetch import Fetcher, with_retries
 from .pieces import Fetch, Piece, Window
 from .requests_plan import Request, plan_requests
 
@@ -72,13 +72,6 @@ def consecutive(offset: int, outs: Sequence[memoryview]) -> list[Segment]:
             segments.append((pos, view))
             pos += len(view)
     return segments
-
-
-def _result(future: Future[list[bytes]], location: str) -> list[bytes]:
-    try:
-        return future.result()
-    except CancelledError:
-        raise Cancelled(f"{location}: read cancelled (another read of this reader failed)", path=location) from None
 
 
 class RemoteReader:
@@ -210,7 +203,7 @@ class RemoteReader:
                 if future is None:  # not fetched (beyond the window) or freed: fetched directly
                     missing.extend((a, dst) for a, _, dst in parts)
                     continue
-                data = _result(future, location)[piece.index]
+                data = self._fetcher.result(future, location)[piece.index]
                 for a, b, dst in parts:
                     dst[:] = data[a - piece.start : b - piece.start]
                 with self._lock:
@@ -282,7 +275,7 @@ def fetch_direct(
             held += requests[i].nbytes
             i += 1
         request, future = inflight.popleft()
-        _scatter(request, _result(future, location), segments, starts)
+        _scatter(request, fetcher.result(future, location), segments, starts)
         held -= request.nbytes
 
 
