@@ -41,6 +41,7 @@ def load_hf_checkpoint(
     staging_bytes: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     io_threads: int | None = None,
+    direct_io: bool = False,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
 
@@ -81,6 +82,8 @@ def load_hf_checkpoint(
         io_threads: threads reading (and copying) independent blocks at once, sharing the staging budget.
             None: from the CPUs this process may use, shared with the other ranks on this host (1 when ranks
             already fill the cores).
+        direct_io: read local files with ``O_DIRECT``, bypassing the page cache (a cold load of a checkpoint
+            read once); where the filesystem refuses it, a log line and buffered reads.
 
     Returns:
         A :class:`LoadReport` for this rank.
@@ -90,7 +93,7 @@ def load_hf_checkpoint(
         ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``), or, with
             ``device`` and ``strict``, a meta tensor nothing loads or initialises (before anything is read); a
             ``planner`` with rule arguments or ``strict``; a timeout that is not positive, ``staging_bytes`` below 1,
-            ``io_threads`` below 1.
+            ``io_threads`` below 1, ``direct_io`` not a bool.
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
@@ -102,6 +105,7 @@ def load_hf_checkpoint(
         staging_bytes=STAGING_BYTES if staging_bytes is None else staging_bytes,
         broadcast_replicated_tensors=broadcast_replicated_tensors,
         io_threads=io_threads,
+        direct_io=direct_io,
     )  # a bad timeout is refused in one process too
     rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
     if planner is None:
@@ -126,7 +130,7 @@ def load_hf_checkpoint(
         plan = planner.build_plan(checkpoint, check_devices=allocate is None)
         plan = allocate(plan) if allocate is not None else plan
         log.info(describe(plan))
-        with checkpoint.reader() as reader:
+        with checkpoint.reader(direct_io=options.direct_io) as reader:
             execute_plan(plan, reader, options)
             bytes_read, requests = reader.bytes_read, reader.reads
     except BaseException:

@@ -142,7 +142,7 @@ def load_distributed(
         session.agree(error, "planning")
         assert plan is not None
         log.info("rank %d: %s", rank, describe(plan))
-        with plan.checkpoint.reader() as reader:
+        with plan.checkpoint.reader(direct_io=options.direct_io) as reader:
             read_together(plan, reader, plan.reads, plan.deferred, options, session=session)
             bytes_read, requests = reader.bytes_read, reader.reads
     plan.keyplan.record_on_model(planner.model)

@@ -5,7 +5,7 @@ Vocabulary:
         model tensors, and through which conversions. A planning setting: :class:`~loader.HFLoadPlanner`
         carries them.
     options: how a load runs and reads (:class:`LoadOptions`): rollback, progress bar, timeout, staging buffer,
-        broadcasting, I/O threads. An I/O setting, as torch DCP puts them on the storage reader:
+        broadcasting, I/O threads, direct I/O. An I/O setting, as torch DCP puts them on the storage reader:
         ``load_hf_checkpoint`` builds one from its keyword arguments, :class:`~loader.SafetensorsReader` holds
         one inside ``dcp.load``. A save's are a :class:`SaveOptions`.
 
@@ -111,10 +111,13 @@ class LoadOptions:
         io_threads: threads reading (and copying) independent blocks at once; the staging budget (two buffers
             of ``staging_bytes``) is split among them. None: from the CPUs this process may use, shared with the
             other ranks on this host (1 when ranks already fill the cores).
+        direct_io: read local files with ``O_DIRECT`` (bypassing the page cache: for checkpoints read once, or
+            larger than the cache), through aligned buffers; where a filesystem refuses it (tmpfs), a log line
+            and buffered reads.
 
     Raises:
         ValueError: a timeout that is not positive, ``staging_bytes`` below 1, ``io_threads`` below 1 (or not an
-            int).
+            int), ``direct_io`` not a bool.
     """
 
     rollback: bool = False
@@ -123,12 +126,15 @@ class LoadOptions:
     staging_bytes: int = STAGING_BYTES
     broadcast_replicated_tensors: bool = False
     io_threads: int | None = None
+    direct_io: bool = False
 
     def __post_init__(self) -> None:
         timeout_seconds(self.timeout)
         if self.staging_bytes < 1:
             raise ValueError(f"staging_bytes must be at least 1, got {self.staging_bytes}")
         check_io_threads(self.io_threads)
+        if not isinstance(self.direct_io, bool):
+            raise ValueError(f"direct_io must be True or False, got {self.direct_io!r}")
 
 
 @dataclass(frozen=True)

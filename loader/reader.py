@@ -59,13 +59,15 @@ class SafetensorsReader(StorageReader):
         storage_options: options for a URL's backend (endpoint, credentials, timeouts); only for URLs.
         io_threads: threads reading independent blocks at once (with :class:`~loader.HFLoadPlanner`), sharing the
             staging budget; None: from the CPUs this process may use, shared with the ranks on this host.
+        direct_io: read local files with ``O_DIRECT`` (bypassing the page cache); buffered where refused.
 
     Attributes:
         options: the :class:`~loader.options.LoadOptions` built from these arguments.
         bytes_read: bytes this reader read from checkpoint files (this process).
 
     Raises:
-        ValueError: a timeout that is not positive, ``staging_bytes`` below 1, ``io_threads`` below 1.
+        ValueError: a timeout that is not positive, ``staging_bytes`` below 1, ``io_threads`` below 1,
+            ``direct_io`` not a bool.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class SafetensorsReader(StorageReader):
         broadcast_replicated_tensors: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         io_threads: int | None = None,
+        direct_io: bool = False,
     ) -> None:
         super().__init__()
         self.path = None if path is None else os.fspath(path)
@@ -88,6 +91,7 @@ class SafetensorsReader(StorageReader):
             staging_bytes=staging_bytes,
             broadcast_replicated_tensors=broadcast_replicated_tensors,
             io_threads=io_threads,
+            direct_io=direct_io,
         )
         self.checkpoint: SafetensorsCheckpoint | None = None
         self._metadata: Metadata | None = None
@@ -141,7 +145,7 @@ class SafetensorsReader(StorageReader):
     def _file_reader(self) -> RangeReader:
         """The reader of one ``read_data``, told every file's identity (checked on open and after the last read)."""
         assert self.checkpoint is not None
-        return self.checkpoint.reader()
+        return self.checkpoint.reader(direct_io=self.options.direct_io)
 
     def _read_boxes(self, plan: LoadPlan, planner: LoadPlanner, reader: RangeReader) -> None:
         saved: dict[str, torch.Tensor] = {}  # rollback: each target's values before it was written

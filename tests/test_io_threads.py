@@ -140,7 +140,7 @@ def test_a_read_failing_on_an_io_thread_is_a_checkpoint_error_and_rolls_back(tmp
     victim = tmp_path / SECOND
     readers: list[ThreadsSeen] = []
 
-    def reader(self):
+    def reader(self, direct_io=False):
         readers.append(ThreadsSeen(self.identities, victim=victim))
         return readers[-1]
 

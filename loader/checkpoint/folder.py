@@ -15,7 +15,7 @@ from collections.abc import Iterator, KeysView, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointNotFoundError
-from ..storage import LocalStore, RangeReader, Store, is_url, open_store
+from ..storage import LocalStore, RangeReader, Store, is_url, open_reader, open_store
 from ..storage.untrusted import err, loads_json
 from .header import HeaderFile, TensorInfo, read_header_file
 from .hub import resolve_checkpoint
@@ -169,9 +169,9 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         self.metadata = metadata if metadata is not None else {f: {} for f in self.files}
         self.identities: dict[str, object] = dict(identities or {})
 
-    def reader(self) -> RangeReader:
+    def reader(self, *, direct_io: bool = False) -> RangeReader:
         """A new :class:`~loader.storage.RangeReader` of this checkpoint's files, told each file's identity."""
-        return self.store.reader(self.identities)
+        return open_reader(self.store, self.identities, direct_io=direct_io)
 
     @classmethod
     def open(

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 
 from .base import ByteRuns, ObjectHead, ObjectIdentity, RangeReader, Runs, Store
+from .direct import DirectFileReader
 from .local import IOV_MAX, PAGE, FileIdentity, FileReader, LocalStore
 
 #: ``scheme://``: a URL (one letter is a Windows drive, not a scheme)
@@ -39,10 +40,19 @@ def open_store(root: str, storage_options: Mapping[str, object] | None = None, *
     return remote_store(root, dict(storage_options or {}), revision=revision)
 
 
+def open_reader(store: Store, identities: Mapping[str, object], *, direct_io: bool = False) -> RangeReader:
+    """A new :class:`RangeReader` of ``store`` told ``identities``; with ``direct_io`` a local store's reads use
+    ``O_DIRECT`` (:class:`~.direct.DirectFileReader`; a URL's reads have no page cache to bypass)."""
+    if direct_io and isinstance(store, LocalStore):
+        return DirectFileReader(identities)  # type: ignore[arg-type]
+    return store.reader(identities)
+
+
 __all__ = [
     "IOV_MAX",
     "PAGE",
     "ByteRuns",
+    "DirectFileReader",
     "FileIdentity",
     "FileReader",
     "LocalStore",
@@ -52,5 +62,6 @@ __all__ = [
     "Runs",
     "Store",
     "is_url",
+    "open_reader",
     "open_store",
 ]
