@@ -4,6 +4,7 @@ cache, the physical bytes a process read, the pages resident) and of peak memory
 
 from __future__ import annotations
 
+import json
 import os
 
 #: the Qwen3-MoE of bench/load_bench.py and bench/tp_bench.py (transformers ``Qwen3MoeConfig`` keywords)
@@ -22,6 +23,12 @@ QWEN3_MOE = dict(
     decoder_sparse_step=1,
     mlp_only_layers=[],
 )
+
+
+def ours_options() -> dict:
+    """Keyword arguments for ours' loads (``load_hf_checkpoint``, ``SafetensorsReader``) from ``$BENCH_OURS``, a JSON
+    object such as ``{"io_threads": 2, "direct_io": true}`` (inherited by every worker and rank); default none."""
+    return json.loads(os.environ.get("BENCH_OURS", "{}"))
 
 
 def safetensors_files(directory: str) -> list[str]:

@@ -61,7 +61,7 @@ import time
 import zlib
 
 import peers
-from common import QWEN3_MOE, drop_cache, pread_all, read_bytes, resident_bytes, safetensors_files
+from common import QWEN3_MOE, drop_cache, ours_options, pread_all, read_bytes, resident_bytes, safetensors_files
 
 CONFIG = QWEN3_MOE
 HIDDEN, LAYERS = CONFIG["hidden_size"], CONFIG["num_hidden_layers"]
@@ -244,7 +244,7 @@ def worker(method: str, directory: str, repeat: int, profile: bool, threads: int
         timer = _PlanTimer()
 
         def run():
-            return load_hf_checkpoint(model, directory, progress=False)
+            return load_hf_checkpoint(model, directory, progress=False, **ours_options())
 
     elif method == "dcp_hf":
 

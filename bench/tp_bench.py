@@ -73,7 +73,7 @@ import time
 from datetime import timedelta
 
 import peers
-from common import QWEN3_MOE, drop_cache, peak, read_bytes, reset_peak, resident_bytes
+from common import QWEN3_MOE, drop_cache, ours_options, peak, read_bytes, reset_peak, resident_bytes
 
 CONFIG = QWEN3_MOE
 HIDDEN, LAYERS = CONFIG["hidden_size"], CONFIG["num_hidden_layers"]
@@ -267,7 +267,7 @@ def _count_gaps() -> None:
 def load_ours(model, out: str) -> int:
     from loader import load_hf_checkpoint
 
-    return load_hf_checkpoint(model, os.path.join(out, "hf"), progress=False).bytes_read
+    return load_hf_checkpoint(model, os.path.join(out, "hf"), progress=False, **ours_options()).bytes_read
 
 
 def load_ours_random(model, out: str) -> int:
@@ -297,7 +297,7 @@ def load_ours_dcp(model, out: str) -> int:
 
     path = os.path.join(out, "hf")
     planner = HFLoadPlanner(model)
-    dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(path), planner=planner)
+    dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(path, **ours_options()), planner=planner)
     return planner.finish(path).bytes_read
 
 
