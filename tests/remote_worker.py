@@ -1,0 +1,98 @@
+"""One rank of the gloo world of tests/test_remote_load.py's distributed tests: a qwen3_moe model sharded TP (mesh 4)
+and EP x TP (mesh 2x2) loaded from moto's S3 and nginx, each rank's shards compared with the same rank's shards
+loaded from the local folder (``python remote_worker.py RANK WORLD CTX_JSON``, run by ``gloo_world.run_world``)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from dist_worker import check_full, local_numel, moe_placements
+from gloo_world import run_scenarios
+
+from loader.placements import shard_module
+
+
+def _sharded_model(ctx: dict, mesh_shape: tuple[int, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(ctx["local"])
+    torch.manual_seed(123)
+    model = AutoModelForCausalLM.from_config(cfg)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    return shard_module(model, mesh, moe_placements(model, mesh_shape))
+
+
+def _local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: getattr(t.data, "_local_tensor", t.data).clone() for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp: bool = False, **kwargs) -> dict:
+    """Load ``source`` (``s3_options``, ``s3_env`` or ``http``) into a ``mesh_shape`` sharding; compare each local
+    shard with the local folder's load on this rank, and the gathered tensors with the reference."""
+    from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
+
+    local = _sharded_model(ctx, mesh_shape)
+    load_hf_checkpoint(local, ctx["local"], progress=False, **kwargs)
+    options = None
+    if source == "s3_options":
+        url, options = ctx["s3_url"], {"endpoint_url": ctx["s3"], **ctx["s3_keys"]}
+    elif source == "s3_env":
+        url = ctx["s3_url"]
+        os.environ.update(ctx["s3_env"])
+    else:
+        url = ctx["http_url"]
+    model = _sharded_model(ctx, mesh_shape)
+    try:
+        if dcp:
+            import torch.distributed.checkpoint as torch_dcp
+
+            planner = HFLoadPlanner(model)
+            reader = SafetensorsReader(url, storage_options=options, **kwargs)
+            torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
+            report = planner.finish(url)
+        else:
+            report = load_hf_checkpoint(model, url, storage_options=options, progress=False, **kwargs)
+    finally:
+        for key in ctx["s3_env"] if source == "s3_env" else ():
+            os.environ.pop(key, None)
+    want, got = _local_shards(local), _local_shards(model)
+    unequal = [n for n in want if not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))]
+    sd = model.state_dict(keep_vars=True)
+    return {
+        "unequal_shards": unequal,
+        "bad": check_full(model, torch.load(ctx["ref"])),
+        "bytes_read": report.bytes_read,
+        "planned_bytes": report.planned_bytes,
+        "requests": report.requests,
+        "shard_bytes": sum(local_numel(sd[n]) * 2 for n in report.loaded_keys if n in sd),
+    }
+
+
+SCENARIOS = [
+    ("s3_tp4", lambda ctx: scenario_remote(ctx, "s3_options", (4,))),
+    ("s3_ep_tp_2x2", lambda ctx: scenario_remote(ctx, "s3_env", (2, 2))),
+    ("http_tp4", lambda ctx: scenario_remote(ctx, "http", (4,))),
+    ("s3_dcp_2x2", lambda ctx: scenario_remote(ctx, "s3_options", (2, 2), dcp=True)),
+    ("s3_broadcast_2x2", lambda ctx: scenario_remote(ctx, "s3_options", (2, 2), broadcast_replicated_tensors=True)),
+]
+
+
+def run_rank(rank: int, world: int, ctx: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    run_scenarios(SCENARIOS, ctx, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # run by tests/test_remote_load.py: remote_worker.py RANK WORLD CTX_JSON
+    import json
+    import sys
+
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
