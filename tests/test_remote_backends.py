@@ -387,3 +387,20 @@ def test_fsspec_unknown_protocol_and_missing_package():
         pass
     with pytest.raises(ImportError, match="gs://.*not installed"):
         make_backend("gs://bucket/x", {})
+
+
+def test_s3_versioned_object_replaced_mid_load_is_read_as_it_was(s3, data, monkeypatch):
+    """In a versioned bucket the identity holds the VersionId: reads of a replaced object still get the version
+    whose header was read (consistent bytes, not an error)."""
+    for key, value in servers.s3_env(s3).items():
+        monkeypatch.setenv(key, value)
+    client = servers.s3_client(s3)
+    client.create_bucket(Bucket="versioned")
+    client.put_bucket_versioning(Bucket="versioned", VersioningConfiguration={"Status": "Enabled"})
+    client.put_object(Bucket="versioned", Key=NAME, Body=data)
+    backend = make_backend("s3://versioned", {})
+    identity = backend.stat(f"s3://versioned/{NAME}")
+    assert identity.version
+    client.put_object(Bucket="versioned", Key=NAME, Body=data[::-1])
+    assert backend.get(f"s3://versioned/{NAME}", [(0, 64)], identity) == [data[:64]]
+    assert backend.stat(f"s3://versioned/{NAME}").version != identity.version

@@ -348,3 +348,23 @@ def test_tp_column_shards_use_multi_range_requests_over_http(world):
     ranges = [r.range for r in logged if r.method == "GET" and r.range]
     assert ranges and any("," in r for r in ranges), ranges
     assert all(r.status == 206 for r in logged if r.method == "GET"), logged
+
+
+def test_hub_revisions_and_missing_repos(folders, remote):
+    _, local = build("llama", seed=1)
+    load_hf_checkpoint(local, folders["llama"], progress=False)
+    url, _ = remote("hf", "llama")
+    for path, revision in [(url, COMMIT), (f"{url}@main", None), (f"{url}@{COMMIT}", COMMIT)]:
+        _, model = build("llama", seed=1)
+        load_hf_checkpoint(model, path, revision=revision, progress=False)
+        assert_bit_equal(model.state_dict(), local.state_dict())
+    _, model = build("llama", seed=1)
+    before = clone_state(model)
+    for path, revision, match in [
+        (url, "dev", "RevisionNotFound"),
+        ("hf://org/nothing", None, "RepoNotFound"),
+        (f"{url}@main", "dev", "names revision 'main'"),
+    ]:
+        with pytest.raises(CheckpointError, match=match):
+            load_hf_checkpoint(model, path, revision=revision, progress=False)
+    assert_bit_equal(model.state_dict(), before)
