@@ -48,7 +48,12 @@ def test_doc_code_blocks_run(path, tmp_path, monkeypatch):
     namespace = {"__name__": f"docs.{path.stem}"}
     for line, code in python_blocks(path.read_text(encoding="utf-8")):
         padded = "\n" * (line - 1) + code  # tracebacks point at the markdown file's own line numbers
-        exec(compile(padded, str(path), "exec"), namespace)
+        try:
+            exec(compile(padded, str(path), "exec"), namespace)
+        except Exception as e:  # a server tests/servers.py cannot start here (nginx not installed): as its tests do
+            if type(e).__name__ == "ServerUnavailable":
+                pytest.skip(f"{path.name}, block at line {line}: {e}")
+            raise
 
 
 def test_every_test_a_doc_names_exists():
