@@ -14,6 +14,7 @@ timeout, staging buffers, broadcasting) is no planning setting: it is ``load_hf_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from .hooks import PlanHooks
 from .options import Rules
 from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, plan_rank
+from .plan.cache import PLANS, PlanCache
 from .plan.gcpause import paused_gc
 from .plan.slots import TargetSlot, model_slots
 from .report import LoadReport, load_report
@@ -34,6 +36,10 @@ from .rules import KeyPlan, plan_keys
 from .rules.fp8 import dequantized_keyplan
 
 __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from_metadata", "plan_model_keys"]
+
+#: the hooks whose answers no plan key sees (``target_slot``'s are keyed: the slots are): a planner overriding one
+#: plans every load anew
+UNKEYED_HOOKS = ("default_weights_mapping", "map_checkpoint_key", "select_converter", "supports_symbolic")
 
 
 def plan_model_keys(
@@ -71,12 +77,15 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
     Attributes:
         rules: the :class:`~loader.options.Rules`.
         cache: the traces, by signature, shared by every plan this planner builds (e.g. simulated ranks).
+        plan_cache: the :class:`~loader.plan.cache.PlanCache` a plan of this model's own slots is kept in and taken
+            from (default: the process's, so that a second load of the same model and checkpoint plans nothing);
+            None plans every load anew.
 
     Raises:
         ValueError: ``rules`` together with any of the three rule arguments.
 
-    The planner memoises the last checkpoint's key plan and the traces; a load executes and reports the plan
-    value :meth:`build_plan` returns.
+    The planner memoises the last checkpoint's key plan and the traces, and keeps plans in :attr:`plan_cache`; a load
+    executes and reports the plan value :meth:`build_plan` returns.
     """
 
     def __init__(
@@ -98,6 +107,7 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         self.strict = strict
         self.hooks: PlanHooks = hooks if hooks is not None else self
         self.cache = TraceCache()
+        self.plan_cache: PlanCache | None = PLANS
         self._key_plan_memo: tuple[SafetensorsCheckpoint, KeyPlan] | None = None
         self._dcp: DcpLoad | None = None
 
@@ -129,23 +139,17 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
                 defers them.
 
         Returns:
-            The plan: everything the load executes and reports.
+            The plan: everything the load executes and reports; for this rank's own slots, the plan kept in
+            :attr:`plan_cache` when nothing it follows from changed (:func:`~loader.plan.cache.plan_key`).
 
         Raises:
             ValueError | CheckpointError: see :func:`~loader.plan.plan_rank`; nothing was read or written.
         """
-        keyplan = self.key_plan(checkpoint)
-        slots = dict(slots) if slots is not None else model_slots(self.model, self.hooks.target_slot)
-        return plan_rank(
-            keyplan,
-            checkpoint,
-            slots,
-            strict=self.strict,
-            supports_symbolic=self.hooks.supports_symbolic,
-            cache=self.cache,
-            check_devices=check_devices,
-            values=values,
-        )
+        make = functools.partial(_plan_rank, self, checkpoint, check_devices=check_devices, values=values)
+        if slots is None and self.plan_cache is not None and not any(self.hooks.overridden(h) for h in UNKEYED_HOOKS):
+            settings = (self.strict, check_devices, values)
+            return self.plan_cache.planned(self.model, self.hooks.target_slot, checkpoint, self.rules, settings, make)
+        return make(slots if slots is not None else model_slots(self.model, self.hooks.target_slot))
 
     # -- torch.distributed.checkpoint LoadPlanner ---------------------------------------------------------
 
@@ -209,3 +213,24 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         if self._dcp is None:
             raise RuntimeError("no dcp.load has been planned with this planner (set_up_planner was not called)")
         return self._dcp
+
+
+def _plan_rank(
+    planner: HFLoadPlanner,
+    checkpoint: SafetensorsCheckpoint,
+    slots: Mapping[str, TargetSlot],
+    *,
+    check_devices: bool,
+    values: bool,
+) -> RankPlan:
+    """:func:`~loader.plan.plan_rank` with ``planner``'s key plan, settings, hooks and traces."""
+    return plan_rank(
+        planner.key_plan(checkpoint),
+        checkpoint,
+        dict(slots),
+        strict=planner.strict,
+        supports_symbolic=planner.hooks.supports_symbolic,
+        cache=planner.cache,
+        check_devices=check_devices,
+        values=values,
+    )

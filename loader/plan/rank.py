@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -111,6 +111,14 @@ class RankPlan:
     def block_count(self) -> int:
         """``len(block_reads())``, without listing them."""
         return len(self.reads) + sum(len(v.program.blocks) for v in self.values)
+
+    def rebound(self, slots: Mapping[str, TargetSlot], checkpoint: SafetensorsCheckpoint) -> RankPlan:
+        """This plan writing into ``slots`` (the same names, shapes, boxes and dtypes: their tensors are written
+        instead) and reading ``checkpoint`` (the same tensor table); what was counted is kept."""
+        plan = replace(self, slots=slots, checkpoint=checkpoint)
+        if "_planned_bytes" in vars(self):
+            vars(plan)["_planned_bytes"] = self._planned_bytes
+        return plan
 
 
 def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckpoint) -> int:
