@@ -123,8 +123,8 @@ class HubBackend:
         self.revision = None if revision is None else check_revision("hf://", revision)
         self.endpoint = str(opts.get("endpoint") or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
         headers = build_hf_headers(token=opts.get("token"), headers=dict(opts.get("headers") or {}))
-        self.http = HttpBackend(options, headers=headers, verify=opts.get("verify", True), names=HUB_HEADERS)
-        self.http.if_match = False
+        verify = opts.get("verify", True)
+        self.http = HttpBackend(options, headers=headers, verify=verify, names=HUB_HEADERS, if_match=False)
 
     @property
     def multi_range(self) -> bool:
