@@ -574,7 +574,7 @@ def _ratio_range(values: list[float]) -> str:
 def print_markdown(rounds: list[list[dict]], methods: list[str], visible: bool, load: str, layout: str) -> None:
     import mdtable
 
-    print(mdtable.run_line(load, ("torch", "transformers", "safetensors")))
+    print(mdtable.run_line(load, ("torch", "transformers", "safetensors", *peers.PACKAGES.values())))
     print()
     every = [res for ranks in rounds for res in ranks]
     shard = sorted({res["shard_bytes"] for res in every})
