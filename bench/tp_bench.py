@@ -327,6 +327,7 @@ def load_floor(model, out: str) -> int:
     for file, ranges in _FLOOR.items():
         fd = os.open(file, os.O_RDONLY)
         try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # as ours advises such files: no readahead past them
             end = os.fstat(fd).st_size
             for lo, hi in ranges:
                 pos, hi = lo, min(hi, end)  # the last page may run past the end of the file
