@@ -177,6 +177,8 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
         model = build_sharded_model(spec["folder"], mesh, False, layout)
         result["shard_bytes"][layout] = shard_bytes(model)
         if spec["warmup"] and not isinstance(method_for("ours", spec["servers"][0]), str):
+            if rank == 0:
+                remote_peers.mark(spec["urls"][spec["servers"][0]], f"warmup/{layout}")  # not in the tables
             measure(load_ours, model, folders[spec["servers"][0]])  # imports, transformers' mapping: unmeasured
         reference, plans = None, {}
         for n in range(spec["rounds"]):
@@ -379,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         default=5000,
         help="ours is not run where it plans more requests per rank (its plan is shown instead); default 5000",
     )
+    parser.add_argument("--log", metavar="DIR", help="write each server's request log there (JSON)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured first load of ours")
     parser.add_argument("--markdown", action="store_true", help="print the tables docs/benchmarks.md holds")
     args = parser.parse_args(argv)
@@ -430,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
         logs = wire(urls)
+        if args.log:
+            os.makedirs(args.log, exist_ok=True)
+            for server, url in urls.items():
+                with open(os.path.join(args.log, f"{server}.json"), "w") as f:
+                    json.dump([r._asdict() for r in url.requests()], f)
     spec.update(size=size, rate=rate, describe=DESCRIBE)
     print_tables(ranks, logs, spec, watch.stop(), args.markdown)
     return 0

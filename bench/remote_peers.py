@@ -10,7 +10,8 @@ counts them (``None`` where it does not); the bytes on the wire come from the se
   ``hf_transfer`` / boto3's transfer manager split a file); over S3: boto3's ``download_file`` (its transfer
   manager: 8 MiB parts, 10 threads).
 * ``runai``: runai-model-streamer's ``SafetensorsStreamer`` over every ``s3://`` file (its C++ reader threads,
-  ``RUNAI_STREAMER_CONCURRENCY`` unset: 8 for object stores, 8 MiB chunks), each whole tensor then cut to this
+  ``RUNAI_STREAMER_CONCURRENCY`` unset: 8 for object stores, 8 MiB chunks; ``RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS``
+  30000 unless set, ours' ``timeout``), each whole tensor then cut to this
   rank's shard and copied (bench/peers.py's ``Placer``): what vLLM's runai loader does on each rank. It reads
   ``s3://`` (and ``gs://``, ``az://``), not HTTP.
 """
@@ -143,6 +144,8 @@ def runai_s3(model, url: str) -> dict:
 
     os.environ.setdefault("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")  # path-style: an S3-compatible server
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    # its default (1 s below its low-speed limit, then abort) fails on this shared 2-CPU machine: ours' 30 s
+    os.environ.setdefault("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "30000")
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     keys = [k for k in _s3_names(boto3.client("s3"), bucket, prefix) if k.endswith(".safetensors")]
     placer = Placer(model)
