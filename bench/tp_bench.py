@@ -637,7 +637,8 @@ def print_markdown(rounds: list[list[dict]], methods: list[str], visible: bool, 
         "Side by side (issue 19): cold and warm = median over runs of the slowest rank's wall; bytes read = the "
         "worst rank's physical read in the cold load (`/proc/self/io`); peak extra memory = the worst rank's peak "
         "RSS over its warm and cold loads minus its RSS before each (mmapped checkpoint pages count); ratio = ours "
-        f"/ the least value among the peers ({', '.join(m for m in PEERS if m in methods)}) in each column."
+        f"/ the least value among the peers ({', '.join(m for m in PEERS if m in methods)}) that load the right "
+        "values, in each column."
     )
     print()
     print(side_by_side(rounds, methods, visible))
@@ -660,7 +661,7 @@ def side_by_side(rounds: list[list[dict]], methods: list[str], visible: bool) ->
 
     every = [res for ranks in rounds for res in ranks]
     threads = str(every[0]["threads"])
-    rows = []
+    rows, wrong = [], []  # wrong: methods whose shards differ from DTensor's split, left out of the ratio
     for method in methods:
         label = LABELS.get(method, method)
         own = " + its own I/O threads" if method in OWN_THREADS else ""
@@ -680,9 +681,12 @@ def side_by_side(rounds: list[list[dict]], methods: list[str], visible: bool) ->
             else (None, "n/a"),
             (memory, f"{memory / MIB:.1f} MiB"),
         ]
+        if not all(res["methods"][method].get("oracle", True) for res in every):
+            label += " — **wrong values** (not DTensor's split): no peer"
+            wrong.append(method)
         rows.append({"method": method, "label": label, "threads": threads + own, "cells": cells})
     columns = ["cold (median)", "warm (median)", "bytes read (physical, cold, worst rank)", "peak extra memory"]
-    return mdtable.side_by_side(columns, rows, "ours", [m for m in PEERS if m in methods])
+    return mdtable.side_by_side(columns, rows, "ours", [m for m in PEERS if m in methods and m not in wrong])
 
 
 def main(argv: list[str] | None = None) -> int:
