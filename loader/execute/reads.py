@@ -5,11 +5,14 @@ Region reads are grouped per file in source order and read with ``os.preadv`` in
 into the model tensor when the block is one contiguous run of the same dtype into a contiguous destination.
 A buffer mirrors a stretch of the file: blocks read together (a batch) are read at their file offsets
 relative to the batch's first byte, one call per run of touching byte ranges (bytes that several blocks need
-are read once), and each block's values are a strided view of the buffer. A block of many short runs (a
-column shard) is read alone as its byte span, one call per stretch of runs whose gaps hold no page the runs
-do not touch. The ring copies each view into its destination: a plain strided copy into host memory; for a
-CUDA destination a ``non_blocking`` copy out of pinned memory that overlaps the next batch's reads (see
-:mod:`.staging`). No file is memory-mapped: a file that shrinks mid-load is a short read and a
+are read once), and each block's values are a strided view of the buffer. A block of many runs (a column
+shard) whose bytes no other block reads is read one call per page span (a stretch of runs whose gaps hold no
+page the runs do not touch; its runs in closed form, :class:`regiontrace.RunGrid`): either scattered, each run
+straight into its destination row and each gap into a sink, or, where the cost model of
+:mod:`loader.storage.scatter` says copying beats the kernel's cost per iovec (short runs), as its byte span into
+a buffer and out in one strided copy. The ring copies each view into its destination: a plain strided copy
+into host memory; for a CUDA destination a ``non_blocking`` copy out of pinned memory that overlaps the next
+batch's reads (see :mod:`.staging`). No file is memory-mapped: a file that shrinks mid-load is a short read and a
 ``CheckpointError``, never a SIGBUS. Each file's identity (recorded with its header) is checked when it is
 opened for data and again after its last read. Deferred conversions read their sources whole, run, and
 copy the owned boxes of their outputs.
@@ -22,6 +25,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import regiontrace as rt
@@ -31,7 +35,8 @@ from ..checkpoint import SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, box_view, whole_boxes
-from ..storage import RangeReader
+from ..storage import PAGE, RangeReader
+from ..storage.scatter import scatter_pays
 from .pool import ReadPool, acquire, copy_threads, resolve_io_threads, submit_consecutive, submit_staged, torch_threads
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
 
@@ -61,6 +66,47 @@ def _direct_target(block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout)
     if packed != want or any(s == 0 and n > 1 for s, n in zip(block.src_strides, block.shape)):
         return None
     return view
+
+
+def _scatter_targets(
+    block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout, grid: rt.RunGrid
+) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+    """The address in ``dest`` of each run of ``block`` (ascending file order), and the runs' page spans, when the
+    runs can be read straight there — same dtype, no cast, flip or broadcast, each run contiguous in a host
+    destination, runs in file order — and that beats the span read and copy
+    (:func:`~loader.storage.scatter.scatter_pays`); else None."""
+    shape, src, packed = block.shape, block.src_strides, layout.strides
+    if block.casts or dest.dtype != block.source_dtype or layout.flips or layout.count < 2 or grid.gaps is None:
+        return None
+    if dest.device.type != "cpu" or any(s == 0 and n > 1 for s, n in zip(src, shape)):
+        return None
+    spans = grid.spans(PAGE)
+    if not scatter_pays(grid.count, len(spans), sum(b - a for a, b in spans), grid.count * grid.length):
+        return None
+    view = dest_view(block, dest)
+    walked = [j for j in range(len(shape)) if shape[j] > 1]
+    if any(view.stride(j) != packed[j] for j in walked if packed[j] < layout.run):
+        return None  # a run is not contiguous in the destination
+    outer = sorted((j for j in walked if packed[j] >= layout.run), key=lambda j: -layout.steps[j])
+    if [(shape[j], layout.steps[j]) for j in outer] != list(layout.outer):
+        return None
+    item, targets = view.element_size(), np.array([view.data_ptr()], dtype=np.uint64)
+    for j in outer:
+        targets = (targets[:, None] + np.arange(shape[j], dtype=np.uint64) * (view.stride(j) * item)).reshape(-1)
+    return targets, spans
+
+
+def _scattered(
+    executor: BlockExecutor, file: str, block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout, info: TensorInfo
+) -> bool:
+    """Read ``block``'s runs straight into ``dest``, the gaps into a sink (on a pool thread), when that can be and
+    pays (:func:`_scatter_targets`); whether it did."""
+    reader, grid = executor.reader, layout.grid(info.itemsize, info.data_start)
+    scattered = _scatter_targets(block, dest, layout, grid) if getattr(reader, "read_runs_to", None) else None
+    if scattered is not None:
+        read = functools.partial(reader.read_runs_to, file, grid, *scattered)
+        executor.pool.submit(read, functools.partial(executor.progress, grid.count * grid.length), staged=False)
+    return scattered is not None
 
 
 def _whole_copy(r: BlockRead, local: torch.Tensor) -> bool:
@@ -269,6 +315,8 @@ class BlockExecutor:
                 continue
             item = info.itemsize
             span, want = (layout.end - layout.base) * item, layout.count * layout.run * item
+            if alone and self.ring.link_for(dest) is None and _scattered(self, file, r.block, dest, layout, info):
+                continue  # the runs straight into the destination, the gaps into a sink: no copy
             if alone and layout.count > STRIDED_RUNS and align(span) <= cap:
                 self._spanned(file, r, info, dest, layout)
                 continue

@@ -148,6 +148,8 @@ class DirectFileReader(FileReader):
     bounce buffer per thread, the alignment overread counted in ``gap_bytes``. A file whose filesystem refuses
     ``O_DIRECT`` is read through the page cache (one log line per reader)."""
 
+    read_runs_to = None  # runs are read by aligned windows through the bounce buffer, never scattered into place
+
     def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
         super().__init__(identities)
         self._direct: dict[str, tuple[int, int] | None] = {}  # file -> (descriptor, alignment); None: refused
