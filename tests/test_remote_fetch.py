@@ -25,6 +25,7 @@ from loader.storage import ByteRuns, ObjectIdentity, RangeReader
 from loader.storage.remote import RemoteOptions, RemoteReader, RemoteStore, Transient, remote_store
 from loader.storage.remote.reader import plan as plan_for
 from loader.storage.remote.requests_plan import MAX_OVERREAD, join_limit, merge_ranges, plan_requests
+from regiontrace import RunGrid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -244,6 +245,31 @@ def test_consecutive_reads_and_runs_across_pieces(blob):
             assert out[s - 200_000 : s - 200_000 + 100] == data[s : s + 100]
         assert reader.bytes_read - before == 6400
     assert reader.bytes_read == 100_000 + 6400 and reader.gap_bytes == 0
+
+
+def test_runs_of_a_grid_as_the_executor_gives_them(blob):
+    """A block's runs in closed form (a 2-d grid of 3 x 5 runs of 40 bytes, touching along the inner dim)."""
+    location, data, folder = blob
+    grid = RunGrid(10_000, 40, ((3, 1000), (5, 40)))
+    reader, _ = _reader(folder, True)
+    with reader:
+        reader.will_read(location, grid.touching, sparse=True)
+        out = bytearray(grid.end - grid.first)
+        reader.read_runs(location, grid, memoryview(out), grid.first, wanted=600)
+        reader.verify(location)
+    for s in grid.starts().tolist():
+        assert out[s - grid.first : s - grid.first + 40] == data[s : s + 40]
+    assert reader.bytes_read == 600 and reader.reads == 1
+
+
+def test_verify_frees_what_was_fetched_ahead_and_not_read(blob):
+    location, _, folder = blob
+    reader, _ = _reader(folder)
+    with reader:
+        reader.will_read(location, lambda: [(a, a + 1000) for a in range(0, 1 << 20, 10_000)], sparse=True)
+        assert reader._window.held > 0
+        reader.verify(location)
+        assert reader._window.held == 0
 
 
 def test_the_window_bounds_the_bytes_fetched_ahead(blob):
