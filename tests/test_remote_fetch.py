@@ -335,6 +335,8 @@ def test_a_failure_cancels_the_pending_fetches(blob):
         with pytest.raises(CheckpointError, match="403") as e:
             reader.pread_into(location, 0, bytearray(10_000))
         assert e.value.path == location
+        with pytest.raises(CheckpointError, match="403"):  # the cause again, not a cancellation
+            reader.pread_into(location, 20_000, bytearray(10_000))
         backend.gate.set()
         reader._fetcher.close()  # waits for the fetch that was running
         assert len(backend.calls) <= 3  # the failed one, the one running beside it, at most one starting

@@ -108,15 +108,14 @@ class Fetcher:
         Raises:
             CheckpointError: it failed (see :func:`with_retries`), or the backend answered other lengths.
         """
-        ranges = request.ranges
-        out = with_retries(
-            location,
-            _describe(request),
-            lambda: self.backend.get(location, ranges, identity),
-            self.options,
-            self._stop,
-            self._count_attempt,
-        )
+        ranges, what = request.ranges, _describe(request)
+        call = lambda: self.backend.get(location, ranges, identity)
+        try:
+            out = with_retries(location, what, call, self.options, self._stop, self._count_attempt)
+        except Cancelled:
+            if self.failure is not None:  # stopped by a failure: that is what every read stopped reports
+                raise self.failure from None
+            raise
         if len(out) != len(ranges) or any(len(d) != b - a for d, (a, b) in zip(out, ranges)):
             got = [len(d) for d in out]
             raise err(location, f"{_describe(request)}: the backend returned {got} bytes for the ranges {ranges}")
@@ -152,17 +151,17 @@ class Fetcher:
         except Cancelled:
             raise
         except BaseException as e:
-            with self._lock:
-                self.failure = self.failure or e
-            self.cancel()
+            self.cancel(e)
             raise
 
-    def cancel(self) -> None:
+    def cancel(self, cause: BaseException | None = None) -> None:
         """Stop: pending requests are cancelled, running ones give up before their next attempt; until
-        :meth:`close`, every fetch raises :class:`Cancelled`."""
-        self._stop.set()
+        :meth:`close`, every fetch raises :class:`Cancelled`. ``cause``: the failure that stops the reads (what
+        :meth:`result` raises instead of the cancellation), unless one was recorded first."""
         with self._lock:
+            self.failure = self.failure or cause
             pending, self._pending = self._pending, set()
+        self._stop.set()
         for future in pending:
             future.cancel()
 

@@ -211,8 +211,8 @@ class RemoteReader:
             if missing:
                 requests = plan(self.backend, self.options, [(a, a + len(v)) for a, v in missing])
                 fetch_direct(self._fetcher, location, identity, requests, sorted(missing, key=lambda s: s[0]))
-        except BaseException:
-            self._fail()
+        except BaseException as e:
+            self._fail(e)
             raise
 
     def _submit(self, fetch: Fetch) -> Future[list[bytes]]:
@@ -226,11 +226,12 @@ class RemoteReader:
             identity = self._identities.setdefault(location, stat_identity(self.backend, self.options, location))
         return identity
 
-    def _fail(self) -> None:
-        """Cancel everything pending: a read failed, and the load is stopping."""
+    def _fail(self, cause: BaseException | None = None) -> None:
+        """Cancel everything pending: a read failed (``cause``, what other waiting reads raise too), or the reader
+        is closing."""
         with self._lock:
             futures = self._window.clear()
-        self._fetcher.cancel()
+        self._fetcher.cancel(cause)
         for f in futures:
             f.cancel()
 
