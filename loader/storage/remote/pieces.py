@@ -15,6 +15,7 @@ Not thread-safe: the reader calls everything here under its lock.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -54,7 +55,7 @@ class Piece:
 
     def __init__(self, span: Span, fetch: Fetch, index: int) -> None:
         self.start, self.end, self.fetch, self.index = span.start, span.end, fetch, index
-        self.unserved = [x for ab in span.wanted for x in ab]
+        self.unserved = list(itertools.chain.from_iterable(span.wanted))
         self.left = span.wanted_bytes
 
     @property

@@ -28,6 +28,7 @@ a 2 KiB gap between 100 KiB rows) is joined into few large requests as the cost 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,19 +52,22 @@ class Span:
         end: One past the last byte.
         wanted: The wanted ranges inside it, ascending and disjoint, the first starting at ``start`` and the last
             ending at ``end`` (the bytes between them are gaps, read through and discarded).
+        wanted_bytes: Bytes in ``wanted``.
     """
 
     start: int
     end: int
     wanted: tuple[tuple[int, int], ...]
+    wanted_bytes: int
+
+    @classmethod
+    def of(cls, wanted: tuple[tuple[int, int], ...]) -> Span:
+        """The span of the ``wanted`` ranges (ascending, disjoint, not empty)."""
+        return cls(wanted[0][0], wanted[-1][1], wanted, sum(b - a for a, b in wanted))
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
-
-    @property
-    def wanted_bytes(self) -> int:
-        return sum(b - a for a, b in self.wanted)
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,12 @@ class Request:
         """The ``(start, end)`` ranges to ask the backend for."""
         return [(s.start, s.end) for s in self.spans]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes the request fetches (gaps read through included)."""
-        return sum(s.nbytes for s in self.spans)
+        return sum(s.end - s.start for s in self.spans)
 
-    @property
+    @functools.cached_property
     def wanted_bytes(self) -> int:
         return sum(s.wanted_bytes for s in self.spans)
 
@@ -128,11 +132,11 @@ def join_gaps(merged: np.ndarray, limit: int, max_overread: float = MAX_OVERREAD
     gaps = starts[1:] - ends[:-1]
     join = (gaps <= limit) & (gaps * 2 <= max_overread * (sizes[:-1] + sizes[1:]))
     cuts = np.flatnonzero(~join) + 1
-    bounds = np.concatenate(([0], cuts, [len(merged)])).tolist()
-    rows = merged.tolist()
-    return [
-        Span(rows[i][0], rows[j - 1][1], tuple((a, b) for a, b in rows[i:j])) for i, j in zip(bounds[:-1], bounds[1:])
-    ]
+    bounds = np.concatenate(([0], cuts, [len(merged)]))
+    wanted = np.concatenate(([0], np.cumsum(sizes)))[bounds]
+    rows = list(zip(starts.tolist(), ends.tolist()))
+    bounds, wanted = bounds.tolist(), np.diff(wanted).tolist()
+    return [Span(rows[i][0], rows[j - 1][1], tuple(rows[i:j]), n) for i, j, n in zip(bounds[:-1], bounds[1:], wanted)]
 
 
 def split_span(span: Span, max_bytes: int) -> list[Span]:
@@ -147,7 +151,7 @@ def split_span(span: Span, max_bytes: int) -> list[Span]:
         hi = min(lo + step, span.end)
         inside = tuple((max(a, lo), min(b, hi)) for a, b in span.wanted if a < hi and b > lo)
         if inside:
-            out.append(Span(inside[0][0], inside[-1][1], inside))
+            out.append(Span.of(inside))
     return out
 
 
@@ -190,7 +194,8 @@ def plan_requests(
         raise ValueError(f"limits must be positive: max_request_bytes={max_request_bytes}, max_ranges={max_ranges}")
     merged = merge_ranges(ranges)
     spans = join_gaps(merged, join_limit(gap_bytes, multi_range, max_ranges), max_overread)
-    spans = [part for span in spans for part in split_span(span, max_request_bytes)]
+    if any(s.end - s.start > max_request_bytes for s in spans):
+        spans = [part for span in spans for part in split_span(span, max_request_bytes)]
     if not multi_range or max_ranges == 1:
         return [Request((s,)) for s in spans]
     return group_spans(spans, max_ranges, min(max_request_bytes, max(1, GROUP_LATENCIES * gap_bytes)))
