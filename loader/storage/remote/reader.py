@@ -203,7 +203,7 @@ class RemoteReader:
                 if future is None:  # not fetched (beyond the window) or freed: fetched directly
                     missing.extend((a, dst) for a, _, dst in parts)
                     continue
-                data = self._fetcher.result(future, location)[piece.index]
+                data = memoryview(self._fetcher.result(future, location)[piece.index])  # slices copy nothing
                 for a, b, dst in parts:
                     dst[:] = data[a - piece.start : b - piece.start]
                 with self._lock:
@@ -282,7 +282,7 @@ def fetch_direct(
 
 def _scatter(request: Request, data: list[bytes], segments: list[Segment], starts: list[int]) -> None:
     """Copy each span's bytes into the ``segments`` (ascending by ``starts``) it overlaps."""
-    for span, chunk in zip(request.spans, data):
+    for span, chunk in zip(request.spans, map(memoryview, data)):
         i = max(bisect.bisect_right(starts, span.start) - 1, 0)
         while i < len(segments) and starts[i] < span.end:
             a, dst = segments[i]
