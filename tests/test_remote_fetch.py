@@ -487,6 +487,20 @@ def test_a_column_shard_over_s3_a_request_per_row(served):
         store = remote_store(url, {"endpoint_url": endpoint, "key": "testing", "secret": "testing"})
         reader = _read_column_shard(store, data)
         assert reader.bytes_read == ROWS * SHARD_BYTES and reader.reads == ROWS
+        # requests dearer than bytes: the user lets the cost model read the gaps through, in a few large requests
+        options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "max_overread": 4.0}
+        reader = _read_column_shard(remote_store(url, options), data)
+        assert reader.reads <= 2 and reader.bytes_read - reader.gap_bytes == ROWS * SHARD_BYTES
+        assert reader.bytes_read < (ROWS + 1) * ROW_BYTES
+
+
+def test_max_overread_is_validated():
+    with pytest.raises(ValueError, match="max_overread"):
+        RemoteOptions.split({"max_overread": -1.0})
+    assert RemoteOptions.split({"max_overread": 0, "endpoint_url": "x"}) == (
+        RemoteOptions(max_overread=0),
+        {"endpoint_url": "x"},
+    )
 
 
 def test_a_server_error_is_retried_by_the_reader(faults, served):

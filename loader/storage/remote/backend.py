@@ -42,6 +42,10 @@ class RemoteOptions:
         max_request_bytes: A range larger than this is split into several requests (fetched in parallel).
         max_ranges: Ranges one multi-range request may carry (where the backend supports them; 1: never).
         window_bytes: Bytes fetched ahead of the reads at most (bounds the reader's memory).
+        max_overread: Gap bytes read through for fewer requests, at most, as a fraction of the bytes wanted
+            (:mod:`.requests_plan`): 0.05 keeps a column shard's bytes within 1.05x, at one request per row on a
+            store without multi-range requests (S3); raise it where requests cost more than bytes (a fast link to
+            a distant store): the cost model then reads small gaps through.
     """
 
     concurrency: int = 8
@@ -53,6 +57,7 @@ class RemoteOptions:
     max_request_bytes: int = 64 << 20
     max_ranges: int = 64
     window_bytes: int = 512 << 20
+    max_overread: float = 0.05
 
     @classmethod
     def split(cls, storage_options: Mapping[str, object]) -> tuple[RemoteOptions, dict[str, object]]:
@@ -68,7 +73,7 @@ class RemoteOptions:
             kind = float if names[k].type == "float" else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
                 raise ValueError(f"storage_options[{k!r}] must be a {kind.__name__}, got {v!r}")
-            if v <= 0 and k not in ("retries", "backoff", "latency"):
+            if v <= 0 and k not in ("retries", "backoff", "latency", "max_overread"):
                 raise ValueError(f"storage_options[{k!r}] must be positive, got {v!r}")
             if v < 0:
                 raise ValueError(f"storage_options[{k!r}] must not be negative, got {v!r}")

@@ -256,6 +256,7 @@ def plan(backend: Backend, options: RemoteOptions, ranges: Sequence[tuple[int, i
         max_request_bytes=options.max_request_bytes,
         multi_range=bool(getattr(backend, "multi_range", False)),
         max_ranges=options.max_ranges,
+        max_overread=options.max_overread,
     )
 
 
