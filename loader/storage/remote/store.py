@@ -32,6 +32,7 @@ class RemoteStore:
         self.root = root.rstrip("/")
         self.backend = backend
         self.options = options if options is not None else RemoteOptions()
+        self._seen: dict[str, ObjectIdentity] = {}  # exists() answers, used once by the read that follows
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.root!r})"
@@ -40,7 +41,10 @@ class RemoteStore:
         return f"{self.root}/{name}"
 
     def exists(self, location: str) -> bool:
-        return self._stat(location) is not None
+        identity = self._stat(location)
+        if identity is not None:
+            self._seen[location] = identity  # the read that follows need not ask again: its GET checks the identity
+        return identity is not None
 
     def list_names(self) -> list[str] | None:
         return None
@@ -74,7 +78,7 @@ class RemoteStore:
         return with_retries(location, "stat", lambda: self.backend.stat(location), self.options)
 
     def _found(self, location: str) -> ObjectIdentity:
-        identity = self._stat(location)
+        identity = self._seen.pop(location, None) or self._stat(location)
         if identity is None:
             raise CheckpointNotFoundError(f"{location}: not found", path=location)
         return identity
