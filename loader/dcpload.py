@@ -99,6 +99,7 @@ class DcpLoad:
     items: dict[str, _BlockItem | _SourceItem] = field(default_factory=dict)
     pending: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     bytes_read: int = 0
+    requests: int = 0
 
     def local_plan(self) -> LoadPlan:
         """The ``LoadPlan`` of this rank: one ``ReadItem`` per block read, one per source of a deferred conversion.

@@ -185,9 +185,9 @@ def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: RangeReader, options
     ``planner.planned_reads`` lists them; with ``options.rollback``, a failure restores every tensor the plan
     writes (every rank's, in a distributed load)."""
     plan, reads, deferred = planner.planned_reads(dcp_plan)
-    before = reader.bytes_read
+    before, calls = reader.bytes_read, reader.reads
     if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
         read_together(plan, reader, reads, deferred, options)
     else:
         execute_plan(plan, reader, options, reads=reads, deferred=deferred)
-    planner.add_bytes_read(reader.bytes_read - before)
+    planner.add_bytes_read(reader.bytes_read - before, reader.reads - calls)
