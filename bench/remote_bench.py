@@ -2,7 +2,8 @@
 held to a bandwidth limit; bytes on the wire per rank against its shard bytes, requests, walls, against peers.
 
     python bench/remote_bench.py [--out DIR] [--layers N] [--rate MB_PER_S] [--rounds N] [--layouts tp,ep]
-                                 [--servers http,s3] [--methods ours,download,runai] [--markdown]
+                                 [--servers http,s3] [--methods ours,ours_overread,download,runai]
+                                 [--overread F] [--max-requests N] [--log DIR] [--markdown]
 
 A Qwen3-MoE-shaped checkpoint (bench/common.py's shape with ``--layers`` layers, default 2: about 235 MiB bf16,
 ``save_pretrained``'s layout: per-expert tensors, 4 shards + index) is written once to ``DIR/hf`` and served on
@@ -20,6 +21,8 @@ experts, ``Shard(0)``), then per round, layout and server, run the methods one a
 (the order of the methods turns by one each round):
 
 * ``ours``: ``load_hf_checkpoint(model, URL)`` (each rank fetches its byte ranges: loader/storage/remote);
+* ``ours_overread``: the same with ``storage_options={"max_overread": OVERREAD}`` (``--overread``, default 3.0): the
+  cost model may read gaps through up to that fraction of the bytes wanted — a column shard's in a few requests;
 * ``download``: every file to a local folder, then ``load_hf_checkpoint`` from there (bench/remote_peers.py);
 * ``runai``: runai-model-streamer streams every tensor whole from ``s3://``, each rank cuts its shard (vLLM-style;
   S3 only).
@@ -50,7 +53,7 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 WORLD = 4
 MIB = 1 << 20
 BUCKET = "bench"
-METHODS = ("ours", "download", "runai")
+METHODS = ("ours", "ours_overread", "download", "runai")
 SERVERS = ("http", "s3")
 LAYOUTS = ("tp", "ep")
 
@@ -85,16 +88,21 @@ def generate(out: str, layers: int) -> str:
 # one rank
 
 
-def load_ours(model, url: str) -> dict:
+def load_ours(model, url: str, options: dict | None = None) -> dict:
     from loader import load_hf_checkpoint
 
-    report = load_hf_checkpoint(model, url, progress=False)
+    report = load_hf_checkpoint(model, url, progress=False, storage_options=options or None)
     return {"bytes_read": report.bytes_read, "requests": report.requests}
 
 
-def planned(model, folder: str, multi_range: bool) -> dict:
+def ours_options(method: str, spec: dict) -> dict:
+    """The storage options of an ``ours`` method: none for ``ours``, ``max_overread`` for ``ours_overread``."""
+    return {"max_overread": spec["overread"]} if method == "ours_overread" else {}
+
+
+def planned(model, folder: str, multi_range: bool, options: dict) -> dict:
     """The requests and bytes ours would fetch for this rank's shards (the plan's byte runs through the remote
-    store's request planner with the default options; headers, index and config left out), without fetching."""
+    store's request planner with ``options``; headers, index and config left out), without fetching."""
     from loader import HFLoadPlanner, SafetensorsCheckpoint
     from loader.storage.remote import RemoteOptions
     from loader.storage.remote.requests_plan import plan_requests
@@ -106,7 +114,7 @@ def planned(model, folder: str, multi_range: bool) -> dict:
         for a, n in r.block.source_runs():
             start = info.data_start + a * info.itemsize
             by_file.setdefault(info.file, []).append((start, start + n * info.itemsize))
-    o = RemoteOptions()
+    o = RemoteOptions(**options)
     requests = [
         q
         for ranges in by_file.values()
@@ -116,17 +124,18 @@ def planned(model, folder: str, multi_range: bool) -> dict:
             max_request_bytes=o.max_request_bytes,
             multi_range=multi_range,
             max_ranges=o.max_ranges,
+            max_overread=o.max_overread,
         )
     ]
     return {"requests": len(requests), "bytes": sum(q.nbytes for q in requests)}
 
 
-def method_for(method: str, server: str):
+def method_for(method: str, server: str, spec: dict):
     """The loader of ``method`` from ``server``, or the reason it cannot run there (a string)."""
     import remote_peers
 
-    if method == "ours":
-        return ours_available() or load_ours
+    if method.startswith("ours"):
+        return ours_available() or functools.partial(load_ours, options=ours_options(method, spec))
     if server not in remote_peers.PEERS[method]:
         return remote_peers.WHY_NOT[(method, server)]
     return remote_peers.PEERS[method][server]
@@ -176,7 +185,7 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
     for layout in spec["layouts"]:
         model = build_sharded_model(spec["folder"], mesh, False, layout)
         result["shard_bytes"][layout] = shard_bytes(model)
-        if spec["warmup"] and not isinstance(method_for("ours", spec["servers"][0]), str):
+        if spec["warmup"] and not isinstance(method_for("ours", spec["servers"][0], spec), str):
             if rank == 0:
                 remote_peers.mark(spec["urls"][spec["servers"][0]], f"warmup/{layout}")  # not in the tables
             measure(load_ours, model, folders[spec["servers"][0]])  # imports, transformers' mapping: unmeasured
@@ -186,17 +195,17 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
             for server in spec["servers"]:
                 for method in spec["methods"][turn:] + spec["methods"][:turn]:
                     tag = f"{n}/{layout}/{server}/{method}"
-                    fn = method_for(method, server)
+                    fn = method_for(method, server, spec)
                     if isinstance(fn, str):
                         result["runs"].append({"tag": tag, "error": fn})
                         continue
-                    if method == "ours":
-                        if server not in plans:  # one decision for every rank
-                            plans[server] = planned(model, spec["folder"], server == "http")
-                            most = torch.tensor([plans[server]["requests"]])
+                    if method.startswith("ours"):
+                        if (server, method) not in plans:  # one decision for every rank
+                            plan = planned(model, spec["folder"], server == "http", ours_options(method, spec))
+                            most = torch.tensor([plan["requests"]])
                             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-                            plans[server]["most"] = int(most.item())
-                        plan = plans[server]
+                            plans[server, method] = {**plan, "most": int(most.item())}
+                        plan = plans[server, method]
                         if plan["most"] > spec["max_requests"]:
                             result["runs"].append({"tag": tag, "skipped": plan})
                             continue
@@ -381,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         default=5000,
         help="ours is not run where it plans more requests per rank (its plan is shown instead); default 5000",
     )
+    parser.add_argument(
+        "--overread",
+        type=float,
+        default=3.0,
+        help="ours_overread's max_overread storage option (default 3.0: a quarter-column shard's gaps read through)",
+    )
     parser.add_argument("--log", metavar="DIR", help="write each server's request log there (JSON)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured first load of ours")
     parser.add_argument("--markdown", action="store_true", help="print the tables docs/benchmarks.md holds")
@@ -421,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             "layouts": args.layouts.split(","),
             "rounds": args.rounds,
             "max_requests": args.max_requests,
+            "overread": args.overread,
             "warmup": not args.no_warmup,
             "store": os.path.join(tmp, "store"),
             "results": tmp,
