@@ -137,7 +137,19 @@ class Deadline:
             self._armed = False
 
     def _expire(self, signum: int, frame: Any) -> None:
+        if _in_finalizer(frame):  # an exception there is only printed ("Exception ignored in ..."): a bit later
+            signal.setitimer(signal.ITIMER_REAL, 0.01)
+            return
         raise TimedOut
+
+
+def _in_finalizer(frame: Any) -> bool:
+    """Whether ``frame`` runs inside a ``__del__`` (where an exception cannot propagate)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _run(args: argparse.Namespace, deadline: Deadline, temporary: str | None) -> int:
