@@ -44,8 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._torch import StridedShard, local_shape, shard_size_and_offsets, tensor_tables
-from .plan.slots import Box, TargetSlot, storage_of, whole_boxes
+from ._torch import StridedShard, local_shape, local_tensor, shard_size_and_offsets, tensor_tables
+from .plan.slots import Box, TargetSlot, whole_boxes
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -145,19 +145,21 @@ def _shard_boxes(
 def slot_for(name: str, tensor: torch.Tensor) -> TargetSlot:
     """The slot of ``tensor`` on this rank: a DTensor's local shard boxes, or the whole tensor."""
     data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor  # (each .data is a new object)
-    if type(data) is torch.Tensor or not is_dtensor(data):  # plain_slot without asking for .data again
+    # a DTensor's .data is a dispatched op (a warm load builds every slot): asked for once, its local shard kept
+    local = None if type(data) is torch.Tensor else local_tensor(data)
+    if local is None:  # plain_slot without asking for .data again
         shape = tuple(data.shape)
         return TargetSlot(name, shape, data.dtype, data, whole_boxes(shape))
     mesh = data.device_mesh
     coord = mesh.get_coordinate()
     shape = tuple(data.shape)
     if coord is None:
-        return TargetSlot(name, shape, data.dtype, storage_of(tensor), ())
+        return TargetSlot(name, shape, data.dtype, local, ())
     try:
         boxes = shard_boxes(shape, tuple(mesh.shape), coord, data.placements)
     except ValueError as e:
         raise ValueError(f"model tensor {name!r}: {e}") from None
-    return TargetSlot(name, shape, data.dtype, storage_of(tensor), boxes)
+    return TargetSlot(name, shape, data.dtype, local, boxes)
 
 
 # ---------------------------------------------------------------------------------------------------
