@@ -95,13 +95,13 @@ def read_scattered(
     sink = np.empty(max(2 * PAGE, int(gaps[joined].max()) if joined.any() else 0), dtype=np.uint8)
     iov[at[:-1][joined] + 1, 0], iov[at[:-1][joined] + 1, 1] = sink.ctypes.data, gaps[joined]
     bounds = np.append(at[first], len(iov)).tolist()
-    calls = 0
-    for k, (a, _) in enumerate(spans):
+    address, calls = iov.ctypes.data, 0
+    for k, (a, b) in enumerate(spans):  # a few integer operations per span: a column shard may have one per row
         lo, hi, offset = bounds[k], bounds[k + 1], a
         while lo < hi:
             count = min(IOV_MAX, hi - lo)
-            want = int(iov[lo : lo + count, 1].sum())
-            got = _PREADV(fd, iov.ctypes.data + 16 * lo, count, offset)
+            want = b - offset if count == hi - lo else int(iov[lo : lo + count, 1].sum())
+            got = _PREADV(fd, address + 16 * lo, count, offset)
             calls += 1
             if got < 0:
                 code = ctypes.get_errno()
