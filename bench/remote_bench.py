@@ -211,7 +211,19 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
                             continue
                     if rank == 0:
                         remote_peers.mark(spec["urls"][server], tag)
+                    profile = spec.get("profile") == method and rank == 0 and n == 0
+                    if profile:
+                        import cProfile
+
+                        prof = cProfile.Profile()
+                        prof.enable()
                     run = {"tag": tag, **measure(fn, model, folders[server])}
+                    if profile:
+                        import pstats
+
+                        prof.disable()
+                        print(f"--- rank 0, {tag}", file=sys.stderr)
+                        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
                     if "error" not in run:
                         values = {k: v.clone() for k, v in locals_of(model).items()}
                         if reference is None:
@@ -396,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         default=3.0,
         help="ours_overread's max_overread storage option (default 3.0: a quarter-column shard's gaps read through)",
     )
+    parser.add_argument("--profile", metavar="METHOD", help="cProfile rank 0's first load with METHOD (to stderr)")
     parser.add_argument("--log", metavar="DIR", help="write each server's request log there (JSON)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured first load of ours")
     parser.add_argument("--markdown", action="store_true", help="print the tables docs/benchmarks.md holds")
@@ -437,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "max_requests": args.max_requests,
             "overread": args.overread,
+            "profile": args.profile,
             "warmup": not args.no_warmup,
             "store": os.path.join(tmp, "store"),
             "results": tmp,
