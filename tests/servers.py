@@ -61,6 +61,19 @@ class ServerUnavailable(RuntimeError):
     """The server's program is not installed here (tests skip with this message)."""
 
 
+def serve(manager: contextlib.AbstractContextManager) -> Iterator:
+    """Yield what a server context manager yields (for ``yield from`` in a pytest fixture); skip the test when the
+    server's program is not installed."""
+    with contextlib.ExitStack() as stack:
+        try:
+            value = stack.enter_context(manager)
+        except ServerUnavailable as e:
+            import pytest
+
+            pytest.skip(str(e))
+        yield value
+
+
 class LoggedRequest(NamedTuple):
     """One request a server answered: ``status`` 0 when it never answered (``hang``, ``reset``)."""
 

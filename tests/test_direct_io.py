@@ -19,11 +19,10 @@ from hf_models import build, clone_state, save
 from test_read_faults import truncate
 from test_staging import STAGING, assert_bit_equal, expected, targets, write_files
 
-from loader import CheckpointError, SafetensorsCheckpoint, SafetensorsReader, load_hf_checkpoint
+from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileReader
 from loader.execute import BlockExecutor
 from loader.execute.staging import StagingRing
-from loader.options import LoadOptions
 from loader.storage import direct
 from loader.storage.direct import DirectFileReader
 
@@ -154,15 +153,3 @@ def test_tmpfs_direct_io_loads_or_falls_back(monkeypatch):
         load_hf_checkpoint(model, folder, direct_io=True, progress=False)
         for name, value in clone_state(source).items():
             assert torch.equal(model.state_dict()[name], value), name
-
-
-@pytest.mark.parametrize("bad", [1, "yes", None])
-def test_direct_io_is_validated_where_options_are_built(tmp_path, bad):
-    _, source = build("qwen3_moe", seed=0)
-    save(source, tmp_path)
-    with pytest.raises(ValueError, match="direct_io"):
-        LoadOptions(direct_io=bad)
-    with pytest.raises(ValueError, match="direct_io"):
-        load_hf_checkpoint(source, str(tmp_path), direct_io=bad, progress=False)
-    with pytest.raises(ValueError, match="direct_io"):
-        SafetensorsReader(str(tmp_path), direct_io=bad)

@@ -166,16 +166,19 @@ def test_a_normal_column_shard_load_with_threads_is_bit_exact(tmp_path):
     assert bit_equal(state(net), want)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"])
-def test_io_threads_is_validated_where_options_are_built(tmp_path, bad):
+@pytest.mark.parametrize(
+    "option, bad",
+    [("io_threads", v) for v in (0, -1, 2.0, True, "2")] + [("direct_io", v) for v in (1, "yes", None)],
+)
+def test_read_options_are_validated_where_options_are_built(tmp_path, option, bad):
     _, source = build("qwen3_moe", seed=0)
     save(source, tmp_path)
-    with pytest.raises(ValueError, match="io_threads"):
-        LoadOptions(io_threads=bad)
-    with pytest.raises(ValueError, match="io_threads"):
-        load_hf_checkpoint(source, str(tmp_path), io_threads=bad, progress=False)
-    with pytest.raises(ValueError, match="io_threads"):
-        SafetensorsReader(str(tmp_path), io_threads=bad)
+    with pytest.raises(ValueError, match=option):
+        LoadOptions(**{option: bad})
+    with pytest.raises(ValueError, match=option):
+        load_hf_checkpoint(source, str(tmp_path), progress=False, **{option: bad})
+    with pytest.raises(ValueError, match=option):
+        SafetensorsReader(str(tmp_path), **{option: bad})
 
 
 def test_the_automatic_setting_shares_the_cpus_among_the_ranks_on_this_host(monkeypatch):

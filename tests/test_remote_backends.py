@@ -30,15 +30,6 @@ NAME = "model.safetensors"
 FAST = RemoteOptions(timeout=1.0)
 
 
-def serve(manager):
-    """Yield what a server context manager yields; skip when its program is not installed."""
-    try:
-        with manager as value:
-            yield value
-    except servers.ServerUnavailable as e:
-        pytest.skip(str(e))
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """A real safetensors file, in a plain folder and in a Hub layout under ``hub/`` (``main`` -> the commit)."""
@@ -60,24 +51,24 @@ def data(root) -> bytes:
 
 @pytest.fixture(scope="module")
 def web(root):
-    yield from serve(servers.nginx(root))
+    yield from servers.serve(servers.nginx(root))
 
 
 @pytest.fixture(scope="module")
 def hub(root):
-    yield from serve(servers.nginx(root / "hub", hub=True))
+    yield from servers.serve(servers.nginx(root / "hub", hub=True))
 
 
 @pytest.fixture(scope="module")
 def s3(root):
-    for endpoint in serve(servers.s3_server()):
+    for endpoint in servers.serve(servers.s3_server()):
         servers.put_folder(endpoint, "ckpt", "models/tiny", root)
         yield endpoint
 
 
 @pytest.fixture(scope="module")
 def faults_server(root):
-    yield from serve(servers.fault_server(root))
+    yield from servers.serve(servers.fault_server(root))
 
 
 @pytest.fixture

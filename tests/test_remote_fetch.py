@@ -423,14 +423,6 @@ def test_the_remote_store(blob):
 ROWS, ROW_BYTES, SHARD_BYTES = 256, 8 << 10, 2 << 10  # a bf16 weight of 4096 columns; a rank of four's columns
 
 
-def _serve(manager):
-    try:
-        with manager as value:
-            yield value
-    except servers.ServerUnavailable as e:
-        pytest.skip(str(e))
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A 2 MiB object (a weight of ROWS rows of ROW_BYTES) in a folder: ``(folder, its bytes)``."""
@@ -443,7 +435,7 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def faults_server(served):
     pytest.importorskip("requests")
-    yield from _serve(servers.fault_server(served[0]))
+    yield from servers.serve(servers.fault_server(served[0]))
 
 
 @pytest.fixture
@@ -470,7 +462,7 @@ def _read_column_shard(store: RemoteStore, data: bytes, rank: int = 1) -> Remote
 def test_a_column_shard_over_nginx_in_multi_range_requests(served):
     pytest.importorskip("requests")
     folder, data = served
-    for url in _serve(servers.nginx(folder)):
+    for url in servers.serve(servers.nginx(folder)):
         store = remote_store(url, {})
         reader = _read_column_shard(store, data)
         assert reader.bytes_read == ROWS * SHARD_BYTES and reader.gap_bytes == 0  # no gap fetched
@@ -482,7 +474,7 @@ def test_a_column_shard_over_nginx_in_multi_range_requests(served):
 def test_a_column_shard_over_s3_a_request_per_row(served):
     pytest.importorskip("boto3")
     folder, data = served
-    for endpoint in _serve(servers.s3_server()):
+    for endpoint in servers.serve(servers.s3_server()):
         url = servers.put_folder(endpoint, "ckpt", "tiny", folder)
         store = remote_store(url, {"endpoint_url": endpoint, "key": "testing", "secret": "testing"})
         reader = _read_column_shard(store, data)

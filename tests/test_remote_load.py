@@ -35,14 +35,6 @@ SHARDED = "llama_sharded"  # llama saved in 20 KB shards: an index and several f
 FAST = {"retries": 1, "backoff": 0.01, "timeout": 1.0}
 
 
-def serve(manager):
-    try:
-        with manager as value:
-            yield value
-    except servers.ServerUnavailable as e:
-        pytest.skip(str(e))
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """``{name: local folder}`` for each family and :data:`SHARDED`, under ``plain/``; the same files as Hub repos
@@ -65,24 +57,24 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def web(folders):
-    yield from serve(servers.nginx(folders[SHARDED].parent))
+    yield from servers.serve(servers.nginx(folders[SHARDED].parent))
 
 
 @pytest.fixture(scope="module")
 def hub(folders):
-    yield from serve(servers.nginx(folders[SHARDED].parent.parent / "hub", hub=True))
+    yield from servers.serve(servers.nginx(folders[SHARDED].parent.parent / "hub", hub=True))
 
 
 @pytest.fixture(scope="module")
 def s3(folders):
-    for endpoint in serve(servers.s3_server()):
+    for endpoint in servers.serve(servers.s3_server()):
         servers.put_folder(endpoint, BUCKET, "models", folders[SHARDED].parent)
         yield endpoint
 
 
 @pytest.fixture(scope="module")
 def faults_server(folders):
-    yield from serve(servers.fault_server(folders[SHARDED].parent))
+    yield from servers.serve(servers.fault_server(folders[SHARDED].parent))
 
 
 @pytest.fixture

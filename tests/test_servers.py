@@ -3,7 +3,6 @@ moto's S3, and each fault the fault server can be told to make. Servers are shar
 
 from __future__ import annotations
 
-import contextlib
 import email.parser
 import email.policy
 import os
@@ -20,16 +19,6 @@ requests = pytest.importorskip("requests")
 SIZE = 70_000
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TIMEOUT = 10  # seconds for answers that come; ``hang`` uses a short one
-
-
-def serve(manager):
-    """Yield what a server context manager yields; skip when its program is not installed."""
-    with contextlib.ExitStack() as stack:
-        try:
-            value = stack.enter_context(manager)
-        except servers.ServerUnavailable as e:
-            pytest.skip(str(e))
-        yield value
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +40,22 @@ def root(tmp_path_factory, data):
 
 @pytest.fixture(scope="module")
 def web(root):
-    yield from serve(servers.nginx(root))
+    yield from servers.serve(servers.nginx(root))
 
 
 @pytest.fixture(scope="module")
 def hub(root):
-    yield from serve(servers.nginx(root / "hub", hub=True))
+    yield from servers.serve(servers.nginx(root / "hub", hub=True))
 
 
 @pytest.fixture(scope="module")
 def s3(root):
-    yield from serve(servers.s3_server())
+    yield from servers.serve(servers.s3_server())
 
 
 @pytest.fixture(scope="module")
 def faults_server(root):
-    yield from serve(servers.fault_server(root))
+    yield from servers.serve(servers.fault_server(root))
 
 
 @pytest.fixture
@@ -140,7 +129,7 @@ def test_nginx_overlapping_ranges_larger_than_the_file_are_ignored(web, data):
 
 
 def test_nginx_limit_rate_serves_the_same_bytes(root, data):
-    for url in serve(servers.nginx(root, limit_rate=10_000_000)):
+    for url in servers.serve(servers.nginx(root, limit_rate=10_000_000)):
         check_single_range(url + "/model.safetensors", data)
 
 
@@ -204,7 +193,7 @@ def test_s3_ranged_get_etag_and_if_match(s3, root, data, monkeypatch):
 def test_throttle_proxies_s3_ranges_and_etags(s3, root, data):
     """A bandwidth-limited nginx proxy in front of moto keeps 206, Content-Range, ETag and If-Match; its log counts."""
     servers.put_folder(s3, "throttled", "", root)
-    for proxy in serve(servers.throttle(s3, limit_rate=50_000_000)):
+    for proxy in servers.serve(servers.throttle(s3, limit_rate=50_000_000)):
         client = servers.s3_client(proxy)
         got = client.get_object(Bucket="throttled", Key="model.safetensors", Range="bytes=100-1099")
         assert got["ContentRange"] == f"bytes 100-1099/{SIZE}" and got["Body"].read() == data[100:1100]
@@ -283,7 +272,7 @@ def test_servers_leave_no_process_behind(root):
     pids = []
     for manager in (servers.nginx(root), servers.fault_server(root)):
         with pytest.raises(RuntimeError, match="boom"):
-            for url in serve(manager):
+            for url in servers.serve(manager):
                 pids.append(url.pid if isinstance(url, str) else url[0].pid)
                 os.killpg(pids[-1], 0)  # running
                 raise RuntimeError("boom")

@@ -19,11 +19,30 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from ...errors import CheckpointError
 from ..base import ObjectIdentity
 
 
 class Transient(Exception):
     """A request failed in a way a retry may cure (5xx, a reset, a short body, a timeout)."""
+
+
+class ErrorMap:
+    """A context manager: a library's exceptions raised as :class:`Transient` or a ``CheckpointError`` naming
+    ``name``, by :meth:`translate` (what it does not translate propagates as it is)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, _tb: object) -> None:
+        if error is not None and not isinstance(error, (CheckpointError, Transient)):
+            self.translate(error)
+
+    def translate(self, error: BaseException) -> None:
+        """Raise what ``error`` stands for; return to let it propagate."""
 
 
 @dataclass(frozen=True)

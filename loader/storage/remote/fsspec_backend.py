@@ -22,7 +22,7 @@ import fsspec
 
 from ...errors import CheckpointError
 from ..base import ObjectIdentity
-from .backend import Transient
+from .backend import ErrorMap, Transient
 from .checks import changed
 
 #: ``fs.info`` keys that name a version, first present wins
@@ -37,18 +37,10 @@ def info_identity(info: Mapping[str, object]) -> ObjectIdentity:
     return ObjectIdentity(int(info["size"]), etag, version)
 
 
-class fs_errors:
+class fs_errors(ErrorMap):
     """A context manager: a filesystem's exceptions as :class:`Transient` or ``CheckpointError`` naming ``name``."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, error: BaseException | None, _tb: object) -> None:
-        if error is None or isinstance(error, (CheckpointError, Transient)):
-            return
+    def translate(self, error: BaseException) -> None:
         name = self.name
         if isinstance(error, FileNotFoundError):
             raise CheckpointError(f"{name}: not found", path=name) from error

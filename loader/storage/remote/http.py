@@ -42,7 +42,7 @@ from requests_toolbelt.multipart.decoder import (
 
 from ...errors import CheckpointError
 from ..base import ObjectIdentity
-from .backend import RemoteOptions, Transient
+from .backend import ErrorMap, RemoteOptions, Transient
 from .checks import changed, check_part, check_status, parse_content_range, range_header, redact
 
 log = logging.getLogger(__name__)
@@ -106,18 +106,10 @@ def merged_headers(response: requests.Response) -> dict[str, str]:
     return headers
 
 
-class transport_errors:
+class transport_errors(ErrorMap):
     """A context manager: what ``requests``/``urllib3`` raise, as :class:`Transient` or ``CheckpointError``."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, error: BaseException | None, _tb: object) -> None:
-        if error is None or isinstance(error, (CheckpointError, Transient)):
-            return
+    def translate(self, error: BaseException) -> None:
         if isinstance(error, requests.exceptions.SSLError):
             raise CheckpointError(f"{self.name}: TLS failed: {error}", path=self.name) from error
         transient = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
