@@ -81,7 +81,7 @@ def load_hf_checkpoint(
             docs/remote.md); only for URLs.
         io_threads: threads reading (and copying) independent blocks at once, sharing the staging budget.
             None: from the CPUs this process may use, shared with the other ranks on this host (1 when ranks
-            already fill the cores).
+            already fill the cores, or when the checkpoint is not in the page cache: a cold load reads in one stream).
         direct_io: read local files with ``O_DIRECT``, bypassing the page cache (a cold load of a checkpoint
             read once); where the filesystem refuses it, a log line and buffered reads.
 

@@ -110,7 +110,8 @@ class LoadOptions:
             one of them, and broadcast it.
         io_threads: threads reading (and copying) independent blocks at once; the staging budget (two buffers
             of ``staging_bytes``) is split among them. None: from the CPUs this process may use, shared with the
-            other ranks on this host (1 when ranks already fill the cores).
+            other ranks on this host (1 when ranks already fill the cores), and 1 for a checkpoint whose first
+            blocks are not in the page cache (a cold load: one stream of reads measured faster on disk here).
         direct_io: read local files with ``O_DIRECT`` (bypassing the page cache: for checkpoints read once, or
             larger than the cache), through aligned buffers; where a filesystem refuses it (tmpfs), a log line
             and buffered reads.

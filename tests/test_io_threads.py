@@ -10,6 +10,7 @@ and with ``rollback`` every tensor as it was.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -207,3 +208,23 @@ def test_chunks_cut_consecutive_views_into_groups_of_a_size():
     assert [at for at, _ in groups] == [100 + 128 * i for i in range(len(groups))]
     assert all(sum(v.nbytes for v in g) <= 128 for _, g in groups)
     assert b"".join(bytes(v) for _, g in groups for v in g) == bytes(data)
+
+
+def test_the_page_cache_probe_tells_a_cold_file_from_a_warm_one(tmp_path):
+    """``FileReader.cached`` (what the automatic ``io_threads`` asks: a cold checkpoint is read in one stream) reads
+    nothing from the disk to answer: dropped pages are reported as such, and cached once read."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    with FileReader() as reader:
+        if reader.cached(str(path), 0) is None:
+            pytest.skip("the kernel cannot tell (no RWF_NOWAIT)")
+        assert reader.cached(str(path), 0) is True  # just written
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        if reader.cached(str(path), 512 << 10):
+            pytest.skip("this filesystem keeps its pages (tmpfs)")
+        assert reader.cached(str(path), 512 << 10) is False  # asking did not read it
+        reader.pread_into(str(path), 512 << 10, bytearray(4096))
+        assert reader.cached(str(path), 512 << 10) is True

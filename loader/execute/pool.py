@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -62,6 +63,24 @@ def cpu_share() -> int:
 def resolve_io_threads(io_threads: int | None) -> int:
     """``io_threads``, or for None the CPU share (at most :data:`MAX_AUTO_THREADS`)."""
     return io_threads if io_threads is not None else min(MAX_AUTO_THREADS, cpu_share())
+
+
+#: blocks whose first byte :func:`in_page_cache` probes
+CACHE_PROBES = 8
+
+
+def in_page_cache(reader: object, checkpoint: Any, reads: Sequence[Any]) -> bool:
+    """Whether the checkpoint's bytes ``reads`` start at look to be in the page cache (a warm load): the first byte
+    of up to :data:`CACHE_PROBES` blocks spread over the reads, asked without waiting for the disk. True where the
+    reader cannot tell (a remote store)."""
+    probe = getattr(reader, "cached", None)
+    if probe is None or not reads:
+        return True
+    for r in reads[:: max(1, len(reads) // CACHE_PROBES)][:CACHE_PROBES]:
+        info = checkpoint[r.block.source]
+        if probe(info.file, info.data_start + r.block.source_span()[0] * info.itemsize) is False:
+            return False
+    return True
 
 
 def copy_threads(io_threads: int) -> int:

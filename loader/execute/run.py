@@ -13,7 +13,7 @@ from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
 from ..plan.gcpause import paused_gc
 from ..storage import RangeReader
 from .deferred import run_deferred
-from .pool import resolve_io_threads
+from .pool import in_page_cache, resolve_io_threads
 from .reads import BlockExecutor
 from .staging import StagingRing
 from .values import run_values
@@ -65,6 +65,11 @@ def execute_plan(
     bar = _progress_bar(options.progress, plan)
     try:
         threads = resolve_io_threads(options.io_threads)
+        if options.io_threads is None and threads > 1 and not options.direct_io:
+            reads = reads if isinstance(reads, Sequence) else list(reads)
+            # a cold checkpoint is read in one stream: on this machine's disk one stream measured faster than
+            # several (docs/benchmarks.md, issue 19); a warm one with the CPU share of threads
+            threads = threads if in_page_cache(reader, checkpoint, reads) else 1
         ring = StagingRing.for_threads(options.staging_bytes, threads)  # one ring (pinned for GPU targets) for all
         progress = bar.update if bar else None
         BlockExecutor(checkpoint, slots, reader, progress=progress, staging=ring, io_threads=threads).run(reads)

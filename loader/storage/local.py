@@ -221,6 +221,17 @@ class FileReader:
         if sparse and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd(file), 0, 0, os.POSIX_FADV_RANDOM)
 
+    def cached(self, file: str, offset: int) -> bool | None:
+        """Whether the byte at ``offset`` of ``file`` is in the page cache: a one-byte ``RWF_NOWAIT`` read answers
+        without waiting for the disk, or refuses to; None where the kernel cannot tell."""
+        try:
+            os.preadv(self.fd(file), [bytearray(1)], offset, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return False
+        except (AttributeError, OSError):  # no RWF_NOWAIT here (EOPNOTSUPP, EINVAL): unknown
+            return None
+        return True
+
     def fd(self, file: str) -> int:
         """Return an open descriptor for ``file``, opening it (and checking its identity) on first use.
 
