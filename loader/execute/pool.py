@@ -22,6 +22,7 @@ for every running job before the first error propagates, so a rollback runs afte
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,15 +71,18 @@ CACHE_PROBES = 8
 
 
 def in_page_cache(reader: object, checkpoint: Any, reads: Sequence[Any]) -> bool:
-    """Whether the checkpoint's bytes ``reads`` start at look to be in the page cache (a warm load): the first byte
-    of up to :data:`CACHE_PROBES` blocks spread over the reads, asked without waiting for the disk. True where the
-    reader cannot tell (a remote store)."""
+    """Whether the checkpoint's bytes look to be in the page cache (a warm load): the first byte of up to
+    :data:`CACHE_PROBES` blocks of the first file read, asked without waiting for the disk. Only that file is asked,
+    which the reads open first anyway (a changed file is reported where it would be). True where the reader cannot
+    tell (a remote store)."""
     probe = getattr(reader, "cached", None)
     if probe is None or not reads:
         return True
-    for r in reads[:: max(1, len(reads) // CACHE_PROBES)][:CACHE_PROBES]:
-        info = checkpoint[r.block.source]
-        if probe(info.file, info.data_start + r.block.source_span()[0] * info.itemsize) is False:
+    first = checkpoint[reads[0].block.source].file
+    infos = ((r, checkpoint[r.block.source]) for r in itertools.islice(reads, 64 * CACHE_PROBES))
+    mine = [(r, info) for r, info in infos if info.file == first]
+    for r, info in mine[:: max(1, len(mine) // CACHE_PROBES)][:CACHE_PROBES]:
+        if probe(first, info.data_start + r.block.source_span()[0] * info.itemsize) is False:
             return False
     return True
 

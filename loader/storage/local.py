@@ -146,6 +146,18 @@ def _queue_pages(fd: int, spans: Sequence[tuple[int, int]]) -> None:
             os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
 
 
+def page_cached(fd: int, offset: int) -> bool | None:
+    """Whether the byte at ``offset`` of the open file ``fd`` is in the page cache: a one-byte ``RWF_NOWAIT`` read
+    answers without waiting for the disk, or refuses to; None where the kernel cannot tell."""
+    try:
+        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return False
+    except (AttributeError, OSError):  # no RWF_NOWAIT here (EOPNOTSUPP, EINVAL): unknown
+        return None
+    return True
+
+
 class FileReader:
     """Holds open read-only file descriptors and reads exact byte ranges with ``preadv``.
 
@@ -222,15 +234,8 @@ class FileReader:
             os.posix_fadvise(self.fd(file), 0, 0, os.POSIX_FADV_RANDOM)
 
     def cached(self, file: str, offset: int) -> bool | None:
-        """Whether the byte at ``offset`` of ``file`` is in the page cache: a one-byte ``RWF_NOWAIT`` read answers
-        without waiting for the disk, or refuses to; None where the kernel cannot tell."""
-        try:
-            os.preadv(self.fd(file), [bytearray(1)], offset, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return False
-        except (AttributeError, OSError):  # no RWF_NOWAIT here (EOPNOTSUPP, EINVAL): unknown
-            return None
-        return True
+        """:func:`page_cached` of ``file`` (opened, and its identity checked, if it was not)."""
+        return page_cached(self.fd(file), offset)
 
     def fd(self, file: str) -> int:
         """Return an open descriptor for ``file``, opening it (and checking its identity) on first use.
@@ -277,16 +282,10 @@ class FileReader:
     def read_spans(
         self, file: str, spans: Sequence[tuple[int, int]], out: memoryview, base: int, *, wanted: int | None = None
     ) -> None:
-        """Read each byte range ``[a, b)`` of ``file`` into ``out[a - base : b - base]``, one call per range (a range
-        holding several runs reads their gaps too; :meth:`read_runs_to` reads the runs straight into place).
-
-        Args:
-            file: Path of the file.
-            spans: Absolute, non-empty byte ranges, each within ``[base, base + len(out))``.
-            out: Writable byte buffer standing for the file bytes from ``base`` on.
-            base: File offset of ``out[0]``.
-            wanted: Bytes of the spans the caller uses (counted in ``bytes_read``; the rest in
-                ``gap_bytes``); default all of them.
+        """Read each byte range ``[a, b)`` of ``file`` (absolute, non-empty, within ``[base, base + len(out))``) into
+        ``out[a - base : b - base]``, one call per range (a range holding several runs reads their gaps too;
+        :meth:`read_runs_to` reads the runs straight into place). ``wanted``: bytes of the spans the caller uses
+        (counted in ``bytes_read``; the rest in ``gap_bytes``); default all of them.
 
         Raises:
             CheckpointError: The file ended before a range's end, or changed underneath.
