@@ -22,7 +22,7 @@ import json
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -131,7 +131,7 @@ class PlanCache:
     def put(self, model: torch.nn.Module, key: tuple, plan: RankPlan, rules: Rules) -> None:
         """Keep ``plan`` (its slots without their tensors) under ``key``; the model's oldest past ``per_model`` go."""
         plan.planned_bytes()  # counted once, kept by every binding (each load reports it)
-        bare = {name: replace(s, local=None) for name, s in plan.slots.items()}
+        bare = {name: s.without_tensor() for name, s in plan.slots.items()}
         entries = self._plans.setdefault(model, OrderedDict())
         entries[key] = _Entry(plan.rebound(bare, plan.checkpoint), rules)
         while len(entries) > self.per_model:
