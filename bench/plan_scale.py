@@ -192,7 +192,7 @@ def run(layers: int, rank: int, mesh, profile: bool = False, all_ranks: bool = F
         conversions=len(planner.key_plan(checkpoint).conversions),
         hits=planner.cache.hits,
         misses=planner.cache.misses,
-        block_cache=len(planner.cache._blocks),
+        block_cache=len(getattr(planner.cache, "_traces", ())),  # traces kept (one per signature)
     )
     if all_ranks:
         from loader.simulate import simulate_load
