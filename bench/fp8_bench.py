@@ -65,7 +65,7 @@ import sys
 import tempfile
 import time
 
-from common import pread_all, safetensors_files
+from common import ours_options, pread_all, safetensors_files
 
 H, I = 7168, 2048  # DeepSeek-V3 hidden size and moe_intermediate_size
 BLOCK = (128, 128)
@@ -173,7 +173,7 @@ def _has(module: str) -> bool:
 def load_ours(model, directory: str):
     from loader import load_hf_checkpoint
 
-    report = load_hf_checkpoint(model, directory, progress=False)
+    report = load_hf_checkpoint(model, directory, progress=False, **ours_options())
     assert report.deferred == (), report.deferred_reasons
     return report
 
