@@ -24,9 +24,10 @@ from torch import nn
 
 from loader import CheckpointError, HFLoadPlanner, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileIdentity, FileReader
-from loader.execute import STRIDED_RUNS, page_spans, read_layout
+from loader.execute import STRIDED_RUNS, read_layout
 from loader.options import LoadOptions
 from loader.plan.slots import TargetSlot
+from regiontrace import RunGrid
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROWS, COLS = 512, 64  # bf16: 128 B rows; columns [C0, C1) are 32 B of every row, ROWS runs per tensor
@@ -520,18 +521,9 @@ def test_small_tensors_side_by_side_are_read_in_few_calls(tmp_path):
 
 
 def test_page_spans_read_no_page_the_runs_do_not_touch():
+    """The spans a block's runs are read by (RunGrid.spans, what FileReader.read_runs reads)."""
     page = 4096
     # 32 B of every 128 B row: one range
-    starts = np.arange(100) * 128 + 16
-    assert page_spans(starts, 32, page) == [(16, 99 * 128 + 48)]
+    assert RunGrid(16, 32, ((100, 128),)).spans(page) == [(16, 99 * 128 + 48)]
     # 4 KiB of every 32 KiB row: gaps hold whole untouched pages, one range per run
-    starts = np.arange(4) * 32768 + 100
-    assert page_spans(starts, 4096, page) == [(s, s + 4096) for s in starts.tolist()]
-    # unsorted starts; a gap of one page's worth ending mid-page is merged (it touches no new page)
-    rng = np.random.default_rng(0)
-    starts = rng.choice(200, size=60, replace=False) * 1000
-    spans = page_spans(starts, 300, page)
-    runs = {p for s in starts.tolist() for p in range(s // page, (s + 299) // page + 1)}
-    read = {p for a, b in spans for p in range(a // page, (b - 1) // page + 1)}
-    assert read == runs
-    assert all(any(a <= s and s + 300 <= b for a, b in spans) for s in starts.tolist())
+    assert RunGrid(100, 4096, ((4, 32768),)).spans(page) == [(100 + r * 32768, 4196 + r * 32768) for r in range(4)]

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader.errors import CheckpointError, CheckpointNotFoundError
-from loader.storage import ByteRuns, ObjectIdentity, RangeReader
+from loader.storage import ObjectIdentity, RangeReader
 from loader.storage.remote import RemoteOptions, RemoteReader, RemoteStore, Transient, remote_store
 from loader.storage.remote.reader import plan as plan_for
 from loader.storage.remote.requests_plan import MAX_OVERREAD, join_limit, merge_ranges, plan_requests
@@ -235,7 +235,7 @@ def test_consecutive_reads_and_runs_across_pieces(blob):
         reader.pread_consecutive(location, 1000, [memoryview(o) for o in outs])
         assert b"".join(outs) == data[1000:101_000]
         # runs: 100 bytes every 4096 from 200_000; gaps are not fetched, the runs land at their offsets
-        runs = ByteRuns(200_000 + 4096 * np.arange(64, dtype=np.int64), 100)
+        runs = RunGrid(200_000, 100, ((64, 4096),))
         ranges = [(int(s), int(s) + 100) for s in runs.starts()]
         before = reader.bytes_read
         reader.will_read(location, lambda: ranges, sparse=True)
@@ -449,7 +449,7 @@ def _read_column_shard(store: RemoteStore, data: bytes, rank: int = 1) -> Remote
     """Read a rank's column shard of the weight as the executor does (will_read, read_runs, verify), checked."""
     location = store.locate("model.safetensors")
     ranges = _column_shard(ROWS, ROW_BYTES, SHARD_BYTES, rank)
-    runs = ByteRuns(np.array([a for a, _ in ranges], dtype=np.int64), SHARD_BYTES)
+    runs = RunGrid(ranges[0][0], SHARD_BYTES, ((ROWS, ROW_BYTES),))
     base, out = ranges[0][0], bytearray(ranges[-1][1] - ranges[0][0])
     with store.reader({location: store.head(location, 8).identity}) as reader:
         reader.will_read(location, lambda: ranges, sparse=True)

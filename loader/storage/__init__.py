@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from .base import ByteRuns, ObjectHead, ObjectIdentity, RangeReader, Runs, Store
+from .base import ObjectHead, ObjectIdentity, RangeReader, Runs, Store
 from .direct import DirectFileReader
 from .local import IOV_MAX, PAGE, FileIdentity, FileReader, LocalStore
 
@@ -51,7 +51,6 @@ def open_reader(store: Store, identities: Mapping[str, object], *, direct_io: bo
 __all__ = [
     "IOV_MAX",
     "PAGE",
-    "ByteRuns",
     "DirectFileReader",
     "FileIdentity",
     "FileReader",

@@ -73,27 +73,6 @@ class Runs(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class ByteRuns:
-    """:class:`Runs` from an array of run starts."""
-
-    first: np.ndarray
-    length: int
-
-    def starts(self) -> np.ndarray:
-        return self.first
-
-    def spans(self, page: int) -> list[tuple[int, int]]:
-        starts = np.sort(np.asarray(self.first, dtype=np.int64))
-        if len(starts) == 0:
-            return []
-        ends = starts + self.length
-        cut = np.flatnonzero(starts[1:] // page - (ends[:-1] - 1) // page > 1) + 1
-        firsts = np.concatenate(([0], cut))
-        lasts = np.concatenate((cut - 1, [len(starts) - 1]))
-        return list(zip(starts[firsts].tolist(), ends[lasts].tolist()))
-
-
 @runtime_checkable
 class RangeReader(Protocol):
     """Reads exact byte ranges of a store's objects into caller buffers (thread-safe; a context manager).
