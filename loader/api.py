@@ -42,6 +42,7 @@ def load_hf_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     io_threads: int | None = None,
     direct_io: bool = False,
+    exchange_reads: bool | None = None,
 ) -> LoadReport:
     """Load a Hugging Face checkpoint into ``model`` in place, reading only the bytes its tensors need.
 
@@ -84,6 +85,9 @@ def load_hf_checkpoint(
             already fill the cores, or when the checkpoint is not in the page cache: a cold load reads in one stream).
         direct_io: read local files with ``O_DIRECT``, bypassing the page cache (a cold load of a checkpoint
             read once); where the filesystem refuses it, a log line and buffered reads.
+        exchange_reads: in a distributed run, fetch the bytes ranks want interleaved (column shards) once, each
+            rank a contiguous chunk, and exchange them over the process group. None: for a URL (a request per row
+            is what each rank would pay otherwise), not for local files.
 
     Returns:
         A :class:`LoadReport` for this rank.
@@ -93,7 +97,7 @@ def load_hf_checkpoint(
         ValueError: a mapping problem (shape mismatch, duplicate key, missing tensors with ``strict``), or, with
             ``device`` and ``strict``, a meta tensor nothing loads or initialises (before anything is read); a
             ``planner`` with rule arguments or ``strict``; a timeout that is not positive, ``staging_bytes`` below 1,
-            ``io_threads`` below 1, ``direct_io`` not a bool.
+            ``io_threads`` below 1, ``direct_io`` not a bool, ``exchange_reads`` not a bool or None.
         PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left the process group
             (with ``rollback``, this rank's tensors are restored first).
     """
@@ -106,6 +110,7 @@ def load_hf_checkpoint(
         broadcast_replicated_tensors=broadcast_replicated_tensors,
         io_threads=io_threads,
         direct_io=direct_io,
+        exchange_reads=exchange_reads,
     )  # a bad timeout is refused in one process too
     rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
     if planner is None:

@@ -100,6 +100,7 @@ class DcpLoad:
     pending: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     bytes_read: int = 0
     requests: int = 0
+    bytes_exchanged: int = 0
 
     def local_plan(self) -> LoadPlan:
         """The ``LoadPlan`` of this rank: one ``ReadItem`` per block read, one per source of a deferred conversion.

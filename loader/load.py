@@ -25,6 +25,7 @@ from typing import Any
 from .checkpoint import SafetensorsCheckpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from .distributed import LoadSession, broadcast_owned, owned_subset, peer_errors
+from .distributed.exchange_reads import exchanged_reads
 from .execute import execute_plan, restore, snapshot
 from .options import LoadOptions
 from .placements import rank_and_world
@@ -45,7 +46,7 @@ def read_together(
     *,
     values: Sequence[ValueRead] | None = None,
     session: LoadSession | None = None,
-) -> None:
+) -> int:
     """Execute this rank's share of ``plan``, agree on the outcome, then broadcast shared targets.
 
     Args:
@@ -56,10 +57,14 @@ def read_together(
         options: how to read: ``staging_bytes``, ``progress``; ``broadcast_replicated_tensors`` (read each box
             several ranks hold identically on one of them, and broadcast it); ``rollback`` (restore every tensor
             this rank wrote when the load fails on any rank); ``timeout`` (seconds each rank waits for the
-            others, when no ``session`` is given).
+            others, when no ``session`` is given); ``exchange_reads`` (fetch interleaved bytes once and exchange
+            them: :func:`exchanging`).
         values: this rank's value reads (default: all of ``plan``'s).
         session: the load's :class:`~loader.distributed.LoadSession` (inside ``dcp.load``: none, one is opened
             here).
+
+    Returns:
+        Bytes this rank received from other ranks (exchanged reads).
 
     Raises:
         CheckpointError | ValueError | RuntimeError: the same error on every rank when a read failed on any
@@ -68,8 +73,7 @@ def read_together(
     """
     if session is None:
         with LoadSession(options.timeout) as session:
-            read_together(plan, reader, reads, deferred, options, values=values, session=session)
-        return
+            return read_together(plan, reader, reads, deferred, options, values=values, session=session)
     owners: dict = {}
     values = plan.values if values is None else values
     # under a fake process group there are no peers to share with: this rank reads all
@@ -77,19 +81,22 @@ def read_together(
         with peer_errors("reading", "assigning replicated tensors"):
             reads, deferred, values, owners = owned_subset(plan, reads, deferred, values)
     saved = snapshot(plan) if options.rollback else None
-    error = None
+    error, received = None, 0
     try:
-        execute_plan(
-            plan,
-            reader,
-            replace(options, rollback=False),  # rolled back here, once every rank agreed
-            reads=reads,
-            deferred=deferred,
-            values=values,
-        )
-    except Exception as e:  # agreed below: every rank raises, none hangs
-        error = e
-    try:
+        if exchanging(options, plan, session):
+            reads, error, received = exchanged_reads(plan, reader, reads, options, session)
+        if error is None:
+            try:
+                execute_plan(
+                    plan,
+                    reader,
+                    replace(options, rollback=False),  # rolled back here, once every rank agreed
+                    reads=reads,
+                    deferred=deferred,
+                    values=values,
+                )
+            except Exception as e:  # agreed below: every rank raises, none hangs
+                error = e
         session.agree(error, "reading")
         with peer_errors("reading", "broadcasting replicated tensors"):
             broadcast_owned(plan.slots, owners)
@@ -97,6 +104,16 @@ def read_together(
         if saved is not None:
             restore(saved, plan.slots)
         raise
+    return received
+
+
+def exchanging(options: LoadOptions, plan: RankPlan, session: LoadSession) -> bool:
+    """Whether this load exchanges reads (``options.exchange_reads``; None: for a checkpoint at a URL)."""
+    if session.solo or session.world < 2:
+        return False
+    if options.exchange_reads is not None:
+        return options.exchange_reads
+    return bool(getattr(plan.checkpoint.store, "remote", False))
 
 
 def load_distributed(
@@ -143,11 +160,11 @@ def load_distributed(
         assert plan is not None
         log.info("rank %d: %s", rank, describe(plan))
         with plan.checkpoint.reader(direct_io=options.direct_io) as reader:
-            read_together(plan, reader, plan.reads, plan.deferred, options, session=session)
+            received = read_together(plan, reader, plan.reads, plan.deferred, options, session=session)
             bytes_read, requests = reader.bytes_read, reader.reads
     plan.keyplan.record_on_model(planner.model)
     seconds = time.perf_counter() - started
-    return load_report(plan, bytes_read, rank, world, seconds=seconds, requests=requests)
+    return load_report(plan, bytes_read, rank, world, seconds=seconds, requests=requests, exchanged=received)
 
 
 def _resolve_on_rank_zero_first(session: LoadSession, path: str, revision: str | None) -> None:

@@ -115,6 +115,10 @@ class LoadOptions:
         direct_io: read local files with ``O_DIRECT`` (bypassing the page cache: for checkpoints read once, or
             larger than the cache), through aligned buffers; where a filesystem refuses it (tmpfs), a log line
             and buffered reads.
+        exchange_reads: in a distributed run, bytes several ranks want interleaved (column shards: a run of every
+            row each) are fetched once, each rank a contiguous chunk, and exchanged over the process group
+            (:mod:`loader.distributed.exchange_reads`). None: for a checkpoint at a URL (where a request per run
+            is what it would cost), not for local files (where the page cache serves runs cheaply).
 
     Raises:
         ValueError: a timeout that is not positive, ``staging_bytes`` below 1, ``io_threads`` below 1 (or not an
@@ -128,9 +132,12 @@ class LoadOptions:
     broadcast_replicated_tensors: bool = False
     io_threads: int | None = None
     direct_io: bool = False
+    exchange_reads: bool | None = None
 
     def __post_init__(self) -> None:
         timeout_seconds(self.timeout)
+        if self.exchange_reads not in (None, True, False):
+            raise ValueError(f"exchange_reads must be True, False or None, got {self.exchange_reads!r}")
         if self.staging_bytes < 1:
             raise ValueError(f"staging_bytes must be at least 1, got {self.staging_bytes}")
         check_io_threads(self.io_threads)

@@ -194,12 +194,13 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         state = self._state()
         return (state.plan, *state.planned_reads(dcp_plan))
 
-    def add_bytes_read(self, nbytes: int, requests: int = 0) -> None:
-        """Count ``nbytes`` read from checkpoint files in ``requests`` read requests for the current ``dcp.load``
-        (reported by :meth:`finish`)."""
+    def add_bytes_read(self, nbytes: int, requests: int = 0, exchanged: int = 0) -> None:
+        """Count ``nbytes`` read from checkpoint files in ``requests`` read requests, and ``exchanged`` bytes
+        received from other ranks, for the current ``dcp.load`` (reported by :meth:`finish`)."""
         state = self._state()
         state.bytes_read += nbytes
         state.requests += requests
+        state.bytes_exchanged += exchanged
 
     def finish(self, path: str = "") -> LoadReport:
         """After ``dcp.load``: record conversions on the model and return this rank's report.
@@ -210,7 +211,9 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         state = self._state()
         state.plan.keyplan.record_on_model(self.model)
         rank, world = rank_and_world()
-        return load_report(state.plan, state.bytes_read, rank, world, requests=state.requests)
+        return load_report(
+            state.plan, state.bytes_read, rank, world, requests=state.requests, exchanged=state.bytes_exchanged
+        )
 
     def _state(self) -> DcpLoad:
         if self._dcp is None:

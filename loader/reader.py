@@ -60,6 +60,8 @@ class SafetensorsReader(StorageReader):
         io_threads: threads reading independent blocks at once (with :class:`~loader.HFLoadPlanner`), sharing the
             staging budget; None: from the CPUs this process may use, shared with the ranks on this host.
         direct_io: read local files with ``O_DIRECT`` (bypassing the page cache); buffered where refused.
+        exchange_reads: in a distributed load (with :class:`~loader.HFLoadPlanner`), fetch bytes ranks want
+            interleaved once and exchange them over the process group; None: for a URL only.
 
     Attributes:
         options: the :class:`~loader.options.LoadOptions` built from these arguments.
@@ -81,6 +83,7 @@ class SafetensorsReader(StorageReader):
         storage_options: Mapping[str, Any] | None = None,
         io_threads: int | None = None,
         direct_io: bool = False,
+        exchange_reads: bool | None = None,
     ) -> None:
         super().__init__()
         self.path = None if path is None else os.fspath(path)
@@ -92,6 +95,7 @@ class SafetensorsReader(StorageReader):
             broadcast_replicated_tensors=broadcast_replicated_tensors,
             io_threads=io_threads,
             direct_io=direct_io,
+            exchange_reads=exchange_reads,
         )
         self.checkpoint: SafetensorsCheckpoint | None = None
         self._metadata: Metadata | None = None
@@ -185,9 +189,9 @@ def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: RangeReader, options
     ``planner.planned_reads`` lists them; with ``options.rollback``, a failure restores every tensor the plan
     writes (every rank's, in a distributed load)."""
     plan, reads, deferred = planner.planned_reads(dcp_plan)
-    before, calls = reader.bytes_read, reader.reads
+    before, calls, exchanged = reader.bytes_read, reader.reads, 0
     if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
-        read_together(plan, reader, reads, deferred, options)
+        exchanged = read_together(plan, reader, reads, deferred, options)
     else:
         execute_plan(plan, reader, options, reads=reads, deferred=deferred)
-    planner.add_bytes_read(reader.bytes_read - before, reader.reads - calls)
+    planner.add_bytes_read(reader.bytes_read - before, reader.reads - calls, exchanged)

@@ -45,6 +45,8 @@ class LoadReport:
             also warns once (``UserWarning``). Casts within a kind (bf16 -> float32) are normal and not listed.
         seconds: wall time of the load on this rank (0.0 where the caller did not time it).
         requests: read requests this process made: read system calls locally, HTTP requests remotely.
+        bytes_exchanged: bytes this process received from other ranks instead of reading them (exchanged
+            reads: ``LoadOptions.exchange_reads``).
     """
 
     loaded_keys: tuple[str, ...]
@@ -61,6 +63,7 @@ class LoadReport:
     cast_keys: tuple[tuple[str, torch.dtype, torch.dtype], ...] = ()
     seconds: float = field(default=0.0, compare=False)  # timing: not part of what the load did
     requests: int = field(default=0, compare=False)  # how the bytes were read, not what was loaded
+    bytes_exchanged: int = field(default=0, compare=False)
 
     def __str__(self) -> str:
         casts = f", {len(self.cast_keys)} cast across kinds" if self.cast_keys else ""
@@ -76,7 +79,14 @@ class LoadReport:
 
 @paused_gc()  # one tuple per key, no cycles: no full collections over the model meanwhile
 def load_report(
-    plan: RankPlan, bytes_read: int, rank: int = 0, world_size: int = 1, seconds: float = 0.0, requests: int = 0
+    plan: RankPlan,
+    bytes_read: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seconds: float = 0.0,
+    requests: int = 0,
+    *,
+    exchanged: int = 0,
 ) -> LoadReport:
     """The :class:`LoadReport` of ``plan``, executed; warns once when values changed kind, and logs the unexpected
     checkpoint keys (rank 0 only: every rank has the same).
@@ -87,6 +97,7 @@ def load_report(
         rank, world_size: this process's rank and the world size.
         seconds: wall time of the load.
         requests: read requests made.
+        exchanged: bytes received from other ranks (exchanged reads).
 
     Returns:
         The report.
@@ -119,6 +130,7 @@ def load_report(
         cast_keys=casts,
         seconds=seconds,
         requests=requests,
+        bytes_exchanged=exchanged,
     )
 
 

@@ -43,6 +43,8 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
     elif source == "s3_env":
         url = ctx["s3_url"]
         os.environ.update(ctx["s3_env"])
+    elif source == "local":
+        url = ctx["local"]
     else:
         url = ctx["http_url"]
     model = _sharded_model(ctx, mesh_shape)
@@ -68,6 +70,7 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
         "bytes_read": report.bytes_read,
         "planned_bytes": report.planned_bytes,
         "requests": report.requests,
+        "bytes_exchanged": report.bytes_exchanged,
         "shard_bytes": sum(local_numel(sd[n]) * 2 for n in report.loaded_keys if n in sd),
     }
 
@@ -76,6 +79,8 @@ SCENARIOS = [
     ("s3_tp4", lambda ctx: scenario_remote(ctx, "s3_options", (4,))),
     ("s3_ep_tp_2x2", lambda ctx: scenario_remote(ctx, "s3_env", (2, 2))),
     ("http_tp4", lambda ctx: scenario_remote(ctx, "http", (4,))),
+    ("http_tp4_each_its_own", lambda ctx: scenario_remote(ctx, "http", (4,), exchange_reads=False)),
+    ("local_tp4_exchanged", lambda ctx: scenario_remote(ctx, "local", (4,), exchange_reads=True)),
     ("s3_dcp_2x2", lambda ctx: scenario_remote(ctx, "s3_options", (2, 2), dcp=True)),
     ("s3_broadcast_2x2", lambda ctx: scenario_remote(ctx, "s3_options", (2, 2), broadcast_replicated_tensors=True)),
 ]

@@ -315,7 +315,18 @@ def world(folders, web, s3, tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["s3_tp4", "s3_ep_tp_2x2", "http_tp4", "s3_dcp_2x2", "s3_broadcast_2x2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "s3_tp4",
+        "s3_ep_tp_2x2",
+        "http_tp4",
+        "http_tp4_each_its_own",
+        "local_tp4_exchanged",
+        "s3_dcp_2x2",
+        "s3_broadcast_2x2",
+    ],
+)
 def test_remote_shards_equal_the_local_ones_on_4_ranks(world, name):
     from gloo_world import ok
 
@@ -325,18 +336,35 @@ def test_remote_shards_equal_the_local_ones_on_4_ranks(world, name):
         assert res["unequal_shards"] == [] and res["bad"] == [], (rank, res)
         assert res["requests"] >= 1, (rank, res)
         if "broadcast" not in name:  # broadcasting ranks fetch some of each other's replicated regions
-            assert res["planned_bytes"] <= res["bytes_read"], (rank, res)
+            # exchanged reads: what a rank did not fetch itself, a peer fetched and sent it
+            assert res["planned_bytes"] <= res["bytes_read"] + res["bytes_exchanged"], (rank, res)
             assert res["planned_bytes"] <= 1.02 * res["shard_bytes"], (rank, res)
+            assert res["bytes_read"] <= 1.05 * res["shard_bytes"], (rank, res)
+        if "each_its_own" in name:
+            assert res["bytes_exchanged"] == 0, (rank, res)
+        elif "tp4" in name:  # column shards: fetched in contiguous chunks, exchanged
+            assert res["bytes_exchanged"] > 0, (rank, res)
     if "broadcast" in name:  # one fetch per replicated region: fewer bytes in all than each rank fetching its own
-        alone = ok(results, "s3_ep_tp_2x2")
-        assert sum(r["bytes_read"] for r in per_rank) < sum(r["bytes_read"] for r in alone)
+        alone = ok(results, "s3_ep_tp_2x2")  # planned: what each rank would read of its own
+        assert sum(r["bytes_read"] for r in per_rank) < sum(r["planned_bytes"] for r in alone)
+
+
+@pytest.mark.dist
+def test_exchanged_reads_take_fewer_requests_than_each_rank_its_own(world):
+    """TP column shards over HTTP: each rank fetching its own runs needs many ranges (multipart requests); fetched
+    as contiguous chunks and exchanged, a few plain ranged requests per file."""
+    from gloo_world import ok
+
+    results, _ = world
+    exchanged, alone = ok(results, "http_tp4"), ok(results, "http_tp4_each_its_own")
+    assert sum(r["requests"] for r in exchanged) < sum(r["requests"] for r in alone), (exchanged, alone)
 
 
 @pytest.mark.dist
 def test_tp_column_shards_use_multi_range_requests_over_http(world):
     """TP column shards are strided rows of a tensor: nginx is asked several ranges per request."""
     _, logged = world
-    ranges = [r.range for r in logged if r.method == "GET" and r.range]
+    ranges = [r.range for r in logged if r.method == "GET" and r.range]  # http_tp4_each_its_own's, at least
     assert ranges and any("," in r for r in ranges), ranges
     assert all(r.status == 206 for r in logged if r.method == "GET"), logged
 

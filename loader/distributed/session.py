@@ -151,7 +151,7 @@ class LoadSession:
 
     # -- agreement --------------------------------------------------------------------------------------
 
-    def agree(self, error: BaseException | None, stage: str, *, bounded: bool = True) -> None:
+    def agree(self, error: BaseException | None, stage: str, *, bounded: bool = True, point: str = "") -> None:
         """Post this rank's outcome of ``stage``, wait for every rank's, and raise on every rank if any failed.
 
         Args:
@@ -159,6 +159,7 @@ class LoadSession:
             stage: ``"resolving"``, ``"planning"`` or ``"reading"``.
             bounded: wait at most the session's timeout (False: wait without limit, e.g. for a download;
                 dead ranks are still detected).
+            point: which agreement point of ``stage`` this is, when a stage has several (``""``: its end).
 
         Raises:
             Exception: some rank failed: the lowest failed rank's error as its own type when that is a builtin
@@ -173,7 +174,7 @@ class LoadSession:
             self._agree_alone(error, stage)
             return
         with peer_errors(stage, "agreeing on the outcome through the store"):  # e.g. the store's host died
-            verdict, failed = self._exchange(error, stage, bounded)
+            verdict, failed = self._exchange(error, f"{stage}@{point}" if point else stage, bounded)
         if verdict == "ok":
             if failed:
                 raise remote_error(failed, _STAGES[stage], stage) from error

@@ -1,0 +1,175 @@
+"""Who fetches what, who sends what: the plan of exchanged reads, as pure functions of every rank's wanted ranges.
+
+A column shard wants a short run of every row: fetched by each rank on its own it costs a request (or a multipart
+part, or a page-spanning read) per row, though together the ranks want every byte once. Exchanged reads fetch such
+bytes once, each rank one contiguous stretch, and exchange them over the process group.
+
+Vocabulary (per file; offsets are bytes of the file):
+
+- *wanted* (:data:`Ranges`): a rank's byte ranges, an ``(n, 2)`` int64 array, ascending, disjoint, touching ones
+  merged;
+- an *extent*: a maximal stretch of bytes some rank wants (every rank's wanted ranges merged);
+- a *shared extent*: an extent at least two ranks want, one of them in more than one range (interleaved wants;
+  ranks that each want one range of it fetch their own);
+- a *chunk*: the contiguous part of a shared extent one rank fetches, as long as the bytes that rank wants in it
+  (scaled to the extent where wants overlap): each rank fetches about what it needs;
+- a *piece*: a wanted range cut at chunk bounds: the bytes one chunk's *holder* sends to one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: a rank's wanted byte ranges of one file: ``(n, 2)`` int64, ascending, disjoint, touching ones merged
+Ranges = np.ndarray
+
+_EMPTY = np.zeros((0, 2), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """The chunks of one file's shared extents: ``[starts[i], ends[i])`` is fetched by rank ``holders[i]``,
+    ascending, disjoint, none empty."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+    holders: np.ndarray
+
+    def of(self, rank: int) -> Ranges:
+        """The chunks ``rank`` fetches."""
+        mine = self.holders == rank
+        return np.stack([self.starts[mine], self.ends[mine]], axis=1)
+
+    @property
+    def nbytes(self) -> int:
+        return int((self.ends - self.starts).sum())
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """One rank's wanted bytes inside shared extents, cut at chunk bounds: ``[starts[i], ends[i])`` comes from
+    rank ``holders[i]``; ascending."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+    holders: np.ndarray
+
+    def sizes_from(self, holder: int) -> np.ndarray:
+        mine = self.holders == holder
+        return self.ends[mine] - self.starts[mine]
+
+    def from_holder(self, holder: int) -> Ranges:
+        """The pieces ``holder`` sends, in the order it sends them (ascending)."""
+        mine = self.holders == holder
+        return np.stack([self.starts[mine], self.ends[mine]], axis=1)
+
+
+def as_ranges(ranges: Sequence[tuple[int, int]] | np.ndarray) -> Ranges:
+    """``ranges`` (any order, may touch or overlap) as :data:`Ranges`."""
+    a = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    a = a[a[:, 1] > a[:, 0]]
+    if len(a) < 2:
+        return a.copy()
+    a = a[np.argsort(a[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(a[:, 1])
+    new = np.ones(len(a), dtype=bool)
+    new[1:] = a[1:, 0] > reach[:-1]
+    firsts = np.flatnonzero(new)
+    return np.stack([a[firsts, 0], np.maximum.reduceat(a[:, 1], firsts)], axis=1)
+
+
+def chunks(everyone: Sequence[Ranges]) -> Chunks:
+    """The chunks of one file, from every rank's wanted ranges (index = rank): each shared extent cut into one
+    chunk per rank wanting it, in rank order, each as long as that rank's wanted bytes in it (scaled)."""
+    world = len(everyone)
+    extents = as_ranges(np.concatenate([_EMPTY, *everyone]))
+    if not len(extents):
+        return Chunks(*(np.zeros(0, dtype=np.int64),) * 3)
+    counts = np.zeros((len(extents), world), dtype=np.int64)
+    wanted = np.zeros((len(extents), world), dtype=np.int64)
+    for r, mine in enumerate(everyone):
+        if len(mine):
+            k = np.searchsorted(extents[:, 0], mine[:, 0], side="right") - 1
+            counts[:, r] = np.bincount(k, minlength=len(extents))
+            wanted[:, r] = np.bincount(k, weights=mine[:, 1] - mine[:, 0], minlength=len(extents))
+    shared = ((counts > 0).sum(axis=1) >= 2) & (counts.max(axis=1) >= 2)
+    ext, wanted = extents[shared], wanted[shared]
+    size = (ext[:, 1] - ext[:, 0])[:, None]
+    cum = np.concatenate([np.zeros((len(ext), 1), dtype=np.int64), np.cumsum(wanted, axis=1)], axis=1)
+    bounds = ext[:, :1] + size * cum // cum[:, -1:]  # exact integers: the last bound is the extent's end
+    starts, ends = bounds[:, :-1].ravel(), bounds[:, 1:].ravel()
+    holders = np.tile(np.arange(world, dtype=np.int64), len(ext))
+    keep = ends > starts
+    return Chunks(starts[keep], ends[keep], holders[keep])
+
+
+def pieces(wanted: Ranges, file_chunks: Chunks) -> Pieces:
+    """``wanted`` (one rank's ranges of the file) inside the chunks, cut at chunk bounds, with each piece's holder.
+
+    A wanted range lies in one extent, so it is either inside the chunks (a shared extent) or outside all."""
+    c = file_chunks
+    if not len(wanted) or not len(c.starts):
+        return Pieces(*(np.zeros(0, dtype=np.int64),) * 3)
+    k = np.searchsorted(c.starts, wanted[:, 0], side="right") - 1
+    inside = (k >= 0) & (wanted[:, 0] < c.ends[np.maximum(k, 0)])
+    w = wanted[inside]
+    if not len(w):
+        return Pieces(*(np.zeros(0, dtype=np.int64),) * 3)
+    cuts = np.concatenate([c.starts, c.ends])
+    cuts = cuts[(cuts > w[0, 0]) & (cuts < w[-1, 1])]
+    points = np.unique(np.concatenate([w[:, 0], w[:, 1], cuts]))
+    lo, hi = points[:-1], points[1:]
+    owner = np.searchsorted(w[:, 0], lo, side="right") - 1
+    keep = (owner >= 0) & (lo < w[np.maximum(owner, 0), 1])
+    lo, hi = lo[keep], hi[keep]
+    return Pieces(lo, hi, c.holders[np.searchsorted(c.starts, lo, side="right") - 1])
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One file's exchange: its chunks and every rank's pieces (index = rank)."""
+
+    chunks: Chunks
+    pieces: tuple[Pieces, ...]
+
+    def sends(self, holder: int, to: int) -> Ranges:
+        """The pieces ``holder`` sends to rank ``to`` (ascending)."""
+        return self.pieces[to].from_holder(holder)
+
+    def cost(self, rank: int) -> int:
+        """Bytes ``rank`` holds for this file's exchange: its chunks and the pieces it receives."""
+        c, p = self.chunks, self.pieces[rank]
+        mine = c.holders == rank
+        return int((c.ends[mine] - c.starts[mine]).sum() + (p.ends - p.starts).sum())
+
+
+def plan_files(everyone: Sequence[Mapping[str, Ranges]]) -> dict[str, FilePlan]:
+    """The exchange of every file some rank wants shared bytes of, from every rank's ``{file: wanted}``, by file
+    name (every rank computes the same)."""
+    files = sorted({f for wants in everyone for f in wants})
+    out = {}
+    for f in files:
+        wants = [w.get(f, _EMPTY) for w in everyone]
+        c = chunks(wants)
+        if len(c.starts):
+            out[f] = FilePlan(c, tuple(pieces(w, c) for w in wants))
+    return out
+
+
+def rounds(plans: Mapping[str, FilePlan], world: int, budget: int) -> list[list[str]]:
+    """Files grouped (in name order) so that no rank holds more than ``budget`` bytes for one group (a file
+    over the budget alone is a group of its own)."""
+    groups: list[list[str]] = []
+    held = np.zeros(world, dtype=np.int64)
+    for f in sorted(plans):
+        cost = np.array([plans[f].cost(r) for r in range(world)], dtype=np.int64)
+        if groups and (held + cost).max() <= budget:
+            groups[-1].append(f)
+            held += cost
+        else:
+            groups.append([f])
+            held = cost
+    return groups

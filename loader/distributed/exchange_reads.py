@@ -1,0 +1,188 @@
+"""Exchanged reads: bytes several ranks want interleaved (column shards) fetched once, each rank a contiguous chunk,
+and exchanged over the process group (the plan: :mod:`.exchange_plan`).
+
+Every rank publishes the byte ranges its reads want (``all_gather_object``) and computes the same plan. Then, file
+group by file group (a *round*: at most :data:`ROUND_BYTES` held per rank), each rank fetches its chunks through its
+reader (a few long requests instead of one per row), the ranks agree that every fetch succeeded (through the
+session's store: a failed, hung or dead rank fails every rank, as at every agreement point), exchange the pieces with
+one ``all_to_all_single``, and each rank executes the round's reads through a :class:`~loader.storage.held.HeldReader`
+serving its pieces from memory. Wanted ranges outside shared extents are read as always, through the same reader.
+
+Bytes fetched per rank are about its shard's bytes (each chunk as long as what its holder wants in the extent);
+requests are a few per chunk; bytes over the process group are each rank's shard minus what it fetched itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from regiontrace import read_layout
+
+from ..checkpoint import SafetensorsCheckpoint
+from ..execute import execute_plan
+from ..options import LoadOptions
+from ..plan import BlockRead, RankPlan
+from ..storage import RangeReader
+from ..storage.held import HeldFile, HeldReader
+from .exchange_plan import FilePlan, Ranges, as_ranges, plan_files, rounds
+from .session import LoadSession, peer_errors
+
+ROUND_BYTES = 1 << 30
+"""Most bytes a rank holds for one round (its chunks and the pieces it receives); one file is the smallest round."""
+
+
+def wanted_ranges(checkpoint: SafetensorsCheckpoint, reads: Sequence[BlockRead]) -> dict[str, Ranges]:
+    """``{file: the byte ranges reads want}``, each file's as :data:`~.exchange_plan.Ranges`."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for r in reads:
+        info = checkpoint[r.block.source]
+        by_file.setdefault(info.file, []).extend(read_layout(r.block).grid(info.itemsize, info.data_start).touching())
+    return {f: as_ranges(v) for f, v in by_file.items()}
+
+
+def exchanged_reads(
+    plan: RankPlan, reader: RangeReader, reads: Sequence[BlockRead], options: LoadOptions, session: LoadSession
+) -> tuple[list[BlockRead], BaseException | None, int]:
+    """Execute the reads of the files with shared extents, round by round (see the module). Collective.
+
+    Returns:
+        The reads left (files without shared extents: the caller executes them), this rank's error from its last
+        round (not agreed yet: the caller's next agreement point carries it), and the bytes received from peers.
+
+    Raises:
+        Exception | PeerFailure: agreed at a round's start: a rank's fetch or earlier round failed, or a rank
+            hung or died (every rank raises the same).
+    """
+    error: BaseException | None = None
+    try:
+        mine = wanted_ranges(plan.checkpoint, reads)
+    except Exception as e:  # agreed below: every rank raises, none hangs in the gather
+        error, mine = e, {}
+    session.agree(error, "reading", point="wanted")
+    everyone: list[Any] = [None] * session.world
+    with peer_errors("reading", "gathering the byte ranges every rank reads"):
+        dist.all_gather_object(everyone, mine)
+    plans = plan_files(everyone)
+    by_file: dict[str, list[BlockRead]] = {}
+    for r in reads:
+        by_file.setdefault(plan.checkpoint[r.block.source].file, []).append(r)
+    received = 0
+    for k, files in enumerate(rounds(plans, session.world, ROUND_BYTES)):
+        fetched: dict[str, np.ndarray] = {}
+        if error is None:
+            try:
+                fetched = fetch_chunks(plan.checkpoint, reader, plans, files, session.rank)
+            except Exception as e:  # agreed next
+                error = e
+        session.agree(error, "reading", point=f"round{k}")
+        with peer_errors("reading", "exchanging fetched bytes"):
+            held, n = exchange(plans, files, fetched, session.rank, session.world)
+        received += n
+        try:
+            round_reads = [r for f in files for r in by_file.get(f, ())]
+            execute_plan(
+                plan,
+                HeldReader(reader, held),
+                replace(options, rollback=False),
+                reads=round_reads,
+                deferred=(),
+                values=(),
+            )
+        except Exception as e:  # agreed at the next round's start, or by the caller
+            error = e
+    return [r for r in reads if plan.checkpoint[r.block.source].file not in plans], error, received
+
+
+def fetch_chunks(
+    checkpoint: SafetensorsCheckpoint, reader: RangeReader, plans: dict[str, FilePlan], files: Sequence[str], rank: int
+) -> dict[str, np.ndarray]:
+    """``{file: its chunks that rank fetches, concatenated}`` for ``files``, read through ``reader``."""
+    identities = getattr(checkpoint, "identities", None) or {}
+    out = {}
+    for f in files:
+        mine = plans[f].chunks.of(rank)
+        if not len(mine):
+            continue
+        spans = [(int(a), int(b)) for a, b in mine]
+        reader.expect(f, identities.get(f))
+        reader.will_read(f, lambda spans=spans: spans, sparse=True)
+        buf = np.empty(int((mine[:, 1] - mine[:, 0]).sum()), dtype=np.uint8)
+        pos = 0
+        for a, b in spans:
+            reader.pread_into(f, a, memoryview(buf[pos : pos + b - a]))
+            pos += b - a
+        reader.verify(f)
+        out[f] = buf
+    return out
+
+
+def _offsets_in(chunk_ranges: Ranges, starts: np.ndarray) -> np.ndarray:
+    """Where bytes at ``starts`` lie in the concatenation of ``chunk_ranges``."""
+    before = np.concatenate([[0], np.cumsum(chunk_ranges[:, 1] - chunk_ranges[:, 0])])
+    k = np.searchsorted(chunk_ranges[:, 0], starts, side="right") - 1
+    return before[k] + starts - chunk_ranges[k, 0]
+
+
+def exchange(
+    plans: dict[str, FilePlan], files: Sequence[str], fetched: dict[str, np.ndarray], rank: int, world: int
+) -> tuple[dict[str, HeldFile], int]:
+    """Send every rank its pieces of this rank's chunks, receive this rank's pieces (one ``all_to_all_single``).
+    Collective.
+
+    Returns:
+        ``{file: HeldFile}`` of this rank's pieces, and the bytes received from other ranks.
+    """
+    sends: list[list[np.ndarray]] = [[] for _ in range(world)]
+    for f in files:
+        if f not in fetched:
+            continue
+        fp, buf = plans[f], fetched[f]
+        mine = fp.chunks.of(rank)
+        for j in range(world):
+            if j != rank:
+                ranges = fp.sends(rank, j)
+                offs = _offsets_in(mine, ranges[:, 0])
+                sends[j].extend(buf[o : o + n] for o, n in zip(offs.tolist(), (ranges[:, 1] - ranges[:, 0]).tolist()))
+    send_sizes = [sum(len(p) for p in parts) for parts in sends]
+    recv_sizes = [
+        0 if i == rank else int(sum(plans[f].pieces[rank].sizes_from(i).sum() for f in files)) for i in range(world)
+    ]
+    send = np.concatenate([p for parts in sends for p in parts]) if sum(send_sizes) else np.zeros(0, np.uint8)
+    recv = _all_to_all(send, send_sizes, recv_sizes)
+    cursor = np.concatenate([[0], np.cumsum(recv_sizes)])[:-1]
+    held: dict[str, HeldFile] = {}
+    for f in files:
+        p = plans[f].pieces[rank]
+        if not len(p.starts):
+            continue
+        sizes = p.ends - p.starts
+        offs = np.zeros(len(sizes), dtype=np.int64)
+        views: list[memoryview] = [memoryview(b"")] * len(sizes)
+        for h in np.unique(p.holders).tolist():
+            m = p.holders == h
+            if h == rank:
+                offs[m], source = _offsets_in(plans[f].chunks.of(rank), p.starts[m]), fetched[f]
+            else:
+                offs[m] = cursor[h] + np.concatenate([[0], np.cumsum(sizes[m])[:-1]])
+                cursor[h] += int(sizes[m].sum())
+                source = recv
+            src = memoryview(source)
+            for i, o, n in zip(np.flatnonzero(m).tolist(), offs[m].tolist(), sizes[m].tolist()):
+                views[i] = src[o : o + n]
+        held[f] = HeldFile(p.starts.tolist(), p.ends.tolist(), views)
+    return held, sum(recv_sizes)
+
+
+def _all_to_all(send: np.ndarray, send_sizes: list[int], recv_sizes: list[int]) -> np.ndarray:
+    """``all_to_all_single`` of bytes, on the device the default group's backend moves (CPU for gloo)."""
+    backend = str(dist.get_backend())
+    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+    out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, torch.from_numpy(send).to(device), recv_sizes, send_sizes)
+    return out.cpu().numpy()
