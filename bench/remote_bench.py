@@ -53,7 +53,10 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 WORLD = 4
 MIB = 1 << 20
 BUCKET = "bench"
-METHODS = ("ours", "ours_overread", "download", "runai")
+METHODS = ("ours", "ours_own_runs", "ours_overread", "download", "runai")
+#: the user agent a rank's requests carry (HTTP: a header in storage_options; S3: botocore's app id, from the
+#: environment), so that ranks loading the same URL are told apart in the server's log
+AGENT = re.compile(r"regiontrace-bench-rank(\d+)")
 SERVERS = ("http", "s3")
 LAYOUTS = ("tp", "ep")
 
@@ -88,16 +91,30 @@ def generate(out: str, layers: int) -> str:
 # one rank
 
 
-def load_ours(model, url: str, options: dict | None = None) -> dict:
+def load_ours(model, url: str, options: dict | None = None, exchange: bool | None = None) -> dict:
     from loader import load_hf_checkpoint
 
-    report = load_hf_checkpoint(model, url, progress=False, storage_options=options or None)
-    return {"bytes_read": report.bytes_read, "requests": report.requests}
+    options = dict(options or {})
+    if url.startswith("http"):  # this rank's requests told apart in the log (S3: AWS_SDK_UA_APP_ID)
+        options["headers"] = {"User-Agent": f"regiontrace-bench-rank{dist_rank()}"}
+    report = load_hf_checkpoint(model, url, progress=False, storage_options=options or None, exchange_reads=exchange)
+    return {"bytes_read": report.bytes_read, "requests": report.requests, "exchanged": report.bytes_exchanged}
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def ours_options(method: str, spec: dict) -> dict:
     """The storage options of an ``ours`` method: none for ``ours``, ``max_overread`` for ``ours_overread``."""
     return {"max_overread": spec["overread"]} if method == "ours_overread" else {}
+
+
+def ours_exchange(method: str) -> bool | None:
+    """``exchange_reads`` of an ``ours`` method: the default (on for URLs) for ``ours``, off for the others."""
+    return None if method == "ours" else False
 
 
 def planned(model, folder: str, multi_range: bool, options: dict) -> dict:
@@ -135,7 +152,9 @@ def method_for(method: str, server: str, spec: dict):
     import remote_peers
 
     if method.startswith("ours"):
-        return ours_available() or functools.partial(load_ours, options=ours_options(method, spec))
+        return ours_available() or functools.partial(
+            load_ours, options=ours_options(method, spec), exchange=ours_exchange(method)
+        )
     if server not in remote_peers.PEERS[method]:
         return remote_peers.WHY_NOT[(method, server)]
     return remote_peers.PEERS[method][server]
@@ -176,11 +195,13 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
     torch.set_num_threads(1)
     if "s3" in spec["urls"]:
         os.environ.update(servers.s3_env(spec["urls"]["s3"]))  # boto3, ours and runai read the endpoint from here
+        os.environ["AWS_SDK_UA_APP_ID"] = f"regiontrace-bench-rank{rank}"  # botocore's user agent: app/...
     dist.init_process_group(
         "gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=900)
     )
     mesh = init_device_mesh("cpu", (world,))
     folders = {"http": f"{spec['urls'].get('http')}/r{rank}", "s3": f"s3://{BUCKET}/r{rank}"}
+    shared = {"http": f"{spec['urls'].get('http')}/r0", "s3": f"s3://{BUCKET}/r0"}  # ours: one URL, as torchrun
     result: dict = {"rank": rank, "shard_bytes": {}, "runs": []}
     for layout in spec["layouts"]:
         model = build_sharded_model(spec["folder"], mesh, False, layout)
@@ -188,7 +209,7 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
         if spec["warmup"] and not isinstance(method_for("ours", spec["servers"][0], spec), str):
             if rank == 0:
                 remote_peers.mark(spec["urls"][spec["servers"][0]], f"warmup/{layout}")  # not in the tables
-            measure(load_ours, model, folders[spec["servers"][0]])  # imports, transformers' mapping: unmeasured
+            measure(load_ours, model, shared[spec["servers"][0]])  # imports, transformers' mapping: unmeasured
         reference, plans = None, {}
         for n in range(spec["rounds"]):
             turn = n % len(spec["methods"])
@@ -199,7 +220,7 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
                     if isinstance(fn, str):
                         result["runs"].append({"tag": tag, "error": fn})
                         continue
-                    if method.startswith("ours"):
+                    if method.startswith("ours") and ours_exchange(method) is False:  # a request per run
                         if (server, method) not in plans:  # one decision for every rank
                             plan = planned(model, spec["folder"], server == "http", ours_options(method, spec))
                             most = torch.tensor([plan["requests"]])
@@ -217,7 +238,8 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
 
                         prof = cProfile.Profile()
                         prof.enable()
-                    run = {"tag": tag, **measure(fn, model, folders[server])}
+                    url = (shared if method.startswith("ours") else folders)[server]
+                    run = {"tag": tag, **measure(fn, model, url)}
                     if profile:
                         import pstats
 
@@ -273,8 +295,8 @@ def wire(urls: dict) -> dict:
     out = {}
     for server, url in urls.items():
 
-        def rank_of(path: str, pattern=patterns[server]) -> int | None:
-            m = pattern.match(path)
+        def rank_of(request, pattern=patterns[server]) -> int | None:
+            m = AGENT.search(request.agent) or pattern.match(request.path)
             return int(m.group(1)) if m else None
 
         out[server] = remote_peers.split_log(url.requests(), rank_of)
@@ -312,6 +334,7 @@ def table_rows(ranks: list[dict], logs: dict, layout: str, spec: dict) -> list[l
                         method,
                         per_rank([p["bytes"] / shard[r] for r, p in enumerate(plans)]) + " (planned)",
                         "–",
+                        "–",
                         per_rank([p["requests"] for p in plans], "{:.0f}") + " (planned)",
                         f"not run: over --max-requests {spec['max_requests']} per rank",
                         "–",
@@ -321,7 +344,7 @@ def table_rows(ranks: list[dict], logs: dict, layout: str, spec: dict) -> list[l
             errors = [r["error"] for rs in runs for r in rs if r.get("error")]
             if errors:
                 own = [e for e in errors if e != "failed on another rank"] or errors
-                rows.append([server, method, f"could not run: {own[0]}", "–", "–", "–", "–"])
+                rows.append([server, method, f"could not run: {own[0]}", "–", "–", "–", "–", "–"])
                 continue
             cells = [logs.get(server, {}).get(tag, {}) for tag in tags]
             on_wire = worst([[c.get(r, {}).get("bytes", 0) / shard[r] for r in range(WORLD)] for c in cells])
@@ -331,6 +354,11 @@ def table_rows(ranks: list[dict], logs: dict, layout: str, spec: dict) -> list[l
                     for rs in runs
                 ]
             )
+            got = [
+                [None if rs[r].get("exchanged") is None else rs[r]["exchanged"] / shard[r] for r in range(WORLD)]
+                for rs in runs
+            ]
+            exchanged = worst(got)
             requests = worst([[c.get(r, {}).get("requests", 0) for r in range(WORLD)] for c in cells])
             walls = [max(r["seconds"] for r in rs) for rs in runs]
             equal = all(r.get("equal", False) for rs in runs for r in rs)
@@ -341,6 +369,7 @@ def table_rows(ranks: list[dict], logs: dict, layout: str, spec: dict) -> list[l
                     method,
                     per_rank(on_wire),
                     per_rank(own),
+                    per_rank(exchanged),
                     per_rank(requests, "{:.0f}"),
                     mdtable.spread(walls),
                     check if equal else "**differ**",
@@ -354,6 +383,7 @@ HEADERS = [
     "method",
     "wire ÷ shard, per rank (server log)",
     "bytes_read ÷ shard, per rank (method's own count)",
+    "received from peers ÷ shard (ours: bytes_exchanged)",
     "requests per rank (server log)",
     "wall (slowest rank)",
     "shards",

@@ -41,14 +41,14 @@ def mark(base_url: str, tag: str) -> None:
 
 def split_log(requests: list, rank_of) -> dict[str, dict[int, dict[str, int]]]:
     """``{tag: {rank: {"bytes", "requests"}}}`` from a server's log (:class:`servers.LoggedRequest` rows) split at
-    the marker requests; ``rank_of(path)`` is the rank whose folder the path lies in, or ``None``."""
+    the marker requests; ``rank_of(request)`` is the rank that made it (its folder, or its user agent), or ``None``."""
     out: dict[str, dict[int, dict[str, int]]] = {}
     tag = None
     for r in requests:
         if r.path.startswith(MARK):
             tag = r.path[len(MARK) :]
             continue
-        rank = rank_of(r.path)
+        rank = rank_of(r)
         if tag is None or rank is None:
             continue
         cell = out.setdefault(tag, {}).setdefault(rank, {"bytes": 0, "requests": 0})

@@ -82,6 +82,7 @@ class LoggedRequest(NamedTuple):
     range: str | None  # the Range header as sent
     status: int
     bytes: int  # body bytes sent
+    agent: str = ""  # the User-Agent header (nginx's logs)
 
 
 class ServerUrl(str):
@@ -115,7 +116,7 @@ http {{
     default_type application/octet-stream;
     log_format rt escape=json
         '{{"method":"$request_method","path":"$request_uri","range":"$http_range","status":$status,'
-        '"bytes":$body_bytes_sent}}';
+        '"bytes":$body_bytes_sent,"agent":"$http_user_agent"}}';
     access_log {tmp}/access.log rt;
     client_body_temp_path {tmp}/body;
     proxy_temp_path {tmp}/proxy;
@@ -182,7 +183,9 @@ def _access_log(path: Path) -> Callable[[], list[LoggedRequest]]:
     def read() -> list[LoggedRequest]:
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         return [
-            LoggedRequest(r["method"], r["path"].split("?")[0], r["range"] or None, r["status"], r["bytes"])
+            LoggedRequest(
+                r["method"], r["path"].split("?")[0], r["range"] or None, r["status"], r["bytes"], r.get("agent", "")
+            )
             for r in rows
         ]
 
