@@ -14,6 +14,7 @@ requests are a few per chunk; bytes over the process group are each rank's shard
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -82,7 +83,7 @@ def exchanged_reads(
                 error = e
         session.agree(error, "reading", point=f"round{k}")
         with peer_errors("reading", "exchanging fetched bytes"):
-            held, n = exchange(plans, files, fetched, session.rank, session.world)
+            held, n = exchange(plans, files, fetched, session.rank, session.world, session.timeout)
         received += n
         try:
             round_reads = [r for f in files for r in by_file.get(f, ())]
@@ -130,7 +131,12 @@ def _offsets_in(chunk_ranges: Ranges, starts: np.ndarray) -> np.ndarray:
 
 
 def exchange(
-    plans: dict[str, FilePlan], files: Sequence[str], fetched: dict[str, np.ndarray], rank: int, world: int
+    plans: dict[str, FilePlan],
+    files: Sequence[str],
+    fetched: dict[str, np.ndarray],
+    rank: int,
+    world: int,
+    timeout: float | None = None,
 ) -> tuple[dict[str, HeldFile], int]:
     """Send every rank its pieces of this rank's chunks, receive this rank's pieces (one ``all_to_all_single``).
     Collective.
@@ -154,7 +160,7 @@ def exchange(
         0 if i == rank else int(sum(plans[f].pieces[rank].sizes_from(i).sum() for f in files)) for i in range(world)
     ]
     send = np.concatenate([p for parts in sends for p in parts]) if sum(send_sizes) else np.zeros(0, np.uint8)
-    recv = _all_to_all(send, send_sizes, recv_sizes)
+    recv = _all_to_all(send, send_sizes, recv_sizes, timeout)
     cursor = np.concatenate([[0], np.cumsum(recv_sizes)])[:-1]
     held: dict[str, HeldFile] = {}
     for f in files:
@@ -179,10 +185,15 @@ def exchange(
     return held, sum(recv_sizes)
 
 
-def _all_to_all(send: np.ndarray, send_sizes: list[int], recv_sizes: list[int]) -> np.ndarray:
-    """``all_to_all_single`` of bytes, on the device the default group's backend moves (CPU for gloo)."""
-    backend = str(dist.get_backend())
-    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+def _all_to_all(send: np.ndarray, send_sizes: list[int], recv_sizes: list[int], timeout: float | None) -> np.ndarray:
+    """``all_to_all_single`` of bytes, waiting at most ``timeout`` seconds; on this rank's GPU under NCCL (untested
+    here), else on the CPU."""
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(out, torch.from_numpy(send).to(device), recv_sizes, send_sizes)
+    work = dist.all_to_all_single(out, torch.from_numpy(send).to(device), recv_sizes, send_sizes, async_op=True)
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
     return out.cpu().numpy()
