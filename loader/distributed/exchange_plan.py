@@ -99,7 +99,8 @@ def chunks(everyone: Sequence[Ranges]) -> Chunks:
     ext, wanted = extents[shared], wanted[shared]
     size = (ext[:, 1] - ext[:, 0])[:, None]
     cum = np.concatenate([np.zeros((len(ext), 1), dtype=np.int64), np.cumsum(wanted, axis=1)], axis=1)
-    bounds = ext[:, :1] + size * cum // cum[:, -1:]  # exact integers: the last bound is the extent's end
+    # exact integers (Python's: size * cum overflows int64 past ~3 GB extents): the last bound is the extent's end
+    bounds = ext[:, :1] + (size.astype(object) * cum.astype(object) // cum[:, -1:].astype(object)).astype(np.int64)
     starts, ends = bounds[:, :-1].ravel(), bounds[:, 1:].ravel()
     holders = np.tile(np.arange(world, dtype=np.int64), len(ext))
     keep = ends > starts

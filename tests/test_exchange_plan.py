@@ -1,0 +1,235 @@
+"""Property tests of the plan of exchanged reads (loader/distributed/exchange_plan.py), a pure function of every
+rank's wanted byte ranges: random worlds of 1..6 ranks wanting column shards (a run of every row each), row shards,
+replicated and overlapping ranges, with ranks that want nothing, at byte offsets of small files and of files of
+many GiB; every property checked against a plain-Python reference of the module's definitions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loader.distributed.exchange_plan import as_ranges, chunks, pieces, plan_files, rounds
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# -- a reference of the module's vocabulary, in plain Python ---------------------------------------------------
+
+
+def merged(ranges) -> list[tuple[int, int]]:
+    """The byte set of ``ranges`` as sorted, disjoint, non-touching, non-empty ``(start, end)`` pairs."""
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges if b > a):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def intersect(xs, ys) -> list[tuple[int, int]]:
+    """The bytes in both (each a list of disjoint ranges)."""
+    return merged((max(a, c), min(b, d)) for a, b in xs for c, d in ys)
+
+
+def nbytes(ranges) -> int:
+    return sum(int(b) - int(a) for a, b in ranges)
+
+
+def pairs(a: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(s), int(e)) for s, e in a]
+
+
+def shared_extents(everyone) -> list[tuple[int, int]]:
+    """Extents (every rank's wanted ranges merged) that >= 2 ranks want, one of them in more than one range."""
+    out = []
+    for a, b in merged(r for mine in everyone for r in pairs(mine)):
+        counts = [sum(a <= s < b for s, _ in pairs(mine)) for mine in everyone]
+        if sum(c > 0 for c in counts) >= 2 and max(counts) >= 2:
+            out.append((a, b))
+    return out
+
+
+# -- strategies ------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def tensor_wants(draw, world: int, at: int, unit: int) -> tuple[list[list[tuple[int, int]]], int]:
+    """One tensor's wanted ranges per rank from byte ``at`` on, and its end: column shards, row shards, replicated
+    or random overlapping ranges, each over a random subset of the ranks."""
+    kind = draw(st.sampled_from(["columns", "rows", "replicated", "random"]))
+    ranks = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True))
+    rows, run = draw(st.integers(1, 5)), draw(st.integers(1, 3)) * unit
+    out: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    if kind == "columns":  # each rank a run of every row
+        for row in range(rows):
+            for k, r in enumerate(ranks):
+                a = at + (row * len(ranks) + k) * run
+                out[r].append((a, a + run))
+        return out, at + rows * len(ranks) * run
+    if kind == "rows":  # each rank a contiguous shard
+        for k, r in enumerate(ranks):
+            out[r].append((at + k * rows * run, at + (k + 1) * rows * run))
+        return out, at + len(ranks) * rows * run
+    size = rows * len(ranks) * run
+    if kind == "replicated":
+        for r in ranks:
+            out[r].append((at, at + size))
+        return out, at + size
+    for r in ranks:  # random, overlapping between ranks
+        for _ in range(draw(st.integers(1, 4))):
+            a = draw(st.integers(0, size - 1))
+            out[r].append((at + a, at + draw(st.integers(a + 1, size))))
+    return out, at + size
+
+
+@st.composite
+def file_wants(draw, world: int) -> list[np.ndarray]:
+    """Every rank's wanted ranges of one file: tensors one after another, touching or with a gap, in offsets of
+    one byte or of one GiB (files of many GiB: bounds must not overflow)."""
+    unit = draw(st.sampled_from([1, 2, 1 << 30]))
+    at = draw(st.integers(0, 3)) * unit
+    everyone: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for _ in range(draw(st.integers(1, 4))):
+        wants, at = draw(tensor_wants(world, at, unit))
+        for r in range(world):
+            everyone[r] += wants[r]
+        at += draw(st.sampled_from([0, 0, 1, 3])) * unit
+    return [as_ranges(np.array(w, dtype=np.int64).reshape(-1, 2)) for w in everyone]
+
+
+worlds = st.integers(1, 6)
+
+
+@st.composite
+def one_file(draw) -> list[np.ndarray]:
+    return draw(file_wants(draw(worlds)))
+
+
+@st.composite
+def many_files(draw) -> tuple[int, list[dict[str, np.ndarray]]]:
+    """``(world, every rank's {file: wanted})``; a rank wanting nothing of a file has no entry for it."""
+    world = draw(worlds)
+    everyone: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
+    for name in draw(st.lists(st.sampled_from("abcdefg"), min_size=1, max_size=5, unique=True)):
+        for r, mine in enumerate(draw(file_wants(world))):
+            if len(mine) or draw(st.booleans()):
+                everyone[r][f"/ckpt/{name}.safetensors"] = mine
+    return world, everyone
+
+
+# -- properties -------------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(-2, 40), st.integers(-2, 40)), max_size=12))
+def test_as_ranges_is_the_normal_form_of_the_same_bytes(raw):
+    got = as_ranges(raw)
+    assert got.dtype == np.int64 and got.shape == (len(got), 2)
+    assert (got[:, 1] > got[:, 0]).all()  # none empty
+    assert (got[1:, 0] > got[:-1, 1]).all()  # ascending, disjoint, not touching
+    mask = np.zeros(50, dtype=bool)
+    for a, b in raw:  # the same byte set (shifted by 2: offsets may be negative)
+        if b > a:
+            mask[a + 2 : b + 2] = True
+    got_mask = np.zeros(50, dtype=bool)
+    for a, b in got:
+        got_mask[a + 2 : b + 2] = True
+    assert (got_mask == mask).all(), (raw, got)
+    assert pairs(got) == merged(raw)
+
+
+@SETTINGS
+@given(one_file())
+def test_chunks_exactly_cover_the_shared_extents_each_rank_fetching_at_most_its_wants(everyone):
+    c = chunks(everyone)
+    starts, ends, holders = c.starts, c.ends, c.holders
+    assert (ends > starts).all()  # none empty
+    assert (starts[1:] >= ends[:-1]).all()  # ascending, disjoint
+    assert set(holders.tolist()) <= set(range(len(everyone)))
+    shared = shared_extents(everyone)
+    assert merged(zip(starts, ends)) == shared, (everyone, c)
+    assert c.nbytes == nbytes(shared)
+    for a, b in shared:
+        inside = (starts >= a) & (ends <= b)
+        for r, mine in enumerate(everyone):
+            held = holders[inside] == r
+            wanted = nbytes(intersect(pairs(mine), [(a, b)]))
+            assert held.sum() <= 1, "a rank fetches one contiguous chunk of an extent"
+            # exact integer bounds: never more than it wants in the extent (no rounding slack needed)
+            assert int((ends[inside][held] - starts[inside][held]).sum()) <= wanted, (r, (a, b), everyone)
+    for r in range(len(everyone)):
+        assert pairs(c.of(r)) == [(int(s), int(e)) for s, e, h in zip(starts, ends, holders) if h == r]
+
+
+@SETTINGS
+@given(one_file())
+def test_pieces_partition_each_ranks_shared_wants_and_lie_in_their_holders_chunks(everyone):
+    c = chunks(everyone)
+    shared = shared_extents(everyone)
+    chunk_list = list(zip(c.starts.tolist(), c.ends.tolist(), c.holders.tolist()))
+    for mine in everyone:
+        p = pieces(mine, c)
+        assert (p.ends > p.starts).all() and (p.starts[1:] >= p.ends[:-1]).all()
+        assert merged(zip(p.starts, p.ends)) == intersect(pairs(mine), shared), (mine, everyone)
+        for a, b, h in zip(p.starts.tolist(), p.ends.tolist(), p.holders.tolist()):
+            assert any(s <= a and b <= e and h == k for s, e, k in chunk_list), ((a, b, h), chunk_list)
+        for h in range(len(everyone)):
+            assert p.sizes_from(h).tolist() == [b - a for a, b in pairs(p.from_holder(h))]
+
+
+@SETTINGS
+@given(many_files())
+def test_plan_files_sends_and_costs(world_and_wants):
+    world, everyone = world_and_wants
+    plans = plan_files(everyone)
+    files = sorted({f for wants in everyone for f in wants})
+    empty = np.zeros((0, 2), dtype=np.int64)
+    with_shared = [f for f in files if shared_extents([w.get(f, empty) for w in everyone])]
+    assert sorted(plans) == with_shared
+    for f, fp in plans.items():
+        wants = [w.get(f, empty) for w in everyone]
+        assert len(fp.pieces) == world
+        chunk_of = list(zip(fp.chunks.starts.tolist(), fp.chunks.ends.tolist(), fp.chunks.holders.tolist()))
+        for i in range(world):
+            for j in range(world):
+                # what i sends j: j's wanted bytes inside i's chunks, cut at chunk bounds, ascending
+                expected = [piece for s, e, h in chunk_of if h == i for piece in intersect(pairs(wants[j]), [(s, e)])]
+                assert pairs(fp.sends(i, j)) == expected, (f, i, j)
+            received = sum(nbytes(pairs(fp.pieces[i].from_holder(h))) for h in range(world))
+            assert fp.cost(i) == nbytes(pairs(fp.chunks.of(i))) + received
+
+
+@SETTINGS
+@given(many_files(), st.integers(0, 1 << 34))
+def test_rounds_keep_each_rank_within_the_budget_unless_a_file_is_alone(world_and_wants, budget):
+    world, everyone = world_and_wants
+    plans = plan_files(everyone)
+    groups = rounds(plans, world, budget)
+    assert [f for g in groups for f in g] == sorted(plans)  # every file once, in name order
+    assert all(groups)
+
+    def held(group):
+        return max(sum(plans[f].cost(r) for f in group) for r in range(world))
+
+    for k, g in enumerate(groups):
+        assert len(g) == 1 or held(g) <= budget, (g, budget)
+        if k + 1 < len(groups):  # greedy: the next group's first file did not fit in this one
+            assert held([*g, groups[k + 1][0]]) > budget
+
+
+def test_a_column_shard_of_a_5_gib_file_is_cut_into_one_quarter_per_rank():
+    """4 ranks, a run of each of 1000 rows each, over 5 GiB: bounds computed exactly (``size * cumulative wants``
+    overflowed int64 past ~3 GB extents: chunks lost, pieces assigned to holders that had not fetched them)."""
+    run, world, rows = (5 << 30) // 4000, 4, 1000
+    starts = [[(row * world + r) * run for row in range(rows)] for r in range(world)]
+    everyone = [as_ranges([(a, a + run) for a in mine]) for mine in starts]
+    c = chunks(everyone)
+    quarter = rows * run
+    assert pairs(np.stack([c.starts, c.ends], axis=1)) == [(r * quarter, (r + 1) * quarter) for r in range(world)]
+    assert c.holders.tolist() == list(range(world))
+    for r, mine in enumerate(everyone):
+        p = pieces(mine, c)
+        assert nbytes(pairs(np.stack([p.starts, p.ends], axis=1))) == quarter
+        assert p.sizes_from(r).sum() == quarter // world  # a quarter of its own runs lie in its own chunk
