@@ -4,10 +4,12 @@ CTX_JSON``, run by ``gloo_world.run_world``). The last scenario kills rank 2 as 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -18,6 +20,7 @@ from gloo_world import run_scenarios
 from loader.placements import shard_module
 
 TIMEOUT = 20.0  # seconds each rank waits for the others in the failure scenarios
+HUNG_TIMEOUT = 3.0  # seconds the others wait for a hung rank
 FAILING = 2  # the rank that fails
 
 
@@ -35,11 +38,44 @@ def _layout(value: float | None = None) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
     model = shard_module(dm.Layout(), init_device_mesh("cpu", (4,)), layout_placements((4,)))
-    if value is not None:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(value)
+    return model if value is None else _filled(model, value)
+
+
+def _filled(model: torch.nn.Module, value: float = 7.0) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
     return model
+
+
+@contextlib.contextmanager
+def one_file_per_round() -> Iterator[None]:
+    """Rounds of one file each (:data:`~loader.distributed.exchange_reads.ROUND_BYTES`, 1 GiB, set to 1 byte): a
+    checkpoint of small shards is exchanged in several rounds."""
+    from loader.distributed import exchange_reads
+
+    saved, exchange_reads.ROUND_BYTES = exchange_reads.ROUND_BYTES, 1
+    try:
+        yield
+    finally:
+        exchange_reads.ROUND_BYTES = saved
+
+
+@contextlib.contextmanager
+def counting_exchanges() -> Iterator[list[int]]:
+    """``[n]``: how many exchanges (rounds that got past their agreement) this rank entered, seen by a profile
+    hook (nothing of the loader replaced)."""
+    count = [0]
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "exchange" and "exchange_reads" in frame.f_code.co_filename:
+            count[0] += 1
+
+    sys.setprofile(hook)
+    try:
+        yield count
+    finally:
+        sys.setprofile(None)
 
 
 def _shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -53,35 +89,33 @@ def _unequal(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
 
 
 def _unchanged(model: torch.nn.Module, value: float = 7.0) -> bool:
-    return all(bool((t == value).all()) for t in _shards(model).values())
+    return all(bool((getattr(p.data, "_local_tensor", p.data) == value).all()) for p in model.parameters())
 
 
 def _describe(e: BaseException) -> dict:
-    return {k: getattr(e, k, None) for k in ("path", "key", "stage", "ranks", "reason", "rank")} | {
+    keys = ("path", "key", "stage", "ranks", "reason", "rank", "remote_traceback")
+    return {k: getattr(e, k, None) for k in keys} | {
         "type": type(e).__name__,
         "message": str(e),
     }
 
 
-def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False) -> dict:
-    """A qwen3_moe model sharded ``mesh_shape``, loaded with exchanged reads and without: equal bit for bit, and
-    equal to the reference."""
-    from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
+def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, rounds: bool = False) -> dict:
+    """A qwen3_moe model (2 shards) sharded ``mesh_shape``, loaded with exchanged reads and without: equal bit for
+    bit, and equal to the reference; ``rounds``: one file per round."""
+    from loader import load_hf_checkpoint
 
     alone = _moe(ctx, mesh_shape)
     load_hf_checkpoint(alone, ctx["moe"], progress=False, exchange_reads=False)
     model = _moe(ctx, mesh_shape)
-    if dcp:
-        import torch.distributed.checkpoint as torch_dcp
-
-        planner = HFLoadPlanner(model)
-        reader = SafetensorsReader(ctx["moe"], exchange_reads=True)
-        torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
-        report = planner.finish(ctx["moe"])
-    else:
-        report = load_hf_checkpoint(model, ctx["moe"], progress=False, exchange_reads=True)
+    with contextlib.ExitStack() as stack:
+        if rounds:
+            stack.enter_context(one_file_per_round())
+        exchanges = stack.enter_context(counting_exchanges())
+        report = _load(ctx, model, dcp)
     sd = model.state_dict(keep_vars=True)
     return {
+        "exchanges": exchanges[0],
         "unequal": _unequal(alone, model),
         "bad": check_full(model, torch.load(ctx["moe_ref"])),
         "bytes_read": report.bytes_read,
@@ -89,6 +123,20 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False) -
         "planned_bytes": report.planned_bytes,
         "shard_bytes": sum(local_numel(sd[n]) * 2 for n in report.loaded_keys if n in sd),
     }
+
+
+def _load(ctx: dict, model: torch.nn.Module, dcp: bool):
+    """Load the moe checkpoint into ``model`` with exchanged reads (through ``dcp.load``)."""
+    from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
+
+    if not dcp:
+        return load_hf_checkpoint(model, ctx["moe"], progress=False, exchange_reads=True)
+    import torch.distributed.checkpoint as torch_dcp
+
+    planner = HFLoadPlanner(model)
+    reader = SafetensorsReader(ctx["moe"], exchange_reads=True)
+    torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
+    return planner.finish(ctx["moe"])
 
 
 def scenario_layout(ctx: dict) -> dict:
@@ -109,37 +157,46 @@ def scenario_layout(ctx: dict) -> dict:
 
 
 def scenario_changed_on_one_rank(ctx: dict) -> dict:
-    """Rank 2 reads the header, then the file's data is rewritten (same size, mtime put back) before the other
-    ranks open it: rank 2's fetch of its chunks must fail, and every rank raise the CheckpointError naming the file,
-    with its tensors restored (``rollback``)."""
-    import dist_models as dm
-
+    """Rank 2 reads the headers, then the second shard's data is rewritten (same size, mtime put back) before the
+    other ranks open it; one file per round: the first round is exchanged and written everywhere, then rank 2's
+    fetch of the second file must fail, and every rank raise the CheckpointError naming it, with its tensors
+    restored (``rollback``)."""
     from loader import HFLoadPlanner, load_hf_checkpoint
 
-    rank, path, marker = dist.get_rank(), ctx["changing"], os.path.join(ctx["out"], "changed")
+    rank, marker = dist.get_rank(), os.path.join(ctx["out"], "changed")
+    path = os.path.join(ctx["changing"], ctx["second_shard"])
 
     class RewritingPlanner(HFLoadPlanner):
         done = False
 
-        def map_checkpoint_key(self, key: str) -> str | None:  # planning: after the header was read
+        def map_checkpoint_key(self, key: str) -> str | None:  # planning: after the headers were read
             if rank == FAILING and not self.done:
                 self.done = True
                 _rewrite_data_in_place(path)
                 open(marker, "w").close()
             return key
 
-    model = _layout(7.0)
-    if rank != FAILING:  # the others open the file once it changed: their identity is the new one
+    model = _filled(_moe(ctx, (4,)))
+    if rank != FAILING:  # the others open the files once it changed: their identity is the new one
         deadline = time.monotonic() + TIMEOUT
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.01)
-    planner = RewritingPlanner(model, weights_mapping=dm.RULES)
-    try:
-        load_hf_checkpoint(model, path, planner=planner, progress=False, rollback=True, timeout=TIMEOUT)
-        outcome = {"type": None}
-    except BaseException as e:
-        outcome = _describe(e)
-    return {**outcome, "unchanged": _unchanged(model)}
+    planner = RewritingPlanner(model)
+    with one_file_per_round(), counting_exchanges() as rounds:
+        try:
+            load_hf_checkpoint(
+                model,
+                ctx["changing"],
+                planner=planner,
+                progress=False,
+                rollback=True,
+                timeout=TIMEOUT,
+                exchange_reads=True,
+            )
+            outcome = {"type": None}
+        except BaseException as e:
+            outcome = _describe(e)
+    return {**outcome, "unchanged": _unchanged(model), "rounds_exchanged": rounds[0]}
 
 
 def _rewrite_data_in_place(path: str) -> None:
@@ -195,21 +252,27 @@ def _rules_with_scaled(fn) -> list:
     return [r for r in dm.RULES if "scaled" not in repr(r)] + [Convert("scaled_src", "scaled", fn)]
 
 
-def scenario_dies_at_the_exchange(ctx: dict) -> dict:
-    """Rank 2 is killed as it enters the exchange (its chunks fetched, every fetch agreed): the others, in the
-    ``all_to_all``, raise PeerFailure and restore their tensors."""
+def scenario_stopped_at_the_exchange(ctx: dict, how: str) -> dict:
+    """Rank 2 stops as it enters the exchange (its chunks fetched, every fetch agreed): killed (``how="dies"``), or
+    hung until the others gave up (``"hangs"``; then it resumes). The others, in the ``all_to_all``, raise
+    PeerFailure within the timeout and restore their tensors; a hung rank raises PeerFailure when it resumes."""
     import dist_models as dm
 
     from loader import load_hf_checkpoint
 
+    rank, name = dist.get_rank(), f"{how}_at_the_exchange"
     model = _layout(7.0)
-    if dist.get_rank() == FAILING:
+    if rank == FAILING:
 
-        def die_entering_exchange(frame, event, arg):
+        def stop_entering_exchange(frame, event, arg):
             if event == "call" and frame.f_code.co_name == "exchange" and "exchange_reads" in frame.f_code.co_filename:
-                os.kill(os.getpid(), signal.SIGKILL)
+                if how == "dies":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                sys.setprofile(None)
+                _wait_for_the_others(ctx, name)
 
-        sys.setprofile(die_entering_exchange)
+        sys.setprofile(stop_entering_exchange)
+    started = time.monotonic()
     try:
         load_hf_checkpoint(
             model,
@@ -217,7 +280,7 @@ def scenario_dies_at_the_exchange(ctx: dict) -> dict:
             weights_mapping=dm.RULES,
             progress=False,
             rollback=True,
-            timeout=TIMEOUT,
+            timeout=HUNG_TIMEOUT if how == "hangs" else TIMEOUT,
             exchange_reads=True,
         )
         outcome = {"type": None}
@@ -225,17 +288,30 @@ def scenario_dies_at_the_exchange(ctx: dict) -> dict:
         outcome = _describe(e)
     finally:
         sys.setprofile(None)
-    return {**outcome, "unchanged": _unchanged(model)}
+    if rank != FAILING:  # tell the hung rank this one gave up
+        open(os.path.join(ctx["out"], f"{name}.caught.{rank}"), "w").close()
+    return {**outcome, "unchanged": _unchanged(model), "seconds": time.monotonic() - started}
+
+
+def _wait_for_the_others(ctx: dict, name: str, limit: float = 60.0) -> None:
+    others = [r for r in range(dist.get_world_size()) if r != FAILING]
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(ctx["out"], f"{name}.caught.{r}")) for r in others):
+            return
+        time.sleep(0.01)
 
 
 SCENARIOS = [
     ("moe_tp4", lambda ctx: scenario_moe(ctx, (4,))),
     ("moe_ep_tp_2x2", lambda ctx: scenario_moe(ctx, (2, 2))),
     ("moe_dcp_tp4", lambda ctx: scenario_moe(ctx, (4,), dcp=True)),
+    ("moe_rounds_tp4", lambda ctx: scenario_moe(ctx, (4,), rounds=True)),
     ("layout_tp4", scenario_layout),
     ("changed_on_one_rank", scenario_changed_on_one_rank),
     ("fails_after_exchange", scenario_fails_after_exchange),
-    ("dies_at_the_exchange", scenario_dies_at_the_exchange),  # last: rank 2 dies
+    ("hangs_at_the_exchange", lambda ctx: scenario_stopped_at_the_exchange(ctx, "hangs")),
+    ("dies_at_the_exchange", lambda ctx: scenario_stopped_at_the_exchange(ctx, "dies")),  # last: rank 2 dies
 ]
 
 

@@ -85,18 +85,30 @@ def tensor_wants(draw, world: int, at: int, unit: int) -> tuple[list[list[tuple[
 
 
 @st.composite
-def file_wants(draw, world: int) -> list[np.ndarray]:
-    """Every rank's wanted ranges of one file: tensors one after another, touching or with a gap, in offsets of
-    one byte or of one GiB (files of many GiB: bounds must not overflow)."""
+def file_tensors(draw, world: int) -> tuple[list[list[np.ndarray]], np.ndarray]:
+    """One file's tensors one after another, touching or with a gap, in offsets of one byte or of one GiB (files of
+    many GiB: bounds must not overflow), some wanted by no rank: every rank's wanted ranges of each tensor (a
+    tensor's as :data:`Ranges`; index ``[rank][tensor]``) and the tensors' byte spans."""
     unit = draw(st.sampled_from([1, 2, 1 << 30]))
     at = draw(st.integers(0, 3)) * unit
-    everyone: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    per_tensor: list[list[np.ndarray]] = [[] for _ in range(world)]
+    spans = []
     for _ in range(draw(st.integers(1, 4))):
-        wants, at = draw(tensor_wants(world, at, unit))
+        wants, end = draw(tensor_wants(world, at, unit))
+        if draw(st.integers(0, 5)) == 0:  # a tensor no rank loads
+            wants = [[] for _ in range(world)]
         for r in range(world):
-            everyone[r] += wants[r]
-        at += draw(st.sampled_from([0, 0, 1, 3])) * unit
-    return [as_ranges(np.array(w, dtype=np.int64).reshape(-1, 2)) for w in everyone]
+            per_tensor[r].append(as_ranges(np.array(wants[r], dtype=np.int64).reshape(-1, 2)))
+        spans.append((at, end))
+        at = end + draw(st.sampled_from([0, 0, 1, 3])) * unit
+    return per_tensor, np.array(spans, dtype=np.int64)
+
+
+@st.composite
+def file_wants(draw, world: int) -> list[np.ndarray]:
+    """Every rank's wanted ranges of one file, touching ones merged across tensors."""
+    per_tensor, _ = draw(file_tensors(world))
+    return [as_ranges(np.concatenate(mine)) for mine in per_tensor]
 
 
 worlds = st.integers(1, 6)
@@ -233,3 +245,46 @@ def test_a_column_shard_of_a_5_gib_file_is_cut_into_one_quarter_per_rank():
         p = pieces(mine, c)
         assert nbytes(pairs(np.stack([p.starts, p.ends], axis=1))) == quarter
         assert p.sizes_from(r).sum() == quarter // world  # a quarter of its own runs lie in its own chunk
+
+
+def shared_tensors(per_tensor: list[list[np.ndarray]]) -> list[int]:
+    """The tensors shared: in a *group* (a maximal run of consecutive tensors the same ranks want, at least two)
+    holding a *fragmented* tensor (one some rank wants in more than one range)."""
+    n, world = len(per_tensor[0]), len(per_tensor)
+    present = [frozenset(r for r in range(world) if len(per_tensor[r][k])) for k in range(n)]
+    fragmented = [max(len(mine[k]) for mine in per_tensor) >= 2 for k in range(n)]
+    out, k = [], 0
+    while k < n:
+        j = k
+        while j + 1 < n and present[j + 1] == present[k]:
+            j += 1
+        if len(present[k]) >= 2 and any(fragmented[k : j + 1]):
+            out += range(k, j + 1)
+        k = j + 1
+    return out
+
+
+@SETTINGS
+@given(st.data())
+def test_sharing_decided_per_group_of_tensors(data):
+    """With the tensors' spans: the extents are the wanted bytes of the shared tensors (:func:`shared_tensors`)
+    merged across touching tensors; the other tensors are each rank's own (ranges of two tensors that touch come
+    unmerged, as ranks send them)."""
+    world = data.draw(worlds)
+    per_tensor, spans = data.draw(file_tensors(world))
+    everyone = [np.concatenate([np.zeros((0, 2), dtype=np.int64), *mine]) for mine in per_tensor]
+    extents = merged(pair for mine in per_tensor for k in shared_tensors(per_tensor) for pair in pairs(mine[k]))
+    c = chunks(everyone, spans)
+    assert (c.ends > c.starts).all() and (c.starts[1:] >= c.ends[:-1]).all()
+    assert merged(zip(c.starts, c.ends)) == extents, (per_tensor, spans, c)
+    chunk_list = list(zip(c.starts.tolist(), c.ends.tolist(), c.holders.tolist()))
+    for r, mine in enumerate(everyone):
+        for a, b in extents:
+            fetched = sum(e - s for s, e, h in chunk_list if h == r and a <= s and e <= b)
+            assert fetched <= nbytes(intersect(pairs(mine), [(a, b)])), (r, (a, b))
+        p = pieces(mine, c)
+        assert merged(zip(p.starts, p.ends)) == intersect(pairs(mine), extents), (r, per_tensor, spans)
+        for a, b, h in zip(p.starts.tolist(), p.ends.tolist(), p.holders.tolist()):
+            assert any(s <= a and b <= e and h == k for s, e, k in chunk_list), ((a, b, h), chunk_list)
+    plans = plan_files([{"/ckpt/f": mine} for mine in everyone], {"/ckpt/f": spans})
+    assert sorted(plans) == (["/ckpt/f"] if extents else [])

@@ -14,103 +14,138 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from loader.errors import CheckpointError
 from loader.storage import FileReader
 from loader.storage.held import HeldFile, HeldReader
 from regiontrace import RunGrid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SIZE = 1 << 16
-#: held pieces: two touching ones, one alone
-PIECES = [(1000, 1100), (1100, 1200), (5000, 5064)]
+SIZE = 1 << 13
 
 
-@pytest.fixture
-def file(tmp_path) -> tuple[str, bytes]:
-    path = str(tmp_path / "data.bin")
+@pytest.fixture(scope="module")
+def file(tmp_path_factory) -> tuple[str, bytes]:
+    path = str(tmp_path_factory.mktemp("held") / "data.bin")
     data = np.random.default_rng(0).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
     with open(path, "wb") as f:
         f.write(data)
+    shutil.copy(path, path + ".other")  # a file with nothing held
     return path, data
 
 
-def held_bytes(data: bytes, a: int, b: int) -> bytes:
-    """What the held pieces hold at ``[a, b)``: not the file's bytes (each inverted), so a test tells them apart."""
-    return bytes(x ^ 0xFF for x in data[a:b])
+class Held:
+    """Held pieces of a file, holding other bytes than the file's (each inverted), so a test tells them apart;
+    :meth:`expected` is what a read of ``[a, b)`` must give: each byte from memory where a piece holds it, else the
+    file's."""
+
+    def __init__(self, data: bytes, pieces: list[tuple[int, int]]) -> None:
+        self.data, self.pieces = data, pieces
+        self.mask = np.zeros(len(data), dtype=bool)
+        for a, b in pieces:
+            self.mask[a:b] = True
+        self.memory = np.where(self.mask, np.frombuffer(data, np.uint8) ^ 0xFF, np.frombuffer(data, np.uint8))
+
+    def file(self) -> HeldFile:
+        views = [memoryview(self.memory[a:b].copy()) for a, b in self.pieces]
+        return HeldFile([a for a, _ in self.pieces], [b for _, b in self.pieces], views)
+
+    def expected(self, a: int, b: int) -> bytes:
+        return self.memory[a:b].tobytes()
+
+    def held_in(self, a: int, b: int) -> int:
+        return int(self.mask[a:b].sum())
 
 
-def held_file(data: bytes, pieces=PIECES) -> HeldFile:
-    views = [memoryview(bytearray(held_bytes(data, a, b))) for a, b in pieces]
-    return HeldFile([a for a, _ in pieces], [b for _, b in pieces], views)
+@st.composite
+def held_pieces(draw) -> list[tuple[int, int]]:
+    """Ascending, disjoint pieces, some touching (as a rank's pieces cut at chunk bounds are)."""
+    out, at = [], draw(st.integers(0, 300))
+    for _ in range(draw(st.integers(0, 8))):
+        n = draw(st.integers(1, 400))
+        if at + n > SIZE:
+            break
+        out.append((at, at + n))
+        at += n + draw(st.sampled_from([0, 0, 1, 7, 300]))
+    return out
 
 
-def test_held_bytes_come_from_memory_the_others_from_the_file(file):
+reads = st.tuples(st.integers(0, SIZE - 1), st.integers(0, 1500)).map(lambda r: (r[0], min(SIZE, r[0] + r[1])))
+HELD = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@HELD
+@given(held_pieces(), st.lists(reads, min_size=1, max_size=4))
+def test_each_byte_read_comes_from_memory_where_held_else_from_the_file(file, pieces, ranges):
     path, data = file
+    held = Held(data, pieces)
     with FileReader() as inner:
-        reader = HeldReader(inner, {path: held_file(data)})
-        out = bytearray(150)
-        reader.pread_into(path, 1020, out)  # across the two touching pieces
-        assert bytes(out) == held_bytes(data, 1020, 1170)
-        assert (reader.served, inner.bytes_read, inner.reads) == (150, 0, 0)
-        out = bytearray(100)
-        reader.pread_into(path, 2000, out)  # not held: the file's bytes, through the inner reader
-        assert bytes(out) == data[2000:2100]
-        assert (reader.served, inner.bytes_read, inner.reads) == (150, 100, 1)
+        reader = HeldReader(inner, {path: held.file()})
+        for a, b in ranges:
+            served, fetched = reader.served, inner.bytes_read
+            out = bytearray(b - a)
+            reader.pread_into(path, a, out)
+            assert bytes(out) == held.expected(a, b), (a, b)
+            assert reader.served - served == held.held_in(a, b)  # from memory
+            assert inner.bytes_read - fetched == (b - a) - held.held_in(a, b)  # the rest from the file
         assert (reader.bytes_read, reader.reads) == (inner.bytes_read, inner.reads)  # counts are the inner's
-        out = bytearray(20)
-        reader.pread_into(path, 990, out)  # starts before the held bytes: read whole from the file
-        assert bytes(out) == data[990:1010]
-        assert reader.served == 150
 
 
-def test_a_read_starting_in_held_bytes_and_running_past_them_raises(file):
+@HELD
+@given(held_pieces(), reads, st.lists(st.integers(0, 300), min_size=1, max_size=5))
+def test_consecutive_buffers_each_byte_from_where_it_is(file, pieces, start, sizes):
     path, data = file
+    held = Held(data, pieces)
+    a = start[0]
+    sizes = [min(n, SIZE - a - sum(sizes[:k])) for k, n in enumerate(sizes)]
+    sizes = [max(n, 0) for n in sizes]
     with FileReader() as inner:
-        reader = HeldReader(inner, {path: held_file(data)})
-        for offset, n in [(1150, 100), (5000, 65), (1199, 2)]:
-            with pytest.raises(RuntimeError, match="not all held") as e:
-                reader.pread_into(path, offset, bytearray(n))
-            assert path in str(e.value)
-        assert inner.bytes_read == 0  # no short copy completed from the file either
+        reader = HeldReader(inner, {path: held.file()})
+        outs = [memoryview(bytearray(n)) for n in sizes]
+        reader.pread_consecutive(path, a, outs)
+        b = a + sum(sizes)
+        assert b"".join(bytes(o) for o in outs) == held.expected(a, b)
+        assert (reader.served, inner.bytes_read) == (held.held_in(a, b), (b - a) - held.held_in(a, b))
 
 
-def test_consecutive_buffers_each_from_where_its_bytes_are(file):
+@HELD
+@given(held_pieces(), st.integers(0, 2000), st.integers(1, 40), st.integers(1, 12), st.integers(0, 100))
+def test_runs_each_byte_from_where_it_is(file, pieces, first, length, count, gap):
     path, data = file
+    held = Held(data, pieces)
+    grid = RunGrid(first, length, ((count, length + gap),))
+    runs = [(int(s), int(s) + length) for s in grid.starts()]
     with FileReader() as inner:
-        reader = HeldReader(inner, {path: held_file(data)})
-        outs = [memoryview(bytearray(n)) for n in (50, 100, 0, 50)]  # [950, 1000) in the file, then held
-        reader.pread_consecutive(path, 950, outs)
-        assert [bytes(o) for o in outs] == [
-            data[950:1000],
-            held_bytes(data, 1000, 1100),
-            b"",
-            held_bytes(data, 1100, 1150),
-        ]
-        assert (reader.served, inner.bytes_read) == (150, 50)
-        outs = [memoryview(bytearray(n)) for n in (30, 30)]  # none held: one consecutive read of the file
-        reader.pread_consecutive(path, 3000, outs)
-        assert b"".join(bytes(o) for o in outs) == data[3000:3060]
-        assert (inner.bytes_read, inner.reads) == (110, 2)
+        reader = HeldReader(inner, {path: held.file()})
+        out = bytearray(grid.end - first)
+        reader.read_runs(path, grid, memoryview(out), first, wanted=count * length)
+        assert [bytes(out[a - first : b - first]) for a, b in runs] == [held.expected(a, b) for a, b in runs]
+        in_memory = sum(held.held_in(a, b) for a, b in runs)
+        assert (reader.served, inner.bytes_read) == (in_memory, count * length - in_memory)
 
 
-def test_runs_some_held_some_read_from_the_file(file):
+def test_a_file_with_nothing_held_is_read_by_the_inner_reader_alone(file):
     path, data = file
-    grid = RunGrid(1000, 16, ((8, 64),))  # runs of 16 bytes every 64 from byte 1000
-    runs = [(int(a), int(a) + 16) for a in grid.starts()]
+    grid = RunGrid(1000, 16, ((8, 64),))
     with FileReader() as inner:
-        reader = HeldReader(inner, {path: held_file(data, runs[:4])})
+        reader = HeldReader(inner, {path: Held(data, [(0, 4096)]).file()})
         out = bytearray(grid.end - 1000)
-        reader.read_runs(path, grid, memoryview(out), 1000, wanted=8 * 16)
-        got = [bytes(out[a - 1000 : b - 1000]) for a, b in runs]
-        assert got == [held_bytes(data, a, b) for a, b in runs[:4]] + [data[a:b] for a, b in runs[4:]]
-        assert (reader.served, inner.bytes_read) == (64, 64)
-        other = path + ".copy"  # a file with nothing held: the inner reader's own read_runs
-        shutil.copy(path, other)
-        out = bytearray(grid.end - 1000)
-        reader.read_runs(other, grid, memoryview(out), 1000, wanted=8 * 16)
-        assert [bytes(out[a - 1000 : b - 1000]) for a, b in runs] == [data[a:b] for a, b in runs]
-        assert (reader.served, inner.bytes_read) == (64, 64 + 128)
+        reader.read_runs(path + ".other", grid, memoryview(out), 1000, wanted=8 * 16)
+        starts = [int(s) for s in grid.starts()]
+        assert [bytes(out[s - 1000 : s - 984]) for s in starts] == [data[s : s + 16] for s in starts]
+        assert (reader.served, inner.bytes_read, inner.reads) == (0, 128, 1)  # one span: the inner's own read_runs
+
+
+def test_a_read_past_the_files_end_raises_naming_it_even_from_held_bytes(file):
+    path, data = file
+    with FileReader() as inner:
+        reader = HeldReader(inner, {path: Held(data, [(SIZE - 100, SIZE)]).file()})
+        with pytest.raises(CheckpointError, match="end of file") as e:
+            reader.pread_into(path, SIZE - 50, bytearray(100))  # held to the end, then past the file
+        assert e.value.path == path
 
 
 class HintedFileReader(FileReader):
@@ -125,21 +160,22 @@ class HintedFileReader(FileReader):
         super().will_read(file, ranges, sparse=sparse)
 
 
-def test_will_read_passes_on_only_the_ranges_not_held(file):
+def test_will_read_passes_on_only_the_bytes_not_held(file):
     path, data = file
-    shutil.copy(path, path + ".other")  # a file with nothing held
+    held = Held(data, [(1000, 1100), (1100, 1200), (5000, 5064)])
     with HintedFileReader() as inner:
-        reader = HeldReader(inner, {path: held_file(data)})
-        wanted = [(1000, 1100), (1100, 1200), (2000, 2100), (5000, 5064), (6000, 6001)]
+        reader = HeldReader(inner, {path: held.file()})
+        wanted = [(1000, 1100), (1150, 1300), (2000, 2100), (4990, 5070), (6000, 6001)]
         reader.will_read(path, lambda: wanted, sparse=True)
         reader.will_read(path + ".other", lambda: wanted, sparse=True)
-        assert inner.hints == [(path, [(2000, 2100), (6000, 6001)]), (path + ".other", wanted)]
+        not_held = [(1200, 1300), (2000, 2100), (4990, 5000), (5064, 5070), (6000, 6001)]
+        assert inner.hints == [(path, not_held), (path + ".other", wanted)]
 
 
 def test_closing_drops_the_held_bytes_not_the_inner_reader(file):
     path, data = file
     with FileReader() as inner:
-        reader = HeldReader(inner, {path: held_file(data)})
+        reader = HeldReader(inner, {path: Held(data, [(1000, 1100)]).file()})
         with reader:
             pass
         out = bytearray(100)
@@ -161,9 +197,6 @@ def results(tmp_path_factory):
     ctx = {"store": str(root / "store"), "out": str(root), "layout": str(root / "layout.safetensors")}
     torch.save(dm.expected_state(dm.write_checkpoint(ctx["layout"])), root / "layout_ref.pt")
     ctx["layout_ref"] = str(root / "layout_ref.pt")
-    ctx["changing"] = str(root / "changing" / "layout.safetensors")  # rewritten by one scenario
-    os.makedirs(root / "changing")
-    shutil.copy(ctx["layout"], ctx["changing"])
     cfg = transformers.AutoConfig.for_model(
         "qwen3_moe",
         **dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2),
@@ -173,18 +206,23 @@ def results(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     ctx["moe"] = str(root / "moe")
-    model.save_pretrained(ctx["moe"])
+    model.save_pretrained(ctx["moe"], max_shard_size="40KB")  # two files: two rounds when one file is a round
+    shards = sorted(f for f in os.listdir(ctx["moe"]) if f.endswith(".safetensors"))
+    assert len(shards) == 2, shards
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, root / "moe_ref.pt")
     ctx["moe_ref"] = str(root / "moe_ref.pt")
+    ctx["changing"], ctx["second_shard"] = str(root / "changing"), shards[1]  # rewritten by one scenario
+    shutil.copytree(ctx["moe"], ctx["changing"])
     return run_world(exchange_worker.__file__, root, str(root), ctx, expected_codes=[0, 0, -signal.SIGKILL, 0])
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["moe_tp4", "moe_ep_tp_2x2", "moe_dcp_tp4"])
+@pytest.mark.parametrize("name", ["moe_tp4", "moe_ep_tp_2x2", "moe_dcp_tp4", "moe_rounds_tp4"])
 def test_exchanged_local_loads_equal_the_loads_without(results, name):
     from gloo_world import ok
 
     for r, res in enumerate(ok(results, name)):
+        assert res["exchanges"] == (2 if "rounds" in name else 1), (r, res)  # both files in one round, or one each
         assert res["unequal"] == [] and res["bad"] == [], (r, res)
         # what a rank did not fetch itself, a peer fetched and sent it; each fetches about its shard
         assert res["planned_bytes"] <= res["bytes_read"] + res["bytes_exchanged"], (r, res)
@@ -209,8 +247,9 @@ def test_a_file_changed_under_one_ranks_fetch_fails_every_rank(results):
 
     for r, res in enumerate(ok(results, "changed_on_one_rank")):
         assert res["type"] == "CheckpointError", (r, res)
-        assert res["path"].endswith(os.path.join("changing", "layout.safetensors")), (r, res)
-        assert "changed underneath" in res["message"] and "rank 2" in res["message"], (r, res)
+        assert res["path"].endswith(os.path.join("changing", "model-00002-of-00002.safetensors")), (r, res)
+        assert "changed underneath" in res["message"] and "failed on rank 2" in res["message"], (r, res)
+        assert res["rounds_exchanged"] == 1, (r, res)  # the first file's round was exchanged and written
         assert res["unchanged"], f"rank {r} was not restored"
 
 
@@ -224,6 +263,18 @@ def test_a_failure_after_the_exchange_rolls_back_every_rank(results):
         assert "failed on rank 2" in res["message"] and "breaks on rank 2" in res["message"], (r, res)
         assert res["unchanged"], f"rank {r} was not restored"
     assert per_rank[2]["written"] == [True], per_rank[2]  # the exchanged column shards had been written
+
+
+@pytest.mark.dist
+def test_a_rank_hanging_at_the_exchange_fails_every_rank_within_the_timeout(results):
+    from gloo_world import ok
+
+    per_rank = ok(results, "hangs_at_the_exchange")
+    for r, res in enumerate(per_rank):
+        assert res["type"] == "PeerFailure" and res["stage"] == "reading", (r, res)
+        assert res["unchanged"], f"rank {r} was not restored"
+    for r in (0, 1, 3):  # the others stopped waiting in the all_to_all at the load's timeout
+        assert "timed out" in per_rank[r]["message"], per_rank[r]
 
 
 @pytest.mark.dist
