@@ -1,15 +1,16 @@
 """Execute: read exactly the byte ranges a plan's blocks need and copy them into model tensors.
 
-:mod:`.staging` (``StagingRing``: reused host buffers, pinned and double-buffered for GPU targets) and :mod:`.pool`
-(I/O threads) ← :mod:`.reads` (``BlockExecutor``) ← :mod:`.values` (value reads: pointwise
-ops over box-shaped inputs) and :mod:`.deferred` (run-for-real conversions) ← :mod:`.run` (``execute_plan``:
-all three, with progress and rollback).
+:mod:`.staging` (``StagingRing``: reused host buffers, pinned and double-buffered for GPU targets), :mod:`.pool`
+(I/O threads) and :mod:`.routes` (how each block is read, kept by its plan) ← :mod:`.reads` (``BlockExecutor``) ←
+:mod:`.values` (value reads: pointwise ops over box-shaped inputs) and :mod:`.deferred` (run-for-real conversions)
+← :mod:`.run` (``execute_plan``: all three, with progress and rollback).
 """
 
 from regiontrace import ReadLayout, read_layout, split_block, split_span
 
 from .deferred import apply_deferred, run_deferred
-from .reads import SPARSE_FRACTION, STAGING_BYTES, STRIDED_RUNS, BlockExecutor
+from .reads import SPARSE_FRACTION, STAGING_BYTES, BlockExecutor
+from .routes import STRIDED_RUNS
 from .run import execute_plan, restore, snapshot
 from .staging import StagingRing
 from .values import run_values

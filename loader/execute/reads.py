@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 import regiontrace as rt
@@ -34,79 +33,34 @@ from regiontrace import ReadLayout, dest_view, read_layout, split_span
 from ..checkpoint import SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..options import STAGING_BYTES
 from ..plan import BlockRead
-from ..plan.slots import TargetSlot, box_view, whole_boxes
-from ..storage import PAGE, RangeReader
-from ..storage.scatter import scatter_pays
+from ..plan.slots import TargetSlot, whole_boxes
+from ..storage import RangeReader
 from .pool import ReadPool, acquire, copy_threads, resolve_io_threads, submit_consecutive, submit_staged, torch_threads
+from .routes import DIRECT, SCATTER, SPAN, Route, route_for
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
-
-#: blocks reading more contiguous runs than this are read by byte span and copied in one strided copy
-STRIDED_RUNS = 32
-
 
 #: a file this rank reads less than this fraction of is advised POSIX_FADV_RANDOM (readahead off for preads)
 SPARSE_FRACTION = 0.5
 
 
-def _direct_target(block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout) -> torch.Tensor | None:
-    """The destination view when the block can be pread straight into model memory, else None."""
-    if block.casts or dest.dtype != block.source_dtype or layout.count != 1 or layout.flips:
-        return None
-    if dest.device.type != "cpu":
-        return None
-    view = dest_view(block, dest)
-    if not view.is_contiguous():
-        return None
-    want = [0] * len(block.shape)
-    acc = 1
-    for j in range(len(block.shape) - 1, -1, -1):
-        want[j] = acc if block.shape[j] > 1 else 0
-        acc *= block.shape[j]
-    packed = [p if block.shape[j] > 1 else 0 for j, p in enumerate(layout.strides)]
-    if packed != want or any(s == 0 and n > 1 for s, n in zip(block.src_strides, block.shape)):
-        return None
-    return view
+def _scattered(executor: BlockExecutor, file: str, route: Route, dest: torch.Tensor, info: TensorInfo) -> None:
+    """Read a ``SCATTER`` route's runs straight into ``dest`` (its view), the gaps into a sink, on a pool thread."""
+    grid = route.layout.grid(info.itemsize, info.data_start)
+    read = functools.partial(executor.reader.read_runs_to, file, grid, route.targets(dest))
+    executor.pool.submit(read, functools.partial(executor.progress, grid.count * grid.length), staged=False)
 
 
-def _scatter_targets(
-    block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout, grid: rt.RunGrid
-) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
-    """The address in ``dest`` of each run of ``block`` (ascending file order), and the runs' page spans, when the
-    runs can be read straight there — same dtype, no cast, flip or broadcast, each run contiguous in a host
-    destination, runs in file order — and that beats the span read and copy
-    (:func:`~loader.storage.scatter.scatter_pays`); else None."""
-    shape, src, packed = block.shape, block.src_strides, layout.strides
-    if block.casts or dest.dtype != block.source_dtype or layout.flips or layout.count < 2 or grid.gaps is None:
-        return None
-    if dest.device.type != "cpu" or any(s == 0 and n > 1 for s, n in zip(src, shape)):
-        return None
-    spans = grid.spans(PAGE)
-    if not scatter_pays(grid.count, len(spans), sum(b - a for a, b in spans), grid.count * grid.length):
-        return None
-    view = dest_view(block, dest)
-    walked = [j for j in range(len(shape)) if shape[j] > 1]
-    if any(view.stride(j) != packed[j] for j in walked if packed[j] < layout.run):
-        return None  # a run is not contiguous in the destination
-    outer = sorted((j for j in walked if packed[j] >= layout.run), key=lambda j: -layout.steps[j])
-    if [(shape[j], layout.steps[j]) for j in outer] != list(layout.outer):
-        return None
-    item, targets = view.element_size(), np.array([view.data_ptr()], dtype=np.uint64)
-    for j in outer:
-        targets = (targets[:, None] + np.arange(shape[j], dtype=np.uint64) * (view.stride(j) * item)).reshape(-1)
-    return targets, spans
-
-
-def _scattered(
-    executor: BlockExecutor, file: str, block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout, info: TensorInfo
-) -> bool:
-    """Read ``block``'s runs straight into ``dest``, the gaps into a sink (on a pool thread), when that can be and
-    pays (:func:`_scatter_targets`); whether it did."""
-    reader, grid = executor.reader, layout.grid(info.itemsize, info.data_start)
-    scattered = _scatter_targets(block, dest, layout, grid) if getattr(reader, "read_runs_to", None) else None
-    if scattered is not None:
-        read = functools.partial(reader.read_runs_to, file, grid, *scattered)
-        executor.pool.submit(read, functools.partial(executor.progress, grid.count * grid.length), staged=False)
-    return scattered is not None
+def _spanned(
+    executor: BlockExecutor, file: str, r: BlockRead, info: TensorInfo, dest: torch.Tensor, route: Route
+) -> None:
+    """Read a ``SPAN`` route's block of many short runs by its byte span (gaps on pages it touches anyway), one call per
+    stretch of runs, and copy it out in one strided copy (``dest``: the route's view)."""
+    if route.parts:  # too sparse to copy its span to a device, too large to pack beside it: parts that fit both
+        for block in split_span(r.block, max(1, executor.staging_bytes * 3 // 4 // info.itemsize)):
+            part = BlockRead(r.target, r.local_box, block)
+            executor._spanned_part(file, part, info, dest_view(block, dest), read_layout(block))
+        return
+    executor._spanned_part(file, r, info, dest, route.layout)
 
 
 def _whole_copy(r: BlockRead, local: torch.Tensor) -> bool:
@@ -142,6 +96,14 @@ def _identity(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...],
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _bytes_of(tensors: dict[str, memoryview], target: str, local: torch.Tensor) -> memoryview:
+    """The bytes of ``local`` (contiguous), kept in ``tensors`` under ``target``: made once per file, not per block."""
+    view = tensors.get(target)
+    if view is None:
+        view = tensors[target] = _bytes_view(local)
+    return view
 
 
 def _alone(items: list[tuple[BlockRead, TensorInfo]]) -> list[bool]:
@@ -235,6 +197,7 @@ class BlockExecutor:
             :class:`~.staging.StagingRing` of two buffers of ``staging_bytes`` (for several I/O threads,
             ``io_threads + 1`` buffers sharing that budget).
         io_threads: threads reading independent blocks at once (:mod:`.pool`); None: from the CPU share.
+        routes: how each block is read (:mod:`.routes`): a plan's ``routes``, kept from its earlier loads.
     """
 
     def __init__(
@@ -247,8 +210,10 @@ class BlockExecutor:
         progress: Callable[[int], None] | None = None,
         staging: StagingRing | None = None,
         io_threads: int | None = 1,
+        routes: MutableMapping | None = None,
     ) -> None:
         self.checkpoint, self.slots, self.reader = checkpoint, slots, reader
+        self.routes = {} if routes is None else routes
         self.threads = resolve_io_threads(io_threads)
         self.ring = staging if staging is not None else StagingRing.for_threads(staging_bytes, self.threads)
         self.staging_bytes = self.ring.capacity
@@ -301,57 +266,45 @@ class BlockExecutor:
         self.reader.will_read(file, lambda: _byte_ranges(items), sparse=wanted < SPARSE_FRACTION * size)
         consecutive = functools.partial(submit_consecutive, self.pool, self.reader, self.progress)
         cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(consecutive, file)
+        scatter, tensors = getattr(self.reader, "read_runs_to", None) is not None, {}
         for (r, info), alone in zip(items, _alone(items)):
             local = self.slots[r.target].local
-            if alone and _whole_copy(r, local) and self.ring.link_for(local) is None:
+            host = self.ring.link_for(local) is None
+            if alone and host and _whole_copy(r, local):
                 direct_reads.add(info.data_start, _bytes_view(local))  # the common case, without building views
                 continue
-            dest = box_view(local, r.local_box)
-            layout = read_layout(r.block)
-            # a block whose bytes may overlap another's is batched, where overlapping ranges are read once
-            direct = _direct_target(r.block, dest, layout) if alone and self.ring.link_for(dest) is None else None
-            if direct is not None:
-                direct_reads.add(info.data_start + layout.base * info.itemsize, _bytes_view(direct))
+            route = route_for(self.routes, r, info, local, alone=alone, capacity=cap, host=host, scatter=scatter)
+            layout, item = route.layout, info.itemsize
+            if route.kind == DIRECT:  # into a contiguous tensor: a slice of its bytes, no view built
+                view = _bytes_view(route.dest(local)) if route.at is None else _bytes_of(tensors, r.target, local)
+                direct_reads.add(info.data_start + layout.base * item, view[route.at or 0 :][: layout.run * item])
                 continue
-            item = info.itemsize
-            span, want = (layout.end - layout.base) * item, layout.count * layout.run * item
-            if alone and self.ring.link_for(dest) is None and _scattered(self, file, r.block, dest, layout, info):
-                continue  # the runs straight into the destination, the gaps into a sink: no copy
-            if alone and layout.count > STRIDED_RUNS and align(span) <= cap:
-                self._spanned(file, r, info, dest, layout)
-                continue
-            start = info.data_start + layout.base * item
-            pack = _pack_bytes(r.block, span, want, cap - align(span))
-            if batch.items and (batch.need(start, start + span, pack) > cap or (start - batch.base) % item):
-                self._staged(file, batch)  # full, or the block's values would not be aligned for its dtype
-                batch = _Batch()
-            batch.add((r, info, dest, layout), start, start + span, pack)
+            dest = route.dest(local)  # no view built by narrowing
+            if route.kind == SCATTER:
+                _scattered(self, file, route, dest, info)  # the runs straight into place, the gaps into a sink
+            elif route.kind == SPAN:
+                _spanned(self, file, r, info, dest, route)
+            else:
+                span, want = (layout.end - layout.base) * item, layout.count * layout.run * item
+                start = info.data_start + layout.base * item
+                pack = _pack_bytes(r.block, span, want, cap - align(span))
+                if batch.items and (batch.need(start, start + span, pack) > cap or (start - batch.base) % item):
+                    self._staged(file, batch)  # full, or the block's values would not be aligned for its dtype
+                    batch = _Batch()
+                batch.add((r, info, dest, layout), start, start + span, pack)
         if batch.items:
             self._staged(file, batch)
         direct_reads.flush()
 
-    def _spanned(self, file: str, r: BlockRead, info: TensorInfo, dest: torch.Tensor, layout: ReadLayout) -> None:
-        """Read a block of many short runs by its byte span (gaps on pages it touches anyway) and copy it
-        out in one strided copy: one read call per stretch of runs, not one per run."""
-        item, cap = info.itemsize, self.staging_bytes
-        span, wanted = (layout.end - layout.base) * item, layout.count * layout.run * item
-        if span > GATHER_OVERREAD * wanted and align(span) + align(wanted) > cap:
-            # too sparse to copy its span to a device, too large to pack beside it: parts that fit both
-            for block in split_span(r.block, max(1, cap * 3 // 4 // item)):
-                self._spanned_part(file, BlockRead(r.target, r.local_box, block), info, dest, read_layout(block))
-            return
-        self._spanned_part(file, r, info, dest, layout)
-
-    def _spanned_part(self, file: str, r: BlockRead, info: TensorInfo, dest: torch.Tensor, layout: ReadLayout) -> None:
+    def _spanned_part(self, file: str, r: BlockRead, info: TensorInfo, out: torch.Tensor, layout: ReadLayout) -> None:
         item = info.itemsize
         span, wanted = (layout.end - layout.base) * item, layout.count * layout.run * item
         pack = _pack_bytes(r.block, span, wanted, self.staging_bytes - align(span))
         stage = acquire(self.pool, self.ring, align(span) + align(pack))
         runs = layout.grid(item, info.data_start)  # the runs in closed form: page spans without listing them
-        view = _bytes_view(stage.data[:span])
-        read = functools.partial(self.reader.read_runs, file, runs, view, runs.first, wanted=wanted)
-        deliver = functools.partial(self._deliver, stage, r, info, dest, layout, 0, align(span) if pack else None)
-        submit_staged(self.pool, self.ring, stage, read, deliver, functools.partial(self.progress, wanted), [dest])
+        read = functools.partial(self.reader.read_runs, file, runs, stage.bytes[:span], runs.first, wanted=wanted)
+        deliver = functools.partial(self._deliver, stage, r, info, out, layout, 0, align(span) if pack else None)
+        submit_staged(self.pool, self.ring, stage, read, deliver, functools.partial(self.progress, wanted), [out])
 
     def _staged(self, file: str, batch: _Batch) -> None:
         """Read a batch's runs at their offsets from ``batch.base`` (touching ranges in one call), copy each out."""
@@ -362,12 +315,13 @@ class BlockExecutor:
 
         def read() -> None:
             for a, b, _ in coalesce_ranges(ranges, max_gap=0, max_overread=1.0):
-                self.reader.pread_into(file, a, _bytes_view(stage.data[a - batch.base : b - batch.base]))
+                self.reader.pread_into(file, a, stage.bytes[a - batch.base : b - batch.base])
 
         def deliver() -> None:
             pack_at = align(batch.end - batch.base)
             for r, info, dest, layout, start, pack in batch.items:
-                self._deliver(stage, r, info, dest, layout, start - batch.base, pack_at if pack else None)
+                out, at = dest_view(r.block, dest), start - batch.base
+                self._deliver(stage, r, info, out, layout, at, pack_at if pack else None)
                 pack_at += align(pack)
 
         wanted = sum(layout.count * layout.run * info.itemsize for _, info, _, layout, _, _ in batch.items)
@@ -375,8 +329,8 @@ class BlockExecutor:
         submit_staged(self.pool, self.ring, stage, read, deliver, done, [it[2] for it in batch.items])
 
     def _deliver(
-        self, stage: Stage, r: BlockRead, info: TensorInfo, dest: torch.Tensor, layout: ReadLayout, at: int, pack_at
+        self, stage: Stage, r: BlockRead, info: TensorInfo, out: torch.Tensor, layout: ReadLayout, at: int, pack_at
     ) -> None:
-        """Copy the block whose first byte is at ``stage.data[at]`` into its destination."""
+        """Copy the block whose first byte is at ``stage.data[at]`` into ``out``, its own view of its destination."""
         src = torch.as_strided(stage.data.view(info.dtype), layout.shape, layout.steps, at // info.itemsize)
-        self.ring.deliver(stage, src, layout.flips, dest_view(r.block, dest), r.block.casts, pack_at)
+        self.ring.deliver(stage, src, layout.flips, out, r.block.casts, pack_at)

@@ -72,7 +72,10 @@ def execute_plan(
             threads = threads if in_page_cache(reader, checkpoint, reads) else 1
         ring = StagingRing.for_threads(options.staging_bytes, threads)  # one ring (pinned for GPU targets) for all
         progress = bar.update if bar else None
-        BlockExecutor(checkpoint, slots, reader, progress=progress, staging=ring, io_threads=threads).run(reads)
+        routes = plan.routes  # kept by the plan: a reused plan's blocks are not decided again
+        BlockExecutor(
+            checkpoint, slots, reader, progress=progress, staging=ring, io_threads=threads, routes=routes
+        ).run(reads)
         run_values(values, checkpoint, slots, reader, progress=bar.update if bar else None, staging=ring)
         for d in deferred:
             if d.boxes:

@@ -23,6 +23,7 @@ How a block's values reach the device:
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +112,11 @@ class Stage:
     data: torch.Tensor
     events: list[Event] = field(default_factory=list)
     links: list[Link] = field(default_factory=list)
+
+    @functools.cached_property
+    def bytes(self) -> memoryview:
+        """The buffer as writable bytes (what reads are read into), made once."""
+        return memoryview(self.data.numpy())
 
 
 class StagingRing:
@@ -225,7 +231,7 @@ class StagingRing:
         """The link ``dest`` is written through (None: a host tensor, written with a plain ``copy_``)."""
         if self.link is not None:
             return self.link
-        if dest.device.type != "cuda":
+        if not dest.is_cuda:
             return None
         link = self._links.get(dest.device)
         if link is None:
