@@ -248,17 +248,17 @@ def test_a_column_shard_of_a_5_gib_file_is_cut_into_one_quarter_per_rank():
 
 
 def shared_tensors(per_tensor: list[list[np.ndarray]]) -> list[int]:
-    """The tensors shared: in a *group* (a maximal run of consecutive tensors the same ranks want, at least two)
+    """The tensors shared: in a *group* (a maximal run of consecutive tensors each wanted by at least two ranks)
     holding a *fragmented* tensor (one some rank wants in more than one range)."""
     n, world = len(per_tensor[0]), len(per_tensor)
-    present = [frozenset(r for r in range(world) if len(per_tensor[r][k])) for k in range(n)]
-    fragmented = [max(len(mine[k]) for mine in per_tensor) >= 2 for k in range(n)]
+    multi = [sum(len(per_tensor[r][k]) > 0 for r in range(world)) >= 2 for k in range(n)]
+    fragmented = [multi[k] and max(len(mine[k]) for mine in per_tensor) >= 2 for k in range(n)]
     out, k = [], 0
     while k < n:
         j = k
-        while j + 1 < n and present[j + 1] == present[k]:
+        while j + 1 < n and multi[j + 1] == multi[k]:
             j += 1
-        if len(present[k]) >= 2 and any(fragmented[k : j + 1]):
+        if multi[k] and any(fragmented[k : j + 1]):
             out += range(k, j + 1)
         k = j + 1
     return out
