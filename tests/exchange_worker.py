@@ -252,6 +252,30 @@ def _rules_with_scaled(fn) -> list:
     return [r for r in dm.RULES if "scaled" not in repr(r)] + [Convert("scaled_src", "scaled", fn)]
 
 
+def scenario_ranks_disagree(ctx: dict) -> dict:
+    """Ranks 0 and 1 exchange reads, ranks 2 and 3 do not (a misconfigured job): no rank hangs, every rank raises
+    within the timeout and restores its tensors."""
+    import dist_models as dm
+
+    from loader import load_hf_checkpoint
+
+    model = _layout(7.0)
+    try:
+        load_hf_checkpoint(
+            model,
+            ctx["layout"],
+            weights_mapping=dm.RULES,
+            progress=False,
+            rollback=True,
+            timeout=HUNG_TIMEOUT,
+            exchange_reads=dist.get_rank() < 2,
+        )
+        outcome = {"type": None}
+    except BaseException as e:
+        outcome = _describe(e)
+    return {**outcome, "unchanged": _unchanged(model)}
+
+
 def scenario_stopped_at_the_exchange(ctx: dict, how: str) -> dict:
     """Rank 2 stops as it enters the exchange (its chunks fetched, every fetch agreed): killed (``how="dies"``), or
     hung until the others gave up (``"hangs"``; then it resumes). The others, in the ``all_to_all``, raise
@@ -310,6 +334,7 @@ SCENARIOS = [
     ("layout_tp4", scenario_layout),
     ("changed_on_one_rank", scenario_changed_on_one_rank),
     ("fails_after_exchange", scenario_fails_after_exchange),
+    ("ranks_disagree", scenario_ranks_disagree),
     ("hangs_at_the_exchange", lambda ctx: scenario_stopped_at_the_exchange(ctx, "hangs")),
     ("dies_at_the_exchange", lambda ctx: scenario_stopped_at_the_exchange(ctx, "dies")),  # last: rank 2 dies
 ]

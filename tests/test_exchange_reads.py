@@ -266,6 +266,15 @@ def test_a_failure_after_the_exchange_rolls_back_every_rank(results):
 
 
 @pytest.mark.dist
+def test_ranks_disagreeing_on_exchanged_reads_fail_not_hang(results):
+    from gloo_world import ok
+
+    for r, res in enumerate(ok(results, "ranks_disagree")):
+        assert res["type"] == "PeerFailure" and res["stage"] == "reading", (r, res)
+        assert res["unchanged"], f"rank {r} was not restored"
+
+
+@pytest.mark.dist
 def test_a_rank_hanging_at_the_exchange_fails_every_rank_within_the_timeout(results):
     from gloo_world import ok
 
