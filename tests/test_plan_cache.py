@@ -96,6 +96,10 @@ def test_other_dtypes_other_tensors_and_other_ties_miss(ckpt):
     model.c = nn.Parameter(torch.zeros(5, dtype=torch.float64))  # another tensor, the same slot: the plan serves it
     assert load(model, ckpt) == (1, 0)
     assert torch.equal(model.c.data, tensors(0)["c"].double())
+    model.d = nn.Parameter(torch.zeros(2))  # a tensor more (not in the checkpoint)
+    assert load(model, ckpt, strict=False) == (0, 1)
+    del model.d
+    assert load(model, ckpt) == (1, 0)  # the same tensors and settings as two loads ago
     tied = Net(tied=True)
     assert load(tied, ckpt, strict=False) == (0, 1)
     tied.b = nn.Parameter(torch.zeros(8, 6))  # untied: b is loaded on its own now
@@ -167,6 +171,9 @@ def test_the_cache_holds_neither_the_model_nor_its_tensors(ckpt):
     load(model, ckpt)
     (kept,) = PLANS.kept(model)
     assert all(s.local is None for s in kept.slots.values())  # no tensor of the model kept
+    assert {n: (s.name, s.shape, s.dtype) for n, s in kept.slots.items()} == {
+        n: (n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()
+    }
     gc.collect()  # models of earlier tests go first
     ref, count = weakref.ref(model), len(PLANS)
     del model, kept

@@ -38,13 +38,6 @@ class TargetSlot:
     local: torch.Tensor | None
     boxes: tuple[tuple[Box, Box], ...]
 
-    def without_tensor(self) -> TargetSlot:
-        """This slot with ``local=None`` (what a kept plan holds): its fields copied as they are, a few times faster
-        than ``dataclasses.replace`` (a plan of 200 000 slots is kept on every first load)."""
-        bare = object.__new__(TargetSlot)
-        vars(bare).update(vars(self), local=None)
-        return bare
-
     @property
     def local_numel(self) -> int:
         return sum(math.prod(b - a for a, b in g) for g, _ in self.boxes)
