@@ -28,6 +28,10 @@ Ranges = np.ndarray
 
 _EMPTY = np.zeros((0, 2), dtype=np.int64)
 
+SMALL_RANGE = 1 << 20
+"""Bytes under which a wanted range costs more as a request of its own than as part of an exchanged chunk (a request's
+latency is worth about a MiB at the bandwidths of object stores: 20 ms at 50 MB/s)."""
+
 
 @dataclass(frozen=True)
 class Chunks:
@@ -81,22 +85,64 @@ def as_ranges(ranges: Sequence[tuple[int, int]] | np.ndarray) -> Ranges:
     return np.stack([a[firsts, 0], np.maximum.reduceat(a[:, 1], firsts)], axis=1)
 
 
-def chunks(everyone: Sequence[Ranges]) -> Chunks:
+def _per_region(everyone: Sequence[Ranges], regions: Ranges) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, bytes)``, each ``(len(regions), world)``: how many of each rank's ranges start in each region, and
+    their bytes."""
+    counts = np.zeros((len(regions), len(everyone)), dtype=np.int64)
+    wanted = np.zeros((len(regions), len(everyone)), dtype=np.int64)
+    for r, mine in enumerate(everyone):
+        if len(mine):
+            k = np.searchsorted(regions[:, 0], mine[:, 0], side="right") - 1
+            counts[:, r] = np.bincount(k, minlength=len(regions))
+            wanted[:, r] = np.bincount(k, weights=mine[:, 1] - mine[:, 0], minlength=len(regions))
+    return counts, wanted
+
+
+def _shared_groups(counts: np.ndarray, wanted: np.ndarray, small: int) -> np.ndarray:
+    """Per tensor (rows: each rank's ranges and bytes in it), whether it is shared: it lies in a *group* (a maximal
+    run of consecutive tensors each wanted by at least two ranks) where some rank wants at least two ranges of
+    fewer than ``small`` bytes on average (a request each, for little)."""
+    multi = (counts > 0).sum(axis=1) >= 2
+    if not len(multi):
+        return multi
+    new = np.ones(len(multi), dtype=bool)
+    new[1:] = multi[1:] != multi[:-1]
+    group = np.cumsum(new) - 1
+    n, b = (np.stack([np.bincount(group, weights=col) for col in x.T], axis=1) for x in (counts, wanted))
+    fragmented = ((n >= 2) & (b < small * n)).any(axis=1)
+    return fragmented[group] & multi
+
+
+def chunks(everyone: Sequence[Ranges], tensors: Ranges | None = None, small: int = SMALL_RANGE) -> Chunks:
     """The chunks of one file, from every rank's wanted ranges (index = rank): each shared extent cut into one
-    chunk per rank wanting it, in rank order, each as long as that rank's wanted bytes in it (scaled)."""
+    chunk per rank wanting it, in rank order, each as long as that rank's wanted bytes in it (scaled).
+
+    Args:
+        everyone: every rank's wanted ranges of the file.
+        tensors: the file's tensors' byte spans (ascending; no wanted range crosses one's end): sharing is then
+            decided per *group*, a maximal run of consecutive tensors each wanted by at least two ranks: shared
+            when a rank wants it in several ranges of under ``small`` bytes on average (column shards; row shards
+            of small tensors); the extents are the wanted bytes of shared tensors, merged across touching tensors.
+            So a TP layer's row and column shards are fetched in a few chunks together, while whole experts (one
+            rank each) are fetched by their ranks, and break groups. None: sharing decided per extent (shared
+            when a rank wants more than one range of it).
+        small: see ``tensors``.
+    """
     world = len(everyone)
     extents = as_ranges(np.concatenate([_EMPTY, *everyone]))
     if not len(extents):
         return Chunks(*(np.zeros(0, dtype=np.int64),) * 3)
-    counts = np.zeros((len(extents), world), dtype=np.int64)
-    wanted = np.zeros((len(extents), world), dtype=np.int64)
-    for r, mine in enumerate(everyone):
-        if len(mine):
-            k = np.searchsorted(extents[:, 0], mine[:, 0], side="right") - 1
-            counts[:, r] = np.bincount(k, minlength=len(extents))
-            wanted[:, r] = np.bincount(k, weights=mine[:, 1] - mine[:, 0], minlength=len(extents))
+    regions = extents if tensors is None else np.asarray(tensors, dtype=np.int64).reshape(-1, 2)
+    counts, wanted = _per_region(everyone, regions)
     shared = ((counts > 0).sum(axis=1) >= 2) & (counts.max(axis=1) >= 2)
-    ext, wanted = extents[shared], wanted[shared]
+    if tensors is None:
+        ext, wanted = extents[shared], wanted[shared]
+    else:
+        shared = _shared_groups(counts, wanted, small)
+        starts = regions[:, 0]
+        inside = [m[shared[np.searchsorted(starts, m[:, 0], side="right") - 1]] if len(m) else m for m in everyone]
+        ext = as_ranges(np.concatenate([_EMPTY, *inside]))
+        wanted = _per_region(inside, ext)[1]
     size = (ext[:, 1] - ext[:, 0])[:, None]
     cum = np.concatenate([np.zeros((len(ext), 1), dtype=np.int64), np.cumsum(wanted, axis=1)], axis=1)
     # exact integers (Python's: size * cum overflows int64 past ~3 GB extents): the last bound is the extent's end
@@ -147,14 +193,16 @@ class FilePlan:
         return int((c.ends[mine] - c.starts[mine]).sum() + (p.ends - p.starts).sum())
 
 
-def plan_files(everyone: Sequence[Mapping[str, Ranges]]) -> dict[str, FilePlan]:
+def plan_files(
+    everyone: Sequence[Mapping[str, Ranges]], tensors: Mapping[str, Ranges] | None = None
+) -> dict[str, FilePlan]:
     """The exchange of every file some rank wants shared bytes of, from every rank's ``{file: wanted}``, by file
-    name (every rank computes the same)."""
+    name (every rank computes the same); ``tensors``: ``{file: its tensors' byte spans}`` (see :func:`chunks`)."""
     files = sorted({f for wants in everyone for f in wants})
     out = {}
     for f in files:
         wants = [w.get(f, _EMPTY) for w in everyone]
-        c = chunks(wants)
+        c = chunks(wants, None if tensors is None else tensors.get(f))
         if len(c.starts):
             out[f] = FilePlan(c, tuple(pieces(w, c) for w in wants))
     return out

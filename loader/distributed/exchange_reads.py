@@ -39,12 +39,27 @@ ROUND_BYTES = 1 << 30
 
 
 def wanted_ranges(checkpoint: SafetensorsCheckpoint, reads: Sequence[BlockRead]) -> dict[str, Ranges]:
-    """``{file: the byte ranges reads want}``, each file's as :data:`~.exchange_plan.Ranges`."""
-    by_file: dict[str, list[tuple[int, int]]] = {}
+    """``{file: the byte ranges reads want}``, each tensor's as :data:`~.exchange_plan.Ranges` (ranges of two
+    tensors that touch are not merged: sharing is decided per tensor)."""
+    by_tensor: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for r in reads:
         info = checkpoint[r.block.source]
-        by_file.setdefault(info.file, []).extend(read_layout(r.block).grid(info.itemsize, info.data_start).touching())
-    return {f: as_ranges(v) for f, v in by_file.items()}
+        grid = read_layout(r.block).grid(info.itemsize, info.data_start)
+        by_tensor.setdefault((info.file, info.data_start), []).extend(grid.touching())
+    by_file: dict[str, list[Ranges]] = {}
+    for (f, _), ranges in sorted(by_tensor.items()):
+        by_file.setdefault(f, []).append(as_ranges(ranges))
+    return {f: np.concatenate(v) for f, v in by_file.items()}
+
+
+def tensor_spans(checkpoint: SafetensorsCheckpoint, files: set[str]) -> dict[str, Ranges]:
+    """``{file: its tensors' byte spans, ascending}`` for ``files`` (empty tensors left out)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for key in checkpoint:
+        info = checkpoint[key]
+        if info.file in files and info.nbytes:
+            spans.setdefault(info.file, []).append((info.data_start, info.data_start + info.nbytes))
+    return {f: np.array(sorted(s), dtype=np.int64).reshape(-1, 2) for f, s in spans.items()}
 
 
 def exchanged_reads(
@@ -66,10 +81,12 @@ def exchanged_reads(
     except Exception as e:  # agreed below: every rank raises, none hangs in the gather
         error, mine = e, {}
     session.agree(error, "reading", point="wanted")
+    identities = getattr(plan.checkpoint, "identities", None) or {}
     everyone: list[Any] = [None] * session.world
     with peer_errors("reading", "gathering the byte ranges every rank reads"):
-        dist.all_gather_object(everyone, mine)
-    plans = plan_files(everyone)
+        dist.all_gather_object(everyone, (mine, {f: repr(identities.get(f)) for f in mine}))
+    wanted = agreed_files(everyone)
+    plans = plan_files(wanted, tensor_spans(plan.checkpoint, {f for w in wanted for f in w}))
     by_file: dict[str, list[BlockRead]] = {}
     for r in reads:
         by_file.setdefault(plan.checkpoint[r.block.source].file, []).append(r)
@@ -98,6 +115,16 @@ def exchanged_reads(
         except Exception as e:  # agreed at the next round's start, or by the caller
             error = e
     return [r for r in reads if plan.checkpoint[r.block.source].file not in plans], error, received
+
+
+def agreed_files(everyone: Sequence[tuple[dict[str, Ranges], dict[str, str]]]) -> list[dict[str, Ranges]]:
+    """Every rank's wanted ranges of the files every rank wanting them knows by the same identity: a file whose
+    header two ranks read from different objects (replaced in between) is fetched by each rank on its own."""
+    seen: dict[str, set[str]] = {}
+    for _, ids in everyone:
+        for f, i in ids.items():
+            seen.setdefault(f, set()).add(i)
+    return [{f: r for f, r in wants.items() if len(seen[f]) == 1} for wants, _ in everyone]
 
 
 def fetch_chunks(

@@ -2,8 +2,8 @@
 files from buffers (bytes fetched once and shared between ranks: :mod:`loader.distributed.exchange_reads`) and
 reads everything else through the reader it wraps.
 
-A read is served from memory when its first byte is held; held bytes are pieces, and a read that starts in one must
-end in held bytes too (the pieces are cut from whole wanted ranges): anything else is an error, never a short copy.
+Each byte of a read comes from memory where a piece holds it, else through the wrapped reader: a read may cross
+from held bytes into others (the executor joins touching ranges of two tensors, one shared and one not).
 """
 
 from __future__ import annotations
@@ -31,16 +31,42 @@ class HeldFile:
         i = bisect.bisect_right(self.starts, offset) - 1
         return i if i >= 0 and offset < self.ends[i] else -1
 
-    def copy(self, i: int, offset: int, dst: memoryview, location: str) -> None:
-        """Copy the held bytes from ``offset`` (in piece ``i``) into ``dst``, across touching pieces."""
-        pos, end, at = offset, offset + len(dst), 0
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether some byte of ``[start, end)`` is held."""
+        if self.holds(start) >= 0:
+            return True
+        nxt = self.next_start(start)
+        return nxt is not None and nxt < end
+
+    def missing(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of ``[start, end)`` no piece holds, ascending."""
+        out, pos = [], start
         while pos < end:
-            if i >= len(self.starts) or not self.starts[i] <= pos < self.ends[i]:
-                raise RuntimeError(f"{location}: bytes [{pos}, {end}) read from held bytes are not all held")
+            i = self.holds(pos)
+            if i >= 0:
+                pos = min(end, self.ends[i])
+                continue
+            nxt = self.next_start(pos)
+            stop = end if nxt is None else min(end, nxt)
+            out.append((pos, stop))
+            pos = stop
+        return out
+
+    def next_start(self, offset: int) -> int | None:
+        """The first piece start after ``offset``, or None."""
+        i = bisect.bisect_right(self.starts, offset)
+        return self.starts[i] if i < len(self.starts) else None
+
+    def copy(self, i: int, offset: int, dst: memoryview) -> int:
+        """Copy held bytes from ``offset`` (in piece ``i``) into ``dst``, across touching pieces, up to the end of
+        ``dst`` or the first byte not held; returns the bytes copied."""
+        pos, end, at = offset, offset + len(dst), 0
+        while pos < end and i < len(self.starts) and self.starts[i] <= pos < self.ends[i]:
             n = min(end, self.ends[i]) - pos
             src = self.views[i]
             dst[at : at + n] = src[pos - self.starts[i] : pos - self.starts[i] + n]
             pos, at, i = pos + n, at + n, i + 1
+        return at
 
 
 class HeldReader:
@@ -91,12 +117,12 @@ class HeldReader:
         self.inner.verify_all()
 
     def will_read(self, location: str, ranges: Callable[[], Sequence[tuple[int, int]]], *, sparse: bool) -> None:
-        """``inner`` is told the ranges that are not held."""
+        """``inner`` is told the parts of ``ranges()`` that are not held."""
         held = self.held.get(location)
         if held is None:
             self.inner.will_read(location, ranges, sparse=sparse)
             return
-        self.inner.will_read(location, lambda: [r for r in ranges() if held.holds(r[0]) < 0], sparse=sparse)
+        self.inner.will_read(location, lambda: [m for a, b in ranges() for m in held.missing(a, b)], sparse=sparse)
 
     def pread_into(self, location: str, offset: int, out: memoryview | bytearray) -> None:
         view = memoryview(out).cast("B")
@@ -124,17 +150,21 @@ class HeldReader:
             self._read(location, segments, lambda: self.inner.read_runs(location, runs, out, base, wanted=wanted))
 
     def _read(self, location: str, segments: list[Segment], whole: Callable[[], None]) -> None:
-        """Serve the held segments; the others through ``inner``: all of them at once (``whole``) when none is
-        held, else one by one."""
+        """Serve the held bytes of ``segments``, the others through ``inner``: all at once (``whole``) when no
+        segment overlaps held bytes."""
         held = self.held.get(location)
-        found = [held.holds(a) for a, _ in segments] if held is not None else [-1] * len(segments)
-        if all(i < 0 for i in found):
+        if held is None or not any(held.overlaps(a, a + len(dst)) for a, dst in segments):
             whole()
             return
-        assert held is not None
-        for (a, dst), i in zip(segments, found):
-            if i < 0:
-                self.inner.pread_into(location, a, dst)
-            else:
-                held.copy(i, a, dst, location)
-                self.served += len(dst)
+        for a, dst in segments:
+            at = 0
+            while at < len(dst):
+                i = held.holds(a + at)
+                if i >= 0:
+                    n = held.copy(i, a + at, dst[at:])
+                    self.served += n
+                else:  # up to the next held byte, through the reader
+                    nxt = held.next_start(a + at)
+                    n = len(dst) - at if nxt is None else min(len(dst) - at, nxt - a - at)
+                    self.inner.pread_into(location, a + at, dst[at : at + n])
+                at += n
