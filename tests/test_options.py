@@ -46,14 +46,20 @@ def test_defaults_are_typed_once():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"timeout": 0}, {"timeout": -1.0}, {"timeout": datetime.timedelta(0)}, {"staging_bytes": 0}],
+    [
+        {"timeout": 0},
+        {"timeout": -1.0},
+        {"timeout": datetime.timedelta(0)},
+        {"staging_bytes": 0},
+        {"exchange_reads": "yes"},
+    ],
 )
 def test_options_are_validated_once_where_they_are_built(kwargs, folder):
-    with pytest.raises(ValueError, match="timeout|staging_bytes"):
+    with pytest.raises(ValueError, match="timeout|staging_bytes|exchange_reads"):
         LoadOptions(**kwargs)
-    with pytest.raises(ValueError, match="timeout|staging_bytes"):
+    with pytest.raises(ValueError, match="timeout|staging_bytes|exchange_reads"):
         load_hf_checkpoint(Net(), folder, weights_mapping=RULES, **kwargs)
-    with pytest.raises(ValueError, match="timeout|staging_bytes"):
+    with pytest.raises(ValueError, match="timeout|staging_bytes|exchange_reads"):
         SafetensorsReader(folder, **kwargs)
     if "timeout" in kwargs:
         with pytest.raises(ValueError, match="timeout"):
