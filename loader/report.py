@@ -67,11 +67,12 @@ class LoadReport:
 
     def __str__(self) -> str:
         casts = f", {len(self.cast_keys)} cast across kinds" if self.cast_keys else ""
+        exchanged = f", {human_bytes(self.bytes_exchanged)} from peers" if self.bytes_exchanged else ""
         return (
             f"LoadReport(rank {self.rank} of {self.world_size}: {len(self.loaded_keys)} tensors loaded "
             f"({len(self.traced)} traced, {len(self.deferred)} deferred), {len(self.missing_keys)} missing, "
             f"{len(self.unexpected_keys)} unexpected{casts}; read {human_bytes(self.bytes_read)} of "
-            f"{human_bytes(self.planned_bytes)} planned in {self.blocks} blocks, {self.seconds:.2f} s)"
+            f"{human_bytes(self.planned_bytes)} planned in {self.blocks} blocks{exchanged}, {self.seconds:.2f} s)"
         )
 
     __repr__ = __str__
