@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loader.distributed.exchange_plan import as_ranges, chunks, pieces, plan_files, rounds
+from loader.distributed.exchange_plan import SMALL_RANGE, as_ranges, chunks, pieces, plan_files, rounds
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -247,19 +247,22 @@ def test_a_column_shard_of_a_5_gib_file_is_cut_into_one_quarter_per_rank():
         assert p.sizes_from(r).sum() == quarter // world  # a quarter of its own runs lie in its own chunk
 
 
-def shared_tensors(per_tensor: list[list[np.ndarray]]) -> list[int]:
-    """The tensors shared: in a *group* (a maximal run of consecutive tensors each wanted by at least two ranks)
-    holding a *fragmented* tensor (one some rank wants in more than one range)."""
+def shared_tensors(per_tensor: list[list[np.ndarray]], small: int) -> list[int]:
+    """The tensors shared: those of a *group* (a maximal run of consecutive tensors each wanted by at least two
+    ranks) where some rank wants at least two ranges of under ``small`` bytes on average."""
     n, world = len(per_tensor[0]), len(per_tensor)
     multi = [sum(len(per_tensor[r][k]) > 0 for r in range(world)) >= 2 for k in range(n)]
-    fragmented = [multi[k] and max(len(mine[k]) for mine in per_tensor) >= 2 for k in range(n)]
     out, k = [], 0
     while k < n:
         j = k
         while j + 1 < n and multi[j + 1] == multi[k]:
             j += 1
-        if multi[k] and any(fragmented[k : j + 1]):
-            out += range(k, j + 1)
+        group = range(k, j + 1)
+        for mine in per_tensor:
+            count, size = sum(len(mine[t]) for t in group), sum(nbytes(pairs(mine[t])) for t in group)
+            if multi[k] and count >= 2 and size < small * count:
+                out += group
+                break
         k = j + 1
     return out
 
@@ -272,9 +275,11 @@ def test_sharing_decided_per_group_of_tensors(data):
     unmerged, as ranks send them)."""
     world = data.draw(worlds)
     per_tensor, spans = data.draw(file_tensors(world))
+    small = data.draw(st.sampled_from([1, 3, SMALL_RANGE, 1 << 31]))
     everyone = [np.concatenate([np.zeros((0, 2), dtype=np.int64), *mine]) for mine in per_tensor]
-    extents = merged(pair for mine in per_tensor for k in shared_tensors(per_tensor) for pair in pairs(mine[k]))
-    c = chunks(everyone, spans)
+    shared = shared_tensors(per_tensor, small)
+    extents = merged(pair for mine in per_tensor for k in shared for pair in pairs(mine[k]))
+    c = chunks(everyone, spans, small)
     assert (c.ends > c.starts).all() and (c.starts[1:] >= c.ends[:-1]).all()
     assert merged(zip(c.starts, c.ends)) == extents, (per_tensor, spans, c)
     chunk_list = list(zip(c.starts.tolist(), c.ends.tolist(), c.holders.tolist()))
@@ -286,5 +291,6 @@ def test_sharing_decided_per_group_of_tensors(data):
         assert merged(zip(p.starts, p.ends)) == intersect(pairs(mine), extents), (r, per_tensor, spans)
         for a, b, h in zip(p.starts.tolist(), p.ends.tolist(), p.holders.tolist()):
             assert any(s <= a and b <= e and h == k for s, e, k in chunk_list), ((a, b, h), chunk_list)
-    plans = plan_files([{"/ckpt/f": mine} for mine in everyone], {"/ckpt/f": spans})
-    assert sorted(plans) == (["/ckpt/f"] if extents else [])
+    if small == SMALL_RANGE:  # plan_files decides with the default
+        plans = plan_files([{"/ckpt/f": mine} for mine in everyone], {"/ckpt/f": spans})
+        assert sorted(plans) == (["/ckpt/f"] if extents else [])
