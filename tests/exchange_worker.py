@@ -62,14 +62,15 @@ def one_file_per_round() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def counting_exchanges() -> Iterator[list[int]]:
-    """``[n]``: how many exchanges (rounds that got past their agreement) this rank entered, seen by a profile
-    hook (nothing of the loader replaced)."""
-    count = [0]
+def counting_exchanges() -> Iterator[dict[str, int]]:
+    """``{"fetch_chunks": n, "exchange": n}``: how many rounds this rank fetched chunks for, and how many got past
+    their agreement into the exchange, seen by a profile hook (nothing of the loader replaced)."""
+    count = {"fetch_chunks": 0, "exchange": 0}
 
     def hook(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == "exchange" and "exchange_reads" in frame.f_code.co_filename:
-            count[0] += 1
+        code = frame.f_code
+        if event == "call" and code.co_name in count and code.co_filename.endswith("exchange_reads.py"):
+            count[code.co_name] += 1
 
     sys.setprofile(hook)
     try:
@@ -115,7 +116,7 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, r
         report = _load(ctx, model, dcp)
     sd = model.state_dict(keep_vars=True)
     return {
-        "exchanges": exchanges[0],
+        "exchanges": exchanges["exchange"],
         "unequal": _unequal(alone, model),
         "bad": check_full(model, torch.load(ctx["moe_ref"])),
         "bytes_read": report.bytes_read,
@@ -158,9 +159,9 @@ def scenario_layout(ctx: dict) -> dict:
 
 def scenario_changed_on_one_rank(ctx: dict) -> dict:
     """Rank 2 reads the headers, then the second shard's data is rewritten (same size, mtime put back) before the
-    other ranks open it; one file per round: the first round is exchanged and written everywhere, then rank 2's
-    fetch of the second file must fail, and every rank raise the CheckpointError naming it, with its tensors
-    restored (``rollback``)."""
+    other ranks open it; one file per round: the first file is exchanged and written everywhere; the second, known
+    to the ranks by two identities, is not exchanged: each rank reads its own, rank 2's read fails, and every rank
+    raises the CheckpointError naming it, with its tensors restored (``rollback``)."""
     from loader import HFLoadPlanner, load_hf_checkpoint
 
     rank, marker = dist.get_rank(), os.path.join(ctx["out"], "changed")
@@ -196,7 +197,8 @@ def scenario_changed_on_one_rank(ctx: dict) -> dict:
             outcome = {"type": None}
         except BaseException as e:
             outcome = _describe(e)
-    return {**outcome, "unchanged": _unchanged(model), "rounds_exchanged": rounds[0]}
+    fetched, exchanged = rounds["fetch_chunks"], rounds["exchange"]
+    return {**outcome, "unchanged": _unchanged(model), "fetched": fetched, "exchanged": exchanged}
 
 
 def _rewrite_data_in_place(path: str) -> None:

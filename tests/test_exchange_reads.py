@@ -242,14 +242,15 @@ def test_exchanged_reads_of_every_layout_and_conversion(results):
 
 
 @pytest.mark.dist
-def test_a_file_changed_under_one_ranks_fetch_fails_every_rank(results):
+def test_a_file_one_rank_knows_by_another_identity_is_not_exchanged_and_fails_every_rank(results):
     from gloo_world import ok
 
     for r, res in enumerate(ok(results, "changed_on_one_rank")):
         assert res["type"] == "CheckpointError", (r, res)
         assert res["path"].endswith(os.path.join("changing", "model-00002-of-00002.safetensors")), (r, res)
         assert "changed underneath" in res["message"] and "failed on rank 2" in res["message"], (r, res)
-        assert res["rounds_exchanged"] == 1, (r, res)  # the first file's round was exchanged and written
+        # the first file was fetched, exchanged and written; the second (two identities) not fetched for exchange
+        assert (res["fetched"], res["exchanged"]) == (1, 1), (r, res)
         assert res["unchanged"], f"rank {r} was not restored"
 
 
