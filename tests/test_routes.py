@@ -100,3 +100,15 @@ def test_a_replaced_tensor_is_the_one_written(folder):
     for name, value in want.items():
         assert torch.equal(getattr(model, name).data, value), name
     assert not old["rows"].any() and not old["short"].any()  # the replaced tensors were not written
+
+
+def test_the_routes_stay_bounded(folder):
+    """Routes for ever new tensor geometries are dropped past a few per block, then decided anew."""
+    path, want = folder
+    model, cache = Model(), PlanCache()
+    plan = _load(model, path, cache)
+    plan.routes.update({("stale", i): None for i in range(4 * len(plan.reads) + 1024)})
+    again = _load(model, path, cache)
+    assert again.routes is plan.routes and len(plan.routes) == len(KINDS)
+    for name, value in want.items():
+        assert torch.equal(getattr(model, name).data, value), name

@@ -73,6 +73,8 @@ def execute_plan(
         ring = StagingRing.for_threads(options.staging_bytes, threads)  # one ring (pinned for GPU targets) for all
         progress = bar.update if bar else None
         routes = plan.routes  # kept by the plan: a reused plan's blocks are not decided again
+        if len(routes) > 4 * len(plan.reads) + 1024:  # tensors of ever new geometries: keep the routes bounded
+            routes.clear()
         BlockExecutor(
             checkpoint, slots, reader, progress=progress, staging=ring, io_threads=threads, routes=routes
         ).run(reads)
