@@ -20,7 +20,7 @@ from regiontrace import Box
 from .._torch import local_tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # 200 000 slots: ~40 B less each than with a __dict__
 class TargetSlot:
     """One model tensor on this rank.
 
