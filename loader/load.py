@@ -83,7 +83,9 @@ def read_together(
     saved = snapshot(plan) if options.rollback else None
     error, received = None, 0
     try:
-        if exchanging(options, plan, session):
+        exchange = exchanging(options, plan, session)
+        session.same("exchange_reads", str(exchange))  # a collective path: every rank or none
+        if exchange:
             reads, error, received = exchanged_reads(plan, reader, reads, options, session)
         if error is None:
             try:

@@ -268,10 +268,12 @@ def test_a_failure_after_the_exchange_rolls_back_every_rank(results):
 
 @pytest.mark.dist
 def test_ranks_disagreeing_on_exchanged_reads_fail_not_hang(results):
+    """The same ValueError on every rank, naming each rank's setting, before anything is read."""
     from gloo_world import ok
 
     for r, res in enumerate(ok(results, "ranks_disagree")):
-        assert res["type"] == "PeerFailure" and res["stage"] == "reading", (r, res)
+        assert res["type"] == "ValueError" and "disagree on exchange_reads" in res["message"], (r, res)
+        assert "rank 0: True" in res["message"] and "rank 3: False" in res["message"], (r, res)
         assert res["unchanged"], f"rank {r} was not restored"
 
 
@@ -283,8 +285,9 @@ def test_a_rank_hanging_at_the_exchange_fails_every_rank_within_the_timeout(resu
     for r, res in enumerate(per_rank):
         assert res["type"] == "PeerFailure" and res["stage"] == "reading", (r, res)
         assert res["unchanged"], f"rank {r} was not restored"
-    for r in (0, 1, 3):  # the others stopped waiting in the all_to_all at the load's timeout
-        assert "timed out" in per_rank[r]["message"], per_rank[r]
+    for r in (0, 1, 3):  # the others stopped waiting in the all_to_all, then named the rank that never came
+        assert per_rank[r]["reason"] == "timeout" and tuple(per_rank[r]["ranks"]) == (2,), per_rank[r]
+        assert "rank(s) 2 did not finish" in per_rank[r]["message"], per_rank[r]
 
 
 @pytest.mark.dist

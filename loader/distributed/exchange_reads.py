@@ -26,6 +26,7 @@ import torch.distributed as dist
 from regiontrace import read_layout
 
 from ..checkpoint import SafetensorsCheckpoint
+from ..errors import PeerFailure
 from ..execute import execute_plan
 from ..options import LoadOptions
 from ..plan import BlockRead, RankPlan
@@ -99,8 +100,12 @@ def exchanged_reads(
             except Exception as e:  # agreed next
                 error = e
         session.agree(error, "reading", point=f"round{k}")
-        with peer_errors("reading", "exchanging fetched bytes"):
-            held, n = exchange(plans, files, fetched, session.rank, session.world, session.timeout)
+        try:
+            with peer_errors("reading", "exchanging fetched bytes"):
+                held, n = exchange(plans, files, fetched, session.rank, session.world, session.timeout)
+        except PeerFailure as e:  # a rank that never reached the exchange (hung, died) is named by the store
+            session.agree(e, "reading", point=f"exchange{k}")
+            raise
         received += n
         try:
             round_reads = [r for f in files for r in by_file.get(f, ())]

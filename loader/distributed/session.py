@@ -182,6 +182,27 @@ class LoadSession:
         reason, _, names = verdict.partition(":")
         raise _peer_failure(self, stage, reason, tuple(int(r) for r in names.split(",") if r)) from error
 
+    def same(self, name: str, value: str, stage: str = "reading") -> None:
+        """Check that every rank holds the same ``value`` of the setting ``name`` (waiting at most the timeout).
+
+        Raises:
+            ValueError: on every rank, when ranks differ (naming each rank's value).
+            PeerFailure: a rank did not post its value within the timeout.
+        """
+        if self.solo:
+            return
+        s, keys = self.store, [f"same/{name}/{r}" for r in range(self.world)]
+        with peer_errors(stage, f"comparing {name} across ranks"):
+            s.set(keys[self.rank], value)
+            if self.timeout is None:
+                s.wait(keys)
+            else:
+                s.wait(keys, datetime.timedelta(seconds=self.timeout))
+            values = [s.get(k).decode() for k in keys]
+        if len(set(values)) > 1:
+            listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"{_STAGES[stage]} failed: the ranks disagree on {name} ({listed}); give all the same")
+
     def _agree_alone(self, error: BaseException | None, stage: str) -> None:
         """A ``solo`` session: this rank's outcome is the outcome; a save is refused."""
         if stage in _SAVE_STAGES:
