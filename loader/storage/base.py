@@ -165,3 +165,18 @@ class Store(Protocol):
     def reader(self, identities: Mapping[str, object] | None = None) -> RangeReader:
         """A new :class:`RangeReader`, told each location's identity."""
         ...
+
+
+#: ``(offset, destination)``: the bytes ``[offset, offset + len(destination))`` of an object go to ``destination``
+Segment = tuple[int, memoryview]
+
+
+def consecutive(offset: int, outs: Sequence[memoryview]) -> list[Segment]:
+    """The non-empty buffers ``outs`` as the segments of consecutive bytes from ``offset``."""
+    segments, pos = [], offset
+    for o in outs:
+        view = memoryview(o).cast("B")
+        if len(view):
+            segments.append((pos, view))
+            pos += len(view)
+    return segments

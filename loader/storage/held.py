@@ -12,10 +12,7 @@ import bisect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .base import RangeReader, Runs
-
-#: ``(offset, destination)``: the bytes ``[offset, offset + len(destination))`` of a file go to ``destination``
-Segment = tuple[int, memoryview]
+from .base import RangeReader, Runs, Segment, consecutive
 
 
 @dataclass(frozen=True)
@@ -130,12 +127,7 @@ class HeldReader:
             self._read(location, [(offset, view)], lambda: self.inner.pread_into(location, offset, out))
 
     def pread_consecutive(self, location: str, offset: int, outs: Sequence[memoryview]) -> None:
-        segments, pos = [], offset
-        for o in outs:
-            view = memoryview(o).cast("B")
-            if len(view):
-                segments.append((pos, view))
-                pos += len(view)
+        segments = consecutive(offset, outs)
         if segments:
             self._read(location, segments, lambda: self.inner.pread_consecutive(location, offset, outs))
 

@@ -22,15 +22,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
-from ..base import ObjectIdentity, Runs
+from ..base import ObjectIdentity, Runs, Segment, consecutive
 from ..untrusted import err
 from .backend import Backend, RemoteOptions
 from .fetch import Fetcher, with_retries
 from .pieces import Fetch, Piece, Window
 from .requests_plan import Request, plan_requests
-
-#: ``(offset, destination)``: the bytes ``[offset, offset + len(destination))`` of an object go to ``destination``
-Segment = tuple[int, memoryview]
 
 
 def cover(segments: Sequence[Segment], pieces: Sequence[Piece]) -> tuple[list[tuple[Piece, list]], list[Segment]]:
@@ -61,17 +58,6 @@ def cover(segments: Sequence[Segment], pieces: Sequence[Piece]) -> tuple[list[tu
         if pos < end:
             missing.append((pos, view[pos - off :]))
     return served, missing
-
-
-def consecutive(offset: int, outs: Sequence[memoryview]) -> list[Segment]:
-    """The non-empty buffers ``outs`` as the segments of consecutive bytes from ``offset``."""
-    segments, pos = [], offset
-    for o in outs:
-        view = memoryview(o).cast("B")
-        if len(view):
-            segments.append((pos, view))
-            pos += len(view)
-    return segments
 
 
 class RemoteReader:
