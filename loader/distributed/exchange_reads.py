@@ -31,7 +31,7 @@ from ..execute import execute_plan
 from ..options import LoadOptions
 from ..plan import BlockRead, RankPlan
 from ..storage import RangeReader
-from ..storage.held import HeldFile, HeldReader
+from ..storage.held import HeldFile, HeldReader, PieceViews
 from .exchange_plan import FilePlan, Ranges, as_ranges, plan_files, rounds
 from .session import LoadSession, peer_errors
 
@@ -201,18 +201,16 @@ def exchange(
             continue
         sizes = p.ends - p.starts
         offs = np.zeros(len(sizes), dtype=np.int64)
-        views: list[memoryview] = [memoryview(b"")] * len(sizes)
         for h in np.unique(p.holders).tolist():
             m = p.holders == h
             if h == rank:
-                offs[m], source = _offsets_in(plans[f].chunks.of(rank), p.starts[m]), fetched[f]
+                offs[m] = _offsets_in(plans[f].chunks.of(rank), p.starts[m])
             else:
                 offs[m] = cursor[h] + np.concatenate([[0], np.cumsum(sizes[m])[:-1]])
                 cursor[h] += int(sizes[m].sum())
-                source = recv
-            src = memoryview(source)
-            for i, o, n in zip(np.flatnonzero(m).tolist(), offs[m].tolist(), sizes[m].tolist()):
-                views[i] = src[o : o + n]
+        buffers = [memoryview(recv), memoryview(fetched[f]) if f in fetched else memoryview(b"")]
+        of = (p.holders == rank).astype(np.int64).tolist()  # 1: this rank's own chunk, 0: received
+        views = PieceViews(buffers, of, offs.tolist(), sizes.tolist())
         held[f] = HeldFile(p.starts.tolist(), p.ends.tolist(), views)
     return held, sum(recv_sizes)
 

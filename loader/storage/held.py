@@ -15,13 +15,32 @@ from dataclasses import dataclass
 from .base import RangeReader, Runs, Segment, consecutive
 
 
+class PieceViews(Sequence[memoryview]):
+    """Pieces' bytes as slices of a few buffers, each made when asked for (a column shard has a piece per row):
+    piece ``i`` is ``buffers[buffer_of[i]][offsets[i]:offsets[i] + sizes[i]]``."""
+
+    def __init__(
+        self, buffers: Sequence[memoryview], buffer_of: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+    ) -> None:
+        self.buffers, self.buffer_of, self.offsets, self.sizes = buffers, buffer_of, offsets, sizes
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        o = self.offsets[i]
+        return self.buffers[self.buffer_of[i]][o : o + self.sizes[i]]
+
+
 @dataclass(frozen=True)
 class HeldFile:
     """One file's held pieces: the bytes ``[starts[i], ends[i])`` are ``views[i]``; ascending, disjoint."""
 
     starts: list[int]
     ends: list[int]
-    views: list[memoryview]
+    views: Sequence[memoryview]
 
     def holds(self, offset: int) -> int:
         """The piece holding byte ``offset``, or -1."""
