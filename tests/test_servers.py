@@ -100,7 +100,9 @@ def test_nginx_single_range_and_stable_etag(web, data):
     assert get(url, "bytes=10-19", **{"If-Match": etag}).status_code == 206
     assert get(url, "bytes=10-19", **{"If-Match": '"other"'}).status_code == 412
     assert get(url, f"bytes={SIZE}-").status_code == 416
-    assert ("GET", "/model.safetensors", "bytes=100-1099", 206, 1000) in web.requests("/model.safetensors")
+    assert ("GET", "/model.safetensors", "bytes=100-1099", 206, 1000) in [
+        r[:5] for r in web.requests("/model.safetensors")
+    ]
 
 
 def test_nginx_multi_range_is_multipart_byteranges(web, data):
@@ -216,7 +218,7 @@ def test_fault_server_normal_ranges_and_log(faults, data):
     assert get(url).content == data
     assert get(url, f"bytes={SIZE}-").status_code == 416
     log = control.log()
-    assert log[0] == ("GET", "/model.safetensors", "bytes=100-1099", 206, 1000)
+    assert log[0][:5] == ("GET", "/model.safetensors", "bytes=100-1099", 206, 1000)
     assert [r.status for r in log] == [206, 206, 412, 206, 200, 416]
 
 
@@ -242,7 +244,7 @@ def test_fault_truncate(faults):
     control.set("/model.safetensors", truncate=True)
     with pytest.raises(requests.exceptions.ChunkedEncodingError):  # urllib3's IncompleteRead: fewer bytes than promised
         get(url, "bytes=0-999")
-    assert control.log()[-1] == ("GET", "/model.safetensors", "bytes=0-999", 206, 500)
+    assert control.log()[-1][:5] == ("GET", "/model.safetensors", "bytes=0-999", 206, 500)
 
 
 def test_fault_change_etag_after(faults, data):
