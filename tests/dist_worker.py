@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from gloo_world import run_scenarios
+from gloo_world import worker_main
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -504,21 +503,5 @@ FAULT_SCENARIOS = [
 ]
 
 
-def run_rank(rank: int, world: int, ctx: dict) -> None:
-    """One rank of the shared world: every scenario in order, results saved after each (rank 2 is killed in
-    the last one, so the others skip the final barrier and the process-group teardown)."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    run_scenarios(SCENARIOS + FAULT_SCENARIOS, ctx, rank)
-
-
 if __name__ == "__main__":  # run by tests/test_distributed.py: dist_worker.py RANK WORLD CTX_JSON
-    import json
-    import sys
-
-    run_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the world lost a rank: skip process-group teardown
+    worker_main(SCENARIOS + FAULT_SCENARIOS)  # rank 2 is killed in the last one

@@ -10,12 +10,11 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from dist_worker import check_full, layout_placements, local_numel, moe_placements
-from gloo_world import run_scenarios
+from gloo_world import worker_main
 
 from loader.placements import shard_module
 
@@ -342,18 +341,5 @@ SCENARIOS = [
 ]
 
 
-def run_rank(rank: int, world: int, ctx: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    run_scenarios(SCENARIOS, ctx, rank)
-
-
 if __name__ == "__main__":  # run by tests/test_exchange_reads.py: exchange_worker.py RANK WORLD CTX_JSON
-    import json
-
-    run_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the world lost a rank: skip process-group teardown
+    worker_main(SCENARIOS, timeout=60)  # rank 2 is killed in the last one

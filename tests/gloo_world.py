@@ -72,6 +72,31 @@ def ok(results: list[dict], name: str) -> list[dict]:
     return [res[name] for res in results]
 
 
+def worker_main(scenarios: list, *, timeout: float = 120, lost_a_rank: bool = True, setup=None) -> None:
+    """A worker script's ``__main__``: ``WORKER RANK WORLD CTX_JSON`` joins the gloo world through the file store
+    ``ctx["store"]`` (one torch thread), runs ``setup(world)`` then the scenarios, and exits; ``lost_a_rank``: the
+    last scenario killed a rank, so the process exits at once (no barrier, no process-group teardown)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world, ctx = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+    )
+    if setup is not None:
+        setup(world)
+    run_scenarios(scenarios(ctx) if callable(scenarios) else scenarios, ctx, rank)
+    if not lost_a_rank:
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_scenarios(scenarios: list, ctx: dict, rank: int) -> None:
     """The worker side: run ``(name, fn)`` scenarios in order, saving every result after each one.
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import os
 import signal
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from gloo_world import run_scenarios
+from gloo_world import worker_main
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -510,19 +509,5 @@ SCENARIOS = [
 ]
 
 
-def run_rank(rank: int, world: int, ctx: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    run_scenarios(SCENARIOS, ctx, rank)
-
-
 if __name__ == "__main__":  # run by tests/test_meta_distributed.py: meta_worker.py RANK WORLD CTX_JSON
-    import json
-    import sys
-
-    run_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the world lost a rank: skip process-group teardown
+    worker_main(SCENARIOS)  # rank 2 is killed in the last one

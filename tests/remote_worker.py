@@ -5,12 +5,10 @@ loaded from the local folder (``python remote_worker.py RANK WORLD CTX_JSON``, r
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from dist_worker import check_full, local_numel, moe_placements
-from gloo_world import run_scenarios
+from gloo_world import worker_main
 
 from loader.placements import shard_module
 
@@ -86,18 +84,5 @@ SCENARIOS = [
 ]
 
 
-def run_rank(rank: int, world: int, ctx: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    run_scenarios(SCENARIOS, ctx, rank)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":  # run by tests/test_remote_load.py: remote_worker.py RANK WORLD CTX_JSON
-    import json
-    import sys
-
-    run_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
+    worker_main(SCENARIOS, lost_a_rank=False)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 import signal
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import transfer_models as tm
-from gloo_world import run_scenarios
+from gloo_world import worker_main
 from hf_models import build
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -218,22 +217,11 @@ SCENARIOS = [
 HUNG_SCENARIOS = [("ready", lambda ctx: {}), ("hung", scenario_hung)]  # a world of its own: rank 2 hangs, dies
 
 
-def run_rank(rank: int, world: int, ctx: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
+def _meshes(world: int) -> None:
     MESHES["world"] = init_device_mesh("cpu", (world,))
     MESHES["2x2"] = init_device_mesh("cpu", (2, 2))
     MESHES["half"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("side", "tp"))["tp"]
-    run_scenarios(HUNG_SCENARIOS if ctx.get("hung") else SCENARIOS, ctx, rank)
 
 
 if __name__ == "__main__":  # run by tests/test_transfer.py: transfer_worker.py RANK WORLD CTX_JSON
-    import json
-    import sys
-
-    run_rank(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the world lost a rank: skip process-group teardown
+    worker_main(lambda ctx: HUNG_SCENARIOS if ctx.get("hung") else SCENARIOS, setup=_meshes)
