@@ -221,9 +221,25 @@ def _all_to_all(send: np.ndarray, send_sizes: list[int], recv_sizes: list[int], 
     nccl = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    work = dist.all_to_all_single(out, torch.from_numpy(send).to(device), recv_sizes, send_sizes, async_op=True)
+    all_to_all_bytes(out, torch.from_numpy(send).to(device), recv_sizes, send_sizes, timeout=timeout)
+    return out.cpu().numpy()
+
+
+def all_to_all_bytes(
+    out: torch.Tensor,
+    send: torch.Tensor,
+    out_sizes: list[int],
+    send_sizes: list[int],
+    *,
+    group: Any = None,
+    timeout: float | None = None,
+) -> None:
+    """``all_to_all_single`` of byte buffers with exact split sizes, waiting at most ``timeout`` seconds (None: no
+    limit) instead of the process group's own (30 minutes by default). Collective."""
+    work = dist.all_to_all_single(
+        out, send, output_split_sizes=out_sizes, input_split_sizes=send_sizes, group=group, async_op=True
+    )
     if timeout is None:
         work.wait()
     else:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
-    return out.cpu().numpy()

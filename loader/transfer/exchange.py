@@ -13,7 +13,6 @@ tensor is materialised whole except the checkpoint keys of a fallback conversion
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from regiontrace import copy_cast, dest_view, source_view
 
+from ..distributed.exchange_reads import all_to_all_bytes
 from ..plan.slots import box_view
 from .plan import Move, TransferPlan
 
@@ -128,18 +128,14 @@ class Exchange:
                 self._pack(m, send, at + off)
             at += size
             self.counts.messages += bool(ms)
-        work = dist.all_to_all_single(
+        all_to_all_bytes(
             recv,
             send,
-            output_split_sizes=[n for _, n in recv_layouts],
-            input_split_sizes=[n for _, n in send_layouts],
+            [n for _, n in recv_layouts],
+            [n for _, n in send_layouts],
             group=self.group,
-            async_op=True,
+            timeout=self.timeout,
         )
-        if self.timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         at = 0
         for ms, (offsets, size) in zip(into, recv_layouts):
             for m, off in zip(ms, offsets):
