@@ -136,7 +136,7 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         timeout_seconds(self.timeout)
-        if self.exchange_reads not in (None, True, False):
+        if self.exchange_reads is not None and not isinstance(self.exchange_reads, bool):
             raise ValueError(f"exchange_reads must be True, False or None, got {self.exchange_reads!r}")
         if self.staging_bytes < 1:
             raise ValueError(f"staging_bytes must be at least 1, got {self.staging_bytes}")

@@ -198,7 +198,7 @@ class LoadSession:
                 s.wait(keys)
             else:
                 s.wait(keys, datetime.timedelta(seconds=self.timeout))
-            values = [s.get(k).decode() for k in keys]
+            values = [v.decode() for v in s.multi_get(keys)]
         if len(set(values)) > 1:
             listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise ValueError(f"{_STAGES[stage]} failed: the ranks disagree on {name} ({listed}); give all the same")
