@@ -100,6 +100,17 @@ def _describe(e: BaseException) -> dict:
     }
 
 
+def _failing_load(model, path: str, timeout: float, **kwargs) -> dict:
+    """``load_hf_checkpoint(model, path, rollback=True, ...)``: ``{"type": None}``, or its error, described."""
+    from loader import load_hf_checkpoint
+
+    try:
+        load_hf_checkpoint(model, path, progress=False, rollback=True, timeout=timeout, **kwargs)
+    except BaseException as e:
+        return _describe(e)
+    return {"type": None}
+
+
 def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, rounds: bool = False) -> dict:
     """A qwen3_moe model (2 shards) sharded ``mesh_shape``, loaded with exchanged reads and without: equal bit for
     bit, and equal to the reference; ``rounds``: one file per round."""
@@ -161,7 +172,7 @@ def scenario_changed_on_one_rank(ctx: dict) -> dict:
     other ranks open it; one file per round: the first file is exchanged and written everywhere; the second, known
     to the ranks by two identities, is not exchanged: each rank reads its own, rank 2's read fails, and every rank
     raises the CheckpointError naming it, with its tensors restored (``rollback``)."""
-    from loader import HFLoadPlanner, load_hf_checkpoint
+    from loader import HFLoadPlanner
 
     rank, marker = dist.get_rank(), os.path.join(ctx["out"], "changed")
     path = os.path.join(ctx["changing"], ctx["second_shard"])
@@ -183,19 +194,7 @@ def scenario_changed_on_one_rank(ctx: dict) -> dict:
             time.sleep(0.01)
     planner = RewritingPlanner(model)
     with one_file_per_round(), counting_exchanges() as rounds:
-        try:
-            load_hf_checkpoint(
-                model,
-                ctx["changing"],
-                planner=planner,
-                progress=False,
-                rollback=True,
-                timeout=TIMEOUT,
-                exchange_reads=True,
-            )
-            outcome = {"type": None}
-        except BaseException as e:
-            outcome = _describe(e)
+        outcome = _failing_load(model, ctx["changing"], TIMEOUT, planner=planner, exchange_reads=True)
     fetched, exchanged = rounds["fetch_chunks"], rounds["exchange"]
     return {**outcome, "unchanged": _unchanged(model), "fetched": fetched, "exchanged": exchanged}
 
@@ -215,7 +214,6 @@ def _rewrite_data_in_place(path: str) -> None:
 def scenario_fails_after_exchange(ctx: dict) -> dict:
     """Rank 2's deferred conversion fails after the exchanged column shards were written: every rank raises it
     and restores its tensors (``rollback``)."""
-    from loader import load_hf_checkpoint
 
     rank = dist.get_rank()
     model = _layout(7.0)
@@ -229,19 +227,8 @@ def scenario_fails_after_exchange(ctx: dict) -> dict:
             raise RuntimeError("the conversion breaks on rank 2")
         return torch.stack([w, w]).sum(0)
 
-    try:
-        load_hf_checkpoint(
-            model,
-            ctx["layout"],
-            weights_mapping=_rules_with_scaled(scaled),
-            progress=False,
-            rollback=True,
-            timeout=TIMEOUT,
-            exchange_reads=True,
-        )
-        outcome = {"type": None}
-    except BaseException as e:
-        outcome = _describe(e)
+    rules = _rules_with_scaled(scaled)
+    outcome = _failing_load(model, ctx["layout"], TIMEOUT, weights_mapping=rules, exchange_reads=True)
     return {**outcome, "written": written, "unchanged": _unchanged(model)}
 
 
@@ -258,22 +245,9 @@ def scenario_ranks_disagree(ctx: dict) -> dict:
     within the timeout and restores its tensors."""
     import dist_models as dm
 
-    from loader import load_hf_checkpoint
-
     model = _layout(7.0)
-    try:
-        load_hf_checkpoint(
-            model,
-            ctx["layout"],
-            weights_mapping=dm.RULES,
-            progress=False,
-            rollback=True,
-            timeout=HUNG_TIMEOUT,
-            exchange_reads=dist.get_rank() < 2,
-        )
-        outcome = {"type": None}
-    except BaseException as e:
-        outcome = _describe(e)
+    exchange = dist.get_rank() < 2
+    outcome = _failing_load(model, ctx["layout"], HUNG_TIMEOUT, weights_mapping=dm.RULES, exchange_reads=exchange)
     return {**outcome, "unchanged": _unchanged(model)}
 
 
@@ -282,8 +256,6 @@ def scenario_stopped_at_the_exchange(ctx: dict, how: str) -> dict:
     hung until the others gave up (``"hangs"``; then it resumes). The others, in the ``all_to_all``, raise
     PeerFailure within the timeout and restore their tensors; a hung rank raises PeerFailure when it resumes."""
     import dist_models as dm
-
-    from loader import load_hf_checkpoint
 
     rank, name = dist.get_rank(), f"{how}_at_the_exchange"
     model = _layout(7.0)
@@ -299,18 +271,8 @@ def scenario_stopped_at_the_exchange(ctx: dict, how: str) -> dict:
         sys.setprofile(stop_entering_exchange)
     started = time.monotonic()
     try:
-        load_hf_checkpoint(
-            model,
-            ctx["layout"],
-            weights_mapping=dm.RULES,
-            progress=False,
-            rollback=True,
-            timeout=HUNG_TIMEOUT if how == "hangs" else TIMEOUT,
-            exchange_reads=True,
-        )
-        outcome = {"type": None}
-    except BaseException as e:
-        outcome = _describe(e)
+        timeout = HUNG_TIMEOUT if how == "hangs" else TIMEOUT
+        outcome = _failing_load(model, ctx["layout"], timeout, weights_mapping=dm.RULES, exchange_reads=True)
     finally:
         sys.setprofile(None)
     if rank != FAILING:  # tell the hung rank this one gave up
