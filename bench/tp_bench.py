@@ -2,6 +2,7 @@
 
     python bench/tp_bench.py [--out DIR] [--methods ours,ours_random,ours_dcp,vllm,dcp_hf,runai,...]
                              [--layout tp|ep] [--strided] [--threads 1] [--profile METHOD] [--rounds N] [--markdown]
+                             [--warm-fill own|whole]
 
 A Qwen3-MoE-shaped checkpoint (~400 MB bf16: hidden 1024, 4 layers, 32 experts, moe_intermediate 512) is
 written once to ``DIR`` in two layouts: ``hf/`` as ``save_pretrained`` writes it (per-expert tensors
@@ -56,6 +57,10 @@ through the page cache can physically read less. With 2 CPUs for 4 ranks, times 
 Each load's peak extra memory is the rank's peak RSS during it (reset before, ``/proc/self/clear_refs``) minus
 its RSS before it. ``--threads`` sets torch's intra-op threads per rank (default 1: 4 ranks on 2 CPUs).
 ``--rounds N`` repeats the whole run N times with fresh ranks (walls then given as a range), and
+``--warm-fill whole`` drops each rank's files and reads them whole just before every warm load, so that every
+method copies out of the same large page-cache folios (by default a method's warm load reads the cache as its own
+first pass left it: ours' exact reads leave 4 KiB folios, readahead leaves large ones; bench/folio_probe.py).
+The per-rank report also gives the CPU time of all ranks (user and system) of each phase.
 ``--markdown`` prints the tables docs/benchmarks.md holds instead of the per-rank report: bytes and checks per
 method, then the side-by-side table of issue 19 (cold and warm medians, bytes read, peak extra memory, and
 ours / the fastest peer in each column).
@@ -187,6 +192,14 @@ def placements_for(model, strided: bool, layout: str = "tp") -> dict:
             "*o_proj.weight": [Shard(1)],
         },
     )
+
+
+def _read_whole(files: list[str]) -> None:
+    """Read ``files`` whole, in order, with readahead (the page cache then holds them in large folios)."""
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
 
 
 def build_sharded_model(directory: str, mesh, strided: bool, layout: str = "tp"):
@@ -413,6 +426,9 @@ def rank_main(rank: int, world: int, args: dict) -> None:
             _poison(model)
             if phase == "cold":
                 drop_cache(files)
+            if phase == "warm" and args.get("warm_fill") == "whole":
+                drop_cache(files)
+                _read_whole(files)
             dist.barrier()
             profile = args.get("profile") == method and phase == "warm" and rank == 0
             if profile:
@@ -423,12 +439,14 @@ def rank_main(rank: int, world: int, args: dict) -> None:
             _count_gaps()
             _GAPS[0] = 0
             rss = reset_peak()
-            io, t = read_bytes(), time.perf_counter()
+            io, t, cpu = read_bytes(), time.perf_counter(), os.times()
             try:
                 logical = fn(model, out)
             except Exception as e:  # a peer that cannot run here: its reason goes in the table
                 r["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             r[f"{phase}_seconds"] = time.perf_counter() - t
+            now = os.times()
+            r[f"{phase}_user"], r[f"{phase}_sys"] = now.user - cpu.user, now.system - cpu.system
             r[f"{phase}_peak"] = peak() - rss
             failed = torch.tensor([int("error" in r)])
             dist.all_reduce(failed)
@@ -439,7 +457,8 @@ def rank_main(rank: int, world: int, args: dict) -> None:
                 import pstats
 
                 prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                order = os.environ.get("BENCH_PROFILE_SORT", "tottime")  # or "cumulative"
+                pstats.Stats(prof).sort_stats(order).print_stats(int(os.environ.get("BENCH_PROFILE_LINES", "25")))
             r[f"{phase}_physical"] = read_bytes() - io
             if phase == "cold":
                 r["resident"] = resident_bytes(files)
@@ -536,6 +555,9 @@ def print_plain(ranks: list[dict], methods: list[str], visible: bool) -> None:
             f"{method:>11}  wall (slowest rank): cold {max(r['cold_seconds'] for r in rs):.3f} s, warm "
             f"{max(r['warm_seconds'] for r in rs):.3f} s; "
             + (f"gaps read through and discarded: up to {gaps:.2f} MiB per rank; " if gaps else "")
+            + "CPU of all ranks, user + system: cold "
+            + f"{sum(r['cold_user'] for r in rs):.3f} + {sum(r['cold_sys'] for r in rs):.3f} s, warm "
+            + f"{sum(r['warm_user'] for r in rs):.3f} + {sum(r['warm_sys'] for r in rs):.3f} s; "
             + (
                 "fills no model"
                 if method in NOT_LOADING
@@ -708,6 +730,14 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="torch intra-op threads per rank (0: torch's default); default 1"
     )
     parser.add_argument("--profile", metavar="METHOD", help="cProfile rank 0's warm load with METHOD")
+    parser.add_argument(
+        "--warm-fill",
+        choices=("own", "whole"),
+        default="own",
+        help="own: the warm load reads the page cache as the method's own first pass left it (default); whole: "
+        "each rank's files are dropped and read whole in order just before every warm load, so that every method "
+        "copies out of the same large folios (bench/folio_probe.py)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="runs of all methods (fresh ranks each time)")
     parser.add_argument("--markdown", action="store_true", help="print the table docs/benchmarks.md holds")
     args = parser.parse_args(argv)
@@ -753,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                 "profile": args.profile if i == 0 else None,
                 "layout": args.layout,
                 "threads": args.threads,
+                "warm_fill": args.warm_fill,
                 "store": os.path.join(tmp, "store"),
                 "results": tmp,
             }
@@ -768,7 +799,9 @@ def main(argv: list[str] | None = None) -> int:
             print_plain(ranks, methods, visible)
     load = watch.stop()
     if args.markdown:
-        print_markdown(rounds, methods, visible, load, f"experts {experts}")
+        whole = args.warm_fill == "whole"
+        fill = "; every warm load after its rank's files were read whole (large folios)" if whole else ""
+        print_markdown(rounds, methods, visible, load, f"experts {experts}{fill}")
     else:
         print(f"load average (1 min) during the run: {load}")
     return 0
