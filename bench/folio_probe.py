@@ -201,15 +201,9 @@ def main() -> int:
         ]
         for r in rows
     ]
-    if args.markdown:
-        print(mdtable.run_line(load, packages=("torch",)))
-        print()
-        print(mdtable.table(headers, table))
-    else:
+    if not args.markdown:
         print(f"file {args.size} MiB, wanted {wanted / MIB:.1f} MiB in {len(wanted_ranges(args.size * MIB))} ranges")
-        for line in table:
-            print("  ".join(str(c).strip("`").ljust(14) for c in line))
-        print(f"load average (1 min) during the run: {load}")
+    mdtable.emit(args.markdown, load, headers, table, packages=("torch",))
     return 0
 
 

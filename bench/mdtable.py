@@ -112,6 +112,26 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
+def emit(
+    markdown: bool,
+    load: str,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    packages: Sequence[str] = ("torch", "transformers"),
+    width: int = 16,
+) -> None:
+    """Print one table: with ``markdown`` the run line and the table docs/benchmarks.md holds, else plain columns
+    ``width`` wide and the load average."""
+    if markdown:
+        print(run_line(load, packages))
+        print()
+        print(table(headers, rows))
+        return
+    for row in rows:
+        print("  ".join(str(c).strip("`").ljust(width) for c in row))
+    print(f"load average (1 min) during the run: {load}")
+
+
 def spread(values: Sequence[float], fmt: str = "{:.3f}", unit: str = " s") -> str:
     """One value (or several that print the same), else ``best–worst [median]`` (of an even count, the lower
     middle one)."""

@@ -105,14 +105,7 @@ def main() -> int:
         ]
         for r in rows
     ]
-    if args.markdown:
-        print(mdtable.run_line(load))
-        print()
-        print(mdtable.table(headers, table))
-    else:
-        for line in table:
-            print("  ".join(str(c).strip("`").ljust(22) for c in line))
-        print(f"load average (1 min) during the run: {load}")
+    mdtable.emit(args.markdown, load, headers, table, width=22)
     return 0
 
 
