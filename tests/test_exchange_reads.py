@@ -40,24 +40,48 @@ def file(tmp_path_factory) -> tuple[str, bytes]:
 class Held:
     """Held pieces of a file, holding other bytes than the file's (each inverted), so a test tells them apart;
     :meth:`expected` is what a read of ``[a, b)`` must give: each byte from memory where a piece holds it, else the
-    file's."""
+    file's. Piece ``i`` lies in buffer ``which[i]`` (default: alternately the first and the second), the pieces of a
+    buffer in reverse order with gaps between them, as a rank's received and fetched pieces are not."""
 
-    def __init__(self, data: bytes, pieces: list[tuple[int, int]]) -> None:
+    def __init__(self, data: bytes, pieces: list[tuple[int, int]], which: list[int] | None = None) -> None:
         self.data, self.pieces = data, pieces
+        self.which = [i % 2 for i in range(len(pieces))] if which is None else which
         self.mask = np.zeros(len(data), dtype=bool)
         for a, b in pieces:
             self.mask[a:b] = True
         self.memory = np.where(self.mask, np.frombuffer(data, np.uint8) ^ 0xFF, np.frombuffer(data, np.uint8))
 
     def file(self) -> HeldFile:
-        views = [memoryview(self.memory[a:b].copy()) for a, b in self.pieces]
-        return HeldFile([a for a, _ in self.pieces], [b for _, b in self.pieces], views)
+        offsets, parts = [0] * len(self.pieces), [[np.full(5, 7, np.uint8)], [np.full(3, 7, np.uint8)]]
+        for i in reversed(range(len(self.pieces))):
+            a, b = self.pieces[i]
+            offsets[i] = sum(len(p) for p in parts[self.which[i]])
+            parts[self.which[i]] += [self.memory[a:b], np.full(i % 3, 7, np.uint8)]
+        as_array = lambda xs: np.array(xs, dtype=np.int64).reshape(-1)
+        return HeldFile(
+            as_array([a for a, _ in self.pieces]),
+            as_array([b for _, b in self.pieces]),
+            as_array(self.which),
+            as_array(offsets),
+            tuple(np.concatenate(p) for p in parts),
+        )
 
     def expected(self, a: int, b: int) -> bytes:
         return self.memory[a:b].tobytes()
 
     def held_in(self, a: int, b: int) -> int:
         return int(self.mask[a:b].sum())
+
+    def not_held(self, a: int, b: int) -> list[tuple[int, int]]:
+        """The maximal parts of ``[a, b)`` no piece holds, ascending (a plain reference of ``missing``)."""
+        out: list[tuple[int, int]] = []
+        for x in range(a, b):
+            if not self.mask[x]:
+                if out and out[-1][1] == x:
+                    out[-1] = (out[-1][0], x + 1)
+                else:
+                    out.append((x, x + 1))
+        return out
 
 
 @st.composite
@@ -125,6 +149,68 @@ def test_runs_each_byte_from_where_it_is(file, pieces, first, length, count, gap
         assert [bytes(out[a - first : b - first]) for a, b in runs] == [held.expected(a, b) for a, b in runs]
         in_memory = sum(held.held_in(a, b) for a, b in runs)
         assert (reader.served, inner.bytes_read) == (in_memory, count * length - in_memory)
+
+
+@st.composite
+def runs_and_pieces(draw) -> tuple[RunGrid, list[tuple[int, int]], list[int]]:
+    """A column shard's runs (one per row) and pieces around them, each run drawn: inside a piece (the run itself
+    or more, up to the gaps' middles), across two touching pieces, partly held (at either end), or not held; each
+    piece in either buffer."""
+    length, gap = draw(st.integers(1, 64)), draw(st.integers(0, 40))
+    count = draw(st.integers(1, 40))
+    first = draw(st.integers(0, SIZE - count * (length + gap) - 1))
+    grid = RunGrid(first, length, ((count, length + gap),))
+    pieces: list[tuple[int, int]] = []
+    for s in grid.starts().tolist():
+        kind = draw(st.sampled_from(["inside", "inside", "wider", "across", "head", "tail", "none"]))
+        cut = draw(st.integers(1, length - 1)) if length > 1 else 0
+        if kind == "inside" or (kind != "none" and not cut):
+            pieces.append((s, s + length))
+        elif kind == "wider":
+            pieces.append((s - min(gap // 2, s - (pieces[-1][1] if pieces else 0)), s + length + gap // 2))
+        elif kind == "across":
+            pieces += [(s, s + cut), (s + cut, s + length)]
+        elif kind == "head":
+            pieces.append((s, s + cut))
+        elif kind == "tail":
+            pieces.append((s + cut, s + length))
+    which = [draw(st.integers(0, 1)) for _ in pieces]
+    return grid, pieces, which
+
+
+@HELD
+@given(runs_and_pieces())
+def test_runs_inside_pieces_copied_at_once_and_the_others_byte_by_byte_agree_with_a_plain_reading(file, drawn):
+    path, data = file
+    grid, pieces, which = drawn
+    held = Held(data, pieces, which)
+    runs = [(s, s + grid.length) for s in grid.starts().tolist()]
+    with FileReader() as inner:
+        reader = HeldReader(inner, {path: held.file()})
+        out = bytearray(b"\x5a" * (grid.end - grid.first))
+        reader.read_runs(path, grid, memoryview(out), grid.first, wanted=grid.count * grid.length)
+        assert [bytes(out[a - grid.first : b - grid.first]) for a, b in runs] == [held.expected(a, b) for a, b in runs]
+        in_memory = sum(held.held_in(a, b) for a, b in runs)
+        assert (reader.served, inner.bytes_read) == (in_memory, grid.count * grid.length - in_memory)
+        if not in_memory:  # nothing held: the inner reader's own read_runs
+            assert inner.reads == 1
+
+
+@HELD
+@given(
+    st.one_of(held_pieces().map(lambda p: (p, [i % 2 for i in range(len(p))])), runs_and_pieces().map(lambda d: d[1:])),
+    st.lists(st.one_of(reads, st.integers(0, 20).map(lambda k: (k, -1))), max_size=12),
+)
+def test_will_read_hints_exactly_the_bytes_not_held_in_order(file, drawn, wanted):
+    """Ranges inside one piece dropped at once, the others cut around held bytes: as a plain reading of the mask.
+    ``(k, -1)`` stands for the ``k``-th piece itself (or a byte inside it)."""
+    path, data = file
+    pieces, which = drawn
+    held = Held(data, pieces, which)
+    ranges = [r if r[1] >= 0 else pieces[r[0]] if r[0] < len(pieces) else (r[0], r[0]) for r in wanted]
+    with HintedFileReader() as inner:
+        HeldReader(inner, {path: held.file()}).will_read(path, lambda: ranges, sparse=True)
+        assert inner.hints == [(path, [m for a, b in ranges for m in held.not_held(a, b)])]
 
 
 def test_a_file_with_nothing_held_is_read_by_the_inner_reader_alone(file):

@@ -31,7 +31,7 @@ from ..execute import execute_plan
 from ..options import LoadOptions
 from ..plan import BlockRead, RankPlan
 from ..storage import RangeReader
-from ..storage.held import HeldFile, HeldReader, PieceViews
+from ..storage.held import HeldFile, HeldReader, gather
 from .exchange_plan import FilePlan, Ranges, as_ranges, plan_files, rounds
 from .session import LoadSession, peer_errors
 
@@ -176,22 +176,20 @@ def exchange(
     Returns:
         ``{file: HeldFile}`` of this rank's pieces, and the bytes received from other ranks.
     """
-    sends: list[list[np.ndarray]] = [[] for _ in range(world)]
-    for f in files:
-        if f not in fetched:
-            continue
-        fp, buf = plans[f], fetched[f]
-        mine = fp.chunks.of(rank)
-        for j in range(world):
-            if j != rank:
-                ranges = fp.sends(rank, j)
-                offs = _offsets_in(mine, ranges[:, 0])
-                sends[j].extend(buf[o : o + n] for o, n in zip(offs.tolist(), (ranges[:, 1] - ranges[:, 0]).tolist()))
-    send_sizes = [sum(len(p) for p in parts) for parts in sends]
+    # what goes out: per peer (in rank order), per file, its pieces of this rank's chunks, ascending
+    outgoing = [(f, j, plans[f].sends(rank, j)) for j in range(world) if j != rank for f in files if f in fetched]
+    send_sizes = [0] * world
+    for _, j, ranges in outgoing:
+        send_sizes[j] += int((ranges[:, 1] - ranges[:, 0]).sum())
+    send = np.empty(sum(send_sizes), dtype=np.uint8)
+    at = 0
+    for f, _, ranges in outgoing:
+        sizes = ranges[:, 1] - ranges[:, 0]
+        _place(send, at, fetched[f], _offsets_in(plans[f].chunks.of(rank), ranges[:, 0]), sizes)
+        at += int(sizes.sum())
     recv_sizes = [
         0 if i == rank else int(sum(plans[f].pieces[rank].sizes_from(i).sum() for f in files)) for i in range(world)
     ]
-    send = np.concatenate([p for parts in sends for p in parts]) if sum(send_sizes) else np.zeros(0, np.uint8)
     recv = _all_to_all(send, send_sizes, recv_sizes, timeout)
     cursor = np.concatenate([[0], np.cumsum(recv_sizes)])[:-1]
     held: dict[str, HeldFile] = {}
@@ -208,11 +206,23 @@ def exchange(
             else:
                 offs[m] = cursor[h] + np.concatenate([[0], np.cumsum(sizes[m])[:-1]])
                 cursor[h] += int(sizes[m].sum())
-        buffers = [memoryview(recv), memoryview(fetched[f]) if f in fetched else memoryview(b"")]
-        of = (p.holders == rank).astype(np.int64).tolist()  # 1: this rank's own chunk, 0: received
-        views = PieceViews(buffers, of, offs.tolist(), sizes.tolist())
-        held[f] = HeldFile(p.starts.tolist(), p.ends.tolist(), views)
+        own = fetched.get(f, np.zeros(0, dtype=np.uint8))
+        of = (p.holders == rank).astype(np.int64)  # 1: this rank's own chunk, 0: received
+        held[f] = HeldFile(p.starts, p.ends, of, offs, (recv, own))
     return held, sum(recv_sizes)
+
+
+def _place(dst: np.ndarray, at: int, src: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    """The pieces ``src[offsets[i]:offsets[i] + sizes[i]]`` one after another into ``dst`` from ``at``: gathered at
+    once per distinct size."""
+    if not len(sizes):
+        return
+    places = at + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    by_size = np.argsort(sizes, kind="stable")
+    distinct, first = np.unique(sizes[by_size], return_index=True)
+    for n, lo, hi in zip(distinct.tolist(), first.tolist(), [*first[1:].tolist(), len(sizes)]):
+        m = by_size[lo:hi]
+        gather(dst, places[m], src, offsets[m], n)
 
 
 def _all_to_all(send: np.ndarray, send_sizes: list[int], recv_sizes: list[int], timeout: float | None) -> np.ndarray:

@@ -3,84 +3,104 @@ files from buffers (bytes fetched once and shared between ranks: :mod:`loader.di
 reads everything else through the reader it wraps.
 
 Each byte of a read comes from memory where a piece holds it, else through the wrapped reader: a read may cross
-from held bytes into others (the executor joins touching ranges of two tensors, one shared and one not).
+from held bytes into others (the executor joins touching ranges of two tensors, one shared and one not). A column
+shard has a piece per row (tens of thousands per rank): the runs of a read that lie inside one piece each are copied
+in a few numpy calls (:func:`gather`), only the others byte range by byte range.
 """
 
 from __future__ import annotations
 
-import bisect
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from .base import RangeReader, Runs, Segment, consecutive
 
 
-class PieceViews(Sequence[memoryview]):
-    """Pieces' bytes as slices of a few buffers, each made when asked for (a column shard has a piece per row):
-    piece ``i`` is ``buffers[buffer_of[i]][offsets[i]:offsets[i] + sizes[i]]``."""
+def windows(buffer: np.ndarray, size: int) -> np.ndarray:
+    """Every ``size``-byte stretch of the ``uint8`` array ``buffer`` as one element: element ``o`` is bytes
+    ``[o, o + size)`` (a view, writable where ``buffer`` is; ``size`` at most ``len(buffer)``)."""
+    return np.ndarray(shape=(len(buffer) - size + 1,), dtype=np.dtype((np.void, size)), buffer=buffer, strides=(1,))
 
-    def __init__(
-        self, buffers: Sequence[memoryview], buffer_of: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
-    ) -> None:
-        self.buffers, self.buffer_of, self.offsets, self.sizes = buffers, buffer_of, offsets, sizes
 
-    def __len__(self) -> int:
-        return len(self.offsets)
+def gather(dst: np.ndarray, at: np.ndarray, src: np.ndarray, offsets: np.ndarray, size: int) -> None:
+    """``dst[at[i]:at[i] + size] = src[offsets[i]:offsets[i] + size]`` for every ``i``, in two numpy calls (the
+    destinations disjoint)."""
+    if len(at):
+        windows(dst, size)[at] = windows(src, size)[offsets]
 
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        o = self.offsets[i]
-        return self.buffers[self.buffer_of[i]][o : o + self.sizes[i]]
+
+def _index(sorted_starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per offset, the last start at or before it (-1: none)."""
+    return np.searchsorted(sorted_starts, offsets, side="right") - 1
 
 
 @dataclass(frozen=True)
 class HeldFile:
-    """One file's held pieces: the bytes ``[starts[i], ends[i])`` are ``views[i]``; ascending, disjoint."""
+    """One file's held pieces, ascending, disjoint: the bytes ``[starts[i], ends[i])`` are
+    ``buffers[buffer_of[i]][offsets[i]:offsets[i] + ends[i] - starts[i]]`` (``int64`` arrays; ``uint8`` buffers:
+    what a rank received, and what it fetched itself)."""
 
-    starts: list[int]
-    ends: list[int]
-    views: Sequence[memoryview]
+    starts: np.ndarray
+    ends: np.ndarray
+    buffer_of: np.ndarray
+    offsets: np.ndarray
+    buffers: tuple[np.ndarray, ...]
+
+    def piece(self, i: int) -> np.ndarray:
+        """The bytes of piece ``i``."""
+        o = int(self.offsets[i])
+        return self.buffers[int(self.buffer_of[i])][o : o + int(self.ends[i] - self.starts[i])]
+
+    def within(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Per range ``[starts[j], ends[j])`` (non-empty), the piece holding all of it, or -1."""
+        if not len(self.starts):
+            return np.full(len(starts), -1, dtype=np.int64)
+        k = _index(self.starts, starts)
+        return np.where((k >= 0) & (ends <= self.ends[np.maximum(k, 0)]), k, -1)
+
+    def touched(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Per range ``[starts[j], ends[j])``, whether some byte of it is held."""
+        if not len(self.starts):
+            return np.zeros(len(starts), dtype=bool)
+        k = np.searchsorted(self.ends, starts, side="right")  # the first piece ending after the range's start
+        return (k < len(self.starts)) & (self.starts[np.minimum(k, len(self.starts) - 1)] < ends)
 
     def holds(self, offset: int) -> int:
         """The piece holding byte ``offset``, or -1."""
-        i = bisect.bisect_right(self.starts, offset) - 1
-        return i if i >= 0 and offset < self.ends[i] else -1
+        return int(self.within(np.array([offset]), np.array([offset + 1]))[0])
 
     def overlaps(self, start: int, end: int) -> bool:
         """Whether some byte of ``[start, end)`` is held."""
-        if self.holds(start) >= 0:
-            return True
-        nxt = self.next_start(start)
-        return nxt is not None and nxt < end
+        return bool(self.touched(np.array([start]), np.array([end]))[0])
 
     def missing(self, start: int, end: int) -> list[tuple[int, int]]:
         """The parts of ``[start, end)`` no piece holds, ascending."""
+        lo, hi = np.searchsorted(self.ends, start, side="right"), np.searchsorted(self.starts, end)
         out, pos = [], start
-        while pos < end:
-            i = self.holds(pos)
-            if i >= 0:
-                pos = min(end, self.ends[i])
-                continue
-            nxt = self.next_start(pos)
-            stop = end if nxt is None else min(end, nxt)
-            out.append((pos, stop))
-            pos = stop
+        for a, b in zip(self.starts[lo:hi].tolist(), self.ends[lo:hi].tolist()):
+            if a > pos:
+                out.append((pos, a))
+            pos = max(pos, b)
+        if pos < end:
+            out.append((pos, end))
         return out
 
     def next_start(self, offset: int) -> int | None:
         """The first piece start after ``offset``, or None."""
-        i = bisect.bisect_right(self.starts, offset)
-        return self.starts[i] if i < len(self.starts) else None
+        i = int(np.searchsorted(self.starts, offset, side="right"))
+        return int(self.starts[i]) if i < len(self.starts) else None
 
     def copy(self, i: int, offset: int, dst: memoryview) -> int:
         """Copy held bytes from ``offset`` (in piece ``i``) into ``dst``, across touching pieces, up to the end of
         ``dst`` or the first byte not held; returns the bytes copied."""
         pos, end, at = offset, offset + len(dst), 0
         while pos < end and i < len(self.starts) and self.starts[i] <= pos < self.ends[i]:
-            n = min(end, self.ends[i]) - pos
-            src = self.views[i]
-            dst[at : at + n] = src[pos - self.starts[i] : pos - self.starts[i] + n]
+            first = int(self.starts[i])
+            n = min(end, int(self.ends[i])) - pos
+            dst[at : at + n] = self.piece(i)[pos - first : pos - first + n]
             pos, at, i = pos + n, at + n, i + 1
         return at
 
@@ -138,7 +158,13 @@ class HeldReader:
         if held is None:
             self.inner.will_read(location, ranges, sparse=sparse)
             return
-        self.inner.will_read(location, lambda: [m for a, b in ranges() for m in held.missing(a, b)], sparse=sparse)
+
+        def not_held() -> list[tuple[int, int]]:
+            r = np.fromiter(itertools.chain.from_iterable(ranges()), dtype=np.int64).reshape(-1, 2)
+            r = r[(r[:, 1] > r[:, 0]) & (held.within(r[:, 0], r[:, 1]) < 0)]  # those in one piece: dropped at once
+            return [m for a, b in r.tolist() for m in held.missing(a, b)]
+
+        self.inner.will_read(location, not_held, sparse=sparse)
 
     def pread_into(self, location: str, offset: int, out: memoryview | bytearray) -> None:
         view = memoryview(out).cast("B")
@@ -151,14 +177,25 @@ class HeldReader:
             self._read(location, segments, lambda: self.inner.pread_consecutive(location, offset, outs))
 
     def read_runs(self, location: str, runs: Runs, out: memoryview, base: int, *, wanted: int) -> None:
-        """Held runs copied from memory (touching runs together), the others read through ``inner``."""
-        if location not in self.held:
+        """Runs inside one held piece copied from memory at once per buffer, the others each byte from where it is
+        (all through ``inner``'s own ``read_runs`` when no run touches held bytes)."""
+        held = self.held.get(location)
+        starts = runs.starts() if held is not None else None
+        if held is None or starts is None or not held.touched(starts, starts + runs.length).any():
             self.inner.read_runs(location, runs, out, base, wanted=wanted)
             return
+        n = runs.length
+        k = held.within(starts, starts + n)
+        inside = k >= 0
+        dst = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+        for b, buffer in enumerate(held.buffers):
+            m = inside & (held.buffer_of[np.maximum(k, 0)] == b)
+            if m.any():
+                i = k[m]
+                gather(dst, starts[m] - base, buffer, held.offsets[i] + starts[m] - held.starts[i], n)
+        self.served += int(inside.sum()) * n
         view = memoryview(out).cast("B")
-        segments = [(a, view[a - base : b - base]) for a, b in runs.spans(1)]
-        if segments:
-            self._read(location, segments, lambda: self.inner.read_runs(location, runs, out, base, wanted=wanted))
+        self._serve(location, held, [(a, view[a - base : a - base + n]) for a in starts[~inside].tolist()])
 
     def _read(self, location: str, segments: list[Segment], whole: Callable[[], None]) -> None:
         """Serve the held bytes of ``segments``, the others through ``inner``: all at once (``whole``) when no
@@ -167,6 +204,10 @@ class HeldReader:
         if held is None or not any(held.overlaps(a, a + len(dst)) for a, dst in segments):
             whole()
             return
+        self._serve(location, held, segments)
+
+    def _serve(self, location: str, held: HeldFile, segments: list[Segment]) -> None:
+        """Each byte of ``segments`` from the piece holding it, else through ``inner`` (up to the next held byte)."""
         for a, dst in segments:
             at = 0
             while at < len(dst):
@@ -174,7 +215,7 @@ class HeldReader:
                 if i >= 0:
                     n = held.copy(i, a + at, dst[at:])
                     self.served += n
-                else:  # up to the next held byte, through the reader
+                else:
                     nxt = held.next_start(a + at)
                     n = len(dst) - at if nxt is None else min(len(dst) - at, nxt - a - at)
                     self.inner.pread_into(location, a + at, dst[at : at + n])
