@@ -246,6 +246,8 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
                         prof.disable()
                         print(f"--- rank 0, {tag}", file=sys.stderr)
                         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+                        if os.environ.get("REMOTE_BENCH_PROFILE"):  # the whole profile, for pstats
+                            prof.dump_stats(os.environ["REMOTE_BENCH_PROFILE"])
                     if "error" not in run:
                         values = {k: v.clone() for k, v in locals_of(model).items()}
                         if reference is None:
