@@ -48,9 +48,10 @@ def _filled(model: torch.nn.Module, value: float = 7.0) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def one_file_per_round() -> Iterator[None]:
-    """Rounds of one file each (:data:`~loader.distributed.exchange_reads.ROUND_BYTES`, 1 GiB, set to 1 byte): a
-    checkpoint of small shards is exchanged in several rounds."""
+def tensor_per_round() -> Iterator[None]:
+    """Rounds of one tensor each (:data:`~loader.distributed.exchange_reads.ROUND_BYTES`, 1 GiB, set to 1 byte: every
+    file over it, cut at each tensor that holds exchanged bytes): a checkpoint of small shards is exchanged in many
+    rounds, each file in parts. (``load_hf_checkpoint`` passes no ``round_bytes``: the module's default is read.)"""
     from loader.distributed import exchange_reads
 
     saved, exchange_reads.ROUND_BYTES = exchange_reads.ROUND_BYTES, 1
@@ -61,15 +62,18 @@ def one_file_per_round() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def counting_exchanges() -> Iterator[dict[str, int]]:
-    """``{"fetch_chunks": n, "exchange": n}``: how many rounds this rank fetched chunks for, and how many got past
-    their agreement into the exchange, seen by a profile hook (nothing of the loader replaced)."""
-    count = {"fetch_chunks": 0, "exchange": 0}
+def counting_exchanges() -> Iterator[dict]:
+    """``{"fetch_chunks": n, "exchange": n, "files": [...]}``: how many rounds this rank fetched chunks for, how many
+    got past their agreement into the exchange, and the names of the files fetched for exchange, seen by a profile
+    hook (nothing of the loader replaced)."""
+    count: dict = {"fetch_chunks": 0, "exchange": 0, "files": []}
 
     def hook(frame, event, arg):
         code = frame.f_code
         if event == "call" and code.co_name in count and code.co_filename.endswith("exchange_reads.py"):
             count[code.co_name] += 1
+            if code.co_name == "fetch_chunks":
+                count["files"] = sorted({*count["files"], *(os.path.basename(f) for f in frame.f_locals["files"])})
 
     sys.setprofile(hook)
     try:
@@ -113,7 +117,7 @@ def _failing_load(model, path: str, timeout: float, **kwargs) -> dict:
 
 def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, rounds: bool = False) -> dict:
     """A qwen3_moe model (2 shards) sharded ``mesh_shape``, loaded with exchanged reads and without: equal bit for
-    bit, and equal to the reference; ``rounds``: one file per round."""
+    bit, and equal to the reference; ``rounds``: one tensor per round."""
     from loader import load_hf_checkpoint
 
     alone = _moe(ctx, mesh_shape)
@@ -121,12 +125,13 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, r
     model = _moe(ctx, mesh_shape)
     with contextlib.ExitStack() as stack:
         if rounds:
-            stack.enter_context(one_file_per_round())
+            stack.enter_context(tensor_per_round())
         exchanges = stack.enter_context(counting_exchanges())
         report = _load(ctx, model, dcp)
     sd = model.state_dict(keep_vars=True)
     return {
         "exchanges": exchanges["exchange"],
+        "fetched_files": exchanges["files"],
         "unequal": _unequal(alone, model),
         "bad": check_full(model, torch.load(ctx["moe_ref"])),
         "bytes_read": report.bytes_read,
@@ -169,7 +174,7 @@ def scenario_layout(ctx: dict) -> dict:
 
 def scenario_changed_on_one_rank(ctx: dict) -> dict:
     """Rank 2 reads the headers, then the second shard's data is rewritten (same size, mtime put back) before the
-    other ranks open it; one file per round: the first file is exchanged and written everywhere; the second, known
+    other ranks open it; one tensor per round: the first file is exchanged and written everywhere; the second, known
     to the ranks by two identities, is not exchanged: each rank reads its own, rank 2's read fails, and every rank
     raises the CheckpointError naming it, with its tensors restored (``rollback``)."""
     from loader import HFLoadPlanner
@@ -193,10 +198,12 @@ def scenario_changed_on_one_rank(ctx: dict) -> dict:
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.01)
     planner = RewritingPlanner(model)
-    with one_file_per_round(), counting_exchanges() as rounds:
+    with tensor_per_round(), counting_exchanges() as rounds:
         outcome = _failing_load(model, ctx["changing"], TIMEOUT, planner=planner, exchange_reads=True)
     fetched, exchanged = rounds["fetch_chunks"], rounds["exchange"]
-    return {**outcome, "unchanged": _unchanged(model), "fetched": fetched, "exchanged": exchanged}
+    return {**outcome, "unchanged": _unchanged(model), "fetched": fetched, "exchanged": exchanged} | {
+        "fetched_files": rounds["files"]
+    }
 
 
 def _rewrite_data_in_place(path: str) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loader.distributed.exchange_plan import SMALL_RANGE, as_ranges, chunks, pieces, plan_files, rounds
+from loader.distributed.exchange_plan import END, SMALL_RANGE, as_ranges, chunks, pieces, plan_files, rounds
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -209,26 +209,135 @@ def test_plan_files_sends_and_costs(world_and_wants):
                 # what i sends j: j's wanted bytes inside i's chunks, cut at chunk bounds, ascending
                 expected = [piece for s, e, h in chunk_of if h == i for piece in intersect(pairs(wants[j]), [(s, e)])]
                 assert pairs(fp.sends(i, j)) == expected, (f, i, j)
-            received = sum(nbytes(pairs(fp.pieces[i].from_holder(h))) for h in range(world))
+            received = sum(nbytes(pairs(fp.pieces[i].from_holder(h))) for h in range(world) if h != i)
             assert fp.cost(i) == nbytes(pairs(fp.chunks.of(i))) + received
 
 
 @SETTINGS
 @given(many_files(), st.integers(0, 1 << 34))
-def test_rounds_keep_each_rank_within_the_budget_unless_a_file_is_alone(world_and_wants, budget):
+def test_rounds_of_whole_files_keep_each_rank_within_the_budget_unless_a_file_is_alone(world_and_wants, budget):
+    """Without the tensors' spans a file is not cut: a round is whole files, grouped greedily in name order."""
     world, everyone = world_and_wants
     plans = plan_files(everyone)
     groups = rounds(plans, world, budget)
-    assert [f for g in groups for f in g] == sorted(plans)  # every file once, in name order
+    assert all(p.lo == 0 and p.hi == END for g in groups for p in g)
+    assert [p.file for g in groups for p in g] == sorted(plans)  # every file once, in name order
     assert all(groups)
 
     def held(group):
         return max(sum(plans[f].cost(r) for f in group) for r in range(world))
 
     for k, g in enumerate(groups):
-        assert len(g) == 1 or held(g) <= budget, (g, budget)
+        files = [p.file for p in g]
+        assert len(files) == 1 or held(files) <= budget, (g, budget)
         if k + 1 < len(groups):  # greedy: the next group's first file did not fit in this one
-            assert held([*g, groups[k + 1][0]]) > budget
+            assert held([*files, groups[k + 1][0].file]) > budget
+
+
+@st.composite
+def files_with_tensors(draw) -> tuple[int, list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """``(world, every rank's {file: wanted}, {file: tensor spans})``: wanted ranges per tensor, unmerged across
+    tensors (as ranks send them)."""
+    world = draw(worlds)
+    everyone: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
+    spans = {}
+    for name in draw(st.lists(st.sampled_from("abcd"), min_size=1, max_size=3, unique=True)):
+        f = f"/ckpt/{name}.safetensors"
+        per_tensor, spans[f] = draw(file_tensors(world))
+        for r, mine in enumerate(per_tensor):
+            everyone[r][f] = np.concatenate([np.zeros((0, 2), dtype=np.int64), *mine])
+    return world, everyone, spans
+
+
+def part_cost(fp, rank: int, lo: int, hi: int) -> int:
+    """Bytes ``rank`` holds for ``[lo, hi)`` of a file: its chunks and the pieces it receives there (plain
+    reference)."""
+    received = [pair for h in range(len(fp.pieces)) if h != rank for pair in pairs(fp.pieces[rank].from_holder(h))]
+    return nbytes(intersect(pairs(fp.chunks.of(rank)), [(lo, hi)])) + nbytes(intersect(received, [(lo, hi)]))
+
+
+def with_holders(starts, ends, holders) -> dict[int, list[tuple[int, int]]]:
+    """``{holder: its bytes, merged}``."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for a, b, h in zip(starts.tolist(), ends.tolist(), holders.tolist()):
+        out.setdefault(h, []).append((a, b))
+    return {h: merged(r) for h, r in out.items()}
+
+
+@SETTINGS
+@given(files_with_tensors(), st.data())
+def test_files_over_the_budget_are_cut_at_tensor_starts_into_parts_within_it(drawn, data):
+    world, everyone, spans = drawn
+    plans = plan_files(everyone, spans)
+    if not plans:
+        return
+    most = max(fp.cost(r) for fp in plans.values() for r in range(world))
+    budget = data.draw(st.one_of(st.integers(0, most), st.just(1)))
+    groups = rounds(plans, world, budget, spans)
+    flat = [p for g in groups for p in g]
+    assert sorted({p.file for p in flat}) == sorted(plans) and [p.file for p in flat] == sorted(p.file for p in flat)
+    for g in groups:
+        assert g and len({p.file for p in g}) == len(g), g  # two parts of a file never in one round
+        held = [sum(part_cost(plans[p.file], r, p.lo, p.hi) for p in g) for r in range(world)]
+        if max(held) > budget:  # only a tensor over the budget alone (with tensors holding nothing)
+            (p,) = g
+            costly = [
+                (a, b)
+                for a, b in pairs(spans[p.file])
+                if p.lo <= a < p.hi and any(part_cost(plans[p.file], r, a, b) for r in range(world))
+            ]
+            assert len(costly) == 1, (g, costly, held, budget)
+    for f, fp in plans.items():
+        mine = [p for p in flat if p.file == f]
+        starts = set(spans[f][:, 0].tolist())
+        assert mine[0].lo == 0 and mine[-1].hi == END and all(x.hi == y.lo for x, y in zip(mine, mine[1:]))
+        assert all(p.lo in starts for p in mine[1:]), (mine, starts)  # cut at tensor starts only
+        assert all(any(part_cost(fp, r, p.lo, p.hi) for r in range(world)) for p in mine), mine  # no empty round
+        for x, y in zip(mine, mine[1:]):  # greedy: a part within the budget ends where the next tensor won't fit
+            if max(part_cost(fp, r, x.lo, x.hi) for r in range(world)) <= budget:
+                nxt = min([b for b in [*starts, END] if b > y.lo] + [y.hi])
+                assert max(part_cost(fp, r, x.lo, nxt) for r in range(world)) > budget, (x, y, budget)
+        # the parts' plans cover the file's chunks and pieces exactly once, each piece with its holder
+        cut = [fp.part(p.lo, p.hi) for p in mine]
+        for q, p in zip(cut, mine):
+            assert (q.chunks.starts >= p.lo).all() and (q.chunks.ends <= p.hi).all()
+            for r in range(world):
+                assert q.cost(r) == part_cost(fp, r, p.lo, p.hi)
+                for h in range(world):
+                    clipped = [(max(a, p.lo), min(b, p.hi)) for a, b in pairs(fp.sends(h, r)) if a < p.hi and b > p.lo]
+                    assert pairs(q.sends(h, r)) == clipped  # in order, touching ones (two tensors') not merged
+        cat = lambda xs: np.concatenate([np.zeros(0, dtype=np.int64), *xs])
+        c = fp.chunks
+        assert sum(q.chunks.nbytes for q in cut) == c.nbytes
+        got = with_holders(*(cat(getattr(q.chunks, k) for q in cut) for k in ("starts", "ends", "holders")))
+        assert got == with_holders(c.starts, c.ends, c.holders)
+        for r in range(world):
+            p = fp.pieces[r]
+            parts_r = [q.pieces[r] for q in cut]
+            assert sum(int((x.ends - x.starts).sum()) for x in parts_r) == int((p.ends - p.starts).sum())
+            got = with_holders(*(cat(getattr(x, k) for x in parts_r) for k in ("starts", "ends", "holders")))
+            assert got == with_holders(p.starts, p.ends, p.holders)
+
+
+def test_a_5_gib_file_of_column_shards_is_held_a_gib_at_most_per_round():
+    """TP2 over a 5 GiB file of ten 512 MiB column-sharded tensors (each rank a 64 KiB run of every 128 KiB row):
+    one extent over the file, rank 0's chunk its first half. Whole, the file held 3.75 GiB per rank at once (its
+    2.5 GiB chunk and the 1.25 GiB of pieces it receives); cut at tensor starts, at most 1 GiB: two tensors a part
+    (a rank's 512 MiB of chunk and its peer's 256 MiB of pieces, in each)."""
+    world, run, size = 2, 1 << 16, 1 << 29
+    row_starts = np.arange(0, 10 * size, world * run, dtype=np.int64)
+    wants = [{"/ckpt/f": np.stack([row_starts + r * run, row_starts + (r + 1) * run], axis=1)} for r in range(world)]
+    spans = {"/ckpt/f": np.array([(t * size, (t + 1) * size) for t in range(10)], dtype=np.int64)}
+    fp = plan_files(wants, spans)["/ckpt/f"]
+    assert [fp.cost(r) for r in range(world)] == [15 << 28] * world  # 3.75 GiB
+    groups = rounds({"/ckpt/f": fp}, world, 1 << 30, spans)
+    assert [[(p.lo, p.hi) for p in g] for g in groups] == [
+        [(0, 2 * size)],
+        *([(t, t + 2 * size)] for t in (2 * size, 4 * size, 6 * size)),
+        [(8 * size, END)],
+    ]
+    held = [[fp.part(p.lo, p.hi).cost(r) >> 20 for r in range(world)] for (p,) in groups]
+    assert held == [[1024, 512], [1024, 512], [768, 768], [512, 1024], [512, 1024]]  # MiB
 
 
 def test_a_column_shard_of_a_5_gib_file_is_cut_into_one_quarter_per_rank():

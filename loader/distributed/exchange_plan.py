@@ -13,13 +13,18 @@ Vocabulary (per file; offsets are bytes of the file):
   ranks that each want one range of it fetch their own);
 - a *chunk*: the contiguous part of a shared extent one rank fetches, as long as the bytes that rank wants in it
   (scaled to the extent where wants overlap): each rank fetches about what it needs;
-- a *piece*: a wanted range cut at chunk bounds: the bytes one chunk's *holder* sends to one rank.
+- a *piece*: a wanted range cut at chunk bounds: the bytes one chunk's *holder* sends to one rank;
+- a *part* (:class:`Part`): the bytes ``[lo, hi)`` of one file, cut at tensor starts, with the chunks and pieces
+  clipped to it: a file over the budget of a round is cut into parts;
+- a *round*: parts fetched, exchanged and read together, each rank holding (its chunks and pieces) at most a budget
+  of bytes for them, unless a part is one tensor over the budget alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +32,9 @@ import numpy as np
 Ranges = np.ndarray
 
 _EMPTY = np.zeros((0, 2), dtype=np.int64)
+
+END = int(np.iinfo(np.int64).max)
+"""The end of every file: a part ``[lo, END)`` runs to the file's end."""
 
 SMALL_RANGE = 1 << 20
 """Bytes under which a wanted range costs more as a request of its own than as part of an exchanged chunk (a request's
@@ -188,10 +196,47 @@ class FilePlan:
         return self.pieces[to].from_holder(holder)
 
     def cost(self, rank: int) -> int:
-        """Bytes ``rank`` holds for this file's exchange: its chunks and the pieces it receives."""
+        """Bytes ``rank`` holds for this file's exchange: its chunks and the pieces it receives (its pieces of its
+        own chunks are read there)."""
         c, p = self.chunks, self.pieces[rank]
-        mine = c.holders == rank
-        return int((c.ends[mine] - c.starts[mine]).sum() + (p.ends - p.starts).sum())
+        mine, received = c.holders == rank, p.holders != rank
+        return int((c.ends[mine] - c.starts[mine]).sum() + (p.ends[received] - p.starts[received]).sum())
+
+    def held_below(self, offsets: np.ndarray) -> np.ndarray:
+        """``(world, len(offsets))``: the bytes of each rank's :meth:`cost` below each offset (ascending)."""
+        c = self.chunks
+        out = np.empty((len(self.pieces), len(offsets)), dtype=np.int64)
+        for r, p in enumerate(self.pieces):
+            mine, received = c.holders == r, p.holders != r
+            out[r] = _below(c.starts[mine], c.ends[mine], offsets) + _below(
+                p.starts[received], p.ends[received], offsets
+            )
+        return out
+
+    def part(self, lo: int, hi: int) -> FilePlan:
+        """This plan restricted to the bytes ``[lo, hi)``: chunks and pieces clipped (one across a bound is cut,
+        each side kept by its holder)."""
+        c = self.chunks
+        return FilePlan(
+            Chunks(*_clip(c.starts, c.ends, c.holders, lo, hi)),
+            tuple(Pieces(*_clip(p.starts, p.ends, p.holders, lo, hi)) for p in self.pieces),
+        )
+
+
+def _clip(starts: np.ndarray, ends: np.ndarray, holders: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+    """The ranges ``[starts, ends)`` (with their holders) clipped to ``[lo, hi)``, the empty ones dropped."""
+    s, e = np.maximum(starts, lo), np.minimum(ends, hi)
+    keep = e > s
+    return s[keep], e[keep], holders[keep]
+
+
+def _below(starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The bytes of the ascending, disjoint ranges ``[starts, ends)`` below each offset."""
+    if not len(starts):
+        return np.zeros(len(offsets), dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(ends - starts)])
+    k = np.searchsorted(starts, offsets)  # the ranges starting below each offset; the last may reach past it
+    return cum[k] - np.where(k > 0, np.maximum(ends[np.maximum(k - 1, 0)] - offsets, 0), 0)
 
 
 def plan_files(
@@ -209,17 +254,53 @@ def plan_files(
     return out
 
 
-def rounds(plans: Mapping[str, FilePlan], world: int, budget: int) -> list[list[str]]:
-    """Files grouped (in name order) so that no rank holds more than ``budget`` bytes for one group (a file
-    over the budget alone is a group of its own)."""
-    groups: list[list[str]] = []
+class Part(NamedTuple):
+    """The bytes ``[lo, hi)`` of ``file`` (see the module): the reads of the tensors starting there, and its plan's
+    chunks and pieces clipped to it (:meth:`FilePlan.part`)."""
+
+    file: str
+    lo: int
+    hi: int
+
+
+def parts(file: str, plan: FilePlan, tensor_starts: np.ndarray | None, budget: int) -> list[tuple[Part, np.ndarray]]:
+    """``file`` cut at tensor starts into parts of at most ``budget`` bytes held per rank (greedily, each as long
+    as fits), each with what every rank holds for it (``(world,)``); a tensor over the budget is a part of its own
+    (with the tensors after it that hold nothing). One part when the file fits or its tensors are unknown."""
+    whole = plan.held_below(np.array([END]))[:, 0]
+    if tensor_starts is None or whole.max() <= budget:
+        return [(Part(file, 0, END), whole)]
+    bounds = np.unique(np.concatenate([[0], tensor_starts, [END]]))
+    held = plan.held_below(bounds)
+
+    def furthest(i: int, limit: np.ndarray) -> int:  # the last bound up to which every rank holds at most limit
+        return min(int(np.searchsorted(row, lim, side="right")) for row, lim in zip(held, limit.tolist())) - 1
+
+    cuts = [0]
+    while cuts[-1] < len(bounds) - 1:
+        i = cuts[-1]
+        j = furthest(i, held[:, i] + budget)
+        cuts.append(j if j > i else furthest(i, held[:, i + 1]))  # j == i: the next tensor alone is over
+    if len(cuts) > 2 and not (held[:, cuts[1]] - held[:, 0]).any():  # tensors holding nothing first: with the next
+        del cuts[1]
+    return [(Part(file, int(bounds[i]), int(bounds[j])), held[:, j] - held[:, i]) for i, j in zip(cuts, cuts[1:])]
+
+
+def rounds(
+    plans: Mapping[str, FilePlan], world: int, budget: int, tensors: Mapping[str, Ranges] | None = None
+) -> list[list[Part]]:
+    """Every file's :func:`parts` (``tensors``: ``{file: its tensors' byte spans}``), in name order, grouped so that
+    no rank holds more than ``budget`` bytes for one round (a part over the budget alone is a round of its own;
+    two parts of one file never share a round). Every rank computes the same."""
+    groups: list[list[Part]] = []
     held = np.zeros(world, dtype=np.int64)
     for f in sorted(plans):
-        cost = np.array([plans[f].cost(r) for r in range(world)], dtype=np.int64)
-        if groups and (held + cost).max() <= budget:
-            groups[-1].append(f)
-            held += cost
-        else:
-            groups.append([f])
-            held = cost
+        spans = None if tensors is None or f not in tensors else np.asarray(tensors[f]).reshape(-1, 2)
+        for part, cost in parts(f, plans[f], None if spans is None else spans[:, 0], budget):
+            if groups and (held + cost).max() <= budget:
+                groups[-1].append(part)
+                held += cost
+            else:
+                groups.append([part])
+                held = cost
     return groups

@@ -1,12 +1,13 @@
 """Exchanged reads: bytes several ranks want interleaved (column shards) fetched once, each rank a contiguous chunk,
 and exchanged over the process group (the plan: :mod:`.exchange_plan`).
 
-Every rank publishes the byte ranges its reads want (``all_gather_object``) and computes the same plan. Then, file
-group by file group (a *round*: at most :data:`ROUND_BYTES` held per rank), each rank fetches its chunks through its
-reader (a few long requests instead of one per row), the ranks agree that every fetch succeeded (through the
-session's store: a failed, hung or dead rank fails every rank, as at every agreement point), exchange the pieces with
-one ``all_to_all_single``, and each rank executes the round's reads through a :class:`~loader.storage.held.HeldReader`
-serving its pieces from memory. Wanted ranges outside shared extents are read as always, through the same reader.
+Every rank publishes the byte ranges its reads want (``all_gather_object``) and computes the same plan. Then, round
+by round (whole files, or a file over the budget in parts cut at tensor starts: at most :data:`ROUND_BYTES` held per
+rank), each rank fetches its chunks through its reader (a few long requests instead of one per row), the ranks agree
+that every fetch succeeded (through the session's store: a failed, hung or dead rank fails every rank, as at every
+agreement point), exchange the pieces with one ``all_to_all_single``, and each rank executes the reads of the
+tensors in the round's parts through a :class:`~loader.storage.held.HeldReader` serving its pieces from memory.
+Wanted ranges outside shared extents are read as always, through the same reader.
 
 Bytes fetched per rank are about its shard's bytes (each chunk as long as what its holder wants in the extent);
 requests are a few per chunk; bytes over the process group are each rank's shard minus what it fetched itself.
@@ -36,7 +37,8 @@ from .exchange_plan import FilePlan, Ranges, as_ranges, plan_files, rounds
 from .session import LoadSession, peer_errors
 
 ROUND_BYTES = 1 << 30
-"""Most bytes a rank holds for one round (its chunks and the pieces it receives); one file is the smallest round."""
+"""Most bytes a rank holds for one round (its chunks and the pieces it receives), unless one tensor holds more (a
+round of its own)."""
 
 
 def wanted_ranges(checkpoint: SafetensorsCheckpoint, reads: Sequence[BlockRead]) -> dict[str, Ranges]:
@@ -64,9 +66,15 @@ def tensor_spans(checkpoint: SafetensorsCheckpoint, files: set[str]) -> dict[str
 
 
 def exchanged_reads(
-    plan: RankPlan, reader: RangeReader, reads: Sequence[BlockRead], options: LoadOptions, session: LoadSession
+    plan: RankPlan,
+    reader: RangeReader,
+    reads: Sequence[BlockRead],
+    options: LoadOptions,
+    session: LoadSession,
+    round_bytes: int | None = None,
 ) -> tuple[list[BlockRead], BaseException | None, int]:
-    """Execute the reads of the files with shared extents, round by round (see the module). Collective.
+    """Execute the reads of the files with shared extents, round by round (see the module; ``round_bytes``: the
+    budget of a round, :data:`ROUND_BYTES` when None). Collective.
 
     Returns:
         The reads left (files without shared extents: the caller executes them), this rank's error from its last
@@ -87,28 +95,33 @@ def exchanged_reads(
     with peer_errors("reading", "gathering the byte ranges every rank reads"):
         dist.all_gather_object(everyone, (mine, {f: repr(identities.get(f)) for f in mine}))
     wanted = agreed_files(everyone)
-    plans = plan_files(wanted, tensor_spans(plan.checkpoint, {f for w in wanted for f in w}))
-    by_file: dict[str, list[BlockRead]] = {}
+    spans = tensor_spans(plan.checkpoint, {f for w in wanted for f in w})
+    plans = plan_files(wanted, spans)
+    by_file: dict[str, list[tuple[int, BlockRead]]] = {}  # each read with its tensor's start
     for r in reads:
-        by_file.setdefault(plan.checkpoint[r.block.source].file, []).append(r)
+        info = plan.checkpoint[r.block.source]
+        by_file.setdefault(info.file, []).append((info.data_start, r))
     received = 0
-    for k, files in enumerate(rounds(plans, session.world, ROUND_BYTES)):
+    budget = ROUND_BYTES if round_bytes is None else round_bytes
+    for k, parts in enumerate(rounds(plans, session.world, budget, spans)):
+        round_plans = {p.file: plans[p.file].part(p.lo, p.hi) for p in parts}  # one part of a file per round
+        files = list(round_plans)
         fetched: dict[str, np.ndarray] = {}
         if error is None:
             try:
-                fetched = fetch_chunks(plan.checkpoint, reader, plans, files, session.rank)
+                fetched = fetch_chunks(plan.checkpoint, reader, round_plans, files, session.rank)
             except Exception as e:  # agreed next
                 error = e
         session.agree(error, "reading", point=f"round{k}")
         try:
             with peer_errors("reading", "exchanging fetched bytes"):
-                held, n = exchange(plans, files, fetched, session.rank, session.world, session.timeout)
+                held, n = exchange(round_plans, files, fetched, session.rank, session.world, session.timeout)
         except PeerFailure as e:  # a rank that never reached the exchange (hung, died) is named by the store
             session.agree(e, "reading", point=f"exchange{k}")
             raise
         received += n
         try:
-            round_reads = [r for f in files for r in by_file.get(f, ())]
+            round_reads = [r for p in parts for at, r in by_file.get(p.file, ()) if p.lo <= at < p.hi]
             execute_plan(
                 plan,
                 HeldReader(reader, held),
