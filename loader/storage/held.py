@@ -180,21 +180,24 @@ class HeldReader:
         """Runs inside one held piece copied from memory at once per buffer, the others each byte from where it is
         (all through ``inner``'s own ``read_runs`` when no run touches held bytes)."""
         held = self.held.get(location)
-        starts = runs.starts() if held is not None else None
-        if held is None or starts is None or not held.touched(starts, starts + runs.length).any():
-            self.inner.read_runs(location, runs, out, base, wanted=wanted)
-            return
-        n = runs.length
+        if held is not None:
+            starts = runs.starts()
+            if held.touched(starts, starts + runs.length).any():
+                self._runs(location, held, starts, runs.length, memoryview(out).cast("B"), base)
+                return
+        self.inner.read_runs(location, runs, out, base, wanted=wanted)
+
+    def _runs(self, location: str, held: HeldFile, starts: np.ndarray, n: int, view: memoryview, base: int) -> None:
+        """The runs ``[starts[j], starts[j] + n)`` into ``view`` (at ``starts[j] - base``), some held."""
         k = held.within(starts, starts + n)
         inside = k >= 0
-        dst = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+        dst = np.frombuffer(view, dtype=np.uint8)
         for b, buffer in enumerate(held.buffers):
             m = inside & (held.buffer_of[np.maximum(k, 0)] == b)
             if m.any():
                 i = k[m]
                 gather(dst, starts[m] - base, buffer, held.offsets[i] + starts[m] - held.starts[i], n)
         self.served += int(inside.sum()) * n
-        view = memoryview(out).cast("B")
         self._serve(location, held, [(a, view[a - base : a - base + n]) for a in starts[~inside].tolist()])
 
     def _read(self, location: str, segments: list[Segment], whole: Callable[[], None]) -> None:
