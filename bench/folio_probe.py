@@ -22,7 +22,8 @@ are read that way, and the probe reports:
 Ways of filling: ``pread_random`` (what ``loader`` does for a file it reads sparsely: the descriptor advised
 ``POSIX_FADV_RANDOM``, one ``preadv`` per range), ``pread`` (no advice), ``mmap_touch`` (what memory-mapping
 readers such as safetensors' ``safe_open`` do: the ranges copied out of a mapping with the default advice, so the
-kernel reads around each fault), ``mmap_hugepage`` (a mapping advised ``MADV_HUGEPAGE`` and ``MADV_RANDOM``, the
+kernel reads around each fault), ``mmap_random`` (a mapping advised ``MADV_RANDOM``, the ranges populated with
+``MADV_POPULATE_READ``: no read-around), ``mmap_hugepage`` (a mapping advised ``MADV_HUGEPAGE`` and ``MADV_RANDOM``, the
 ranges populated with ``MADV_POPULATE_READ``: whole 2 MiB folios) and ``whole_file`` (the whole file read in
 order, as ``cat`` or a download leaves it).
 """
@@ -70,13 +71,15 @@ def fill_pread(path: str, ranges: list[tuple[int, int]], random: bool) -> None:
         os.close(fd)
 
 
-def fill_mmap(path: str, ranges: list[tuple[int, int]], hugepage: bool) -> None:
+def fill_mmap(path: str, ranges: list[tuple[int, int]], hugepage: bool, populate: bool = False) -> None:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-        if hugepage:
-            m.madvise(mmap.MADV_HUGEPAGE)
+        if hugepage or populate:
+            if hugepage:
+                m.madvise(mmap.MADV_HUGEPAGE)
             m.madvise(mmap.MADV_RANDOM)
             for a, b in ranges:
-                m.madvise(MADV_POPULATE_READ, a, b - a)
+                start = a - a % PAGE
+                m.madvise(MADV_POPULATE_READ, start, b - start)
             return
         sink = 0
         for a, b in ranges:
@@ -92,6 +95,7 @@ def fill_whole(path: str, ranges: list[tuple[int, int]]) -> None:
 FILLS = {
     "pread_random": lambda p, r: fill_pread(p, r, True),
     "pread": lambda p, r: fill_pread(p, r, False),
+    "mmap_random": lambda p, r: fill_mmap(p, r, False, populate=True),
     "mmap_touch": lambda p, r: fill_mmap(p, r, False),
     "mmap_hugepage": lambda p, r: fill_mmap(p, r, True),
     "whole_file": fill_whole,
