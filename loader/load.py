@@ -15,6 +15,7 @@ collectives of :mod:`loader.distributed` — and is used by :func:`loader.load_h
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -24,9 +25,10 @@ from typing import Any
 
 from .checkpoint import SafetensorsCheckpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
-from .distributed import LoadSession, broadcast_owned, owned_subset, peer_errors
+from .distributed import LoadSession, broadcast_owned, host_reads, owned_subset, peer_errors
 from .distributed.exchange_reads import exchanged_reads
-from .execute import execute_plan, restore, snapshot
+from .distributed.session import check_same
+from .execute import SPARSE_FRACTION, execute_plan, restore, snapshot
 from .options import LoadOptions
 from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead, describe
@@ -84,7 +86,10 @@ def read_together(
     error, received = None, 0
     try:
         exchange = exchanging(options, plan, session)
-        session.same("exchange_reads", str(exchange))  # a collective path: every rank or none
+        shared = _agree_on_reads(plan, reader, reads, session, exchange)
+        if shared:
+            what = "file(s) read with readahead (this host's ranks read most of them)"
+            log.info("rank %d: %d %s", session.rank, shared, what)
         if exchange:
             reads, error, received = exchanged_reads(plan, reader, reads, options, session)
         if error is None:
@@ -107,6 +112,27 @@ def read_together(
             restore(saved, plan.slots)
         raise
     return received
+
+
+def _agree_on_reads(
+    plan: RankPlan, reader: RangeReader, reads: Sequence[BlockRead], session: LoadSession, exchange: bool
+) -> int:
+    """One gather of every rank's reading settings: ``exchange`` must be the same everywhere (a collective path:
+    every rank or none), and the local files this host's ranks read most of together are read with readahead
+    (:mod:`~loader.distributed.host_reads`). Returns how many of this rank's files that is. Collective."""
+    mine: dict = {"host": "", "files": {}}
+    if hasattr(reader, "read_ahead") and not session.solo:
+        try:
+            mine = host_reads.post(plan.checkpoint, reads)
+        except Exception:  # only a hint: this rank then reads as it would alone (and never leaves the others waiting)
+            log.warning("rank %d: could not describe its reads to the host's other ranks", session.rank, exc_info=True)
+    posts = [json.loads(p) for p in session.gather("reading", json.dumps({"exchange": str(exchange), **mine}))]
+    check_same("exchange_reads", [p["exchange"] for p in posts])
+    if session.solo or not mine["files"]:
+        return 0
+    files = host_reads.read_together(posts, session.rank, SPARSE_FRACTION)
+    reader.read_ahead(files)  # type: ignore[attr-defined]
+    return len(files)
 
 
 def exchanging(options: LoadOptions, plan: RankPlan, session: LoadSession) -> bool:

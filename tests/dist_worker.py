@@ -363,6 +363,35 @@ def scenario_remote_errors(ctx: dict) -> dict:
     return {"errors": out}
 
 
+def scenario_host_reads(ctx: dict) -> dict:
+    """The four ranks of this host read one copy of the MoE checkpoint, each its tensor-parallel quarter: through
+    ``read_together`` (the distributed load's reading step, with a real reader and session) every rank reads the
+    files ahead (none advised ``POSIX_FADV_RANDOM``) and loads the right values; when rank 0 alone reads, it reads as
+    it would alone (sparse: advised random)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loader import HFLoadPlanner, SafetensorsCheckpoint
+    from loader.load import read_together
+    from loader.options import LoadOptions
+
+    cfg = AutoConfig.from_pretrained(ctx["moe_path"])
+    model = AutoModelForCausalLM.from_config(cfg)
+    model = shard_module(model, init_device_mesh("cpu", (4,)), moe_placements(model, (4,)))
+    out = {}
+    for case in ("all", "rank0"):
+        plan = HFLoadPlanner(model).build_plan(SafetensorsCheckpoint.open(ctx["moe_path"]))
+        reading = case == "all" or dist.get_rank() == 0
+        reads, deferred = (plan.reads, plan.deferred) if reading else ((), ())
+        with plan.checkpoint.reader() as reader:
+            read_together(plan, reader, reads, deferred, LoadOptions(progress=False, timeout=60))
+            files = {plan.checkpoint[r.block.source].file for r in plan.reads}
+            out[case] = {"files": len(files), "sparse": len(reader.sparse_files)}
+        if case == "all":
+            out[case]["bad"] = check_full(model, torch.load(ctx["moe_ref"]))
+    return out
+
+
 SCENARIOS = [
     ("layout_1d", lambda ctx: scenario_layout(ctx, (4,))),
     ("layout_2d", lambda ctx: scenario_layout(ctx, (2, 2))),
@@ -378,6 +407,7 @@ SCENARIOS = [
     ("read_fail_rollback", scenario_read_fail_rollback),
     ("checkpoint_error_carried", scenario_checkpoint_error_carried),
     ("remote_errors", scenario_remote_errors),
+    ("host_reads", scenario_host_reads),
 ]
 
 

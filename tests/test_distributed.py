@@ -208,3 +208,15 @@ def test_killed_rank_is_reported_dead_and_survivors_roll_back(results):
         assert res["wrote"] == [True], f"rank {r} had written nothing when its peer died: {res}"
         assert res["unchanged"], f"rank {r} was not restored"
     assert "killed_reading" not in results[2]
+
+
+def test_host_ranks_read_shared_files_ahead(results):
+    """Four ranks of one host, one copy of the files, each reading its quarter: together they read all of each file,
+    so none is advised POSIX_FADV_RANDOM (large folios, large reads: loader/distributed/host_reads.py); a rank that
+    reads alone keeps its exact reads."""
+    per_rank = ok(results, "host_reads")
+    for r, res in enumerate(per_rank):
+        assert res["all"]["bad"] == [], (r, res)
+        assert res["all"]["files"] >= 1 and res["all"]["sparse"] == 0, (r, res)
+    assert per_rank[0]["rank0"]["sparse"] == per_rank[0]["rank0"]["files"] >= 1, per_rank[0]
+    assert all(res["rank0"]["sparse"] == 0 for res in per_rank[1:])

@@ -189,19 +189,26 @@ class LoadSession:
             ValueError: on every rank, when ranks differ (naming each rank's value).
             PeerFailure: a rank did not post its value within the timeout.
         """
+        if not self.solo:
+            check_same(name, self.gather(f"same/{name}", value, stage), stage)
+
+    def gather(self, name: str, value: str, stage: str = "reading") -> list[str]:
+        """Every rank's ``value`` posted under ``name`` (index = rank), waiting at most the timeout. Collective; a
+        ``solo`` session returns this rank's alone.
+
+        Raises:
+            PeerFailure: a rank did not post its value within the timeout.
+        """
         if self.solo:
-            return
-        s, keys = self.store, [f"same/{name}/{r}" for r in range(self.world)]
-        with peer_errors(stage, f"comparing {name} across ranks"):
+            return [value]
+        s, keys = self.store, [f"gather/{name}/{r}" for r in range(self.world)]
+        with peer_errors(stage, f"gathering {name} from every rank"):
             s.set(keys[self.rank], value)
             if self.timeout is None:
                 s.wait(keys)
             else:
                 s.wait(keys, datetime.timedelta(seconds=self.timeout))
-            values = [v.decode() for v in s.multi_get(keys)]
-        if len(set(values)) > 1:
-            listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(f"{_STAGES[stage]} failed: the ranks disagree on {name} ({listed}); give all the same")
+            return [v.decode() for v in s.multi_get(keys)]
 
     def _agree_alone(self, error: BaseException | None, stage: str) -> None:
         """A ``solo`` session: this rank's outcome is the outcome; a save is refused."""
@@ -227,6 +234,17 @@ class LoadSession:
         count = s.add(f"{stage}/failed", 0)
         failed = [decode_failure(s.get(f"{stage}/failed/{i}")) for i in range(1, count + 1)]
         return verdict, sorted(failed, key=lambda f: (f.rank is None, f.rank or 0))
+
+
+def check_same(name: str, values: list[str], stage: str = "reading") -> None:
+    """Raise on every rank when the ranks' ``values`` of the setting ``name`` (index = rank) differ.
+
+    Raises:
+        ValueError: naming each rank's value.
+    """
+    if len(set(values)) > 1:
+        listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise ValueError(f"{_STAGES[stage]} failed: the ranks disagree on {name} ({listed}); give all the same")
 
 
 def _verdict(store: Any, stage: str, world: int, timeout: float | None) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -168,17 +168,19 @@ class FileReader:
         identities: ``{file: FileIdentity}`` each file must still have (see :meth:`expect`).
 
     Attributes:
-        bytes_read: Bytes read from the OS for callers so far (including any coalescing over-read of
-            :func:`read_ranges`); the gaps :meth:`read_spans` reads through are in ``gap_bytes``.
+        bytes_read: Bytes read from the OS for callers so far (and coalescing over-read: :func:`read_ranges`).
         gap_bytes: Bytes :meth:`read_spans` read between the runs a caller wanted (on pages those runs
             touch anyway) and discarded.
         reads: Number of read requests that read at least one byte.
+        sparse_files: Files advised ``POSIX_FADV_RANDOM`` (:meth:`will_read`).
     """
 
     def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
         self._fds: dict[str, int] = {}
         self._checks = IdentityChecks(identities)
         self._lock = threading.Lock()
+        self._read_ahead: set[str] = set()
+        self.sparse_files: set[str] = set()
         self.bytes_read = 0
         self.gap_bytes = 0
         self.reads = 0
@@ -190,7 +192,7 @@ class FileReader:
         self.close()
 
     def close(self) -> None:
-        """Close every open descriptor. The reader may be reused afterwards (files reopen lazily)."""
+        """Close every open descriptor (the reader may be reused: files reopen lazily)."""
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
@@ -228,10 +230,15 @@ class FileReader:
             self.verify(file)
 
     def will_read(self, file: str, ranges: Callable[[], Sequence[tuple[int, int]]], *, sparse: bool) -> None:
-        """Hint that ``file`` is about to be read at ``ranges``: when ``sparse``, the kernel is told the file is read
-        sparsely (no readahead beyond the ranges asked for: it would read what other ranks need)."""
-        if sparse and hasattr(os, "posix_fadvise"):
+        """Hint that ``file`` is about to be read at ``ranges``: when ``sparse`` and not :meth:`read_ahead`, advise
+        ``POSIX_FADV_RANDOM`` (no readahead beyond the ranges: it would read what other ranks need)."""
+        if sparse and file not in self._read_ahead and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd(file), 0, 0, os.POSIX_FADV_RANDOM)
+            self.sparse_files.add(file)
+
+    def read_ahead(self, files: Iterable[str]) -> None:
+        """Read ``files`` with readahead even if ``sparse``: this host's ranks read most of them (``host_reads``)."""
+        self._read_ahead.update(files)
 
     def cached(self, file: str, offset: int) -> bool | None:
         """:func:`page_cached` of ``file`` (opened, and its identity checked, if it was not)."""
@@ -252,12 +259,7 @@ class FileReader:
         return fd
 
     def pread_into(self, file: str, offset: int, out: memoryview | bytearray) -> None:
-        """Read exactly ``len(out)`` bytes of ``file`` starting at ``offset`` into ``out``.
-
-        Args:
-            file: Path of the file.
-            offset: Absolute byte offset to start at.
-            out: Writable, C-contiguous buffer; its length is the number of bytes read.
+        """Read exactly ``len(out)`` bytes (a writable, C-contiguous buffer) of ``file`` at ``offset`` into ``out``.
 
         Raises:
             CheckpointError: The file ended before ``len(out)`` bytes were read, or changed underneath.

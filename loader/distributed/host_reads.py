@@ -1,0 +1,109 @@
+"""Files the ranks of one host read together: read with the kernel's readahead where, between them, they read most
+of a file they share.
+
+A rank that reads a small part of a local file tells the kernel so (``POSIX_FADV_RANDOM``: no readahead), which
+keeps its physical reads at the page bound. But ranks started on one host (``torchrun``) usually share one copy of
+the checkpoint and one page cache: a tensor-parallel rank reads a quarter of each file, and its host's four ranks
+read all of it. Read page by page, the file then lands in the page cache as 4 KiB folios (slower to copy out of on
+every later load, and read from the disk in smaller requests); read with readahead, in large folios, and no byte is
+read that the host's ranks do not need (bench/folio_probe.py, docs/loading.md "The page cache's folios").
+
+Vocabulary:
+
+- a *host*: one kernel (its boot id), so one page cache;
+- a file's *key*: its identity (device, inode, size, mtime, ctime): the same key on one host is the same cached
+  pages;
+- a rank's *coverage* of a file: the granules (:data:`GRANULE` bytes) holding a byte of its blocks' spans;
+- a *post*: what a rank tells the others, ``{"host": ..., "files": {path: [key, size, coverage]}}``.
+
+A file is read with readahead on a rank when at least two ranks of its host read it (same key) and their coverages
+together hold at least ``fraction`` of it. Every rank decides from every rank's post (:func:`read_together`), posted
+once per load with the session's :meth:`~.session.LoadSession.gather`.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint import SafetensorsCheckpoint
+from ..plan import BlockRead
+
+#: bytes of a coverage granule (a 5 GB file is 4 800 of them: 600 bytes of bits, less once compressed)
+GRANULE = 1 << 20
+
+Post = dict[str, Any]
+
+
+def host_id() -> str:
+    """This host's kernel: its boot id (ranks in containers on one kernel share its page cache), else its name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return "boot:" + f.read().strip()
+    except OSError:
+        return "host:" + socket.gethostname()
+
+
+def coverage(spans: Sequence[tuple[int, int]], size: int, granule: int = GRANULE) -> np.ndarray:
+    """The granules of a ``size``-byte file holding a byte of ``spans`` (``bool``, one per granule)."""
+    out = np.zeros(max(1, -(-size // granule)), dtype=bool)
+    for a, b in spans:
+        if b > a:
+            out[a // granule : (b - 1) // granule + 1] = True
+    return out
+
+
+def _encode(bits: np.ndarray) -> str:
+    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes())).decode()
+
+
+def _decode(text: str, n: int) -> np.ndarray:
+    packed = np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype=np.uint8)
+    return np.unpackbits(packed)[:n].astype(bool)
+
+
+def post(checkpoint: SafetensorsCheckpoint, reads: Sequence[BlockRead]) -> Post:
+    """This rank's post: the local files ``reads`` read (those of known identity), with their keys and coverage."""
+    identities = getattr(checkpoint, "identities", None) or {}
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for r in reads:
+        info = checkpoint[r.block.source]
+        identity = identities.get(info.file)
+        if getattr(identity, "inode", None) is None:  # a remote object, or an unknown identity: not shared here
+            continue
+        lo, hi = r.block.source_span()
+        start = info.data_start
+        spans.setdefault(info.file, []).append((start + lo * info.itemsize, start + hi * info.itemsize))
+    files = {}
+    for f, s in spans.items():
+        i = identities[f]
+        files[f] = [f"{i.device}:{i.inode}:{i.size}:{i.mtime_ns}:{i.ctime_ns}", i.size, _encode(coverage(s, i.size))]
+    return {"host": host_id(), "files": files}
+
+
+def read_together(posts: Sequence[Mapping[str, Any]], rank: int, fraction: float) -> set[str]:
+    """The files of ``posts[rank]`` that rank reads with readahead: read (same key) by at least two ranks of its host,
+    whose coverages together hold at least ``fraction`` of the file. Every rank computes its own from the same posts."""
+    mine = posts[rank]
+    coded: dict[tuple[str, int], list[str]] = {}  # every rank's coverage of each key on this host
+    for p in posts:
+        if p["host"] == mine["host"]:
+            for key, size, bits in p["files"].values():
+                coded.setdefault((key, size), []).append(bits)
+    out = set()
+    for path, (key, size, _) in mine["files"].items():
+        readers = coded[(key, size)]
+        if len(readers) < 2:
+            continue
+        n = max(1, -(-size // GRANULE))
+        union = np.zeros(n, dtype=bool)
+        for bits in readers:
+            union |= _decode(bits, n)
+        if union.sum() >= fraction * n:
+            out.add(path)
+    return out

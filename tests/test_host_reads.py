@@ -1,0 +1,98 @@
+"""Files the ranks of one host read together (loader/distributed/host_reads.py): the coverage of a rank's reads, the
+decision every rank makes from every rank's post, and the reader that honours it. The decision on a real 4-rank gloo
+world (one host, one copy of the files) is in tests/test_distributed.py::test_host_ranks_read_shared_files_ahead."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader.distributed import host_reads
+from loader.distributed.host_reads import GRANULE, coverage, read_together
+from loader.storage.local import FileReader
+
+SIZE = 40 * GRANULE + 123
+
+
+def _post(host: str, files: dict[str, tuple[str, list[tuple[int, int]]]], size: int = SIZE) -> dict:
+    """A post as :func:`host_reads.post` makes it: ``{path: (key, spans)}``."""
+    return {
+        "host": host,
+        "files": {p: [k, size, host_reads._encode(coverage(spans, size))] for p, (k, spans) in files.items()},
+    }
+
+
+@given(st.lists(st.tuples(st.integers(0, SIZE - 1), st.integers(1, 3 * GRANULE)), max_size=8))
+def test_coverage_holds_exactly_the_granules_a_span_touches(raw):
+    spans = [(a, min(SIZE, a + n)) for a, n in raw]
+    bits = coverage(spans, SIZE)
+    assert len(bits) == -(-SIZE // GRANULE)
+    touched = {g for a, b in spans for g in range(a // GRANULE, (b - 1) // GRANULE + 1)}
+    assert set(np.flatnonzero(bits).tolist()) == touched
+    assert np.array_equal(host_reads._decode(host_reads._encode(bits), len(bits)), bits)
+
+
+@settings(max_examples=60)
+@given(st.integers(2, 8), st.data())
+def test_a_file_is_read_ahead_where_two_or_more_host_ranks_cover_half_of_it(world, data):
+    """Ranks on two hosts, each reading one contiguous stretch of the same file (same key): a rank reads it ahead
+    exactly when at least two ranks of its own host read it and their stretches cover half its granules."""
+    hosts = data.draw(st.lists(st.sampled_from("ab"), min_size=world, max_size=world))
+    stretches = [data.draw(st.tuples(st.integers(0, SIZE - 1), st.integers(1, SIZE))) for _ in range(world)]
+    spans = [[(a, min(SIZE, a + n))] for a, n in stretches]
+    posts = [_post(h, {"/ckpt/model.safetensors": ("k", s)}) for h, s in zip(hosts, spans)]
+    n = -(-SIZE // GRANULE)
+    for r in range(world):
+        mates = [q for q in range(world) if hosts[q] == hosts[r]]
+        union = np.zeros(n, dtype=bool)
+        for q in mates:
+            union |= coverage(spans[q], SIZE)
+        expected = len(mates) >= 2 and union.sum() >= 0.5 * n
+        assert (read_together(posts, r, 0.5) == {"/ckpt/model.safetensors"}) == expected
+
+
+def test_only_the_same_file_counts():
+    """Another key (another file, or the same path rewritten since) or another size is another file's pages."""
+    half = [(0, SIZE // 2 + GRANULE)]
+    other = [(SIZE // 2, SIZE)]
+    same = [_post("a", {"/x": ("k1", half)}), _post("a", {"/y": ("k1", other)})]  # one inode under two paths
+    assert read_together(same, 0, 0.5) == {"/x"} and read_together(same, 1, 0.5) == {"/y"}
+    rewritten = [_post("a", {"/x": ("k1", half)}), _post("a", {"/x": ("k2", other)})]
+    assert read_together(rewritten, 0, 0.5) == set()
+    resized = [_post("a", {"/x": ("k1", half)}), _post("a", {"/x": ("k1", other)}, size=SIZE + GRANULE)]
+    assert read_together(resized, 0, 0.5) == set()
+    alone = [_post("a", {"/x": ("k1", [(0, SIZE)])}), _post("a", {})]  # a rank reading all of it alone: its own rule
+    assert read_together(alone, 0, 0.5) == set()
+
+
+def test_the_reader_reads_shared_files_ahead_and_lists_the_files_it_advised_random(tmp_path):
+    paths = []
+    for name in ("a", "b"):
+        p = tmp_path / name
+        p.write_bytes(os.urandom(1 << 16))
+        paths.append(str(p))
+    with FileReader() as reader:
+        reader.read_ahead([paths[0]])
+        for p in paths:
+            reader.will_read(p, lambda: [(0, 4096)], sparse=True)
+            buf = bytearray(4096)
+            reader.pread_into(p, 0, buf)
+            assert bytes(buf) == open(p, "rb").read(4096)
+        assert reader.sparse_files == {paths[1]}
+        reader.will_read(paths[1], lambda: [(0, 4096)], sparse=False)
+        assert reader.sparse_files == {paths[1]}
+
+
+def test_a_host_id_names_the_kernel():
+    h = host_reads.host_id()
+    assert h.startswith(("boot:", "host:")) and len(h) > 5
+    assert h == host_reads.host_id()
+
+
+@pytest.mark.parametrize("spans", [[], [(5, 5)]])
+def test_no_bytes_no_granules(spans):
+    assert not coverage(spans, SIZE).any()
