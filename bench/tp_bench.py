@@ -56,11 +56,13 @@ number of distinct 4 KiB file pages holding the bytes a rank's shards need, x 4 
 through the page cache can physically read less. With 2 CPUs for 4 ranks, times are contended.
 Each load's peak extra memory is the rank's peak RSS during it (reset before, ``/proc/self/clear_refs``) minus
 its RSS before it. ``--threads`` sets torch's intra-op threads per rank (default 1: 4 ranks on 2 CPUs).
-``--rounds N`` repeats the whole run N times with fresh ranks (walls then given as a range), and
-``--warm-fill whole`` drops each rank's files and reads them whole just before every warm load, so that every
-method copies out of the same large page-cache folios (by default a method's warm load reads the cache as its own
-first pass left it: ours' exact reads leave 4 KiB folios, readahead leaves large ones; bench/folio_probe.py).
-The per-rank report also gives the CPU time of all ranks (user and system) of each phase.
+``--rounds N`` repeats the whole run N times with fresh ranks (walls then given as a range).
+``--shared`` has every rank read the same copy (``DIR/r0``: one page cache, as ranks on one host do); a rank's
+physical bytes are then the pages it happened to read first. ``--warm-fill whole`` drops each rank's files and
+reads them whole just before every warm load, so that every method copies out of the same large page-cache folios
+(by default a method's warm load reads the cache as its own first pass left it: ours' exact reads leave 4 KiB
+folios, readahead leaves large ones; bench/folio_probe.py). The per-rank report also gives the CPU time of all
+ranks (user and system) of each phase. And
 ``--markdown`` prints the tables docs/benchmarks.md holds instead of the per-rank report: bytes and checks per
 method, then the side-by-side table of issue 19 (cold and warm medians, bytes read, peak extra memory, and
 ours / the fastest peer in each column).
@@ -403,7 +405,7 @@ def rank_main(rank: int, world: int, args: dict) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{args['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
-    out = os.path.join(args["out"], f"r{rank}")  # this rank's own copy of the files
+    out = os.path.join(args["out"], "r0" if args.get("shared") else f"r{rank}")  # this rank's own copy of the files
     files = checkpoint_files(out)
     mesh = init_device_mesh("cpu", (world,))
     model = build_sharded_model(os.path.join(out, "hf"), mesh, args["strided"], args["layout"])
@@ -731,6 +733,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", metavar="METHOD", help="cProfile rank 0's warm load with METHOD")
     parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="every rank reads the same copy of the files (DIR/r0: one page cache, as ranks on one host do); "
+        "physical bytes are then whoever read a page first",
+    )
+    parser.add_argument(
         "--warm-fill",
         choices=("own", "whole"),
         default="own",
@@ -784,6 +792,7 @@ def main(argv: list[str] | None = None) -> int:
                 "layout": args.layout,
                 "threads": args.threads,
                 "warm_fill": args.warm_fill,
+                "shared": args.shared,
                 "store": os.path.join(tmp, "store"),
                 "results": tmp,
             }
@@ -801,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         whole = args.warm_fill == "whole"
         fill = "; every warm load after its rank's files were read whole (large folios)" if whole else ""
+        if args.shared:
+            fill += "; every rank reads one shared copy of the files (one page cache, as on one host)"
         print_markdown(rounds, methods, visible, load, f"experts {experts}{fill}")
     else:
         print(f"load average (1 min) during the run: {load}")
