@@ -121,7 +121,7 @@ def _agree_on_reads(
     every rank or none), and the local files this host's ranks read most of together are read with readahead
     (:mod:`~loader.distributed.host_reads`). Returns how many of this rank's files that is. Collective."""
     mine: dict = {"host": "", "files": {}}
-    if hasattr(reader, "read_ahead") and not session.solo:
+    if getattr(reader, "read_ahead", None) is not None and not session.solo:
         try:
             mine = host_reads.post(plan.checkpoint, reads)
         except Exception:  # only a hint: this rank then reads as it would alone (and never leaves the others waiting)

@@ -87,6 +87,13 @@ def test_the_reader_reads_shared_files_ahead_and_lists_the_files_it_advised_rand
         assert reader.sparse_files == {paths[1]}
 
 
+def test_a_direct_io_reader_neither_counts_nor_reads_ahead():
+    """``O_DIRECT`` reads bypass the page cache: such a rank posts no files and is never told to read ahead."""
+    from loader.storage.direct import DirectFileReader
+
+    assert DirectFileReader.read_ahead is None and FileReader.read_ahead is not None
+
+
 def test_a_host_id_names_the_kernel():
     h = host_reads.host_id()
     assert h.startswith(("boot:", "host:")) and len(h) > 5

@@ -149,6 +149,7 @@ class DirectFileReader(FileReader):
     ``O_DIRECT`` is read through the page cache (one log line per reader)."""
 
     read_runs_to = None  # runs are read by aligned windows through the bounce buffer, never scattered into place
+    read_ahead = None  # no page cache to share with the host's other ranks: its reads count for none of them
 
     def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
         super().__init__(identities)
