@@ -126,11 +126,15 @@ def _agree_on_reads(
             mine = host_reads.post(plan.checkpoint, reads)
         except Exception:  # only a hint: this rank then reads as it would alone (and never leaves the others waiting)
             log.warning("rank %d: could not describe its reads to the host's other ranks", session.rank, exc_info=True)
-    posts = [json.loads(p) for p in session.gather("reading", json.dumps({"exchange": str(exchange), **mine}))]
+    side = host_reads.pack(mine["files"]) if mine["files"] else None
+    small = json.dumps({"exchange": str(exchange), "host": mine["host"], "files": side is not None})
+    posts = [json.loads(p) for p in session.gather("reading", small, side=side)]
     check_same("exchange_reads", [p["exchange"] for p in posts])
-    if session.solo or not mine["files"]:
+    if session.solo or side is None:
         return 0
-    files = host_reads.read_together(posts, session.rank, SPARSE_FRACTION)
+    mates = [r for r, p in enumerate(posts) if p["host"] == mine["host"] and p["files"]]  # this rank among them
+    hosted = [{"host": mine["host"], "files": host_reads.unpack(t)} for t in session.sides("reading", mates)]
+    files = host_reads.read_together(hosted, mates.index(session.rank), SPARSE_FRACTION)
     reader.read_ahead(files)  # type: ignore[attr-defined]
     return len(files)
 

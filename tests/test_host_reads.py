@@ -103,3 +103,13 @@ def test_a_host_id_names_the_kernel():
 @pytest.mark.parametrize("spans", [[], [(5, 5)]])
 def test_no_bytes_no_granules(spans):
     assert not coverage(spans, SIZE).any()
+
+
+def test_a_ranks_files_travel_compressed_and_come_back_whole():
+    """A rank's files post (what the host's other ranks fetch aside from the gather) round-trips, and the
+    coverage of a tensor-parallel rank of a 5 GB file (all ones) compresses to a few dozen bytes."""
+    big = 5 * (1 << 30)
+    files = {"/ckpt/model-00001.safetensors": ["1:2:3:4:5", big, host_reads._encode(coverage([(0, big)], big))]}
+    text = host_reads.pack(files)
+    assert host_reads.unpack(text) == files
+    assert len(text) < 200

@@ -17,13 +17,15 @@ Vocabulary:
 - a *post*: what a rank tells the others, ``{"host": ..., "files": {path: [key, size, coverage]}}``.
 
 A file is read with readahead on a rank when at least two ranks of its host read it (same key) and their coverages
-together hold at least ``fraction`` of it. Every rank decides from every rank's post (:func:`read_together`), posted
-once per load with the session's :meth:`~.session.LoadSession.gather`.
+together hold at least ``fraction`` of it. Every rank decides from its host's posts (:func:`read_together`): in the
+one gather a distributed load makes, each rank posts its host and, aside (:meth:`~.session.LoadSession.gather`'s
+``side``, compressed: :func:`pack`), its files, which only the ranks of its host fetch.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import zlib
 from collections.abc import Mapping, Sequence
@@ -84,6 +86,16 @@ def post(checkpoint: SafetensorsCheckpoint, reads: Sequence[BlockRead]) -> Post:
         i = identities[f]
         files[f] = [f"{i.device}:{i.inode}:{i.size}:{i.mtime_ns}:{i.ctime_ns}", i.size, _encode(coverage(s, i.size))]
     return {"host": host_id(), "files": files}
+
+
+def pack(files: Mapping[str, Any]) -> str:
+    """A post's ``files`` as the text a rank posts (compressed: coverages of a TP rank are long runs of ones)."""
+    return base64.b64encode(zlib.compress(json.dumps(files).encode())).decode()
+
+
+def unpack(text: str) -> dict[str, Any]:
+    """The ``files`` of a :func:`pack` text."""
+    return json.loads(zlib.decompress(base64.b64decode(text)))
 
 
 def read_together(posts: Sequence[Mapping[str, Any]], rank: int, fraction: float) -> set[str]:

@@ -192,9 +192,10 @@ class LoadSession:
         if not self.solo:
             check_same(name, self.gather(f"same/{name}", value, stage), stage)
 
-    def gather(self, name: str, value: str, stage: str = "reading") -> list[str]:
+    def gather(self, name: str, value: str, stage: str = "reading", *, side: str | None = None) -> list[str]:
         """Every rank's ``value`` posted under ``name`` (index = rank), waiting at most the timeout. Collective; a
-        ``solo`` session returns this rank's alone.
+        ``solo`` session returns this rank's alone. ``side``: a larger value posted first, which only the ranks that
+        want it fetch (:meth:`sides`), so that no rank reads every rank's.
 
         Raises:
             PeerFailure: a rank did not post its value within the timeout.
@@ -203,12 +204,20 @@ class LoadSession:
             return [value]
         s, keys = self.store, [f"gather/{name}/{r}" for r in range(self.world)]
         with peer_errors(stage, f"gathering {name} from every rank"):
+            if side is not None:
+                s.set(f"side/{name}/{self.rank}", side)  # before the value: whoever saw the value finds the side
             s.set(keys[self.rank], value)
             if self.timeout is None:
                 s.wait(keys)
             else:
                 s.wait(keys, datetime.timedelta(seconds=self.timeout))
             return [v.decode() for v in s.multi_get(keys)]
+
+    def sides(self, name: str, ranks: list[int], stage: str = "reading") -> list[str]:
+        """The ``side`` values ``ranks`` posted with :meth:`gather` under ``name`` (each of them passed ``side``), once
+        this rank's gather has returned."""
+        with peer_errors(stage, f"reading {name} from ranks {ranks}"):
+            return [v.decode() for v in self.store.multi_get([f"side/{name}/{r}" for r in ranks])] if ranks else []
 
     def _agree_alone(self, error: BaseException | None, stage: str) -> None:
         """A ``solo`` session: this rank's outcome is the outcome; a save is refused."""
