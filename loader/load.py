@@ -130,11 +130,11 @@ def _agree_on_reads(
     small = json.dumps({"exchange": str(exchange), "host": mine["host"], "files": side is not None})
     posts = [json.loads(p) for p in session.gather("reading", small, side=side)]
     check_same("exchange_reads", [p["exchange"] for p in posts])
-    if session.solo or side is None:
+    if side is None:  # no local file (or a solo session)
         return 0
-    mates = [r for r, p in enumerate(posts) if p["host"] == mine["host"] and p["files"]]  # this rank among them
-    hosted = [{"host": mine["host"], "files": host_reads.unpack(t)} for t in session.sides("reading", mates)]
-    files = host_reads.read_together(hosted, mates.index(session.rank), SPARSE_FRACTION)
+    mates = host_reads.mates(posts, session.rank)
+    together = [host_reads.unpack(t) for t in session.sides("reading", mates)]
+    files = host_reads.read_together(together, mates.index(session.rank), SPARSE_FRACTION)
     reader.read_ahead(files)  # type: ignore[attr-defined]
     return len(files)
 

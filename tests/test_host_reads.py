@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader.distributed import host_reads
-from loader.distributed.host_reads import GRANULE, coverage, read_together
+from loader.distributed.host_reads import GRANULE, coverage, mates, read_together
 from loader.storage.local import FileReader
 
 SIZE = 40 * GRANULE + 123
@@ -24,6 +24,16 @@ def _post(host: str, files: dict[str, tuple[str, list[tuple[int, int]]]], size: 
         "host": host,
         "files": {p: [k, size, host_reads._encode(coverage(spans, size))] for p, (k, spans) in files.items()},
     }
+
+
+def _decide(posts: list[dict], rank: int, fraction: float) -> set[str]:
+    """What a load decides for ``rank`` from every rank's post: its mates' files (as fetched aside), then
+    :func:`read_together` (loader/load.py's ``_agree_on_reads``)."""
+    ranks = mates(posts, rank)
+    if rank not in ranks:
+        return set()
+    files = [host_reads.unpack(host_reads.pack(posts[r]["files"])) for r in ranks]
+    return read_together(files, ranks.index(rank), fraction)
 
 
 @given(st.lists(st.tuples(st.integers(0, SIZE - 1), st.integers(1, 3 * GRANULE)), max_size=8))
@@ -52,7 +62,7 @@ def test_a_file_is_read_ahead_where_two_or_more_host_ranks_cover_half_of_it(worl
         for q in mates:
             union |= coverage(spans[q], SIZE)
         expected = len(mates) >= 2 and union.sum() >= 0.5 * n
-        assert (read_together(posts, r, 0.5) == {"/ckpt/model.safetensors"}) == expected
+        assert (_decide(posts, r, 0.5) == {"/ckpt/model.safetensors"}) == expected
 
 
 def test_only_the_same_file_counts():
@@ -60,13 +70,13 @@ def test_only_the_same_file_counts():
     half = [(0, SIZE // 2 + GRANULE)]
     other = [(SIZE // 2, SIZE)]
     same = [_post("a", {"/x": ("k1", half)}), _post("a", {"/y": ("k1", other)})]  # one inode under two paths
-    assert read_together(same, 0, 0.5) == {"/x"} and read_together(same, 1, 0.5) == {"/y"}
+    assert _decide(same, 0, 0.5) == {"/x"} and _decide(same, 1, 0.5) == {"/y"}
     rewritten = [_post("a", {"/x": ("k1", half)}), _post("a", {"/x": ("k2", other)})]
-    assert read_together(rewritten, 0, 0.5) == set()
+    assert _decide(rewritten, 0, 0.5) == set()
     resized = [_post("a", {"/x": ("k1", half)}), _post("a", {"/x": ("k1", other)}, size=SIZE + GRANULE)]
-    assert read_together(resized, 0, 0.5) == set()
+    assert _decide(resized, 0, 0.5) == set()
     alone = [_post("a", {"/x": ("k1", [(0, SIZE)])}), _post("a", {})]  # a rank reading all of it alone: its own rule
-    assert read_together(alone, 0, 0.5) == set()
+    assert _decide(alone, 0, 0.5) == set()
 
 
 def test_the_reader_reads_shared_files_ahead_and_lists_the_files_it_advised_random(tmp_path):

@@ -14,12 +14,13 @@ Vocabulary:
 - a file's *key*: its identity (device, inode, size, mtime, ctime): the same key on one host is the same cached
   pages;
 - a rank's *coverage* of a file: the granules (:data:`GRANULE` bytes) holding a byte of its blocks' spans;
-- a *post*: what a rank tells the others, ``{"host": ..., "files": {path: [key, size, coverage]}}``.
+- a rank's *files*: ``{path: [key, size, coverage as hex]}`` of the local files it reads (:func:`post`).
 
 A file is read with readahead on a rank when at least two ranks of its host read it (same key) and their coverages
-together hold at least ``fraction`` of it. Every rank decides from its host's posts (:func:`read_together`): in the
-one gather a distributed load makes, each rank posts its host and, aside (:meth:`~.session.LoadSession.gather`'s
-``side``, compressed: :func:`pack`), its files, which only the ranks of its host fetch.
+together hold at least ``fraction`` of it. In the one gather a distributed load makes, each rank posts its host and
+whether it reads local files (:func:`mates` finds the ranks of its host that do) and, aside
+(:meth:`~.session.LoadSession.gather`'s ``side``, compressed: :func:`pack`), its files, which only the ranks of its
+host fetch; every rank then decides from its mates' files (:func:`read_together`).
 """
 
 from __future__ import annotations
@@ -61,12 +62,11 @@ def coverage(spans: Sequence[tuple[int, int]], size: int, granule: int = GRANULE
 
 
 def _encode(bits: np.ndarray) -> str:
-    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes())).decode()
+    return np.packbits(bits).tobytes().hex()  # compressed with the rest of the files (:func:`pack`)
 
 
 def _decode(text: str, n: int) -> np.ndarray:
-    packed = np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype=np.uint8)
-    return np.unpackbits(packed)[:n].astype(bool)
+    return np.unpackbits(np.frombuffer(bytes.fromhex(text), dtype=np.uint8))[:n].astype(bool)
 
 
 def post(checkpoint: SafetensorsCheckpoint, reads: Sequence[BlockRead]) -> Post:
@@ -89,7 +89,7 @@ def post(checkpoint: SafetensorsCheckpoint, reads: Sequence[BlockRead]) -> Post:
 
 
 def pack(files: Mapping[str, Any]) -> str:
-    """A post's ``files`` as the text a rank posts (compressed: coverages of a TP rank are long runs of ones)."""
+    """A rank's ``files`` as the text it posts (compressed: coverages of a TP rank are long runs of ones)."""
     return base64.b64encode(zlib.compress(json.dumps(files).encode())).decode()
 
 
@@ -98,17 +98,23 @@ def unpack(text: str) -> dict[str, Any]:
     return json.loads(zlib.decompress(base64.b64decode(text)))
 
 
-def read_together(posts: Sequence[Mapping[str, Any]], rank: int, fraction: float) -> set[str]:
-    """The files of ``posts[rank]`` that rank reads with readahead: read (same key) by at least two ranks of its host,
-    whose coverages together hold at least ``fraction`` of the file. Every rank computes its own from the same posts."""
-    mine = posts[rank]
-    coded: dict[tuple[str, int], list[str]] = {}  # every rank's coverage of each key on this host
-    for p in posts:
-        if p["host"] == mine["host"]:
-            for key, size, bits in p["files"].values():
-                coded.setdefault((key, size), []).append(bits)
+def mates(posts: Sequence[Mapping[str, Any]], rank: int) -> list[int]:
+    """The ranks of ``rank``'s host (``posts[r]["host"]``) that read local files (``posts[r]["files"]`` true),
+    ascending; ``rank`` among them when it reads any."""
+    host = posts[rank]["host"]
+    return [r for r, p in enumerate(posts) if p["host"] == host and p["files"]]
+
+
+def read_together(files: Sequence[Mapping[str, Any]], index: int, fraction: float) -> set[str]:
+    """The files of ``files[index]`` that rank reads with readahead, given the files of every rank of its host
+    (:func:`mates`): read (same key) by at least two of them, whose coverages together hold at least ``fraction`` of
+    the file. Every rank of the host computes its own from the same files."""
+    coded: dict[tuple[str, int], list[str]] = {}  # every mate's coverage of each key
+    for theirs in files:
+        for key, size, bits in theirs.values():
+            coded.setdefault((key, size), []).append(bits)
     out = set()
-    for path, (key, size, _) in mine["files"].items():
+    for path, (key, size, _) in files[index].items():
         readers = coded[(key, size)]
         if len(readers) < 2:
             continue

@@ -182,16 +182,6 @@ class LoadSession:
         reason, _, names = verdict.partition(":")
         raise _peer_failure(self, stage, reason, tuple(int(r) for r in names.split(",") if r)) from error
 
-    def same(self, name: str, value: str, stage: str = "reading") -> None:
-        """Check that every rank holds the same ``value`` of the setting ``name`` (waiting at most the timeout).
-
-        Raises:
-            ValueError: on every rank, when ranks differ (naming each rank's value).
-            PeerFailure: a rank did not post its value within the timeout.
-        """
-        if not self.solo:
-            check_same(name, self.gather(f"same/{name}", value, stage), stage)
-
     def gather(self, name: str, value: str, stage: str = "reading", *, side: str | None = None) -> list[str]:
         """Every rank's ``value`` posted under ``name`` (index = rank), waiting at most the timeout. Collective; a
         ``solo`` session returns this rank's alone. ``side``: a larger value posted first, which only the ranks that
