@@ -2,7 +2,8 @@
 checkpoint as it travels in DCP's ``Metadata``.
 
 A RemapBlock becomes one ``ReadItem`` (a plain box of its source, or the span of a strided read that only
-:class:`~loader.SafetensorsReader` executes); a deferred conversion one ``ReadItem`` per whole source. The
+:class:`~loader.SafetensorsReader` executes); a value read (pointwise ops over regions) one ``ReadItem`` per input
+block, executed by :class:`~loader.SafetensorsReader` only; a deferred conversion one ``ReadItem`` per whole source. The
 checkpoint's headers, file identities and root travel in the metadata's ``storage_data``
 (:func:`checkpoint_metadata`, read back by :func:`checkpoint_from_metadata`).
 """
@@ -28,7 +29,7 @@ from regiontrace import copy_cast, dest_view, source_view
 
 from .checkpoint import SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred
-from .plan import BlockRead, DeferredRead, RankPlan
+from .plan import BlockRead, DeferredRead, RankPlan, ValueRead
 from .plan.slots import TargetSlot, box_view
 from .storage import FileIdentity, ObjectIdentity, is_url, open_store
 
@@ -89,24 +90,34 @@ class _SourceItem:
     staged: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _ValueItem:
+    """A ``ReadItem`` standing for one input block of the value read ``plan.values[index]`` (only
+    :class:`~loader.SafetensorsReader` executes value reads: it asks the planner for them)."""
+
+    index: int
+
+
 @dataclass
 class DcpLoad:
     """The state of one ``dcp.load``: the plan, what each ``ReadItem`` stands for, the deferred conversions'
-    sources read so far, and the bytes read. ``boxes_only``: the storage reader reads plain boxes only."""
+    sources read so far, and the bytes read. ``boxes_only``: the storage reader reads plain boxes only (its plan
+    then holds no value reads: they are deferred)."""
 
     plan: RankPlan
     boxes_only: bool
-    items: dict[str, _BlockItem | _SourceItem] = field(default_factory=dict)
+    items: dict[str, _BlockItem | _SourceItem | _ValueItem] = field(default_factory=dict)
     pending: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     bytes_read: int = 0
     requests: int = 0
     bytes_exchanged: int = 0
 
     def local_plan(self) -> LoadPlan:
-        """The ``LoadPlan`` of this rank: one ``ReadItem`` per block read, one per source of a deferred conversion.
+        """The ``LoadPlan`` of this rank: one ``ReadItem`` per block read, one per input block of a value read, one
+        per source of a deferred conversion.
 
         Raises:
-            ValueError: a strided read, and the storage reader reads plain boxes only.
+            ValueError: a strided read or a value read, and the storage reader reads plain boxes only.
         """
         plan = self.plan
         blocks = [_BlockItem(r, r.block.source_box()) for r in plan.reads]
@@ -119,6 +130,13 @@ class DcpLoad:
             fqn = f"__block__/{i}"
             self.items[fqn] = item
             items.append(_block_item(fqn, item))
+        for j, v in enumerate(plan.values):
+            if self.boxes_only:
+                raise _value_error(v)
+            for k, b in enumerate(v.program.blocks):
+                fqn = f"__value__/{j}/{k}"
+                self.items[fqn] = _ValueItem(j)
+                items.append(_block_item(fqn, _BlockItem(BlockRead(v.target, v.local_box, b), b.source_box())))
         for j, d in enumerate(plan.deferred):
             if not d.boxes:
                 continue
@@ -145,6 +163,8 @@ class DcpLoad:
         item = self.items[read_item.dest_index.fqn]
         if isinstance(item, _SourceItem):
             return item.staged
+        if isinstance(item, _ValueItem):
+            raise _value_error(self.plan.values[item.index])
         r = item.read
         if item.box is None:
             raise _strided_error(r)
@@ -158,6 +178,8 @@ class DcpLoad:
         once all its sources are in."""
         plan = self.plan
         item = self.items[read_item.dest_index.fqn]
+        if isinstance(item, _ValueItem):
+            raise _value_error(plan.values[item.index])
         # checkpoint bytes (the tensor handed back may already be in the model's dtype)
         self.bytes_read += tensor.numel() * plan.checkpoint[read_item.storage_index.fqn].itemsize
         if isinstance(item, _BlockItem):
@@ -173,16 +195,19 @@ class DcpLoad:
             apply_deferred(d, pending, plan.slots)
             del self.pending[item.index]
 
-    def planned_reads(self, dcp_plan: LoadPlan) -> tuple[list[BlockRead], list[DeferredRead]]:
-        """The block reads and deferred conversions the items of ``dcp_plan`` stand for."""
-        reads, deferred = [], set()
+    def planned_reads(self, dcp_plan: LoadPlan) -> tuple[list[BlockRead], list[DeferredRead], list[ValueRead]]:
+        """The block reads, deferred conversions and value reads the items of ``dcp_plan`` stand for."""
+        reads, deferred, values = [], set(), set()
         for read_item in dcp_plan.items:
             item = self.items[read_item.dest_index.fqn]
             if isinstance(item, _BlockItem):
                 reads.append(item.read)
+            elif isinstance(item, _ValueItem):
+                values.add(item.index)
             else:
                 deferred.add(item.index)
-        return reads, [self.plan.deferred[j] for j in sorted(deferred)]
+        plan = self.plan
+        return reads, [plan.deferred[j] for j in sorted(deferred)], [plan.values[j] for j in sorted(values)]
 
 
 def _block_item(fqn: str, item: _BlockItem) -> ReadItem:
@@ -217,6 +242,13 @@ def _strided_error(r: BlockRead) -> ValueError:
     return ValueError(
         f"{r.target!r} reads {r.block.source!r} through a strided (non-box) region; torch's "
         "HuggingFaceStorageReader reads boxes only: use loader.SafetensorsReader"
+    )
+
+
+def _value_error(v: ValueRead) -> ValueError:
+    return ValueError(
+        f"{v.target!r} is computed by pointwise ops over checkpoint regions (a value read), which only "
+        "loader.SafetensorsReader executes"
     )
 
 

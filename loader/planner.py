@@ -27,7 +27,7 @@ from .dcpload import DcpLoad, checkpoint_from_metadata, holds_headers
 from .hooks import PlanHooks
 from .options import Rules
 from .placements import rank_and_world
-from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, plan_rank
+from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, ValueRead, plan_rank
 from .plan.cache import PLANS, PlanCache
 from .plan.gcpause import paused_gc
 from .plan.slots import TargetSlot, model_slots
@@ -163,10 +163,11 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         # metadata without our headers comes from another reader (torch's HF reader): it reads plain boxes only,
-        # checked by create_local_plan. Pointwise values (FP8 dequantization) are deferred: a ReadItem stands for
-        # bytes copied into a model tensor
-        plan = self.build_plan(checkpoint_from_metadata(metadata), values=False)
-        self._dcp = DcpLoad(plan, boxes_only=not holds_headers(metadata))
+        # checked by create_local_plan, and pointwise values (a norm's + 1, FP8 dequantization) are deferred there:
+        # its ReadItems stand for bytes copied into a model tensor. SafetensorsReader runs value reads itself
+        boxes_only = not holds_headers(metadata)
+        plan = self.build_plan(checkpoint_from_metadata(metadata), values=not boxes_only)
+        self._dcp = DcpLoad(plan, boxes_only=boxes_only)
 
     def create_local_plan(self) -> LoadPlan:
         return self._state().local_plan()
@@ -188,9 +189,12 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
 
     # -- for SafetensorsReader and after dcp.load ---------------------------------------------------------
 
-    def planned_reads(self, dcp_plan: LoadPlan) -> tuple[RankPlan, list[BlockRead], list[DeferredRead]]:
-        """The plan of the current ``dcp.load`` and the reads ``dcp_plan``'s items stand for, for a storage reader
-        that runs RemapBlocks itself (:class:`~loader.SafetensorsReader`); RuntimeError before ``set_up_planner``."""
+    def planned_reads(
+        self, dcp_plan: LoadPlan
+    ) -> tuple[RankPlan, list[BlockRead], list[DeferredRead], list[ValueRead]]:
+        """The plan of the current ``dcp.load`` and the block reads, deferred conversions and value reads
+        ``dcp_plan``'s items stand for, for a storage reader that runs RemapBlocks itself
+        (:class:`~loader.SafetensorsReader`); RuntimeError before ``set_up_planner``."""
         state = self._state()
         return (state.plan, *state.planned_reads(dcp_plan))
 

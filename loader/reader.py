@@ -185,13 +185,13 @@ class SafetensorsReader(StorageReader):
 
 
 def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: RangeReader, options: LoadOptions) -> None:
-    """Execute the RemapBlocks and deferred conversions ``dcp_plan``'s items stand for (any strided read), as
-    ``planner.planned_reads`` lists them; with ``options.rollback``, a failure restores every tensor the plan
-    writes (every rank's, in a distributed load)."""
-    plan, reads, deferred = planner.planned_reads(dcp_plan)
+    """Execute the RemapBlocks, value reads and deferred conversions ``dcp_plan``'s items stand for (any strided
+    read), as ``planner.planned_reads`` lists them; with ``options.rollback``, a failure restores every tensor the
+    plan writes (every rank's, in a distributed load)."""
+    plan, reads, deferred, values = planner.planned_reads(dcp_plan)
     before, calls, exchanged = reader.bytes_read, reader.reads, 0
     if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
-        exchanged = read_together(plan, reader, reads, deferred, options)
+        exchanged = read_together(plan, reader, reads, deferred, options, values=values)
     else:
-        execute_plan(plan, reader, options, reads=reads, deferred=deferred)
+        execute_plan(plan, reader, options, reads=reads, deferred=deferred, values=values)
     planner.add_bytes_read(reader.bytes_read - before, reader.reads - calls, exchanged)

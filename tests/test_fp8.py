@@ -207,7 +207,7 @@ def test_moe_experts_dequantize_then_merge_like_from_pretrained(tmp_path):
         assert torch.equal(got[k], want[k]), k
 
 
-def test_inside_dcp_load_values_are_deferred_and_exact(tmp_path):
+def test_inside_dcp_load_values_are_value_reads_and_exact(tmp_path):
     shape, quant_block = (96, 80), (64, 32)
     stored = write_fp8(tmp_path, {"weight": torch.randn(shape)}, quant_block)
     model = Weight(shape)
@@ -216,7 +216,7 @@ def test_inside_dcp_load_values_are_deferred_and_exact(tmp_path):
         planner.state_dict_for_load(), storage_reader=SafetensorsReader(str(tmp_path)), planner=planner, no_dist=True
     )
     report = planner.finish(str(tmp_path))
-    assert report.deferred == ("weight",)
+    assert report.deferred == () and report.traced == ("weight",)  # as load_hf_checkpoint: a value read
     assert torch.equal(
         model.weight.data, dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
     )
