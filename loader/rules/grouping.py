@@ -1,12 +1,14 @@
 """Which checkpoint keys gather into one model tensor, the way transformers' ``from_pretrained`` visits them.
 
 The keys are visited in ``dot_natural_key`` order (:func:`visit_order`); each is renamed, given at most one
-converter, and has the model's ``base_model_prefix`` added or stripped when that names a model tensor; the keys are
-then grouped by the model tensor they load (:func:`group_keys`: one :class:`KeyGroup` per converter instance).
+converter, and has the model's ``base_model_prefix`` added or stripped when that names a model tensor (unless, in
+a checkpoint holding prefixed keys, the key names a model tensor itself); the keys are then grouped by the model
+tensor they load (:func:`group_keys`: one :class:`KeyGroup` per converter instance).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,6 +17,8 @@ import torch
 
 from .conversion import dot_natural_key, natural_order
 from .matching import Rule, RuleChain, converter_picker
+
+log = logging.getLogger("loader")
 
 
 class KeyGroup:
@@ -82,7 +86,8 @@ def group_keys(
     unexpected keys ``(checkpoint key, name it was renamed to)``."""
     renamings = RuleChain([r for r in rules if not r.is_converter])
     pick = converter_picker(RuleChain([r for r in rules if r.is_converter]), select_converter)
-    prefixed = _prefixer(base_prefix, state)
+    head_layout = base_prefix is not None and any(k.startswith(f"{base_prefix}.") for k in mapped_keys)
+    prefixed = _prefixer(base_prefix, state, head_layout)
     groups: dict[str, KeyGroup] = {}
     unexpected: list[tuple[str, str]] = []
     via_prefix: set[str] = set()  # model tensors a plain key reached by adding or stripping the base prefix
@@ -107,13 +112,25 @@ def group_keys(
             if rule is None and renamed != plain:
                 via_prefix.add(renamed)
         group.add(pattern if rule is not None else key, key)
+    _warn_kept(base_prefix, state, head_layout, groups)
     return groups, unexpected
 
 
-def _prefixer(base_prefix: str | None, state: Mapping[str, Any]) -> Callable[[str], str]:
-    """transformers' ``base_model_prefix`` handling: strip it or add it when that names a model tensor."""
+def _prefixer(base_prefix: str | None, state: Mapping[str, Any], head_layout: bool) -> Callable[[str], str]:
+    """transformers' ``base_model_prefix`` handling: strip it or add it when that names a model tensor — except
+    for a key that names a model tensor itself in a checkpoint holding prefixed keys (``head_layout``: a
+    checkpoint of the model's own layout), which stays: a head's ``linear.*`` beside its base's ``base.linear.*``
+    load where they are named, not exchanged."""
     if base_prefix is None:
         return lambda key: key
+    from_pretrained = _hf_prefixer(base_prefix, state)
+    if not head_layout:
+        return from_pretrained
+    return lambda key: key if key in state else from_pretrained(key)
+
+
+def _hf_prefixer(base_prefix: str, state: Mapping[str, Any]) -> Callable[[str], str]:
+    """What ``from_pretrained`` (5.x, ``rename_source_key``) does, key by key."""
     strip = re.compile(f"^{base_prefix}.")  # the very pattern transformers substitutes ("." is any character)
 
     def prefixed(key: str) -> str:
@@ -126,3 +143,23 @@ def _prefixer(base_prefix: str | None, state: Mapping[str, Any]) -> Callable[[st
         return key
 
     return prefixed
+
+
+def _warn_kept(
+    base_prefix: str | None, state: Mapping[str, Any], head_layout: bool, groups: Mapping[str, KeyGroup]
+) -> None:
+    """Log the plain keys loaded where they are named that ``from_pretrained`` would move through the prefix."""
+    if not head_layout:
+        return
+    from_pretrained = _hf_prefixer(base_prefix, state)
+    moved = [(k, from_pretrained(k)) for name, g in groups.items() if g.rule is None for k in g.keys if k == name]
+    moved = [(k, m) for k, m in moved if m != k]
+    if moved:
+        log.warning(
+            "%d checkpoint key(s) name a model tensor both with and without base_model_prefix %r: each is "
+            "loaded into (or saved from) the tensor it names, where transformers' from_pretrained would load it "
+            "into the one after the arrow (%s)",
+            len(moved),
+            base_prefix,
+            ", ".join(f"{k!r} -> {m!r}" for k, m in moved[:8]) + (", …" if len(moved) > 8 else ""),
+        )

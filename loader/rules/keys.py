@@ -8,7 +8,9 @@
   matches);
 * the model's ``base_model_prefix`` is added or stripped when that makes the key a model tensor name
   (a ``ForCausalLM`` model from base-model keys and the reverse), and a key that already is a model tensor
-  name but was renamed away from it is kept as it is; where two plain keys then reach one model tensor, one of
+  name but was renamed away from it is kept as it is; in a checkpoint holding prefixed keys a plain key naming
+  a model tensor stays there (a head's ``linear.*`` beside its base's ``base.linear.*``: ``from_pretrained``
+  exchanges the two, a warning says so); where two plain keys then reach one model tensor, one of
   them through the prefix (a head checkpoint's ``base.linear.*`` and ``linear.*`` into the base model), the
   first visited loads and the other is unexpected;
 * converter matches are grouped by their (first) target tensor name, one converter instance per group.
