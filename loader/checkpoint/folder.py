@@ -7,6 +7,7 @@ cache links ``snapshots/<rev>/*`` into ``../../blobs``; a user's symlink farm do
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import re
@@ -24,8 +25,12 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: an index larger than this is refused before it is read (real ones are well under 10 MiB)
 MAX_INDEX_BYTES = 64 << 20
-#: the file names of a sharded save (``save_pretrained``'s), which are never loaded without their index
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+#: the file names of a sharded save (``save_pretrained``'s, torch's ``HuggingFaceStorageWriter``'s): ``i`` of ``n``
+_SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+#: the staging folder of one of our saves (``<path>.tmp-XXXXXXXX``, :func:`tempfile.mkdtemp`'s names): a save
+#: interrupted before its commit
+_STAGING_FOLDER = re.compile(r".+\.tmp-[a-z0-9_]{8}")
+log = logging.getLogger("loader")
 _Meta = dict[str, dict[str, str]]
 
 
@@ -89,17 +94,51 @@ def _folder_files(store: Store) -> list[str]:
             f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found (a folder at this URL cannot be listed)", path=root
         )
     files = sorted(store.locate(n) for n in names if n.endswith(".safetensors"))
-    shards = sorted(n for n in names if _SHARD_NAME.fullmatch(n))
-    if shards:  # a sharded save whose index is missing: some shards may be missing or of another save too
-        raise err(
-            root,
-            f"holds sharded weight files ({', '.join(shards[:3])}{', …' if len(shards) > 3 else ''}: {len(shards)} "
-            f"in all) but no {INDEX_NAME}: an incomplete or interrupted save? (from_pretrained refuses it too; the "
-            "index says which file holds which tensor)",
-        )
+    shards = _complete_shard_set(root, names)
+    if shards:
+        log.info(
+            "%s: no %s; loading the complete set of %d shard file(s) %s%s", root, INDEX_NAME, len(shards),
+            ", ".join(shards[:8]), f", … and the other {len(files) - len(shards)} .safetensors file(s)"
+            if len(files) > len(shards) else "",
+        )  # fmt: skip
     if not files:  # FileNotFoundError as well, as from_pretrained and load_file raise
         raise CheckpointNotFoundError(f"{root}: folder holds no .safetensors files", path=root)
     return files
+
+
+def _complete_shard_set(root: str, names: Sequence[str]) -> list[str]:
+    """The ``model-0000i-of-0000n.safetensors`` files of a folder without index, sorted, once shown complete.
+
+    Raises:
+        CheckpointError: the set is provably incomplete: a member is missing, files of sets of different sizes
+            (two saves), or the folder is one of our saves' staging folders (a save interrupted before its commit).
+    """
+    found = sorted((int(m[2]), int(m[1]), m[0]) for m in map(_SHARD_NAME.fullmatch, names) if m is not None)
+    if not found:
+        return []
+    totals = sorted({n for n, _, _ in found})
+    if len(totals) > 1:
+        listed = sorted(name for _, _, name in found)
+        raise err(
+            root,
+            f"holds shard files of {len(totals)} sets of different sizes ({', '.join(listed[:3])}, …: {len(listed)} in "
+            f"all) and no {INDEX_NAME}: parts of two saves, an interrupted one? (the index says which file holds "
+            "which tensor)",
+        )
+    total, numbers = totals[0], {i for _, i, _ in found}
+    stray = sorted(name for _, i, name in found if not 1 <= i <= total)
+    if stray:
+        raise err(root, f"holds shard files numbered outside 1..{total} ({', '.join(stray[:4])}) and no {INDEX_NAME}")
+    missing = [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1) if i not in numbers]
+    if missing:
+        raise err(
+            root,
+            f"holds {len(found)} of the {total} shard files of a sharded save and no {INDEX_NAME}: missing "
+            f"{', '.join(missing[:4])}{', …' if len(missing) > 4 else ''} (an incomplete copy or save?)",
+        )
+    if _STAGING_FOLDER.fullmatch(os.path.basename(root.rstrip("/"))):
+        raise err(root, "is the staging folder of a save interrupted before its commit (no index written): refused")
+    return [name for _, _, name in found]
 
 
 def _locate(
@@ -189,8 +228,9 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         URL of any of these (``s3://``, ``https://``, ``hf://org/name``; see docs/remote.md): a URL's folder is
         never listed (its index, else its ``model.safetensors``).
         In a folder the index is used if present (exactly the files and keys it names; keys a shard has
-        beyond the index are ignored), else ``model.safetensors``, else every ``*.safetensors`` (sorted) —
-        unless there are ``model-0000i-of-0000n.safetensors`` shards, which without their index are refused.
+        beyond the index are ignored), else ``model.safetensors``, else every ``*.safetensors`` (sorted);
+        ``model-0000i-of-0000n.safetensors`` shards without their index load only as a complete set (all ``n``,
+        one ``n``, not in a save's staging folder), else are refused.
         Files may be symlinks to regular files anywhere; the names an index gives must stay in the folder.
 
         Args:
