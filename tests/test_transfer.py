@@ -280,3 +280,65 @@ def test_a_killed_rank_fails_every_rank_and_rollback_restores(results):
         assert res["type"] == "PeerFailure", (r, res)
         assert res["unchanged"], f"rank {r} was not restored"
         assert res["rounds_run"] >= 2
+
+
+@pytest.mark.dist
+def test_aliased_destination_tensors_are_refused_on_every_rank_and_disjoint_views_work(results):
+    """Rank 3's destination ``b`` shares ``a``'s memory: a ValueError naming both on every rank, nothing written;
+    ``a`` and ``b`` as disjoint views of one flat buffer receive their (crossed) values."""
+    for r, res in enumerate(ok(results, "aliased_destination")):
+        assert res["type"] == "ValueError", (r, res)
+        assert "destination model tensors 'a' and 'b' overlap in memory" in res["message"], res["message"]
+        assert res["unchanged"] and res["flat_crossed"], (r, res)
+
+
+@pytest.mark.dist
+def test_source_ranks_holding_a_tensor_in_different_dtypes_are_refused(results):
+    for r, res in enumerate(ok(results, "mixed_source_dtypes")):
+        assert res["type"] == "ValueError", (r, res)
+        message = res["message"]
+        assert "source model tensor 'a' differently" in message, message
+        assert "rank 1: a DTensor of shape (8, 8) bfloat16" in message, message
+        assert all(f"rank {q}: a DTensor of shape (8, 8) float32" in message for q in (0, 2, 3)), message
+        assert res["unchanged"], r
+
+
+@pytest.mark.dist
+def test_a_rank_that_never_calls_fails_the_others_by_the_transfers_timeout(results):
+    """Rank 2 calls only once the others gave up: they raise the transfer's own PeerFailure (reason "timeout",
+    rank 2 named; the process group's would be a "connection" failure after its 120 s), rank 2 learns it came
+    too late."""
+    for r, res in enumerate(ok(results, "absent_rank")):
+        assert res["type"] == "PeerFailure" and res["reason"] == "timeout", (r, res)
+        assert res["ranks"] == (transfer_worker.KILLED,) and res["stage"] == "transferring", (r, res)
+        if r == transfer_worker.KILLED:
+            assert "this rank (2) finished transferring after the other ranks had stopped" in res["message"], res
+        else:
+            assert "rank(s) 2 did not finish transferring within the 5 s timeout" in res["message"], res
+        assert res["unchanged"], r
+
+
+@pytest.mark.dist
+def test_meta_tensors_are_refused_on_every_rank_naming_the_tensor(results):
+    for r, res in enumerate(ok(results, "meta_tensors")):
+        src, dst = res["source"], res["dest"]
+        assert src["type"] == "ValueError" and "source model tensor 'a' is on the meta device" in src["message"], src
+        assert "on rank 1" in src["message"], src
+        assert dst["type"] == "ValueError" and "destination model tensor 'a' is on the meta device" in dst["message"]
+        assert "on rank 3" in dst["message"], dst
+        assert res["unchanged"], r
+
+
+@pytest.mark.dist
+def test_a_model_into_itself_with_a_transposing_rule_is_refused(results):
+    for r, res in enumerate(ok(results, "into_itself_transposed")):
+        assert res["type"] == "ValueError", (r, res)
+        assert "destination model tensor 'a' overlaps source model tensor 'a' in memory" in res["message"], res
+        assert res["unchanged"], r
+
+
+@pytest.mark.dist
+def test_zero_element_tensors_transfer(results):
+    per_rank = ok(results, "zero_elements")
+    for res in per_rank:
+        assert res["mismatch"] == [] and res["report"]["bytes_received"] == 3 * 4, res

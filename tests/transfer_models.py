@@ -146,3 +146,33 @@ def ep_tp_source_placements(model: nn.Module) -> dict[str, list]:
         else:
             out[name] = [Replicate(), Replicate()]
     return out
+
+
+class Pair(nn.Module):
+    """Two [8, 8] tensors (the memory and agreement checks); ``values``: ``a`` counts from 0, ``b`` from 100, else
+    -1 everywhere."""
+
+    def __init__(self, values: bool = True) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.arange(64.0).view(8, 8) if values else torch.full((8, 8), -1.0))
+        self.b = nn.Parameter(torch.arange(64.0).view(8, 8) + 100 if values else torch.full((8, 8), -1.0))
+
+
+def crossed() -> list:
+    """``a`` from ``b``'s key and ``b`` from ``a``'s."""
+    return [Convert("b", "a", lambda w: w), Convert("a", "b", lambda w: w)]
+
+
+def transposed() -> list:
+    """``a`` from ``a``'s key transposed, ``b`` as it is."""
+    return [Convert("a", "a", lambda w: w.t()), Convert("b", "b", lambda w: w)]
+
+
+class Empty(nn.Module):
+    """Two zero-element [2, 0] tensors beside a [3]."""
+
+    def __init__(self, values: bool = True) -> None:
+        super().__init__()
+        self.e1 = nn.Parameter(torch.empty(2, 0))
+        self.e2 = nn.Parameter(torch.empty(2, 0))
+        self.w = nn.Parameter(torch.arange(3.0) + 1 if values else torch.full((3,), -1.0))

@@ -205,6 +205,136 @@ def scenario_killed(ctx: dict) -> dict:
     return {**outcome, "rounds_run": len(calls), "unchanged": unchanged(dst)}
 
 
+# -- refused up front, or made to work (small models: tm.Pair, tm.Empty) -------------------------------------------
+
+
+def sharded(model: torch.nn.Module, mesh, placement=None, fill=None) -> torch.nn.Module:
+    """``model`` sharded over ``mesh`` (every tensor ``placement``, default ``Shard(0)``), its values kept (or
+    ``fill``)."""
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shard_module(model, mesh, {n: [placement or Shard(0)] for n, _ in model.named_parameters()}, fill=fill)
+    if fill is None:
+        with torch.no_grad():
+            for name, t in model.state_dict(keep_vars=True).items():
+                slot = slot_for(name, t)
+                for g, lb in slot.boxes:
+                    box_view(slot.local, lb).copy_(box_view(full[name], g))
+    return model
+
+
+def _outcome(call) -> dict:
+    try:
+        call()
+        return {"type": None}
+    except BaseException as e:
+        return describe(e) | {"ranks": getattr(e, "ranks", None), "stage": getattr(e, "stage", None)}
+
+
+def _untouched(model: torch.nn.Module) -> bool:
+    return all(bool((slot_for(n, t).local == -1).all()) for n, t in model.state_dict(keep_vars=True).items())
+
+
+def scenario_aliased_destination(ctx: dict) -> dict:
+    """On rank 3 the destination's ``b`` shares ``a``'s memory (and the rules cross them): refused on every rank,
+    nothing written; disjoint views of one flat buffer are fine."""
+    from loader import transfer_weights
+
+    src = sharded(tm.Pair(), MESHES["world"])
+    dst = tm.Pair(values=False)
+    if dist.get_rank() == 3:
+        dst.b = torch.nn.Parameter(dst.a.data.view(8, 8))
+    refused = _outcome(lambda: transfer_weights(src, dst, dst_mapping=tm.crossed(), timeout=60))
+    flat = torch.full((128,), -1.0)
+    buffer = tm.Pair(values=False)
+    buffer.a, buffer.b = torch.nn.Parameter(flat[:64].view(8, 8)), torch.nn.Parameter(flat[64:].view(8, 8))
+    transfer_weights(src, buffer, dst_mapping=tm.crossed(), timeout=60)
+    values = tm.Pair()
+    crossed = torch.equal(buffer.a, values.b) and torch.equal(buffer.b, values.a)
+    return {**refused, "unchanged": _untouched(dst), "flat_crossed": crossed and flat.data_ptr() == buffer.a.data_ptr()}
+
+
+def scenario_mixed_source_dtypes(ctx: dict) -> dict:
+    """Rank 1 holds its shard of the source's ``a`` in bfloat16, the others in float32 (``DTensor.from_local``,
+    no check): refused on every rank before anything is sent."""
+    from torch.distributed.tensor import DTensor
+
+    from loader import transfer_weights
+
+    mesh, rank = MESHES["world"], dist.get_rank()
+    src = tm.Pair()
+    for name in ("a", "b"):
+        local = getattr(src, name).detach()[2 * rank : 2 * rank + 2].clone()
+        if name == "a" and rank == 1:
+            local = local.to(torch.bfloat16)
+        setattr(src, name, torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)])))
+    dst = sharded(tm.Pair(values=False), mesh, fill=-1.0)
+    return {**_outcome(lambda: transfer_weights(src, dst, timeout=60)), "unchanged": _untouched(dst)}
+
+
+def scenario_absent_rank(ctx: dict) -> dict:
+    """Rank 2 calls ``transfer_weights`` only after every other rank gave up waiting for it (5 s): they raise
+    the transfer's PeerFailure naming rank 2, and rank 2, late, is told so."""
+    import time
+
+    from loader import transfer_weights
+
+    rank = dist.get_rank()
+    src, dst = sharded(tm.Pair(), MESHES["world"]), sharded(tm.Pair(values=False), MESHES["world"], fill=-1.0)
+    gave_up = [os.path.join(ctx["out"], f"absent_gave_up_{r}") for r in range(dist.get_world_size()) if r != KILLED]
+    if rank == KILLED:
+        deadline = time.monotonic() + 120  # a hang guard only
+        while not all(map(os.path.exists, gave_up)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    try:
+        outcome = _outcome(lambda: transfer_weights(src, dst, timeout=5))
+    finally:
+        if rank != KILLED:
+            open(os.path.join(ctx["out"], f"absent_gave_up_{rank}"), "w").close()
+    return {**outcome, "unchanged": _untouched(dst)}
+
+
+def scenario_meta_tensors(ctx: dict) -> dict:
+    """Rank 1's shard of the source's ``a`` on the meta device, then rank 3's destination on it: each refused on
+    every rank, naming the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    from loader import transfer_weights
+
+    mesh, rank = MESHES["world"], dist.get_rank()
+    src = tm.Pair()
+    local = src.a.detach()[2 * rank : 2 * rank + 2].clone()
+    src.a = torch.nn.Parameter(DTensor.from_local(local.to("meta") if rank == 1 else local, mesh, [Shard(0)]))
+    src.b = sharded(tm.Pair(), mesh).b
+    dst = sharded(tm.Pair(values=False), mesh, fill=-1.0)
+    source = _outcome(lambda: transfer_weights(src, dst, timeout=60))
+    unchanged = _untouched(dst)
+    meta_dst = tm.Pair(values=False).to("meta") if rank == 3 else tm.Pair(values=False)
+    dest = _outcome(lambda: transfer_weights(sharded(tm.Pair(), mesh), meta_dst, timeout=60))
+    return {"source": source, "dest": dest, "unchanged": unchanged and (rank == 3 or _untouched(meta_dst))}
+
+
+def scenario_into_itself_transposed(ctx: dict) -> dict:
+    """A model into itself with a rule transposing ``a``: refused on every rank, values untouched."""
+    from loader import transfer_weights
+
+    model = sharded(tm.Pair(), MESHES["world"])
+    outcome = _outcome(lambda: transfer_weights(model, model, dst_mapping=tm.transposed(), timeout=60))
+    return {**outcome, "unchanged": not compare(model, tm.Pair().state_dict())[0]}
+
+
+def scenario_zero_elements(ctx: dict) -> dict:
+    """Two [2, 0] tensors beside a [3], ``Shard(0)`` into ``Replicate()``: the [3] moved, the others empty."""
+    from torch.distributed.tensor import Replicate
+
+    from loader import transfer_weights
+
+    src = sharded(tm.Empty(), MESHES["world"])
+    dst = sharded(tm.Empty(values=False), MESHES["world"], Replicate(), fill=-1.0)
+    report = transfer_weights(src, dst, timeout=60)
+    bad, _ = compare(dst, tm.Empty().state_dict())
+    return {"report": report_dict(report), "mismatch": bad}
+
+
 SCENARIOS = [
     ("colocated_tp", scenario_colocated_tp),
     ("colocated_ep_tp", scenario_colocated_ep_tp),
@@ -212,6 +342,12 @@ SCENARIOS = [
     ("disaggregated", scenario_disaggregated),
     ("fallback", scenario_fallback),
     ("shape_mismatch", scenario_shape_mismatch),
+    ("aliased_destination", scenario_aliased_destination),
+    ("mixed_source_dtypes", scenario_mixed_source_dtypes),
+    ("absent_rank", scenario_absent_rank),  # no collective: the world stays usable
+    ("meta_tensors", scenario_meta_tensors),
+    ("into_itself_transposed", scenario_into_itself_transposed),
+    ("zero_elements", scenario_zero_elements),
     ("killed", scenario_killed),  # last: rank 2 dies
 ]
 HUNG_SCENARIOS = [("ready", lambda ctx: {}), ("hung", scenario_hung)]  # a world of its own: rank 2 hangs, dies

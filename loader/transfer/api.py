@@ -1,17 +1,20 @@
 """``transfer_weights``: move the weights of one (sharded) model into another, shard to shard, without files.
 
 Every rank of the world calls it; each holds a part of the source, of the destination, of both or of neither.
-The steps, each agreed by every rank before the next (:class:`~loader.distributed.LoadSession`):
+The steps, each agreed by every rank before the next through the process group's store
+(:mod:`.agreement`: every wait bounded by ``timeout``, a rank that never arrives named):
 
-1. every rank describes what it holds of each model (names, global shapes, dtypes, boxes): one
-   ``all_gather_object``;
+1. every rank describes what it holds of each model (names, global shapes, dtypes, boxes, and a digest of its
+   tensors' views: the ranks holding one tensor must hold it alike);
 2. the first rank holding the source maps it to its checkpoint layout and inverts it (as a save does); the first
-   rank holding the destination traces its load from that layout (as a load does): two ``all_gather_object``;
+   rank holding the destination traces its load from that layout (as a load does): both shared;
 3. every rank computes its own part of the :class:`~loader.transfer.TransferPlan` from those values (pure:
-   ``plan_transfer(..., rank=r)``, the moves it sends or receives), and its rounds from it and every rank's
-   count of peers (one ``all_gather_object``, then one more to agree on the number of rounds);
-4. rounds of ``all_to_all_single`` with exact split sizes move the payload (:mod:`.exchange`); destination
-   conversions that do not trace run on the destination ranks from their keys moved whole.
+   ``plan_transfer(..., rank=r)``, the moves it sends or receives), checks the local memory it reads and writes
+   (:mod:`.memory`), and its rounds from its plan and every rank's count of peers (shared, then the number of
+   rounds);
+4. rounds of ``all_to_all_single`` with exact split sizes move the payload (:mod:`.exchange`), each waiting at
+   most ``timeout``; destination conversions that do not trace run on the destination ranks from their keys
+   moved whole.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from ..options import DEFAULT_TIMEOUT, Rules, timeout_seconds
 from ..plan import TraceCache
 from ..plan.slots import box_view
 from ..rules.conversion import cast_like_transformers
+from .agreement import STAGE, Sharing, check_views, digest, model_views
 from .exchange import Counts, Exchange, log_progress
+from .memory import check_memory
 from .plan import TransferPlan, plan_transfer
 from .schedule import degrees, rank_rounds
 from .sides import as_rules, dest_side, parts_of, source_side
@@ -125,12 +130,13 @@ def transfer_weights(
     rank = dist.get_rank(group) if distributed else 0
     src_parts, src_local = parts_of(src)
     dst_parts, dst_local = parts_of(dst)
-    session = LoadSession(seconds) if distributed else contextlib.nullcontext()
-    with session:
+    session = LoadSession(seconds) if distributed else None
+    sharing = Sharing(session)
+    with session or contextlib.nullcontext():
         mappings = (src_mapping, dst_mapping, source_shapes)
-        plan, keyplan = _plan(rank, src, dst, mappings, (src_parts, dst_parts), group, session)
-        schedule = rank_rounds(plan, bucket_bytes, _gather(degrees(plan), group))
-        total = max(_gather(len(schedule) if any(m.src != m.dst for m in plan.moves) else 0, group))
+        plan, keyplan = _plan(rank, src, dst, mappings, (src_parts, dst_parts), (src_local, dst_local), sharing)
+        schedule = rank_rounds(plan, bucket_bytes, sharing.share("degrees", degrees(plan)))
+        total = max(sharing.share("rounds", len(schedule) if any(m.src != m.dst for m in plan.moves) else 0))
         schedule += [[] for _ in range(max(total, 1) - len(schedule))]
         buffers = {
             k: torch.empty(shape, dtype=dtype)
@@ -148,14 +154,15 @@ def transfer_weights(
             exchange = Exchange(
                 plan, rank, src_local, dst_local, buffers, group=group, timeout=seconds, every_round=total > 0
             )
-            with peer_errors("transferring", "exchanging the weights") if distributed else contextlib.nullcontext():
+            with peer_errors(STAGE, "exchanging the weights") if distributed else contextlib.nullcontext():
                 counts = exchange.run(schedule, report)
             _run_fallbacks(plan, rank, keyplan, buffers, dst_parts, dst_local)
         except Exception as e:
             error = e
         try:
             if distributed:
-                session.agree(error, "transferring")
+                session.agree(error, STAGE)
+                sharing.close()
             elif error is not None:
                 raise error
         except BaseException:
@@ -177,21 +184,25 @@ def transfer_weights(
     )
 
 
-def _plan(rank: int, src, dst, mappings, parts, group, session) -> tuple[TransferPlan, Any]:
+def _plan(rank: int, src, dst, mappings, parts, local, sharing: Sharing) -> tuple[TransferPlan, Any]:
     """Steps 1-3: describe, map both sides on their first ranks, plan; failures raised on every rank."""
     src_mapping, dst_mapping, source_shapes = mappings
-    holds = _gather((src is not None, dst is not None, *parts), group)
+    views = (model_views(src), model_views(dst))
+    described = (src is not None, dst is not None, *parts, *(digest(v) if m is not None else None
+                 for v, m in zip(views, (src, dst))))  # fmt: skip
+    holds = sharing.share("describe", described)
     srcs = [r for r, h in enumerate(holds) if h[0]]
     dsts = [r for r, h in enumerate(holds) if h[1]]
     if not srcs or not dsts:
         raise ValueError(f"no rank holds the {'source' if not srcs else 'destination'} model (src/dst None everywhere)")
+    check_views(sharing, [h[4:] for h in holds], views)
 
     cache = TraceCache()  # one trace per signature for both sides
 
     def make_source() -> Any:
         return source_side(src, as_rules(src_mapping), source_shapes=source_shapes, cache=cache)
 
-    source = _on_one(srcs[0] == rank, make_source, group, session)
+    source = _on_one(srcs[0] == rank, make_source, sharing, "source")
     keyplan, error = None, None
     dest_here = None
     if dst is not None:
@@ -199,13 +210,14 @@ def _plan(rank: int, src, dst, mappings, parts, group, session) -> tuple[Transfe
             dest_here, keyplan = dest_side(dst, as_rules(dst_mapping), source.keys, cache)
         except Exception as e:
             error = e
-    dest = _on_one(dsts[0] == rank, lambda: _raise_or(dest_here, error), group, session, error if dst else None)
+    dest = _on_one(dsts[0] == rank, lambda: _raise_or(dest_here, error), sharing, "dest", error if dst else None)
     plan, error = None, None
     try:
         plan = plan_transfer(source, dest, [h[2] for h in holds], [h[3] for h in holds], rank=rank)
+        check_memory(plan, rank, *local)
     except Exception as e:
         error = e
-    _agree(session, error)
+    sharing.agree(error, "plan")
     assert plan is not None
     return plan, keyplan
 
@@ -216,7 +228,9 @@ def _raise_or(value: Any, error: BaseException | None) -> Any:
     return value
 
 
-def _on_one(lead: bool, make: Callable[[], Any], group, session, error: BaseException | None = None) -> Any:
+def _on_one(
+    lead: bool, make: Callable[[], Any], sharing: Sharing, name: str, error: BaseException | None = None
+) -> Any:
     """``make()`` on the lead rank, shared with every rank; a failure there (or ``error`` here) raised on all."""
     value = None
     if lead:
@@ -224,26 +238,7 @@ def _on_one(lead: bool, make: Callable[[], Any], group, session, error: BaseExce
             value = make()
         except Exception as e:
             error = e
-    every = _gather((value, error is not None), group)
-    if any(failed for _, failed in every):
-        _agree(session, error)
-    return next(v for v, _ in every if v is not None)
-
-
-def _agree(session: Any, error: BaseException | None) -> None:
-    if isinstance(session, LoadSession):
-        session.agree(error, "planning")
-    elif error is not None:
-        raise error
-
-
-def _gather(value: Any, group) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    every: list[Any] = [None] * dist.get_world_size(group)
-    with peer_errors("planning", "gathering what every rank holds"):
-        dist.all_gather_object(every, value, group=group)
-    return every
+    return next(v for v in sharing.share(name, value, error) if v is not None)
 
 
 def _run_fallbacks(plan: TransferPlan, rank: int, keyplan: Any, buffers, dst_parts, dst_local) -> None:

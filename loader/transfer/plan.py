@@ -212,7 +212,7 @@ def plan_transfer(
     fallback: list[Fallback] = []
     for index, conv in enumerate(dest.conversions):
         which = tuple(sorted({by_key[k][0] for k in conv.keys}))
-        names = [name for i in which for t in source.conversions[i].outputs for name, _ in per_tensor[t]]
+        names = [name for i in which for t in source.conversions[i].outputs for name, _ in per_tensor.get(t, ())]
         shape = _structure(conv, which, by_key, source, grids, dst_parts)
         blocks = compiled.get(shape) if shape is not None else None
         if blocks is None:
@@ -276,7 +276,7 @@ def _joint_inverse(
     outputs = {}
     for conv in convs:
         for tensor, out in named(conv.outputs, conv.keys, source.keys).items():
-            for name, cell in cells[tensor]:
+            for name, cell in cells.get(tensor, ()):  # a zero-element tensor has no cells
                 if numel(cell.box):
                     outputs[name] = out[tuple(slice(a, b) for a, b in cell.box)]
     keys = {k: source.keys[k] for conv in convs for k in conv.keys}

@@ -1,0 +1,133 @@
+"""What the ranks of a transfer share before anything is sent, every wait bounded by the transfer's timeout.
+
+Each step's values go through the process group's store, not a collective (:class:`Sharing`): every rank posts
+its value and meets the others at an agreement point of the transfer's :class:`~loader.distributed.LoadSession`,
+so that a rank that never calls ``transfer_weights``, hangs or dies fails every other rank after ``timeout``
+seconds, naming it (a collective would wait for the process group's own timeout, 30 minutes by default), and a
+failure on one rank is raised on every rank. The ranks holding one model must hold each of its tensors alike
+(:func:`check_views`, with the save's :func:`~loader.save.agreement.tensor_view`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..distributed import LoadSession, peer_errors
+from ..plan.slots import iter_model_tensors
+from ..save.agreement import tensor_view
+
+log = logging.getLogger("loader")
+
+STAGE = "transferring"
+
+#: model tensor name -> its view (:func:`~loader.save.agreement.tensor_view`)
+Views = Mapping[str, str]
+
+
+class Sharing:
+    """The values the ranks of one transfer share, through ``session``'s store (None: one process, no peers).
+
+    Each value stays in the store until every rank has passed the next point (then its poster deletes it), so
+    that repeated transfers do not grow the store.
+    """
+
+    def __init__(self, session: LoadSession | None) -> None:
+        self.session = session
+        self._posted: list[str] = []
+
+    def share(self, name: str, value: Any, error: BaseException | None = None) -> list[Any]:
+        """Every rank's ``value`` (index = rank). Collective over the world; ``name`` unique in the transfer.
+
+        Raises:
+            Exception: ``error`` here or on another rank: the lowest failed rank's, on every rank.
+            PeerFailure: a rank did not post within the timeout (naming it), died, or this rank came too late.
+        """
+        s = self.session
+        if s is None:
+            if error is not None:
+                raise error
+            return [value]
+        key = f"share/{name}/"
+        if error is None:
+            with peer_errors(STAGE, f"posting {name}"):
+                s.store.set(key + str(s.rank), pickle.dumps(value))
+        s.agree(error, STAGE, point=name)
+        self._forget()  # every rank has passed the previous point: its values were read
+        self._posted.append(key + str(s.rank))
+        with peer_errors(STAGE, f"reading every rank's {name}"):
+            return [pickle.loads(v) for v in s.store.multi_get([key + str(r) for r in range(s.world)])]
+
+    def agree(self, error: BaseException | None, point: str) -> None:
+        """An agreement point without values: ``error`` (or another rank's) raised on every rank."""
+        if self.session is None:
+            if error is not None:
+                raise error
+            return
+        self.session.agree(error, STAGE, point=point)
+        self._forget()
+
+    def close(self) -> None:
+        """After the transfer's last agreement point: delete this rank's values still in the store."""
+        self._forget()
+
+    def _forget(self) -> None:
+        if self.session is None:
+            return
+        for key in self._posted:
+            try:
+                self.session.store.delete_key(key)
+            except Exception:  # a store without deletion: the value stays, nothing else is affected
+                log.debug("could not delete %s from the store", key, exc_info=True)
+        self._posted.clear()
+
+
+def model_views(model: torch.nn.Module | None) -> dict[str, str]:
+    """Every tensor of ``model`` as every rank holding it must hold it (None: no tensors)."""
+    if model is None:
+        return {}
+    return {name: tensor_view(t) for name, t in iter_model_tensors(model)}
+
+
+def digest(views: Views) -> str:
+    """Equal for equal views (in any order)."""
+    return hashlib.sha256(json.dumps(sorted(views.items())).encode()).hexdigest()
+
+
+def check_views(sharing: Sharing, digests: Sequence[tuple[str | None, str | None]], views: tuple[Views, Views]):
+    """Raise on every rank when two ranks hold a tensor of one model differently (global shape, dtype,
+    placements, mesh). ``digests``: every rank's ``(source, destination)`` digests (None: it holds no part of
+    that model); ``views``: this rank's. Every rank computes the same outcome; only when the digests differ do
+    the ranks share their views (ranks holding different tensors, e.g. pipeline stages, are no error).
+
+    Raises:
+        ValueError: naming the first tensor held differently and each rank's view of it.
+    """
+    if all(len({d[i] for d in digests if d[i] is not None}) <= 1 for i in (0, 1)):
+        return
+    every = sharing.share("views", views)
+    for i, side in enumerate(("source", "destination")):
+        message = disagreement(side, [v[i] if d[i] is not None else None for v, d in zip(every, digests)])
+        if message is not None:
+            raise ValueError(message)
+
+
+def disagreement(side: str, views: Sequence[Views | None]) -> str | None:
+    """The first tensor of one model that the ranks holding it (``views``: index = rank, None: holds none of
+    the model) hold differently, with each rank's view; None when they agree."""
+    names = dict.fromkeys(n for v in views if v is not None for n in v)
+    for name in names:
+        held = {r: v[name] for r, v in enumerate(views) if v is not None and name in v}
+        if len(set(held.values())) > 1:
+            listed = "; ".join(f"rank {r}: {view}" for r, view in held.items())
+            return (
+                f"the ranks hold {side} model tensor {name!r} differently ({listed}): every rank must hold the same "
+                "tensor (global shape, dtype, placements); nothing was sent"
+            )
+    return None
