@@ -17,7 +17,7 @@ from regiontrace.cli.common import CLIError
 
 from .. import HFLoadPlanner, SafetensorsCheckpoint
 from ..checkpoint.hub import looks_like_repo_id, resolve_checkpoint
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, redact_url
 from ..placements import placement_text, plan_placements
 from ..simulate import coordinate_of, rank_figures, simulate_plans
 from ..storage import is_url
@@ -26,8 +26,8 @@ from .common import LOAD_COLUMNS, have_transformers, human_bytes, parse_mesh, qu
 from .models import build_meta_model, read_config
 from .save_plan import write_plan, write_plan_json, write_plan_text
 from .svg import render
-from .transfer_plan import transfer_plan, transfer_plan_json, transfer_plan_text
-from .transfer_plan import transfer_svg as transfer_svg_text
+from .transfer_plan import Destination, load_destination, transfer_plan, transfer_plan_json, transfer_plan_text
+from .transfer_svg import transfer_svg as transfer_svg_text
 
 HELP = "per-rank load plan of a Hugging Face checkpoint on a device mesh (no processes, no data read)"
 DESCRIPTION = """\
@@ -48,13 +48,16 @@ holder of), its positional writes and the files it writes into.
 Shard(0) over N ranks into the mesh's sharding (loader.transfer.simulate_transfer): destination ranks after
 the N source ranks (--colocated: on the same ranks from 0); bytes each rank sends and receives against its
 shard bytes, bytes per rank pair (--transfer-svg: as a picture), and the time each rank takes to compute
-the plan."""
+the plan. --transfer-to MODULE:FUNCTION moves them into another model instead: FUNCTION(config), called
+under torch.device("meta"), returns it, (model, rules) or (model, rules, placements): its rules from the
+checkpoint layout (transfer_weights' dst_mapping) and its placements on the mesh (default: its TP plan)."""
 EPILOG = """\
 examples:
   regiontrace plan ./Qwen3-30B-A3B --mesh 2x4
   regiontrace plan ./ckpt --mesh 8 --rank 3 --json
   regiontrace plan ./ckpt --mesh 2x4 --save      (the load plan, then the write plan)
   regiontrace plan ./ckpt --mesh 2x4 --transfer 8   (then FSDP over ranks 0-7 -> EP x TP on ranks 8-15)
+  regiontrace plan ./ckpt --mesh 4 --transfer 8 --transfer-to engine.py:build   (into your engine's model)
   regiontrace plan ./ckpt --mesh 2x2 --svg plan.svg --tensor '*layers.0.mlp.experts*'
   regiontrace plan Qwen/Qwen3-30B-A3B --mesh 2x4   (cached, e.g. by `hf download Qwen/Qwen3-30B-A3B`)"""
 
@@ -98,6 +101,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--colocated", action="store_true", help="--transfer: the mesh on the source's ranks")
     p.add_argument("--transfer-svg", metavar="FILE", help="--transfer: write its picture (bytes per rank pair)")
+    p.add_argument(
+        "--transfer-to",
+        metavar="MODULE:FUNCTION",
+        help="--transfer: into this destination instead: FUNCTION(config) returns the model, (model, rules) or "
+        "(model, rules, placements) (MODULE: a dotted name or a .py file)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--svg", metavar="FILE", help="write the plan picture")
     p.add_argument(
@@ -117,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--transfer {args.transfer}: give the number of source (FSDP) ranks, at least 1")
     if args.transfer_svg and not args.transfer:
         raise CLIError("--transfer-svg draws the plan of --transfer N: give --transfer")
+    if args.transfer_to and not args.transfer:
+        raise CLIError("--transfer-to is the destination of --transfer N: give --transfer")
     checkpoint = _local_checkpoint(args.checkpoint, args.revision)
     if not have_transformers():
         raise CLIError("`plan` builds the model with transformers: pip install 'transformers>=5'")
@@ -130,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError("--storage-option is for URLs, not the local path " + checkpoint)
         opened, config = checkpoint, read_config(checkpoint, args.config, args.model_type)
     model = build_meta_model(config)
+    dest = load_destination(args.transfer_to, config) if args.transfer_to else None
     result = plan_model(
         model,
         opened,
@@ -144,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         transfer=args.transfer,
         colocated=args.colocated,
         transfer_svg=args.transfer_svg,
+        transfer_to=dest,
     )
     if args.json:
         print(json.dumps(result["json"], indent=2))
@@ -215,11 +228,12 @@ def plan_model(
     transfer: int | None = None,
     colocated: bool = False,
     transfer_svg: str | None = None,
+    transfer_to: Destination | None = None,
 ) -> dict[str, Any]:
     """Simulate the load of ``model`` (placements from its TP plan unless given); text, JSON and picture.
     ``save``: also the write plan of saving it back (``save_kwargs``: the save's rules, as ``plan_writes``'s).
     ``transfer``: also the transfer into it from ``Shard(0)`` over that many ranks (``colocated``: same ranks;
-    ``transfer_svg``: its picture)."""
+    ``transfer_svg``: its picture; ``transfer_to``: into this destination, not the model itself)."""
     checkpoint = (
         checkpoint_path
         if isinstance(checkpoint_path, SafetensorsCheckpoint)
@@ -241,6 +255,7 @@ def plan_model(
     mesh_text = "x".join(map(str, mesh_shape))
     data_bytes = checkpoint.total_bytes
     shown = checkpoint.root if isinstance(checkpoint_path, SafetensorsCheckpoint) else checkpoint_path  # a URL's
+    shown = redact_url(str(shown))
     head = (
         f"{shown}: {len(checkpoint)} checkpoint tensors, {human_bytes(data_bytes)}"
         + (f", model type {model_type}" if model_type else "")
@@ -287,8 +302,9 @@ def plan_model(
         text += ["", write_plan_text(writes)]
         out_json["save"] = write_plan_json(writes)
     if transfer:
-        moved = transfer_plan(model, mesh_shape, placements, transfer, colocated=colocated)
-        text += ["", transfer_plan_text(moved)]
+        moved = transfer_plan(model, mesh_shape, placements, transfer, colocated=colocated, dest=transfer_to)
+        into = "this sharding" if transfer_to is None else f"{transfer_to.name} (--transfer-to)"
+        text += ["", transfer_plan_text(moved, into)]
         out_json["transfer"] = transfer_plan_json(moved)
         if transfer_svg:
             with open(transfer_svg, "w") as f:

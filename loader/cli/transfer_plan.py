@@ -1,32 +1,90 @@
-"""The transfer half of ``plan --transfer N``: moving the weights of the same model, FSDP-sharded (``Shard(0)``)
-over N ranks, into the mesh's sharding (:func:`loader.transfer.simulate_transfer`): bytes per rank pair and per
-rank against its shard bytes, and the plan time."""
+"""The transfer half of ``plan --transfer N``: moving the weights of the checkpoint's model, FSDP-sharded
+(``Shard(0)``) over N ranks, into the mesh's sharding of the same model or of another destination
+(``--transfer-to``, :class:`Destination`) (:func:`loader.transfer.simulate_transfer`): bytes per rank pair and
+per rank against its shard bytes, and the plan time."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from regiontrace.cli.common import CLIError, load_function
+
+from ..placements import plan_placements
 from ..transfer import TransferFigures, simulate_transfer
+from ..transfer.simulate import PlacementsArg
 from .common import human_bytes, table
 
 #: the pair matrix is printed up to this many source and destination ranks (else a summary)
 MATRIX_RANKS = 16
 
 
+@dataclass(frozen=True)
+class Destination:
+    """The destination of ``plan --transfer`` when it is not the checkpoint's own model.
+
+    Attributes:
+        model: the destination model (meta is fine).
+        rules: its rules from the checkpoint layout (``transfer_weights(dst_mapping=...)``).
+        placements: its placements on the mesh, a mapping or a function of ``(name, shape)`` (None: its own
+            TP plan, as ``plan_placements`` reads it; every tensor replicated when it has none).
+    """
+
+    model: torch.nn.Module
+    rules: Any = None
+    placements: PlacementsArg = None
+
+    @property
+    def name(self) -> str:
+        return type(self.model).__name__
+
+
+def load_destination(ref: str, config: Any) -> Destination:
+    """``--transfer-to MODULE:FUNCTION``: ``FUNCTION(config)`` called under ``torch.device("meta")``, returning
+    the model, ``(model, rules)`` or ``(model, rules, placements)``.
+
+    Raises:
+        CLIError: it returns something else.
+    """
+    with torch.device("meta"):
+        made = load_function(ref)(config)
+    parts = made if isinstance(made, tuple) else (made,)
+    if not 1 <= len(parts) <= 3 or not isinstance(parts[0], torch.nn.Module):
+        raise CLIError(
+            f"--transfer-to {ref} returned {type(made).__name__}: return the destination model, (model, rules) or "
+            "(model, rules, placements)"
+        )
+    return Destination(*parts)
+
+
 def transfer_plan(
-    model: Any, mesh_shape: Sequence[int], placements: dict, src_ranks: int, *, colocated: bool = False
+    model: Any,
+    mesh_shape: Sequence[int],
+    placements: dict,
+    src_ranks: int,
+    *,
+    colocated: bool = False,
+    dest: Destination | None = None,
 ) -> TransferFigures:
-    """``model`` moved from ``Shard(0)`` over ``src_ranks`` ranks into ``placements`` on ``mesh_shape``."""
+    """``model`` moved from ``Shard(0)`` over ``src_ranks`` ranks into ``placements`` on ``mesh_shape`` (or into
+    ``dest``, by its rules, on its placements over ``mesh_shape``)."""
     from torch.distributed.tensor import Shard
 
+    dst_model, dst_placements, rules = model, placements, None
+    if dest is not None:
+        dst_model, rules = dest.model, dest.rules
+        dst_placements = dest.placements if dest.placements is not None else plan_placements(dest.model, mesh_shape)[0]
     return simulate_transfer(
         model,
-        model,
+        dst_model,
+        dst_mapping=rules,
         src_mesh_shape=(src_ranks,),
         src_placements=lambda name, shape: [Shard(0)],
         dst_mesh_shape=tuple(mesh_shape),
-        dst_placements=placements,
+        dst_placements=dst_placements,
         colocated=colocated,
     )
 
@@ -39,9 +97,9 @@ def _role(f: TransferFigures, rank: int) -> str:
     return "+".join(n for n, rs in (("src", f.src_ranks), ("dst", f.dst_ranks)) if rank in rs)
 
 
-def transfer_plan_text(f: TransferFigures) -> str:
+def transfer_plan_text(f: TransferFigures, into: str = "this sharding") -> str:
     """The per-rank table (sent, received, shard bytes, received/shard), the pair matrix (or its summary) and
-    the plan time."""
+    the plan time; ``into``: what the destination is."""
     rows = [
         [
             r.rank,
@@ -56,9 +114,10 @@ def transfer_plan_text(f: TransferFigures) -> str:
         for r in f.ranks
     ]
     placed = "after them" if f.dst_ranks[0] >= len(f.src_ranks) else "on the same ranks (colocated)"
+    source = "the same model" if into == "this sharding" else "the checkpoint's model"
     lines = [
-        f"transfer plan (transfer_weights from the same model, Shard(0) over {len(f.src_ranks)} rank(s) "
-        f"{f.src_ranks[0]}–{f.src_ranks[-1]}, into this sharding on ranks {f.dst_ranks[0]}–{f.dst_ranks[-1]}, "
+        f"transfer plan (transfer_weights from {source}, Shard(0) over {len(f.src_ranks)} rank(s) "
+        f"{f.src_ranks[0]}–{f.src_ranks[-1]}, into {into} on ranks {f.dst_ranks[0]}–{f.dst_ranks[-1]}, "
         f"{placed}; simulated, no data):",
         table(
             ["rank", "holds", "src shard", "dst shard", "sent", "received", "received/shard", "local"],
@@ -120,67 +179,3 @@ def transfer_plan_json(f: TransferFigures) -> dict[str, Any]:
         "plan_seconds": f.plan_seconds,
         "map_seconds": f.map_seconds,
     }
-
-
-# ---------------------------------------------------------------------------------------------------
-# the picture: bytes per rank pair as a matrix, received ÷ shard per destination rank as bars
-
-_FONT = 'font-family="Helvetica, Arial, sans-serif"'
-
-
-def _shade(x: float) -> str:
-    """White (0) to deep blue (1)."""
-    r, g, b = (int(255 + (c - 255) * x) for c in (33, 102, 172))
-    return f"#{r:02x}{g:02x}{b:02x}"
-
-
-def transfer_svg(f: TransferFigures, title: str = "Transfer plan") -> str:
-    """A plain SVG: one cell per (source rank, destination rank), shaded by its bytes, and one bar per
-    destination rank: bytes received against its shard bytes (the tick)."""
-    from xml.sax.saxutils import escape
-
-    srcs, dsts = f.src_ranks, f.dst_ranks
-    cell = max(4, min(28, 640 // max(len(srcs), len(dsts))))
-    left, top = 96, 84
-    width, height = max(640, left + cell * len(dsts) + 40), top + cell * len(srcs) + 150
-    big = max(f.pairs.values(), default=1)
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" {_FONT} font-size="11">',
-        f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text x="16" y="24" font-size="16" font-weight="bold">{escape(title)}</text>',
-        f'<text x="16" y="44">{len(srcs)} source rank(s) (rows) → {len(dsts)} destination rank(s) (columns): '
-        f"bytes per pair, darkest {escape(human_bytes(big))}; plan {f.plan_seconds:.3f} s</text>",
-        f'<text x="16" y="{top - 8}">src \\ dst</text>',
-    ]
-    step = max(1, 24 // cell)
-    for j, d in enumerate(dsts):
-        if j % step == 0:
-            out.append(f'<text x="{left + j * cell + cell / 2}" y="{top - 8}" text-anchor="middle">{d}</text>')
-    for i, s in enumerate(srcs):
-        y = top + i * cell
-        if i % step == 0:
-            out.append(f'<text x="{left - 6}" y="{y + cell / 2 + 4}" text-anchor="end">{s}</text>')
-        for j, d in enumerate(dsts):
-            n = f.pairs.get((s, d), 0)
-            fill = _shade(n / big) if n else "#f4f4f4"
-            out.append(
-                f'<rect x="{left + j * cell}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{fill}">'
-                f"<title>{s} → {d}: {escape(human_bytes(n))}</title></rect>"
-            )
-    y0 = top + cell * len(srcs) + 24
-    out.append(f'<text x="16" y="{y0 + 12}">received ÷ shard (tick: 1.0)</text>')
-    most = max([r.received / r.dst_shard_bytes for r in f.ranks if r.dst_shard_bytes] + [1.0])
-    for j, d in enumerate(dsts):
-        r = f.ranks[d]
-        ratio = r.received / r.dst_shard_bytes if r.dst_shard_bytes else 0.0
-        h = 90 * ratio / most
-        x, base = left + j * cell, y0 + 110
-        out.append(
-            f'<rect x="{x}" y="{base - h}" width="{cell - 1}" height="{h}" fill="{_shade(0.8)}">'
-            f"<title>rank {d}: received {escape(human_bytes(r.received))} of a "
-            f"{escape(human_bytes(r.dst_shard_bytes))} shard ({ratio:.3f})</title></rect>"
-        )
-        tick = base - 90 / most
-        out.append(f'<line x1="{x}" x2="{x + cell - 1}" y1="{tick}" y2="{tick}" stroke="black"/>')
-    out.append("</svg>")
-    return "\n".join(out)
