@@ -86,12 +86,15 @@ def read_together(
     error, received = None, 0
     try:
         exchange = exchanging(options, plan, session)
-        shared = _agree_on_reads(plan, reader, reads, session, exchange)
+        try:
+            shared = _agree_on_reads(plan, reader, reads, session, exchange)
+        except host_reads.PostError as e:  # a mate's post: agreed below (the other hosts' ranks never saw it)
+            error, shared = e, 0
         if shared:
             what = "file(s) read with readahead (this host's ranks read most of them)"
             log.info("rank %d: %d %s", session.rank, shared, what)
         if exchange:
-            reads, error, received = exchanged_reads(plan, reader, reads, options, session)
+            reads, error, received = exchanged_reads(plan, reader, reads, options, session, error=error)
         if error is None:
             try:
                 execute_plan(
@@ -133,7 +136,7 @@ def _agree_on_reads(
     if side is None:  # no local file (or a solo session)
         return 0
     mates = host_reads.mates(posts, session.rank)
-    together = [host_reads.unpack(t) for t in session.sides("reading", mates)]
+    together = [host_reads.unpack(t, r) for t, r in zip(session.sides("reading", mates), mates)]
     files = host_reads.read_together(together, mates.index(session.rank), SPARSE_FRACTION)
     reader.read_ahead(files)  # type: ignore[attr-defined]
     return len(files)

@@ -258,6 +258,59 @@ def scenario_ranks_disagree(ctx: dict) -> dict:
     return {**outcome, "unchanged": _unchanged(model)}
 
 
+@contextlib.contextmanager
+def corrupting_sends(altered: list) -> Iterator[None]:
+    """This rank's exchange sends altered bytes: the first byte it sends the first peer it sends any to is flipped
+    after its checksums were computed, then the real ``all_to_all_single`` runs (``altered``: that peer, appended)."""
+    from loader.distributed import exchange_reads
+
+    real = exchange_reads.all_to_all_bytes
+
+    def altering(out, send, out_sizes, send_sizes, **kwargs):
+        peer = next((j for j, n in enumerate(send_sizes) if n > exchange_reads.CHECKSUM_BYTES), None)
+        if peer is not None:
+            send = send.clone()
+            send[sum(send_sizes[:peer])] ^= 0xFF
+            altered.append(peer)
+        return real(out, send, out_sizes, send_sizes, **kwargs)
+
+    exchange_reads.all_to_all_bytes = altering
+    try:
+        yield
+    finally:
+        exchange_reads.all_to_all_bytes = real
+
+
+def scenario_altered_in_transit(ctx: dict) -> dict:
+    """Rank 2's sent bytes are altered after their checksums were computed (a bad link): the receiving rank finds
+    the mismatch, and every rank raises the CheckpointError naming the file and rank 2, its tensors restored."""
+    import dist_models as dm
+
+    model, altered = _layout(7.0), []
+    with contextlib.ExitStack() as stack:
+        if dist.get_rank() == FAILING:
+            stack.enter_context(corrupting_sends(altered))
+        outcome = _failing_load(model, ctx["layout"], TIMEOUT, weights_mapping=dm.RULES, exchange_reads=True)
+    return {**outcome, "unchanged": _unchanged(model), "altered": altered}
+
+
+def scenario_garbage_host_post(ctx: dict) -> dict:
+    """Rank 2 posts garbage as its files for the host's ranks (``host_reads.pack`` replaced on it alone): every rank
+    raises an error naming rank 2 and what it posted, before anything is read, its tensors unchanged."""
+    import dist_models as dm
+
+    from loader.distributed import host_reads
+
+    model, real = _layout(7.0), host_reads.pack
+    if dist.get_rank() == FAILING:
+        host_reads.pack = lambda files: "not base64 at all!"
+    try:
+        outcome = _failing_load(model, ctx["layout"], TIMEOUT, weights_mapping=dm.RULES, exchange_reads=False)
+    finally:
+        host_reads.pack = real
+    return {**outcome, "unchanged": _unchanged(model)}
+
+
 def scenario_stopped_at_the_exchange(ctx: dict, how: str) -> dict:
     """Rank 2 stops as it enters the exchange (its chunks fetched, every fetch agreed): killed (``how="dies"``), or
     hung until the others gave up (``"hangs"``; then it resumes). The others, in the ``all_to_all``, raise
@@ -305,6 +358,8 @@ SCENARIOS = [
     ("changed_on_one_rank", scenario_changed_on_one_rank),
     ("fails_after_exchange", scenario_fails_after_exchange),
     ("ranks_disagree", scenario_ranks_disagree),
+    ("altered_in_transit", scenario_altered_in_transit),
+    ("garbage_host_post", scenario_garbage_host_post),
     ("hangs_at_the_exchange", lambda ctx: scenario_stopped_at_the_exchange(ctx, "hangs")),
     ("dies_at_the_exchange", lambda ctx: scenario_stopped_at_the_exchange(ctx, "dies")),  # last: rank 2 dies
 ]

@@ -11,10 +11,12 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 import xml.etree.ElementTree as ET
 from importlib.metadata import entry_points
 
@@ -188,21 +190,117 @@ def test_help_shows_defaults():
 
 
 def test_demo_timeout_bounds_the_whole_command(tmp_path):
-    """--timeout counts from the command's start (it used to start after the reference load): a tiny one ends
-    the demo early with one clear line and status 1."""
-    r = regiontrace("demo", "--world-size", "1", "--timeout", "0.2", "--out", str(tmp_path / "demo"), timeout=120)
+    """--timeout counts from the command's start: one that expires before anything could finish ends the demo
+    with one clear line naming the timeout, and status 1."""
+    r = regiontrace("demo", "--world-size", "1", "--timeout", "0.001", "--out", str(tmp_path / "demo"), timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("regiontrace demo: error: gave up after 0.2 s (--timeout) while ")
+    assert len(lines) == 1 and lines[0].startswith("regiontrace demo: error: gave up after 0.001 s (--timeout) while ")
     assert "OK:" not in r.stdout
+
+
+# a `transformers` that the demo imports (in its own process and in its fork server's) and that never finishes
+# importing: each importing process writes its pid, then blocks (bounded, so that nothing outlives a failed test
+# long); or, with BROKEN set, one whose import fails
+HANGING_TRANSFORMERS = """
+import os, time
+if os.environ.get("BROKEN"):
+    raise ImportError("this transformers is broken")
+with open(os.environ["PIDS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+time.sleep(600)
+"""
+
+
+def _demo_env(tmp_path: pathlib.Path, **extra: str) -> dict[str, str]:
+    """The demo's environment: TMPDIR the test's own, and a `transformers` that never finishes importing."""
+    (tmp_path / "site" / "transformers").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "site" / "transformers" / "__init__.py").write_text(HANGING_TRANSFORMERS)
+    path = os.pathsep.join([str(tmp_path / "site"), ROOT, os.environ.get("PYTHONPATH", "")])
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return {**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp_path / "tmp"), "PIDS": str(tmp_path / "pids"), **extra}
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _pids(tmp_path: pathlib.Path) -> list[int]:
+    path = tmp_path / "pids"
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def _left_behind(tmp: pathlib.Path) -> list[pathlib.Path]:
+    """The demo's and multiprocessing's folders in the temporary directory ``tmp``."""
+    return sorted([*tmp.glob("regiontrace-demo-*"), *tmp.glob("pymp-*")])
+
+
+def _all_gone(pids: list[int]) -> bool:
+    """Whether every process of ``pids`` has ended (killed: waits for the kernel to finish, as a hang guard)."""
+    for _ in range(300):
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
+def test_demo_timeout_stops_a_hanging_import_and_every_process_it_started(tmp_path):
+    """The timeout fires while the demo imports a module that never returns (the demo's own process and its fork
+    server): the demo is stopped from outside, not by an exception raised inside the import, so the message
+    names the timeout; no process it started is left, and --keep says where the folder is (else it is gone)."""
+    env = _demo_env(tmp_path)
+    command = [sys.executable, "-m", "loader", "demo", "--world-size", "1", "--timeout", "3"]
+    for keep in ([], ["--keep"]):
+        (tmp_path / "pids").unlink(missing_ok=True)
+        r = subprocess.run(command + keep, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stdout + r.stderr
+        assert lines[0].startswith("regiontrace demo: error: gave up after 3 s (--timeout) while "), r.stderr
+        pids = _pids(tmp_path)
+        assert pids and _all_gone(pids), pids  # it did reach the import; every importer was killed
+        left = _left_behind(tmp_path / "tmp")
+        if keep:
+            (kept,) = left
+            assert kept.name.startswith("regiontrace-demo-") and lines[0].endswith(f"(output kept in {kept})")
+            shutil.rmtree(kept)
+        else:
+            assert left == [], left  # nothing of the demo's, nor of multiprocessing's, in the temporary directory
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
+def test_demo_sigterm_stops_every_process_it_started(tmp_path):
+    """SIGTERM (as `timeout` sends) while the demo hangs in an import: status 130, every process it started ends,
+    and its temporary folder is removed."""
+    env = _demo_env(tmp_path)
+    command = [sys.executable, "-m", "loader", "demo", "--world-size", "1", "--timeout", "600"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):  # hang guard: until the demo is inside the import that never returns
+            if _pids(tmp_path) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert _pids(tmp_path), "the demo never reached the import"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.strip().startswith("regiontrace demo: error: interrupted while "), err
+    assert _all_gone(_pids(tmp_path)) and _left_behind(tmp_path / "tmp") == []
 
 
 def test_demo_removes_its_temporary_folder_unless_keep(tmp_path):
     """Without --out the demo works in a `regiontrace-demo-*` folder of the temporary directory: removed at the end,
-    after a success or a failure, unless --keep, which says where it is (here TMPDIR is the test's own)."""
+    after a success or a failure, unless --keep, which says where it is, in every outcome (here TMPDIR is the
+    test's own); the plan picture's path is printed where it is kept, and said to be temporary otherwise."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp_path))
 
-    def demo(*args: str) -> subprocess.CompletedProcess:
+    def demo(*args: str, env: dict[str, str] = env) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "loader", "demo", "--world-size", "1", *args]
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
@@ -213,12 +311,24 @@ def test_demo_removes_its_temporary_folder_unless_keep(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("output: ")]
     assert line.startswith(f"output: {tmp_path}/regiontrace-demo-") and "removed at exit: --keep keeps it" in line
+    assert "plan picture: not kept (in the temporary folder, removed at exit: pass --keep or --out DIR)" in r.stdout
     assert left() == []
-    r = demo("--timeout", "0.5")  # a failure, too, leaves nothing
-    assert r.returncode == 1 and "gave up after 0.5 s" in r.stderr and left() == [], r.stderr
-    r = demo("--timeout", "0.5", "--keep")
+    r = demo("--timeout", "0.001")  # a failure, too, leaves nothing
+    assert r.returncode == 1 and "gave up after 0.001 s (--timeout)" in r.stderr and left() == [], r.stderr
+    r = demo("--timeout", "0.001", "--keep")
     (kept,) = left()
     assert r.returncode == 1 and r.stderr.strip().endswith(f"(output kept in {kept})"), r.stderr
+    shutil.rmtree(kept)
+    r = demo("--model", "builtin", "--keep")  # a success with --keep: the folder and the picture's path
+    (kept,) = left()
+    assert r.returncode == 0 and f"output: {kept}  (a temporary folder, kept: --keep)" in r.stdout, r.stdout
+    assert f"plan picture: {kept / 'plan.svg'}\n" in r.stdout and (kept / "plan.svg").is_file()
+    shutil.rmtree(kept)
+    # an error inside the demo's work (here: --model transformers with a transformers that cannot be imported)
+    r = demo("--model", "transformers", "--keep", env=_demo_env(tmp_path / "broken", BROKEN="1", TMPDIR=str(tmp_path)))
+    (kept,) = left()
+    assert r.returncode == 2 and "--model transformers needs transformers" in r.stderr, r.stderr
+    assert r.stderr.strip().endswith(f"(output kept in {kept})"), r.stderr
 
 
 def test_every_command_has_help():

@@ -370,6 +370,36 @@ def test_ranks_disagreeing_on_exchanged_reads_fail_not_hang(results):
 
 
 @pytest.mark.dist
+def test_bytes_altered_after_their_fetch_fail_their_checksum_on_every_rank(results):
+    """Rank 2's sent bytes altered after their checksum was computed, the real all_to_all run: the peer that received
+    them finds the mismatch, and every rank raises the CheckpointError naming the file and rank 2, rolled back."""
+    from gloo_world import ok
+
+    per_rank = ok(results, "altered_in_transit")
+    assert len(per_rank[2]["altered"]) == 1, per_rank[2]  # rank 2 sent altered bytes to one peer
+    receiver = per_rank[2]["altered"][0]
+    for r, res in enumerate(per_rank):
+        assert res["type"] == "CheckpointError", (r, res)
+        assert res["path"].endswith("layout.safetensors"), (r, res)
+        assert "bytes rank 2 sent for exchanged reads fail their checksum" in res["message"], (r, res)
+        assert f"failed on rank {receiver}" in res["message"], (r, res)
+        assert res["unchanged"], f"rank {r} was not restored"
+
+
+@pytest.mark.dist
+def test_a_rank_posting_garbage_as_its_host_files_fails_every_rank_naming_it(results):
+    """Rank 2 posts garbage for its host's ranks: every rank raises a ValueError naming rank 2, what is wrong and the
+    start of what it posted (not base64's bare ``Incorrect padding``), before anything is read."""
+    from gloo_world import ok
+
+    for r, res in enumerate(ok(results, "garbage_host_post")):
+        assert res["type"] in ("PostError", "ValueError"), (r, res)
+        assert "rank 2 posted a list of its files that is not base64" in res["message"], (r, res)
+        assert "'not base64 at all!'" in res["message"], (r, res)
+        assert res["unchanged"], f"rank {r} was not restored"
+
+
+@pytest.mark.dist
 def test_a_rank_hanging_at_the_exchange_fails_every_rank_within_the_timeout(results):
     from gloo_world import ok
 

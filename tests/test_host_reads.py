@@ -4,7 +4,9 @@ world (one host, one copy of the files) is in tests/test_distributed.py::test_ho
 
 from __future__ import annotations
 
+import base64
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -123,3 +125,26 @@ def test_a_ranks_files_travel_compressed_and_come_back_whole():
     text = host_reads.pack(files)
     assert host_reads.unpack(text) == files
     assert len(text) < 200
+
+
+@pytest.mark.parametrize(
+    ("posted", "what"),
+    [
+        ("not base64 at all!", "is not base64"),
+        (base64.b64encode(b"plain bytes, not zlib").decode(), "is not compressed with zlib"),
+        (base64.b64encode(zlib.compress(b"{not json")).decode(), "is not JSON"),
+        (base64.b64encode(zlib.compress(b"[1, 2]")).decode(), "is a JSON list, not an object of files"),
+        (host_reads.pack({"/ckpt/a": ["k", 10]}), "gives '/ckpt/a' [\"k\", 10], not [key, size, coverage]"),
+        (host_reads.pack({"/ckpt/a": ["k", -1, "00"]}), "gives '/ckpt/a' the key \"k\" and size -1"),
+        (host_reads.pack({"/ckpt/a": ["k", SIZE, "00"]}), "a coverage that is not 6 bytes of hex"),
+        (host_reads.pack({"/ckpt/a": ["k", SIZE, "zz" * 6]}), "gives '/ckpt/a' a coverage that is not hex"),
+    ],
+)
+def test_a_post_that_is_not_a_file_list_names_the_rank_and_what_is_wrong(posted, what):
+    """What a host's ranks fetch of a mate is checked as it is unpacked: garbage is an error naming the rank that
+    posted it, what is wrong and the start of what it posted (the load agrees on it: every rank raises it, see
+    tests/test_exchange_reads.py::test_a_rank_posting_garbage_as_its_host_files_fails_every_rank_naming_it)."""
+    with pytest.raises(host_reads.PostError, match="rank 3 posted a list of its files that ") as caught:
+        host_reads.unpack(posted, 3)
+    assert what in str(caught.value) and repr(posted[:60]) in str(caught.value)
+    assert isinstance(caught.value, ValueError)

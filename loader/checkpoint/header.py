@@ -269,15 +269,17 @@ def parse_header(path: str, raw: bytes, data_base: int, data_size: int) -> tuple
 # ----------------------------------------------------------------------------------------------- files
 
 
-#: bytes of a remote object's first request: most headers fit, so one request reads the length and the header
-REMOTE_HEAD_BYTES = 256 << 10
+#: bytes of a remote object's first request: the length and the header of small files (a few dozen tensors), and
+#: little else a rank may not want; a longer header costs a second request of exactly its remaining bytes
+REMOTE_HEAD_BYTES = 4 << 10
 
 
 def read_header_file(path: str, store: Store | None = None) -> HeaderFile:
     """Read and validate the header of one safetensors file (no tensor data is read), with its identity.
 
     Locally the 8-byte length is read, then the header; remotely the first :data:`REMOTE_HEAD_BYTES` in one
-    request, and the rest of a longer header in a second.
+    request (which also tells the size and identity: no ``HEAD``), and exactly the rest of a longer header in a
+    second; the store keeps the first request's bytes, so the data bytes it held are not fetched again.
 
     Args:
         path: The file's location (a path, symlinks followed, or a URL of ``store``); stored as given in

@@ -11,14 +11,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing
 import os
 import shutil
-import signal
+import sys
 import tempfile
-import threading
 import time
 from multiprocessing import forkserver
 from typing import Any
@@ -32,6 +32,7 @@ from .. import SafetensorsCheckpoint, load_hf_checkpoint
 from ..placements import placement_text, plan_placements
 from .common import LOAD_COLUMNS, have_transformers, human_bytes, parse_mesh, table
 from .demo_models import build_model, loader_kwargs, write_checkpoint
+from .demo_process import Stages, remove_tree, run_in_child
 from .demo_rank import run_rank
 from .plan_cmd import plan_model
 from .save_plan import compare_checkpoints, save_table, write_plan
@@ -76,93 +77,45 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--timeout must be a positive number of seconds, not {args.timeout:g}")
     if args.world_size is not None and args.world_size < 1:
         raise CLIError(f"--world-size must be at least 1, not {args.world_size}")
-    deadline = Deadline(args.timeout)
+    mesh_shape = _mesh_shape(args)
+    end = time.monotonic() + args.timeout
     temporary = None if args.out else tempfile.mkdtemp(prefix="regiontrace-demo-")
     kept = f" (output kept in {temporary})" if temporary and args.keep else ""
-    try:
-        with deadline:
-            return _run(args, deadline, temporary)
-    except TimedOut:
-        message = f"gave up after {args.timeout:g} s (--timeout) while {deadline.stage}{kept}"
-        raise CLIError(message, status=1) from None
-    except CLIError as e:
-        if kept:
-            raise CLIError(f"{e}{kept}", e.status) from e
-        raise
+    try:  # the work runs in a child process, killed at the deadline: no exception is raised inside it
+        outcome = run_in_child(functools.partial(_run, args, mesh_shape, temporary=temporary), end)
     finally:
         if temporary and not args.keep:  # whatever happened: leave nothing in the temporary directory
-            shutil.rmtree(temporary, ignore_errors=True)
+            remove_tree(temporary)
+    if outcome.timed_out:
+        raise CLIError(f"gave up after {args.timeout:g} s (--timeout) while {outcome.stage}{kept}", status=1)
+    if outcome.interrupted:
+        raise CLIError(f"interrupted while {outcome.stage}{kept}", status=130)
+    if outcome.traceback and getattr(args, "verbose", False):
+        print(outcome.traceback, file=sys.stderr, end="")
+    if outcome.error:
+        hint = " (-v for the traceback)" if outcome.traceback and not getattr(args, "verbose", False) else ""
+        raise CLIError(f"{outcome.error}{kept}{hint}", status=outcome.status if outcome.status is not None else 2)
+    return int(outcome.status or 0)
 
 
-class TimedOut(BaseException):
-    """``--timeout`` expired (a BaseException, so that no ``except Exception`` on the way swallows it)."""
-
-
-class Deadline:
-    """``seconds`` from now, for the whole command: in the main thread a timer signal raises :class:`TimedOut`
-    wherever the command is (a write, a load, a wait); :meth:`stage` also checks it between stages.
-
-    Attributes:
-        stage: what the command is doing, for the message.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.end = time.monotonic() + seconds
-        self.stage = "starting"
-        self._armed = False
-        self._previous: Any = None
-
-    def left(self) -> float:
-        """Seconds left (negative once expired)."""
-        return self.end - time.monotonic()
-
-    def enter(self, stage: str) -> None:
-        """Record the stage the command enters; raises :class:`TimedOut` when the time is already up."""
-        self.stage = stage
-        if self.left() <= 0:
-            raise TimedOut
-
-    def __enter__(self) -> Deadline:
-        self._armed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-        if self._armed:
-            self._previous = signal.signal(signal.SIGALRM, self._expire)
-            signal.setitimer(signal.ITIMER_REAL, max(self.left(), 1e-3))
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._armed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self._previous if self._previous is not None else signal.SIG_DFL)
-            self._armed = False
-
-    def _expire(self, signum: int, frame: Any) -> None:
-        if _in_finalizer(frame):  # an exception there is only printed ("Exception ignored in ..."): a bit later
-            signal.setitimer(signal.ITIMER_REAL, 0.01)
-            return
-        raise TimedOut
-
-
-def _in_finalizer(frame: Any) -> bool:
-    """Whether ``frame`` runs inside a ``__del__`` (where an exception cannot propagate)."""
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _run(args: argparse.Namespace, deadline: Deadline, temporary: str | None) -> int:
-    """The demo, into ``args.out`` or the ``temporary`` folder (removed by the caller unless ``--keep``)."""
-    t0 = time.time()
-    deadline.enter("starting the fork server")
-    _start_fork_server()
+def _mesh_shape(args: argparse.Namespace) -> tuple[int, ...]:
+    """The mesh of ``--mesh`` / ``--world-size``, checked."""
     mesh_shape = parse_mesh(args.mesh) if args.mesh else (args.world_size or 4,)
     world = math.prod(mesh_shape)
     if args.world_size and args.world_size != world:
         raise CLIError(f"--world-size {args.world_size} differs from the mesh {args.mesh} ({world} ranks)")
     if world < 1 or world > 64:
         raise CLIError("use between 1 and 64 ranks")
+    return mesh_shape
+
+
+def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], deadline: Stages, *, temporary: str | None) -> int:
+    """The demo (in the child process), into ``args.out`` or the ``temporary`` folder (removed by the parent
+    unless ``--keep``)."""
+    t0 = time.time()
+    deadline.enter("starting the fork server")
+    _start_fork_server()
+    world = math.prod(mesh_shape)
     kind = args.model
     if kind == "auto":
         kind = "transformers" if have_transformers() else "builtin"
@@ -225,7 +178,7 @@ def _run(args: argparse.Namespace, deadline: Deadline, temporary: str | None) ->
         deadline.enter("planning the save")
         writes = write_plan(meta_model, mesh_shape, placements, range(world), _save_kwargs(kind, checkpoint))
         deadline.enter("waiting for the ranks")
-        _join(procs, deadline)
+        _join(procs)
     finally:
         for p in procs.processes if procs is not None else ():
             if p.is_alive():
@@ -308,10 +261,10 @@ def _reference(kind: str, checkpoint: str, expected: dict, out_path: str, kwargs
     return True, f"single-process load equals the saved model ({len(expected)} tensors)"
 
 
-def _join(procs: Any, deadline: Deadline) -> None:
+def _join(procs: Any) -> None:
     try:
-        while not procs.join(timeout=max(0.01, min(0.5, deadline.left()))):
-            deadline.enter("waiting for the ranks")
+        while not procs.join(timeout=0.5):
+            pass
     except Exception as e:
         raise CLIError(f"a rank failed: {str(e).strip().splitlines()[-1]}", status=1) from e
 
@@ -387,6 +340,7 @@ def _report(
     else:
         print(f"saved checkpoint: {saved}: {', '.join(compared[0])} equal to the original's, byte for byte")
     if kept is None:
+        print("plan picture: not kept (in the temporary folder, removed at exit: pass --keep or --out DIR)")
         print(f"output: {out}  (a temporary folder, removed at exit: --keep keeps it)   ({seconds:.1f} s)")
     else:
         print(f"plan picture: {svg}")

@@ -11,11 +11,17 @@ Wanted ranges outside shared extents are read as always, through the same reader
 
 Bytes fetched per rank are about its shard's bytes (each chunk as long as what its holder wants in the extent);
 requests are a few per chunk; bytes over the process group are each rank's shard minus what it fetched itself.
+
+Integrity: what a rank sends another of one file (its pieces of that file, concatenated) carries the ``zlib.crc32``
+of those bytes as they leave it, 4 bytes after its payload; the receiver checks each before any byte is used, and a
+mismatch (a bad link, a bug, memory gone wrong) is a :class:`~loader.errors.CheckpointError` naming the file and the
+sending rank, agreed like every failure: every rank raises it.
 """
 
 from __future__ import annotations
 
 import datetime
+import zlib
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -27,7 +33,7 @@ import torch.distributed as dist
 from regiontrace import read_layout
 
 from ..checkpoint import SafetensorsCheckpoint
-from ..errors import PeerFailure
+from ..errors import CheckpointError, PeerFailure
 from ..execute import execute_plan
 from ..options import LoadOptions
 from ..plan import BlockRead, RankPlan
@@ -35,6 +41,9 @@ from ..storage import RangeReader
 from ..storage.held import HeldFile, HeldReader, gather
 from .exchange_plan import FilePlan, Ranges, as_ranges, plan_files, rounds
 from .session import LoadSession, peer_errors
+
+CHECKSUM_BYTES = 4
+"""Bytes of the checksum after each file's pieces one rank sends another (``zlib.crc32``, little-endian)."""
 
 ROUND_BYTES = 1 << 30
 """Most bytes a rank holds for one round (its chunks and the pieces it receives), unless one tensor holds more (a
@@ -72,9 +81,12 @@ def exchanged_reads(
     options: LoadOptions,
     session: LoadSession,
     round_bytes: int | None = None,
+    *,
+    error: BaseException | None = None,
 ) -> tuple[list[BlockRead], BaseException | None, int]:
     """Execute the reads of the files with shared extents, round by round (see the module; ``round_bytes``: the
-    budget of a round, :data:`ROUND_BYTES` when None). Collective.
+    budget of a round, :data:`ROUND_BYTES` when None; ``error``: this rank's failure so far, agreed first).
+    Collective.
 
     Returns:
         The reads left (files without shared extents: the caller executes them), this rank's error from its last
@@ -84,11 +96,12 @@ def exchanged_reads(
         Exception | PeerFailure: agreed at a round's start: a rank's fetch or earlier round failed, or a rank
             hung or died (every rank raises the same).
     """
-    error: BaseException | None = None
+    mine: dict[str, Ranges] = {}
     try:
-        mine = wanted_ranges(plan.checkpoint, reads)
+        if error is None:
+            mine = wanted_ranges(plan.checkpoint, reads)
     except Exception as e:  # agreed below: every rank raises, none hangs in the gather
-        error, mine = e, {}
+        error = e
     session.agree(error, "reading", point="wanted")
     identities = getattr(plan.checkpoint, "identities", None) or {}
     everyone: list[Any] = [None] * session.world
@@ -119,8 +132,12 @@ def exchanged_reads(
         except PeerFailure as e:  # a rank that never reached the exchange (hung, died) is named by the store
             session.agree(e, "reading", point=f"exchange{k}")
             raise
+        except CheckpointError as e:  # a piece failed its checksum: agreed at the next round's start, or by the caller
+            error, held, n = e, {}, 0
         received += n
         try:
+            if error is not None:
+                continue
             round_reads = [r for p in parts for at, r in by_file.get(p.file, ()) if p.lo <= at < p.hi]
             execute_plan(
                 plan,
@@ -183,28 +200,53 @@ def exchange(
     world: int,
     timeout: float | None = None,
 ) -> tuple[dict[str, HeldFile], int]:
-    """Send every rank its pieces of this rank's chunks, receive this rank's pieces (one ``all_to_all_single``).
-    Collective.
+    """Send every rank its pieces of this rank's chunks, receive this rank's pieces (one ``all_to_all_single``), each
+    file's pieces from one rank checked against the checksum that rank sent (see the module). Collective.
 
     Returns:
         ``{file: HeldFile}`` of this rank's pieces, and the bytes received from other ranks.
+
+    Raises:
+        CheckpointError: the pieces of a file some rank sent fail their checksum (naming the file and that rank).
     """
-    # what goes out: per peer (in rank order), per file, its pieces of this rank's chunks, ascending
-    outgoing = [(f, j, plans[f].sends(rank, j)) for j in range(world) if j != rank for f in files if f in fetched]
+    # what goes out: per peer (in rank order), per file, its pieces of this rank's chunks, ascending, then checksums
     send_sizes = [0] * world
-    for _, j, ranges in outgoing:
-        send_sizes[j] += int((ranges[:, 1] - ranges[:, 0]).sum())
+    outgoing: list[tuple[str, int, Ranges]] = []
+    for j in range(world):
+        for f in files:
+            ranges = plans[f].sends(rank, j) if j != rank and f in fetched else None
+            if ranges is not None and int((ranges[:, 1] - ranges[:, 0]).sum()):
+                outgoing.append((f, j, ranges))
+                send_sizes[j] += int((ranges[:, 1] - ranges[:, 0]).sum()) + CHECKSUM_BYTES
     send = np.empty(sum(send_sizes), dtype=np.uint8)
-    at = 0
-    for f, _, ranges in outgoing:
+    at, sums = 0, {j: [] for j in range(world)}
+    for i, (f, j, ranges) in enumerate(outgoing):
         sizes = ranges[:, 1] - ranges[:, 0]
+        n = int(sizes.sum())
         _place(send, at, fetched[f], _offsets_in(plans[f].chunks.of(rank), ranges[:, 0]), sizes)
-        at += int(sizes.sum())
-    recv_sizes = [
-        0 if i == rank else int(sum(plans[f].pieces[rank].sizes_from(i).sum() for f in files)) for i in range(world)
-    ]
+        sums[j].append(zlib.crc32(memoryview(send[at : at + n])))
+        at += n
+        if i + 1 == len(outgoing) or outgoing[i + 1][1] != j:  # the last file for peer j: its checksums follow
+            tail = np.array(sums[j], dtype="<u4").view(np.uint8)
+            send[at : at + len(tail)] = tail
+            at += len(tail)
+    # what comes in: per holder, per file, its bytes of the file, then a checksum per file
+    incoming: dict[int, list[tuple[str, int]]] = {i: [] for i in range(world)}
+    for i in range(world):
+        for f in files:
+            n = int(plans[f].pieces[rank].sizes_from(i).sum()) if i != rank else 0
+            if n:
+                incoming[i].append((f, n))
+    recv_sizes = [sum(n + CHECKSUM_BYTES for _, n in incoming[i]) for i in range(world)]
     recv = _all_to_all(send, send_sizes, recv_sizes, timeout)
-    cursor = np.concatenate([[0], np.cumsum(recv_sizes)])[:-1]
+    starts = np.concatenate([[0], np.cumsum(recv_sizes)])[:-1]
+    cursor: dict[tuple[int, str], int] = {}  # where holder i's bytes of file f start in recv
+    for i, got in incoming.items():
+        check_received(recv, int(starts[i]), got, i)
+        pos = int(starts[i])
+        for f, n in got:
+            cursor[(i, f)] = pos
+            pos += n
     held: dict[str, HeldFile] = {}
     for f in files:
         p = plans[f].pieces[rank]
@@ -217,12 +259,29 @@ def exchange(
             if h == rank:
                 offs[m] = _offsets_in(plans[f].chunks.of(rank), p.starts[m])
             else:
-                offs[m] = cursor[h] + np.concatenate([[0], np.cumsum(sizes[m])[:-1]])
-                cursor[h] += int(sizes[m].sum())
+                offs[m] = cursor[(h, f)] + np.concatenate([[0], np.cumsum(sizes[m])[:-1]])
         own = fetched.get(f, np.zeros(0, dtype=np.uint8))
         of = (p.holders == rank).astype(np.int64)  # 1: this rank's own chunk, 0: received
         held[f] = HeldFile(p.starts, p.ends, of, offs, (recv, own))
-    return held, sum(recv_sizes)
+    return held, sum(n for got in incoming.values() for _, n in got)
+
+
+def check_received(recv: np.ndarray, start: int, files: Sequence[tuple[str, int]], holder: int) -> None:
+    """Check what ``holder`` sent, from ``recv[start:]``: each file's bytes (``(file, bytes)`` in order), then their
+    checksums.
+
+    Raises:
+        CheckpointError: a file's bytes do not match the checksum ``holder`` sent (naming the file and ``holder``).
+    """
+    payload = sum(n for _, n in files)
+    sent = recv[start + payload : start + payload + CHECKSUM_BYTES * len(files)].view("<u4")
+    pos = start
+    for (f, n), expected in zip(files, sent.tolist()):
+        got = zlib.crc32(memoryview(recv[pos : pos + n]))
+        if got != expected:
+            why = f"the {n} bytes rank {holder} sent for exchanged reads fail their checksum (crc32 {got:08x}, sent"
+            raise CheckpointError(f"{f}: {why} {expected:08x}): altered between its fetch and this rank", path=f)
+        pos += n
 
 
 def _place(dst: np.ndarray, at: int, src: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> None:

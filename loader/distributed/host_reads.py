@@ -20,12 +20,14 @@ A file is read with readahead on a rank when at least two ranks of its host read
 together hold at least ``fraction`` of it. In the one gather a distributed load makes, each rank posts its host and
 whether it reads local files (:func:`mates` finds the ranks of its host that do) and, aside
 (:meth:`~.session.LoadSession.gather`'s ``side``, compressed: :func:`pack`), its files, which only the ranks of its
-host fetch; every rank then decides from its mates' files (:func:`read_together`).
+host fetch; every rank then decides from its mates' files (:func:`read_together`). A post that does not unpack to
+such files is a :class:`PostError` naming the rank that posted it and what is wrong with it.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import socket
 import zlib
@@ -93,9 +95,58 @@ def pack(files: Mapping[str, Any]) -> str:
     return base64.b64encode(zlib.compress(json.dumps(files).encode())).decode()
 
 
-def unpack(text: str) -> dict[str, Any]:
-    """The ``files`` of a :func:`pack` text."""
-    return json.loads(zlib.decompress(base64.b64decode(text)))
+class PostError(ValueError):
+    """A rank's post of its files is not what :func:`pack` makes (names the rank, and what is wrong)."""
+
+
+def unpack(text: str, rank: int | None = None) -> dict[str, Any]:
+    """The ``files`` of a :func:`pack` text, posted by ``rank`` (named in errors), checked.
+
+    Raises:
+        PostError: not base64, not zlib, not JSON, or not ``{path: [key, size, coverage as hex]}`` (naming
+            ``rank``, what is wrong and the start of what it posted).
+    """
+    who = "a rank" if rank is None else f"rank {rank}"
+
+    def bad(what: str) -> PostError:
+        shown = text[:60] + ("..." if len(text) > 60 else "")
+        return PostError(f"{who} posted a list of its files that {what} ({len(text)} characters: {shown!r})")
+
+    try:
+        raw = zlib.decompress(base64.b64decode(text, validate=True))
+    except (binascii.Error, ValueError) as e:
+        raise bad(f"is not base64 ({e})") from None
+    except zlib.error as e:
+        raise bad(f"is not compressed with zlib ({e})") from None
+    try:
+        files = json.loads(raw)
+    except ValueError as e:
+        raise bad(f"is not JSON ({e})") from None
+    wrong = _wrong_files(files)
+    if wrong:
+        raise bad(wrong)
+    return files
+
+
+def _wrong_files(files: object) -> str:
+    """What makes ``files`` other than ``{path: [key, size, coverage as hex]}`` (``""``: nothing)."""
+    if not isinstance(files, dict):
+        return f"is a JSON {type(files).__name__}, not an object of files"
+    for path, entry in files.items():
+        if not (isinstance(entry, list) and len(entry) == 3):
+            return f"gives {path!r} {json.dumps(entry)[:40]}, not [key, size, coverage]"
+        key, size, bits = entry
+        if not isinstance(key, str) or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            shown = f"the key {json.dumps(key)[:40]} and size {json.dumps(size)[:20]}"
+            return f"gives {path!r} {shown}: not a string and a size"
+        n = max(1, -(-size // GRANULE))
+        if not isinstance(bits, str) or len(bits) != 2 * -(-n // 8):
+            return f"gives {path!r} a coverage that is not {-(-n // 8)} bytes of hex for its {size} bytes"
+        try:
+            bytes.fromhex(bits)
+        except ValueError:
+            return f"gives {path!r} a coverage that is not hex"
+    return ""
 
 
 def mates(posts: Sequence[Mapping[str, Any]], rank: int) -> list[int]:

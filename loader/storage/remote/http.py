@@ -196,6 +196,29 @@ class HttpBackend:
                 raise CheckpointError(f"{name}: the server tells no size (no Content-Length, no Content-Range)")
             return identity_of(merged_headers(r), total, self.names)
 
+    def first(self, location: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
+        return self.first_url(location, redact(location), nbytes)
+
+    def first_url(self, url: str, name: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
+        """The identity and first ``min(nbytes, size)`` bytes of ``url`` from one ranged ``GET`` (its
+        ``Content-Range`` tells the size: no ``HEAD``); ``None`` when it does not exist."""
+        with transport_errors(name), self._send(url, [(0, max(1, nbytes))], None) as r:
+            headers = merged_headers(r)
+            if r.status_code in (404, 410):
+                return self._missing(name, headers)
+            if r.status_code == 416:  # an empty object: no byte to send
+                total = (parse_content_range(r.headers.get("Content-Range")) or (0, 0, 0))[2]
+                if total == 0:
+                    return identity_of(headers, 0, self.names), b""
+            self._check_206(name, r)
+            got = parse_content_range(r.headers.get("Content-Range"))
+            if got is None or got[2] is None:
+                raise CheckpointError(f"{name}: a 206 answer without the object's size in Content-Range", path=name)
+            identity = identity_of(headers, got[2], self.names)
+            body = r.raw.read(decode_content=False)
+            end = min(max(1, nbytes), identity.size)
+            return identity, check_part(name, r.headers.get("Content-Range"), 0, end, identity.size, body)[:nbytes]
+
     def _missing(self, name: str, headers: Mapping[str, str]) -> None:
         code = headers.get(self.names.error_code, "") if self.names.error_code else ""
         if code and code != "EntryNotFound":

@@ -27,7 +27,7 @@ import botocore.exceptions
 from ...errors import CheckpointError
 from ..base import ObjectIdentity
 from .backend import RemoteOptions, Transient
-from .checks import changed, check_part, check_status
+from .checks import changed, check_part, check_status, parse_content_range
 
 #: backend options (s3fs' names)
 OPTIONS = ("endpoint_url", "key", "secret", "token", "anon", "profile", "region_name", "client_kwargs", "config_kwargs")
@@ -122,6 +122,35 @@ class S3Backend:
 
     def get(self, location: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity) -> list[bytes]:
         return [self._get_one(location, a, b, identity) for a, b in ranges]
+
+    def first(self, location: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
+        """The identity and first ``min(nbytes, size)`` bytes from one ranged ``get_object`` (its ``ContentRange``
+        tells the size: no ``head_object``); ``None`` when it does not exist."""
+        bucket, key = split_s3_url(location)
+        try:
+            got = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{max(1, nbytes) - 1}")
+            with got["Body"] as stream:
+                body = stream.read()
+        except botocore.exceptions.ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 404:
+                return None
+            if status == 416:  # an empty object
+                identity = self.stat(location)
+                return None if identity is None else (identity, b"")
+            _raise_client_error(location, e)
+        except _TRANSIENT as e:
+            raise Transient(f"{type(e).__name__}: {e}") from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise CheckpointError(f"{location}: {type(e).__name__}: {e}", path=location) from e
+        status = got.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        total = (parse_content_range(got.get("ContentRange")) or (0, 0, None))[2]
+        if status != 206 or total is None:
+            why = f"the server ignores Range requests (HTTP {status}, not 206 with the size)"
+            raise CheckpointError(f"{location}: {why}", path=location)
+        identity = ObjectIdentity(total, got.get("ETag", ""), got.get("VersionId", "") or "")
+        end = min(max(1, nbytes), total)
+        return identity, check_part(location, got.get("ContentRange"), 0, end, total, body)[:nbytes]
 
     def _get_one(self, location: str, start: int, end: int, identity: ObjectIdentity) -> bytes:
         bucket, key = split_s3_url(location)

@@ -1,12 +1,17 @@
 """The remote :class:`~loader.storage.base.Store`: a checkpoint folder at a URL, read through one backend.
 
 A URL folder is never listed (:meth:`RemoteStore.list_names` is ``None``: the checkpoint logic looks for the
-index, then ``model.safetensors``, by name); an object's existence, size and identity come from one
-:meth:`~.backend.Backend.stat`, its bytes from ranged requests (retried on transient failures, see :mod:`.fetch`).
+index, then ``model.safetensors``, by name); an object's existence, size and identity come with its first bytes
+from one ranged ``GET`` where the backend has ``first`` (HTTP, S3; else one :meth:`~.backend.Backend.stat`), its
+other bytes from ranged requests (retried on transient failures, see :mod:`.fetch`). The first bytes of every object
+probed (:data:`FIRST_BYTES` for :meth:`RemoteStore.exists`, what :meth:`RemoteStore.head` asks) are kept and serve
+every later read of them: a small index is read in that one request, and the readers (:meth:`RemoteStore.reader`)
+serve a file's first data bytes from what its header's request already returned.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 from ...errors import CheckpointNotFoundError
@@ -15,6 +20,10 @@ from ..untrusted import err
 from .backend import Backend, RemoteOptions
 from .fetch import with_retries
 from .reader import RemoteReader
+
+FIRST_BYTES = 4 << 10
+"""Bytes of the request that tells whether an object exists (:meth:`RemoteStore.exists`): small, so that a rank
+fetches little it may not want, and whole small objects (an index, a config) in one request."""
 
 
 class RemoteStore:
@@ -32,7 +41,8 @@ class RemoteStore:
         self.root = root.rstrip("/")
         self.backend = backend
         self.options = options if options is not None else RemoteOptions()
-        self._seen: dict[str, ObjectIdentity] = {}  # exists() answers, used once by the read that follows
+        self._heads: dict[str, ObjectHead] = {}  # every object's first bytes, as probed: serve later reads
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.root!r})"
@@ -41,34 +51,41 @@ class RemoteStore:
         return f"{self.root}/{name}"
 
     def exists(self, location: str) -> bool:
-        identity = self._stat(location)
-        if identity is not None:
-            self._seen[location] = identity  # the read that follows need not ask again: its GET checks the identity
-        return identity is not None
+        return self._probe(location, FIRST_BYTES) is not None
 
     def list_names(self) -> list[str] | None:
         return None
 
     def head(self, location: str, nbytes: int) -> ObjectHead:
-        identity = self._found(location)
-        end = min(nbytes, identity.size)
-        data = self._get(location, 0, end, identity) if end > 0 else b""
-        return ObjectHead(data, identity.size, identity)
+        known = self._probe(location, nbytes)
+        if known is None:
+            raise CheckpointNotFoundError(f"{location}: not found", path=location)
+        end = min(nbytes, known.size)
+        if len(known.data) >= end:
+            return ObjectHead(known.data[:end], known.size, known.identity)
+        rest = self._get(location, len(known.data), end, known.identity)
+        return ObjectHead(known.data + rest, known.size, known.identity)
 
     def read_range(self, location: str, start: int, end: int, identity: object) -> bytes:
         known = identity if isinstance(identity, ObjectIdentity) else self._found(location)
         if not 0 <= start <= end <= known.size:
             raise err(location, f"bytes [{start}, {end}) lie outside the object ({known.size} bytes)")
+        first = self._heads.get(location)
+        if first is not None and first.identity == known:  # the bytes already fetched serve what they hold
+            held = first.data[start:end]
+            return held + (self._get(location, start + len(held), end, known) if start + len(held) < end else b"")
         return self._get(location, start, end, known) if end > start else b""
 
     def read_small(self, location: str, limit: int, what: str) -> bytes:
         identity = self._found(location)
         if identity.size > limit:
             raise err(location, f"{what} is {identity.size} bytes, over the {limit}-byte limit")
-        return self._get(location, 0, identity.size, identity) if identity.size else b""
+        return self.read_range(location, 0, identity.size, identity)
 
     def reader(self, identities: Mapping[str, object] | None = None) -> RemoteReader:
-        return RemoteReader(self.backend, self.options, identities)
+        with self._lock:
+            heads = {loc: (h.identity, h.data) for loc, h in self._heads.items() if h.data}
+        return RemoteReader(self.backend, self.options, identities, heads)
 
     def close(self) -> None:
         """Release the backend's connections."""
@@ -77,11 +94,31 @@ class RemoteStore:
     def _stat(self, location: str) -> ObjectIdentity | None:
         return with_retries(location, "stat", lambda: self.backend.stat(location), self.options)
 
+    def _probe(self, location: str, nbytes: int) -> ObjectHead | None:
+        """The object's first bytes as kept (its size and identity), probed now if not yet: at least ``nbytes``
+        of them where the backend fetches first bytes (``first``), none otherwise; ``None``: it does not exist."""
+        with self._lock:
+            known = self._heads.get(location)
+        if known is not None:
+            return known
+        first = getattr(self.backend, "first", None)
+        if first is None:
+            identity = self._stat(location)
+            head = None if identity is None else ObjectHead(b"", identity.size, identity)
+        else:
+            what = f"GET bytes [0, {nbytes})"
+            got = with_retries(location, what, lambda: first(location, nbytes), self.options)
+            head = None if got is None else ObjectHead(got[1], got[0].size, got[0])
+        if head is not None:
+            with self._lock:
+                head = self._heads.setdefault(location, head)
+        return head
+
     def _found(self, location: str) -> ObjectIdentity:
-        identity = self._seen.pop(location, None) or self._stat(location)
-        if identity is None:
+        head = self._probe(location, FIRST_BYTES)
+        if head is None:
             raise CheckpointNotFoundError(f"{location}: not found", path=location)
-        return identity
+        return head.identity
 
     def _get(self, location: str, start: int, end: int, identity: ObjectIdentity) -> bytes:
         (data,) = with_retries(
