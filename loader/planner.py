@@ -15,6 +15,7 @@ timeout, staging buffers, broadcasting) is no planning setting: it is ``load_hf_
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,10 +31,14 @@ from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, ValueRead, plan_rank
 from .plan.cache import PLANS, PlanCache
 from .plan.gcpause import paused_gc
+from .plan.rank import REJECTED_BY_HOOK
 from .plan.slots import TargetSlot, model_slots
-from .report import LoadReport, load_report
+from .report import LoadReport, compact_keys, load_report, natural_sorted
 from .rules import KeyPlan, plan_keys
+from .rules.conversion import rule_name
 from .rules.fp8 import dequantized_keyplan
+
+log = logging.getLogger("loader")
 
 __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from_metadata", "plan_model_keys"]
 
@@ -146,10 +151,9 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
             ValueError | CheckpointError: see :func:`~loader.plan.plan_rank`; nothing was read or written.
         """
         make = functools.partial(_plan_rank, self, checkpoint, check_devices=check_devices, values=values)
-        if slots is None and self.plan_cache is not None and not any(self.hooks.overridden(h) for h in UNKEYED_HOOKS):
-            settings = (self.strict, check_devices, values)
-            return self.plan_cache.planned(self.model, self.hooks.target_slot, checkpoint, self.rules, settings, make)
-        return make(slots if slots is not None else model_slots(self.model, self.hooks.target_slot))
+        if slots is not None:  # another rank's view (a simulation): nothing logged
+            return make(slots)
+        return _own_plan(self, checkpoint, make, (self.strict, check_devices, values))
 
     # -- torch.distributed.checkpoint LoadPlanner ---------------------------------------------------------
 
@@ -192,9 +196,9 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
     def planned_reads(
         self, dcp_plan: LoadPlan
     ) -> tuple[RankPlan, list[BlockRead], list[DeferredRead], list[ValueRead]]:
-        """The plan of the current ``dcp.load`` and the block reads, deferred conversions and value reads
-        ``dcp_plan``'s items stand for, for a storage reader that runs RemapBlocks itself
-        (:class:`~loader.SafetensorsReader`); RuntimeError before ``set_up_planner``."""
+        """The plan of the current ``dcp.load`` and the block, deferred and value reads ``dcp_plan``'s items stand
+        for, for a reader running RemapBlocks itself (:class:`~loader.SafetensorsReader`); RuntimeError before
+        ``set_up_planner``."""
         state = self._state()
         return (state.plan, *state.planned_reads(dcp_plan))
 
@@ -223,6 +227,39 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         if self._dcp is None:
             raise RuntimeError("no dcp.load has been planned with this planner (set_up_planner was not called)")
         return self._dcp
+
+
+def _own_plan(planner: HFLoadPlanner, checkpoint: SafetensorsCheckpoint, make, settings: tuple) -> RankPlan:
+    """The plan of this rank's own slots: the one kept in ``planner.plan_cache`` where allowed, else ``make``'s; its
+    fallbacks logged (:func:`log_fallbacks`) on rank 0 (every rank has the same conversions)."""
+    hooks = planner.hooks
+    if planner.plan_cache is None or any(hooks.overridden(h) for h in UNKEYED_HOOKS):
+        plan = make(model_slots(planner.model, hooks.target_slot))
+    else:
+        plan = planner.plan_cache.planned(planner.model, hooks.target_slot, checkpoint, planner.rules, settings, make)
+    if rank_and_world()[0] == 0:
+        log_fallbacks(plan)
+    return plan
+
+
+def log_fallbacks(plan: RankPlan) -> None:
+    """One warning of the ``loader`` logger per rule and reason that sends conversions to deferred reads (their
+    sources read whole, run for real), naming the model tensors, the rule and the op that stopped the trace; none
+    for conversions a ``supports_symbolic`` hook rejected (the caller's choice)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for d in plan.deferred:
+        if d.reason != REJECTED_BY_HOOK:
+            groups.setdefault((rule_name(d.conversion), d.reason), []).extend(d.conversion.targets)
+    for (rule, reason), targets in groups.items():
+        log.warning(
+            "%d model tensor(s) load through a conversion that does not trace: %s via %s (%s); its sources are "
+            "read whole on every rank that loads a part of these tensors, and it runs for real (LoadReport.deferred "
+            "lists them)",
+            len(targets),
+            compact_keys(natural_sorted(targets)),
+            rule,
+            reason,
+        )
 
 
 def _plan_rank(

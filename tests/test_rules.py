@@ -682,3 +682,88 @@ def test_imports_without_transformers():
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Convert: back-references in targets, and patterns that match nothing
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(4, 4, bias=False) for _ in range(3))
+
+
+class Layers(nn.Module):
+    def __init__(self, n: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module() for _ in range(n)])
+        for layer in self.layers:
+            layer.attention = Attention()
+
+
+def _qkv_tensors(n: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"model.layers.{i}.self_attn.{p}_proj.weight": torch.randn(4, 4, generator=g) for i in range(n) for p in "qkv"
+    }
+
+
+def test_convert_targets_take_back_references_like_rename(tmp_path):
+    """``\\1`` in every target pattern of a Convert with several sources and targets, as Rename's syntax promises."""
+    from loader import load_hf_checkpoint
+
+    tensors = _qkv_tensors()
+    sources = [rf"model\.layers\.(\d+)\.self_attn\.{p}_proj\.weight" for p in "qkv"]
+    targets = [rf"layers.\1.attention.w{p}.weight" for p in "qkv"]
+    rule = Convert(sources, targets, lambda q, k, v: (q.t(), k, v * 2))
+    plan = plan_keys(Layers(), shapes_of(tensors), weights_mapping=[rule])
+    assert [c.targets for c in plan.conversions] == [
+        tuple(f"layers.{i}.attention.w{p}.weight" for p in "qkv") for i in range(2)
+    ]
+    assert plan.missing_keys == [] and plan.unexpected_keys == []
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = Layers()
+    report = load_hf_checkpoint(model, tmp_path, weights_mapping=[rule], progress=False)
+    assert report.deferred == ()
+    for i, layer in enumerate(model.layers):
+        src = {p: tensors[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"}
+        attention = layer.attention
+        assert torch.equal(attention.wq.weight, src["q"].t()) and torch.equal(attention.wk.weight, src["k"])
+        assert torch.equal(attention.wv.weight, src["v"] * 2)
+    # a back-reference inside a key (its prefix kept), repeated in a target, and a target without it
+    rule = Convert(r"blocks\.(\d+)\.w", [r"layers.\1.attention.wq.weight", r"layers.\1.attention.wk.weight"],
+                   lambda w: (w, w + 1))  # fmt: skip
+    plan = plan_keys(Layers(1), {"model.blocks.0.w": (4, 4)}, weights_mapping=[Rename(r"^model\.", ""), rule])
+    assert plan.conversions[0].targets == ("layers.0.attention.wq.weight", "layers.0.attention.wk.weight")
+
+
+def test_a_convert_whose_pattern_matches_nothing_is_named_with_the_nearest_keys(tmp_path):
+    from loader import load_hf_checkpoint, transfer_weights
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Parameter(torch.zeros(12, 4))
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"attn.{p}.weight": torch.randn(4, 4, generator=g) for p in "qkv"}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    fused = Convert(["attn.q.weight", "attn.k.weight", "attn.v.weight"], "qkv", lambda q, k, v: torch.cat([q, k, v]))
+    typo = Convert(["attn.q.weight", "attn.k.wieght", "attn.v.weight"], "qkv", lambda q, k, v: torch.cat([q, k, v]))
+    wrong = Convert(r"atn\.q\.weight", "qkv", lambda q: q.repeat(3, 1))
+    with pytest.raises(ValueError, match="1 model tensor.*not in the checkpoint: qkv") as info:
+        load_hf_checkpoint(Fused(), tmp_path, weights_mapping=[wrong], progress=False)
+    message = str(info.value)
+    assert "matched no checkpoint key" in message and repr(r"atn\.q\.weight") in message
+    assert "nearest checkpoint keys: ['attn.q.weight'" in message
+    with pytest.raises(ValueError, match="have no checkpoint key in the source's layout") as info:
+        transfer_weights(Fused(), Fused(), src_mapping=[fused], dst_mapping=[wrong], source_shapes=shapes_of(tensors))
+    assert "matched no checkpoint key" in str(info.value) and "'attn.q.weight'" in str(info.value)
+    # a typo in one of several patterns: the rule matched keys, its group lacks the pattern (named, with the keys)
+    with pytest.raises(ValueError, match=r"no checkpoint key for source pattern 'attn\.k\.wieght'"):
+        load_hf_checkpoint(Fused(), tmp_path, weights_mapping=[typo], progress=False)
+    # without a typo no note: the tensor is simply not in the checkpoint
+    with pytest.raises(ValueError, match="not in the checkpoint: qkv") as info:
+        load_hf_checkpoint(Fused(), tmp_path, weights_mapping=[], progress=False)
+    assert "matched no checkpoint key" not in str(info.value)

@@ -9,6 +9,7 @@ import torch
 from ..checkpoint import SafetensorsCheckpoint, read_tensor
 from ..plan import DeferredRead, deferred_inputs
 from ..plan.slots import TargetSlot, box_view
+from ..rules.conversion import rule_name
 from ..storage import RangeReader
 
 
@@ -30,10 +31,25 @@ def run_deferred(
 def apply_deferred(
     deferred: DeferredRead, tensors: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]
 ) -> None:
-    """Run a deferred conversion on its real source tensors and copy the owned boxes of its outputs."""
-    outs = deferred.conversion.run(deferred_inputs(deferred.conversion, tensors, slots))
+    """Run a deferred conversion on its real source tensors and copy the owned boxes of its outputs.
+
+    Raises:
+        ValueError: the conversion returned a tensor on the meta device (it wrote into a meta buffer).
+    """
+    conv = deferred.conversion
+    try:
+        outs = conv.run(deferred_inputs(conv, tensors, slots))
+    except Exception as e:
+        e.add_note(f"raised by {rule_name(conv)} for {', '.join(conv.targets[:4])} (a deferred conversion)")
+        raise
     for target, g, lb in deferred.boxes:
         src = outs[target]
+        if getattr(src, "is_meta", False):
+            raise ValueError(
+                f"{rule_name(conv)} returned {target!r} on the meta device (no data): it writes its result into a "
+                "meta tensor it made (torch.empty(..., device='meta')); build it from its inputs (w.new_zeros(...), "
+                "torch.zeros_like(w), F.pad, torch.cat) so that it follows their device"
+            )
         for d, (a, b) in enumerate(g):
             src = src.narrow(d, a, b - a)
         box_view(slots[target].local, lb).copy_(src)

@@ -28,6 +28,8 @@ from .traces import TraceCache, Traced, Untraced
 
 #: the most bytes a value read's inputs hold at once (a larger box is split)
 VALUE_BYTES = 64 << 20
+#: the reason of a conversion the ``supports_symbolic`` hook sent to a deferred read
+REJECTED_BY_HOOK = "rejected by supports_symbolic"
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ def plan_rank(
         if supports_symbolic(conv):
             outcome = cache.trace(conv, checkpoint, source_cast(conv.rule, slots[conv.targets[0]].dtype))
         else:
-            outcome = Untraced("rejected by supports_symbolic")
+            outcome = Untraced(REJECTED_BY_HOOK)
         if isinstance(outcome, Traced) and not values and not outcome.is_index_map:
             outcome = Untraced("values computed by pointwise ops are read whole here (values=False)")
         outcomes.append(outcome)
@@ -211,6 +213,7 @@ def plan_rank(
         shown = ", ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
         raise ValueError(
             f"{len(missing)} model tensor(s) are not in the checkpoint: {shown} (pass strict=False to load the rest)"
+            + keyplan.unmatched_note(checkpoint.tensors)
         )
     # like from_pretrained, leave out what the model says to ignore (``_keys_to_ignore_on_load_*``, stale
     # ``rotary_emb.inv_freq`` / ``position_ids``): not reported, and not an error with ``strict``

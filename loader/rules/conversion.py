@@ -164,7 +164,8 @@ class Convert:
     experts of one layer). ``fn`` is called with one argument per source pattern, in pattern order: the
     list of that pattern's tensors in natural key order when the pattern contains ``*``, else its single
     tensor. It returns one tensor per target pattern (a tensor for one target, else a tuple/list); target
-    ``i`` is named like the group's name with ``target_patterns[0]`` replaced by ``target_patterns[i]``.
+    ``i`` is named like the group's name with ``target_patterns[0]`` replaced by ``target_patterns[i]``, ``\\1`` in
+    each the text it stood for in the group's name (the matched source's first group).
     """
 
     __slots__ = ("_patterns", "fn", "source_patterns", "target_patterns")
@@ -240,6 +241,12 @@ class Conversion:
         return self.runner(tensors)
 
 
+def rule_name(conv: Conversion) -> str:
+    """The rule of ``conv`` for a message: our :class:`Rename`/:class:`Convert` as written, a transformers rule by its
+    operations."""
+    return repr(conv.rule) if isinstance(conv.rule, (Rename, Convert)) else conv.description
+
+
 def source_cast(rule: Any, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a rule's floating-point sources are cast to before its ops run, or None (not cast).
 
@@ -272,7 +279,25 @@ def run_on_meta(conv: Conversion, shapes: tuple[tuple[int, ...], ...], dtypes: t
         out = rt.run_on_meta(conv.run, tensors)
         return MetaRun(shapes, dtypes, tuple(spec_of(out[t]) if t in out else None for t in conv.targets))
     except Exception as e:
-        return MetaRun(shapes, dtypes, None, e)
+        return MetaRun(shapes, dtypes, None, meta_failure(conv, e))
+
+
+def meta_failure(conv: Conversion, error: Exception) -> Exception:
+    """What planning raises when ``conv`` failed on meta tensors: torch's "no data" errors (a function copying its
+    inputs into memory it allocated, or mixing them with real tensors) as a ``ValueError`` naming the rule and its
+    targets; any other exception as it is, with a note naming them."""
+    where = f"{rule_name(conv)} for {', '.join(conv.targets[:4])}{' …' if len(conv.targets) > 4 else ''}"
+    if isinstance(error, (NotImplementedError, RuntimeError)) and re.search(r"\bmeta\b", str(error)):
+        wrapped = ValueError(
+            f"{where} failed on meta tensors (shapes, no data), which planning runs it on: "
+            f"{type(error).__name__}: {error}. It writes its inputs into a tensor of real memory it made "
+            "(torch.zeros(...), torch.empty(...)) or mixes them with one: build that tensor from the inputs "
+            "(w.new_zeros(...), torch.zeros_like(w), F.pad, torch.cat) so that it follows their device"
+        )
+        wrapped.__cause__ = error
+        return wrapped
+    error.add_note(f"raised by {where} on meta tensors (planning)")
+    return error
 
 
 def meta_tensors(keys: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]) -> dict:

@@ -24,6 +24,7 @@ optional: this module imports without it, transformers-specific code lives in :m
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -163,7 +164,14 @@ def plan_keys(
         ignored_unexpected_keys=ignored_unexpected,
         used_rules=[r.impl if r.hf else r.orig for r in rules if r.used],
         custom_rules=weights_mapping is not None or bool(extra_weights_mapping) or bool(key_mapping),
+        unmatched_rules=_unmatched(rules, [*extra_weights_mapping, *(weights_mapping or ())]),
     )
+
+
+def _unmatched(rules: Sequence[Rule], given: Sequence[Any]) -> list[Any]:
+    """The given rules (of ``given``) that matched no checkpoint key, in precedence order."""
+    ids = {id(g) for g in given}
+    return [r.orig for r in rules if id(r.orig) in ids and not r.used]
 
 
 class _Specs:
@@ -221,8 +229,7 @@ def _make_convert_conversion(
                 f"{convert!r}: no checkpoint key for source pattern {pattern!r} in the group of {name!r} "
                 f"(found {list(sources)})"
             )
-    prefix, _, suffix = name.partition(patterns.target_patterns[0])
-    targets = tuple(prefix + t + suffix for t in patterns.target_patterns)
+    targets = convert_targets(name, patterns.target_patterns)
     ordered = tuple((p, by_pattern[p]) for p in patterns.source_patterns)
 
     def runner(tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -241,3 +248,19 @@ def _make_convert_conversion(
     if meta is None:
         meta = runs[sig] = run_on_meta(conv, shapes, dtypes)
     return replace(conv, meta=meta)
+
+
+def convert_targets(name: str, target_patterns: Sequence[str]) -> tuple[str, ...]:
+    """The targets of a ``Convert`` group named ``name`` (``target_patterns[0]`` as the key's match became it): each
+    target pattern in its place, its ``\\1`` the text the first pattern's ``\\1`` became in ``name``."""
+    first = target_patterns[0]
+    if r"\1" not in first:
+        prefix, _, suffix = name.partition(first)
+        return tuple(prefix + t + suffix for t in target_patterns)
+    parts = first.split(r"\1")
+    value = "(?P<v>.+)" if parts[-1] == "" else "(?P<v>.+?)"
+    found = re.search(re.escape(parts[0]) + value + "(?P=v)".join(map(re.escape, parts[1:])), name)
+    if found is None:  # (cannot happen: ``name`` was made from ``first``)
+        raise ValueError(f"Convert group {name!r} does not follow its first target pattern {first!r}")
+    prefix, suffix, text = name[: found.start()], name[found.end() :], found["v"]
+    return tuple(prefix + t.replace(r"\1", text) + suffix for t in target_patterns)

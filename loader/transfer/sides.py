@@ -103,7 +103,7 @@ def dest_side(
     if missing:
         raise ValueError(
             f"{len(missing)} destination tensor(s) have no checkpoint key in the source's layout: {missing[:8]} "
-            "(the source lacks the keys they load from, or the mappings differ)"
+            "(the source lacks the keys they load from, or the mappings differ)" + keyplan.unmatched_note(keys)
         )
     cache, layout = cache if cache is not None else TraceCache(), Layout(keys)
     conversions = []

@@ -1,0 +1,116 @@
+"""Conversions that do not trace: each fallback to a deferred read (sources read whole, run for real) is logged
+once per load, naming the model tensors, the rule and the op that stopped the trace; a function that cannot run on
+the meta tensors planning gives it, or that returns a meta tensor, is a clear error naming the rule and its target,
+never a bare torch error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from loader import Convert, HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
+
+VOCAB, PADDED, DIM = 5, 8, 4
+
+
+class Padded(nn.Module):
+    """Two layers whose embeddings are padded to ``PADDED`` rows (vLLM's padded vocabulary), and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(PADDED, DIM) for _ in range(2)])
+        self.norm = nn.Parameter(torch.zeros(DIM))
+
+
+def pad_vocab(w):
+    return F.pad(w, (0, 0, 0, PADDED - w.shape[0]))
+
+
+def into_fresh_buffer(w):  # a weight_loader's way: a new buffer, the checkpoint rows copied in
+    out = w.new_zeros(PADDED, w.shape[1])
+    out[: w.shape[0]].copy_(w)
+    return out
+
+
+def write(folder) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"emb.{i}": torch.randn(VOCAB, DIM, generator=g) for i in range(2)} | {"norm": torch.randn(DIM)}
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    return tensors
+
+
+def rules(fn) -> list:
+    return [Convert(r"emb\.(\d+)", r"layers.\1.weight", fn), Convert("norm", "norm", lambda n: n)]
+
+
+def fallback_lines(caplog) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "does not trace" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize(("fn", "op"), [(pad_vocab, "constant_pad_nd"), (into_fresh_buffer, "new_zeros")])
+def test_each_fallback_is_logged_once_naming_tensors_rule_and_op(tmp_path, caplog, fn, op):
+    tensors = write(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        report = load_hf_checkpoint(model := Padded(), tmp_path, weights_mapping=rules(fn), progress=False)
+    assert report.deferred == ("layers.0.weight", "layers.1.weight")
+    for i in range(2):
+        assert torch.equal(model.layers[i].weight, pad_vocab(tensors[f"emb.{i}"]))
+    (line,) = fallback_lines(caplog)  # one line for both layers: one rule, one reason
+    assert "2 model tensor(s)" in line and "layers.{0, 1}.weight" in line
+    assert f"fn={fn.__name__}" in line and op in line and "read whole" in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="loader"):  # inside dcp.load too
+        planner = HFLoadPlanner(Padded(), weights_mapping=rules(fn))
+        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(str(tmp_path)), planner=planner,
+                 no_dist=True)  # fmt: skip
+    assert len(fallback_lines(caplog)) == 1 and op in fallback_lines(caplog)[0]
+
+
+def test_a_conversion_the_hook_sends_to_a_deferred_read_is_not_warned_about(tmp_path, caplog):
+    write(tmp_path)
+
+    class NoTracing(HFLoadPlanner):
+        def supports_symbolic(self, conversion):
+            return False
+
+    model = Padded()
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        report = load_hf_checkpoint(model, tmp_path, planner=NoTracing(model, weights_mapping=rules(pad_vocab)))
+    assert set(report.deferred) == {"layers.0.weight", "layers.1.weight", "norm"}
+    assert fallback_lines(caplog) == []
+
+
+def into_real_memory(w):  # on meta tensors the copy has no data to copy
+    out = torch.zeros(PADDED, w.shape[1])
+    out[: w.shape[0]].copy_(w)
+    return out
+
+
+def into_meta_memory(w):  # runs on meta, but returns no data when run for real
+    out = torch.empty(PADDED, w.shape[1], device="meta")
+    out[: w.shape[0]].copy_(w)
+    return out
+
+
+@pytest.mark.parametrize(("fn", "says"), [(into_real_memory, "failed on meta tensors"), (into_meta_memory, "returned")])
+def test_a_function_writing_into_a_buffer_of_the_wrong_device_is_a_clear_error(tmp_path, fn, says):
+    write(tmp_path)
+    model = Padded()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=says) as info:
+        load_hf_checkpoint(model, tmp_path, weights_mapping=rules(fn), progress=False)
+    message = str(info.value)
+    assert f"fn={fn.__name__}" in message and "layers.0.weight" in message and "meta" in message
+    assert "new_zeros" in message  # what to write instead
+    if fn is into_real_memory:  # planning failed: nothing was written
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
