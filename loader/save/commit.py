@@ -1,13 +1,15 @@
 """The commit of a save: the finished checkpoint in its staging folder takes the place of ``path`` in one step.
 
-Under a lock (``fcntl.flock`` on ``<parent>/.<name>.lock``, so concurrent saves into one path commit one after
-the other), the files of the old folder that are not part of a checkpoint (a README, tokenizer files, …) are
-carried into the staging folder (hard links, else copies), the staging folder is renamed to
-``<path>.old-commit-XXXXXXXX`` and the two folders are exchanged with one ``renameat2(RENAME_EXCHANGE)``; the old
-folder, now under the ``.old-commit-`` name, is removed. Where the exchange is unavailable (not Linux, or a
-filesystem answering ``EINVAL``/``ENOSYS``) the old folder is renamed aside to ``<path>.old-commit-XXXXXXXX`` and the
-new one renamed in: a kill between the two renames leaves no ``path`` and the old checkpoint at the
-``.old-commit-`` name, which :func:`recover` (run by the next commit into ``path``, under the lock) puts back.
+Under a lock (``fcntl.flock`` on ``<parent>/.<name>.lock``, opened without following a symlink, so concurrent saves
+into one path commit one after the other), the files of the old folder that are not part of a checkpoint (a README,
+tokenizer files, …) are carried into the staging folder (hard links, else copies: :mod:`.carry`; a folder with a mount
+point inside is refused), the staging folder is renamed to ``<path>.old-commit-XXXXXXXX`` and the two folders are
+exchanged with one ``renameat2(RENAME_EXCHANGE)``; what appeared in the old folder meanwhile is moved into the new
+one, then the old folder, now under the ``.old-commit-`` name, is removed. Where the exchange is unavailable (not
+Linux, or a filesystem answering ``EINVAL``/``ENOSYS``) the old folder is renamed aside to
+``<path>.old-commit-XXXXXXXX`` and the new one renamed in: a kill between the two renames leaves no ``path`` and the
+old checkpoint at the ``.old-commit-`` name, which :func:`recover` (run by the next commit into ``path``, under the
+lock) puts back.
 
 :data:`STEP_HOOK`, when set, is called with each step's name just before the step (tests kill the process or
 raise there).
@@ -30,15 +32,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+from .carry import Carried, carry_over, check_no_mounts, take_late
+
 log = logging.getLogger("loader")
 
 #: called with each commit step's name just before the step is taken (None: nothing)
 STEP_HOOK: Callable[[str], None] | None = None
 #: False: always the two-rename fallback, as where ``RENAME_EXCHANGE`` is unavailable
 USE_EXCHANGE = True
-#: weight files of a checkpoint besides the index: what a new checkpoint replaces, never carried over
-WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-INDEX_NAME = "model.safetensors.index.json"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "arm64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
@@ -57,13 +58,16 @@ def commit_folder(staging: str, path: str, timeout: float | None = None) -> None
 
     Raises:
         TimeoutError: another save into ``path`` held the lock for more than ``timeout`` seconds.
+        ValueError: ``path`` is a mount point or holds one (nothing moved).
         OSError: the commit failed: ``path`` holds the old checkpoint, whole (or the new one, where the
-            failure came after the swap and only the removal of the old folder was left).
+            failure came after the swap and only the removal of the old folder was left); the lock path is a
+            symlink or not a regular file.
     """
     path = destination(path)
     with _locked(path, timeout):
         _step("recover")
         recover(path)
+        check_no_mounts(path)
         if not os.path.lexists(path):
             _step("rename")
             try:
@@ -72,21 +76,23 @@ def commit_folder(staging: str, path: str, timeout: float | None = None) -> None
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not os.path.isdir(path):
                     raise
             else:
-                return _finish(path, None)
+                return _finish(path, None, {})
         if not os.path.isdir(path) or os.path.islink(path):
             raise NotADirectoryError(errno.ENOTDIR, "cannot save there: it is not a folder", path)
-        _carry_over(path, staging)
+        carried = carry_over(path, staging, _step)
         with contextlib.suppress(OSError):
             os.chmod(staging, stat.S_IMODE(os.stat(path).st_mode))
         aside = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-commit-", dir=os.path.dirname(path))
         try:
+            _step("rescan")
+            carry_over(path, staging, _step, carried)  # what the user wrote meanwhile: there at the swap
             if not _swap(staging, path, aside):
                 _fallback(staging, path, aside)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.rmdir(aside)  # the empty placeholder: ``path`` still holds the old checkpoint
             raise
-        _finish(path, aside)
+        _finish(path, aside, carried)
 
 
 def recover(path: str) -> list[str]:
@@ -157,8 +163,25 @@ def _fallback(staging: str, path: str, aside: str) -> None:
         raise
 
 
-def _finish(path: str, aside: str | None) -> None:
-    """After the commit: the old folder (now ``aside``) goes, best effort (a leftover goes at the next commit)."""
+def _finish(path: str, aside: str | None, carried: Carried) -> None:
+    """After the commit: what appeared in the old folder (now ``aside``) since the carry-over moves into ``path``,
+    then the old folder goes, best effort (a leftover goes at the next commit). Where the move fails, the old folder
+    stays, with what it holds."""
+    try:
+        if aside is not None:
+            _step("take-late")
+            moved = take_late(aside, path, carried, _step)
+            if moved:
+                log.info("moved %d file(s) written into %s during the commit into the new checkpoint", len(moved), path)
+    except OSError as e:
+        log.warning(
+            "the checkpoint is saved at %s, but moving what was written into the old folder during the commit "
+            "failed (%s): the old folder is left at %s",
+            path,
+            e,
+            aside,
+        )
+        return
     try:
         if aside is not None:
             _step("remove-old")
@@ -166,35 +189,6 @@ def _finish(path: str, aside: str | None) -> None:
         _step("done")
     except OSError as e:
         log.warning("the checkpoint is saved at %s, but removing the old folder %s failed: %s", path, aside, e)
-
-
-def _carry_over(old: str, new: str) -> None:
-    """Link (else copy) into ``new`` every entry of ``old`` that ``new`` lacks and that is no checkpoint weight
-    file or index (those the new checkpoint replaces)."""
-    have = set(os.listdir(new))
-    for name in sorted(os.listdir(old)):
-        src = os.path.join(old, name)
-        if name in have or ((WEIGHT_FILE.fullmatch(name) or name == INDEX_NAME) and not os.path.isdir(src)):
-            continue
-        _step(f"carry {name}")
-        _link_tree(src, os.path.join(new, name))
-
-
-def _link_tree(src: str, dst: str) -> None:
-    st = os.lstat(src)
-    if stat.S_ISDIR(st.st_mode):
-        os.mkdir(dst)
-        for name in sorted(os.listdir(src)):
-            _link_tree(os.path.join(src, name), os.path.join(dst, name))
-        shutil.copystat(src, dst)
-        return
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError:  # no hard links here (or not allowed): a copy
-        if stat.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(src), dst)
-        else:
-            shutil.copy2(src, dst)
 
 
 def _exchange() -> Callable[[str, str], None] | None:
@@ -244,7 +238,7 @@ def _locked(path: str, timeout: float | None) -> Iterator[None]:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         _step("lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = _open_lock(lock_path)
         try:
             _flock(fd, path, deadline)
             st = os.fstat(fd)
@@ -264,6 +258,23 @@ def _locked(path: str, timeout: float | None) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(lock_path)
         os.close(fd)
+
+
+def _open_lock(lock_path: str) -> int:
+    """The lock file, created where missing; a symlink is not followed (nor created through), and anything but a
+    regular file is refused."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(
+                errno.ELOOP, "cannot lock the commit: the lock path is a symlink (not followed; remove it)", lock_path
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EEXIST, "cannot lock the commit: the lock path is not a regular file", lock_path)
+    return fd
 
 
 def _flock(fd: int, path: str, deadline: float | None) -> None:

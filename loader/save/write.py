@@ -21,6 +21,7 @@ import torch
 import regiontrace as rt
 from regiontrace import dest_view, split_block
 
+from .carry import check_no_mounts
 from .commit import commit_folder, destination
 from .filelayout import SaveLayout, TensorPlace
 
@@ -30,10 +31,12 @@ STAGING_BYTES = 64 << 20
 
 def make_temp_folder(path: str) -> str:
     """A new empty folder ``<path>.tmp-XXXXXXXX`` next to ``path`` (same filesystem, so a rename commits it),
-    with the permissions ``os.makedirs`` would give."""
+    with the permissions ``os.makedirs`` would give; ``path`` a file, a mount point or holding one is refused
+    (``ValueError``) first."""
     path = destination(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"cannot save to {path!r}: it is a file, not a folder")
+    check_no_mounts(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     folder = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
