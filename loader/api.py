@@ -78,7 +78,8 @@ def load_hf_checkpoint(
             its local shard only), once the load is planned and validated; the tensors the checkpoint does not
             hold are initialised as the model would (a transformers model's ``initialize_weights``, else
             ``reset_parameters()`` of their module, else zeros) before anything is read. On any error the model is
-            left on the meta device. None: a meta tensor is an error.
+            left on the meta device. None: a meta tensor is an error. The meta device itself is refused
+            (``ValueError``).
         staging_bytes: bytes per host staging buffer reads land in (two are held: double-buffered; pinned when
             a target is on a GPU). None: 64 MiB (``loader.options.STAGING_BYTES``).
         storage_options: options for a URL's backend (endpoint, credentials, timeouts, concurrency: see
@@ -127,6 +128,11 @@ def load_hf_checkpoint(
     # a meta model is planned on meta and allocated (and initialised) only once its plan is valid; on any error
     # after that its meta tensors are put back
     allocate = None
+    if device is not None and torch.device(device).type == "meta":
+        raise ValueError(
+            f"load_hf_checkpoint(device={device!r}): the meta device holds no data, so nothing could be loaded; "
+            "device= is where the model's meta tensors are materialised ('cpu', 'cuda', a torch.device)"
+        )
     if device is not None and on_meta(model):
         allocate = MetaAllocation(model, device, strict=planner.strict, slot_for=planner.hooks.target_slot)
     try:

@@ -367,3 +367,18 @@ def test_a_dtensor_allocates_only_its_local_shard():
     env = {**os.environ, "PYTHONPATH": root}
     out = subprocess.run([sys.executable, "-c", DTENSOR_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_device_meta_is_a_clear_error_before_anything_is_read(tmp_path, device):
+    """``device="meta"`` would load nothing into a model that holds no data: a ValueError, the model untouched."""
+    _, model = build("llama", seed=1)
+    save(model, tmp_path)
+    meta = meta_model("llama")
+    before = {k: (v.device.type, id(v)) for k, v in meta.state_dict(keep_vars=True).items()}
+    with pytest.raises(ValueError, match=r"device=.*meta.*holds no data.*'cpu', 'cuda'"):
+        load_hf_checkpoint(meta, str(tmp_path), device=device, progress=False)
+    assert {k: (v.device.type, id(v)) for k, v in meta.state_dict(keep_vars=True).items()} == before
+    _, built = build("llama", seed=2)  # a model already materialised: the same error
+    with pytest.raises(ValueError, match="holds no data"):
+        load_hf_checkpoint(built, str(tmp_path), device=device, progress=False)

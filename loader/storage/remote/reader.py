@@ -14,8 +14,7 @@ nothing about the bytes already read, which their responses proved one by one; i
 ahead for the file instead (the executor calls it after the file's last read).
 
 Heads: a file's first bytes, fetched with its header (``heads``, from :meth:`~.store.RemoteStore.reader`), serve the
-reads of those bytes while the file's identity is theirs: they are neither planned nor fetched again, and count in
-:attr:`RemoteReader.bytes_read` once, as they are used.
+reads of those bytes (:mod:`.heads`): they are neither planned nor fetched again.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from ..base import ObjectIdentity, Runs, Segment, consecutive
 from ..untrusted import err
 from .backend import Backend, RemoteOptions
 from .fetch import Fetcher, with_retries
+from .heads import Heads
 from .pieces import Fetch, Piece, Window
 from .requests_plan import Request, plan_requests
 
@@ -76,8 +76,7 @@ class RemoteReader:
         heads: ``{location: (identity, its first bytes)}`` already fetched (see the module).
 
     Attributes:
-        bytes_read: Bytes fetched (payload and gaps read through; fetched ahead and never read included), and the
-            bytes of ``heads`` reads used.
+        bytes_read: Bytes fetched (payload, gaps read through, fetched ahead and never read; heads' as reads use them).
         gap_bytes: Of those, the gaps between wanted ranges.
         reads: Requests made (retries included).
         peak_bytes: The most bytes ever fetched ahead and not yet consumed (the window's bound, measured).
@@ -93,30 +92,16 @@ class RemoteReader:
         self.backend, self.options = backend, options
         self._fetcher = Fetcher(backend, options)
         self._identities: dict[str, ObjectIdentity] = {}
-        self._heads = dict(heads or {})
-        self._used: dict[str, bytearray] = {}  # per location, which bytes of its head reads used (1: used)
+        self._heads = Heads(heads)
         self._window = Window(options.window_bytes)
         self._lock = threading.Lock()
         for location, identity in (identities or {}).items():
             self.expect(location, identity)
 
-    @property
-    def bytes_read(self) -> int:
-        with self._lock:
-            used = sum(u.count(1) for u in self._used.values())
-        return self._fetcher.bytes_read + used
-
-    @property
-    def gap_bytes(self) -> int:
-        return self._fetcher.gap_bytes
-
-    @property
-    def reads(self) -> int:
-        return self._fetcher.reads
-
-    @property
-    def peak_bytes(self) -> int:
-        return self._window.peak
+    bytes_read: property = property(lambda self: self._fetcher.bytes_read + self._heads.used)
+    gap_bytes: property = property(lambda self: self._fetcher.gap_bytes)
+    reads: property = property(lambda self: self._fetcher.reads)
+    peak_bytes: property = property(lambda self: self._window.peak)
 
     def __enter__(self) -> RemoteReader:
         return self
@@ -153,11 +138,8 @@ class RemoteReader:
     def will_read(self, location: str, ranges: Callable[[], Sequence[tuple[int, int]]], *, sparse: bool) -> None:
         """Plan ``location``'s requests for ``ranges()`` and start fetching them in order, within the window
         (``sparse`` changes nothing: nothing is read ahead beyond the ranges anyway)."""
-        self._identity(location)  # known before any fetch is submitted (stat'ed now if not expected)
-        head = len(self._head(location))
-        wanted = ranges()
-        if head:  # what the head holds is served from it
-            wanted = [(max(a, head), b) for a, b in wanted if b > head]
+        identity = self._identity(location)  # known before any fetch is submitted (stat'ed now if not expected)
+        wanted = self._heads.clip(location, identity, ranges())  # what a head holds is not fetched again
         requests = plan(self.backend, self.options, wanted)
         with self._lock:
             stale = self._window.plan(location, requests)
@@ -196,12 +178,9 @@ class RemoteReader:
         lo, hi = segments[0][0], segments[-1][0] + len(segments[-1][1])
         if lo < 0 or hi > identity.size:
             raise err(location, f"bytes [{lo}, {hi}) lie outside the object ({identity.size} bytes)")
-        head = self._head(location)
-        if lo < len(head):
-            segments = self._from_head(location, head, segments)
-            if not segments:
-                return
-            lo = segments[0][0]
+        segments = self._heads.serve(location, identity, segments)  # what a head holds is copied from it
+        if not segments:
+            return
         submit = self._submit
         try:
             with self._lock:
@@ -233,33 +212,9 @@ class RemoteReader:
         """The identity requests for ``location`` are made against: expected, else its head's, else stat'ed once."""
         identity = self._identities.get(location)
         if identity is None:
-            known = self._heads.get(location)
-            found = known[0] if known is not None else stat_identity(self.backend, self.options, location)
+            found = self._heads.identity(location) or stat_identity(self.backend, self.options, location)
             identity = self._identities.setdefault(location, found)
         return identity
-
-    def _head(self, location: str) -> bytes:
-        """``location``'s first bytes already fetched, while its identity is theirs (else none)."""
-        known = self._heads.get(location)
-        if known is None or self._identity(location) != known[0]:
-            return b""
-        return known[1]
-
-    def _from_head(self, location: str, head: bytes, segments: list[Segment]) -> list[Segment]:
-        """Copy the bytes of ``segments`` that ``head`` holds; the parts it does not hold, ascending."""
-        rest: list[Segment] = []
-        data = memoryview(head)
-        with self._lock:
-            used = self._used.setdefault(location, bytearray(len(head)))
-        for off, view in segments:
-            n = max(0, min(len(view), len(head) - off))
-            if n:
-                view[:n] = data[off : off + n]
-                used[off : off + n] = b"\x01" * n
-            if n < len(view):
-                rest.append((off + n, view[n:]))
-        return rest
-
 
     def _fail(self, cause: BaseException | None = None) -> None:
         """Cancel everything pending: a read failed (``cause``, what other waiting reads raise too), or the reader
