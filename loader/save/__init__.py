@@ -2,7 +2,7 @@
 
 :mod:`.filelayout` (files, headers and offsets from shapes and dtypes alone) ← :mod:`.sources` (the original keys
 and the inverted conversions) ← :mod:`.write` (preallocated files, positional writes; :mod:`.commit`: the atomic
-swap into place under a lock) ← :mod:`.api`
+swap into place under a lock; :mod:`.carry`: the user's files it keeps, and the mounts it refuses) ← :mod:`.api`
 (``save_hf_checkpoint``, one process or every rank of a process group; :mod:`.agreement`: what the ranks
 compare before anyone writes) ← :mod:`.writeplan` (any rank's write plan in one process: ``plan_writes``).
 """
