@@ -1,6 +1,29 @@
-"""Exceptions raised by the checkpoint loader."""
+"""Exceptions raised by the checkpoint loader, and :func:`redact_url`, which keeps secrets out of their messages."""
 
 from __future__ import annotations
+
+import re
+
+#: ``scheme://user:password@``: a URL's user info
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@'\"<>]*@")
+#: a query parameter whose name says it holds a secret (presigned URLs: S3's ``X-Amz-Signature`` /
+#: ``X-Amz-Credential`` / ``X-Amz-Security-Token``, GCS's ``X-Goog-Signature``, Azure's ``sig``, CloudFront's
+#: ``Signature`` / ``Policy`` / ``Key-Pair-Id``; ``token``, ``access_token``, ``api_key``, ...)
+_SECRET_PARAM = re.compile(
+    r"(?i)([?&;])([\w.%-]*(?:sig|credential|token|secret|passw|pwd|auth|key|policy|session)[\w.%-]*)=[^&;#\s'\"<>]*?(?=[&;#\s'\"<>]|:\s|:?$)"
+)
+#: what a redacted secret reads as
+REDACTED = "REDACTED"
+
+
+def redact_url(text: str) -> str:
+    """``text`` (a URL, or a message naming URLs or a request's path and query) with every URL's user info dropped
+    and the values of query parameters that hold secrets replaced by ``REDACTED``; the rest is kept (the host, the
+    path, ``X-Amz-Date`` and ``X-Amz-Expires``: what an error should tell). Every error, log line and report of
+    the project that names a location passes through it (:class:`CheckpointError` does it itself)."""
+    if "@" not in text and "=" not in text:
+        return text
+    return _SECRET_PARAM.sub(rf"\1\2={REDACTED}", _USERINFO.sub(r"\1", text))
 
 
 class CheckpointError(ValueError):
@@ -8,6 +31,7 @@ class CheckpointError(ValueError):
 
     The message always names the offending file and, where relevant, the tensor key.
     The same values are available as the ``path`` and ``key`` attributes (``None`` when not applicable).
+    A URL's user info and signatures are redacted from both (:func:`redact_url`).
 
     Args:
         message: Full human-readable message (already naming the file and key).
@@ -16,8 +40,8 @@ class CheckpointError(ValueError):
     """
 
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
+        super().__init__(redact_url(message))  # a URL's credentials never reach a message, a log or another rank
+        self.path = None if path is None else redact_url(path)
         self.key = key
 
     def __reduce__(self):  # keep path/key (and a re-raised error's rank, traceback) across pickling

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import redact_url
 from .plan import RankPlan
 from .plan.gcpause import paused_gc
 from .rules import dot_natural_key
@@ -113,7 +114,7 @@ def load_report(
             "from another task or architecture, not when you expect the same one (LoadReport.unexpected_keys "
             "lists them)",
             len(keys),
-            plan.checkpoint.root,
+            redact_url(plan.checkpoint.root),
             compact_keys(keys),
         )
     return LoadReport(

@@ -12,6 +12,7 @@ from regiontrace.cli.common import CLIError
 
 from ..checkpoint import config_location
 from ..checkpoint.config import MAX_CONFIG_BYTES
+from ..errors import redact_url
 from ..storage import Store
 
 
@@ -41,10 +42,10 @@ def read_config(checkpoint: str | Store, config_file: str | None, model_type: st
         raise CLIError(f"no such config file: {config_file}")
     if not found and not model_type:
         named = checkpoint if isinstance(checkpoint, str) else checkpoint.root
-        raise CLIError(f"no config.json next to {named}: pass --config FILE or --model-type TYPE")
+        raise CLIError(f"no config.json next to {redact_url(named)}: pass --config FILE or --model-type TYPE")
     model_type = model_type or data.get("model_type")
     if not model_type:
-        raise CLIError(f"{path} has no model_type: pass --model-type TYPE")
+        raise CLIError(f"{redact_url(path)} has no model_type: pass --model-type TYPE")
     data = {k: v for k, v in data.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **data)
