@@ -18,6 +18,13 @@ several ranges give ``multipart/byteranges``, an unsatisfiable one 416; ``If-Mat
 - ``change_etag_after=K``: after K responses the object is "replaced": a new ETag, every byte XOR 0xFF.
 - ``hang``: the request is read and never answered (the connection stays open until the server stops).
 - ``reset``: the connection is closed with a TCP RST, no answer.
+- ``trickle=B``: the body is sent at about B bytes per second (a slice every 50 ms).
+- ``coalesce``: how a multi-range request is answered: ``"one"`` (one part from the first range's start to the
+  last one's end), ``"plain"`` (the same as a plain 206), ``"reverse"`` (the parts in reverse order), ``"unasked"``
+  (one more part, of bytes no range asked), ``"missing"`` (the last range's part left out).
+- ``redirect="http://host:port"``: a 302 to that server, same path and query.
+- ``refuse_header="Name"``: a 403 to a request that carries the header.
+- ``require_query="k=v"``: a 403 to a request whose query string lacks ``k=v`` (a presigned URL's signature).
 
 ``DELETE /__control__`` clears every mode, counter and the log; ``GET /__log__`` returns the request log as JSON
 rows ``[method, path, range, status, body_bytes]`` (status 0: never answered).
@@ -38,6 +45,7 @@ from pathlib import Path
 from processes import exit_with_parent
 
 MODES = ("ignore_range", "status", "fail_then_ok", "truncate", "change_etag_after", "hang", "reset")
+MODES += ("trickle", "coalesce", "redirect", "refuse_header", "require_query")
 BOUNDARY = "fault-server-boundary"
 FLIPPED = bytes(b ^ 0xFF for b in range(256))  # the "replaced" object's bytes: bytes.translate(FLIPPED)
 
@@ -147,6 +155,12 @@ class Handler(BaseHTTPRequestHandler):
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True
             return
+        if "redirect" in mode:
+            return self._send(302, {"Location": mode["redirect"] + self.path}, b"")
+        query = urllib.parse.urlsplit(self.path).query.split("&")
+        refused = mode.get("refuse_header") and self.headers.get(mode["refuse_header"]) is not None
+        if refused or ("require_query" in mode and mode["require_query"] not in query):
+            return self._send(403, {"Content-Type": "text/plain"}, b"fault server: a header it refuses\n")
         if "status" in mode:
             return self._send(int(mode["status"]), {"Content-Type": "text/plain"}, b"fault server: status mode\n")
         if count < int(mode.get("fail_then_ok", 0)):
@@ -180,15 +194,36 @@ class Handler(BaseHTTPRequestHandler):
         elif len(ranges) == 1:
             (start, stop), status = ranges[0], 206
             body, headers["Content-Range"] = read(start, stop), f"bytes {start}-{stop - 1}/{size}"
+        elif mode.get("coalesce") == "plain":
+            start, stop, status = ranges[0][0], ranges[-1][1], 206
+            body, headers["Content-Range"] = read(start, stop), f"bytes {start}-{stop - 1}/{size}"
         else:
-            status, body = 206, self._multipart(read, size, ranges)
+            status, body = 206, self._multipart(read, size, coalesced(ranges, mode.get("coalesce", ""), size))
             headers["Content-Type"] = f"multipart/byteranges; boundary={BOUNDARY}"
+        if mode.get("trickle") and self.command != "HEAD":
+            return self._trickle(status, headers, body, float(mode["trickle"]))
         if mode.get("truncate") and self.command != "HEAD":
             self._send(status, headers, body[: len(body) // 2], promise=len(body))
             self.connection.shutdown(socket.SHUT_RDWR)
             self.close_connection = True
             return
         self._send(status, headers, body)
+
+    def _trickle(self, status: int, headers: dict[str, str], body: bytes, rate: float) -> None:
+        self.send_response(status)
+        for key, value in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        step, sent = max(1, int(rate / 20)), 0
+        while sent < len(body) and not self.server.state.stopping.wait(0.05):
+            try:
+                self.wfile.write(body[sent : sent + step])
+                self.wfile.flush()
+            except OSError:  # the client gave up
+                break
+            sent += step
+        self._record(status, min(sent, len(body)))
+        self.close_connection = True
 
     @staticmethod
     def _multipart(read: Callable[[int, int], bytes], size: int, ranges: list[tuple[int, int]]) -> bytes:
@@ -198,6 +233,19 @@ class Handler(BaseHTTPRequestHandler):
             head += f"Content-Range: bytes {start}-{stop - 1}/{size}\r\n\r\n"
             parts.append(head.encode() + read(start, stop) + b"\r\n")
         return b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
+
+
+def coalesced(ranges: list[tuple[int, int]], how: str, size: int) -> list[tuple[int, int]]:
+    """The parts a multi-range answer sends for ``ranges`` (see the ``coalesce`` mode)."""
+    if how == "one":
+        return [(ranges[0][0], ranges[-1][1])]
+    if how == "reverse":
+        return ranges[::-1]
+    if how == "unasked":
+        return ranges + [(ranges[-1][1], min(ranges[-1][1] + 1, size))] if ranges[-1][1] < size else [(0, 1)] + ranges
+    if how == "missing":
+        return ranges[:-1]
+    return ranges
 
 
 class FaultServer(ThreadingHTTPServer):

@@ -40,6 +40,17 @@ CONVERTERS = textwrap.dedent("""
     def summed(w):
         return w.sum(0)
 
+    def split_kv(kv):
+        k, v = kv.chunk(2, dim=0)
+        return {"k": k, "v": v}
+
+    def split_kv_swapped(kv):
+        k, v = kv.chunk(2, dim=0)
+        return {"k": v, "v": k}
+
+    def split_heads(w, heads, order=(1, 0)):
+        return w.reshape(heads, w.shape[0] // heads, -1).permute(*order, 2)
+
     def sneaky(w):
         # tracing runs on the meta device and sees this branch; a real run flips the rows
         return w if w.device.type == "meta" else w.flip(0)
@@ -133,6 +144,51 @@ def test_check_a_converter_whose_arguments_are_named_like_the_kits_options(conve
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "on seed=2x3:float32, boxes.0=3:float32, boxes.1=3:float32" in r.stdout and "OK: 3 example(s)" in r.stdout
+
+
+def test_check_reference_catches_a_consistently_wrong_converter(converters):
+    """k and v swapped trace exactly (trace and real run agree), so `check` alone passes; `--reference` with an
+    independent implementation fails, status 1, naming the first differing element."""
+    r = algebra("check", "conv.py:split_kv_swapped", "--input", "kv=8x3", "--examples", "5", cwd=str(converters))
+    assert r.returncode == 0 and "OK: 5 example(s) passed" in r.stdout, r.stdout + r.stderr
+    args = ("check", "conv.py:split_kv_swapped", "--input", "kv=8x3", "--examples", "5")
+    r = algebra(*args, "--reference", "conv.py:split_kv", cwd=str(converters))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "against conv.py:split_kv" in r.stdout and "FAILED: counterexample" in r.stdout
+    assert "AssertionError: output 0: the converter differs from the reference" in r.stdout
+    assert "first difference: output 0[0, 0]: the converter reads kv[4, 0], the reference holds kv[0, 0]" in r.stdout
+    r = regiontrace(
+        "check", "conv.py:split_kv", "-i", "kv=8x3", "-n", "5", "--reference", "conv.py:split_kv", cwd=str(converters)
+    )
+    assert r.returncode == 0 and "the traced map equals the real run, which equals conv.py:split_kv's" in r.stdout
+    r = regiontrace("check", "conv.py:split_kv", "-i", "kv=8x3", "--reference", "conv.py:scaled", cwd=str(converters))
+    assert r.returncode == 2 and "do not match conv.py:scaled's parameters (w)" in r.stderr, r.stderr
+
+
+def test_arg_passes_plain_values_to_trace_and_check(converters):
+    """`--arg NAME=VALUE` passes a Python literal as is; as an `--input` the same number is a tensor, which the
+    converter's `//` cannot trace with."""
+    r = algebra("trace", "conv.py:split_heads", "-i", "w=8x3", "-i", "heads=4", cwd=str(converters))
+    assert r.returncode == 1 and "Untraceable" in r.stderr and "floor_divide" in r.stderr, r.stderr
+    r = algebra("trace", "conv.py:split_heads", "-i", "w=8x3", "-a", "heads=4", cwd=str(converters))
+    assert r.returncode == 0, r.stderr
+    assert "out: RegionTensor (2, 4, 3)" in r.stdout and "out[0:2, 0:4, 0:3] <- w[i0 + 2*i1, i2]" in r.stdout
+    r = algebra(
+        "trace", "conv.py:split_heads", "-i", "w=8x3", "-a", "heads=2", "--arg", "order=(0, 1)", cwd=str(converters)
+    )
+    assert r.returncode == 0 and "out: RegionTensor (2, 4, 3)" in r.stdout and "<- w[4*i0 + i1, i2]" in r.stdout
+    r = regiontrace("check", "conv.py:split_heads", "-i", "w=8x3", "-a", "heads=4", "-n", "5", cwd=str(converters))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "on w=8x3:float32, heads=4: 5 example(s)" in r.stdout and "OK: 5 example(s) passed" in r.stdout
+    for bad, message in [
+        (("-a", "heads=four"), "bad --arg 'heads=four': 'four' is no Python literal"),
+        (("-a", "heads"), "bad --arg 'heads': write NAME=VALUE"),
+        (("-a", "heads=4", "-a", "heads=2"), "--arg 'heads' given twice"),
+        (("-a", "w=4"), "'w' is given both as --input (a tensor) and as --arg (a value)"),
+        (("-a", "heads=4", "-a", "nope=1"), "do not match conv.py:split_heads's parameters"),
+    ]:
+        r = algebra("trace", "conv.py:split_heads", "-i", "w=8x3", *bad, cwd=str(converters))
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
 
 
 def test_check_passes_a_correct_converter(converters):

@@ -2,7 +2,8 @@
 
 One rule for single files and shards: a file may be a symlink to a regular file anywhere (the Hugging Face
 cache links ``snapshots/<rev>/*`` into ``../../blobs``; a user's symlink farm does the same), but the
-*names* an index gives must stay inside the checkpoint folder (no ``..``, no absolute path, no NUL byte).
+*names* an index gives must be plain relative names inside the checkpoint folder, as given and percent-decoded
+(no ``..`` or empty component, no absolute path, scheme, backslash or NUL byte), for a local folder as for a URL.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import logging
 import os
 import posixpath
 import re
+import urllib.parse
 import warnings
 from collections.abc import Iterator, KeysView, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, redact_url
 from ..storage import LocalStore, RangeReader, Store, is_url, open_reader, open_store
 from ..storage.untrusted import err, loads_json
 from .header import HeaderFile, TensorInfo, read_header_file
@@ -34,6 +36,10 @@ log = logging.getLogger("loader")
 _Meta = dict[str, dict[str, str]]
 
 
+#: percent-decodings an index's file names are checked through (``%2e``, ``%252e``, ...)
+_DECODINGS = 4
+#: ``scheme:`` or a drive letter at a name's start
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 #: headers of a remote checkpoint's files read at once (one request or two each)
 REMOTE_HEADER_THREADS = 16
 
@@ -48,18 +54,46 @@ def read_index(index_path: str, store: Store | None = None) -> object:
     return loads_json(index_path, store.read_small(index_path, MAX_INDEX_BYTES, "index"), "index")
 
 
+def _name_problem(name: str, remote: bool) -> str:
+    """Why a file name an index gives is not a plain relative name inside the folder; ``""`` when it is.
+
+    The name is checked as given and as every percent-decoding of it reads (a server decodes ``%2e%2e`` to
+    ``..``, a proxy in front of it may decode once more), for every store alike.
+    """
+    seen = name
+    for _ in range(_DECODINGS):
+        if "\0" in seen:
+            return "a NUL byte"
+        if "\\" in seen:
+            return "a backslash"
+        if seen.startswith("/") or os.path.isabs(seen):
+            return "an absolute path, which escapes the checkpoint folder"
+        if _SCHEME.match(seen):
+            return "a scheme or drive (a URL, C:...)"
+        parts = seen.split("/")
+        if ".." in parts:
+            return "a '..' component, which escapes the checkpoint folder"
+        if "" in parts:
+            return "an empty path component"
+        decoded = urllib.parse.unquote(seen)
+        if decoded == seen:
+            break
+        seen = decoded
+    if remote and ("?" in name or "#" in name):
+        return "'?' or '#', which a URL reads as its query or fragment"
+    return ""
+
+
 def _shard_path(store: Store, index_path: str, key: str, name: object) -> str:
-    """The location of a file the index names, refusing names that are not plain paths inside the folder."""
-    root = store.root
+    """The location of a file the index names, refusing names that are not plain relative names inside the folder
+    (:func:`_name_problem`)."""
     if not isinstance(name, str) or not name:
         raise err(index_path, f"weight_map value must be a file name, got {name!r}", key)
-    if "\0" in name:
-        raise err(index_path, f"file name {name!r} holds a NUL byte", key)
-    norm = posixpath.normpath(name) if store.remote else os.path.normpath(name)
-    sep = "/" if store.remote else os.sep
-    if name.startswith("/") or os.path.isabs(name) or norm == ".." or norm.startswith(".." + sep):
-        raise err(index_path, f"file {name!r} escapes the checkpoint folder {root}", key)
-    return store.locate(norm)
+    problem = _name_problem(name, store.remote)
+    if problem:
+        where = f"a plain relative name in the folder {store.root}"
+        raise err(index_path, f"file name {name!r} is not {where} (as given or percent-decoded): {problem}", key)
+    return store.locate(posixpath.normpath(name) if store.remote else os.path.normpath(name))
 
 
 def _index_files(store: Store, index_path: str) -> dict[str, list[str]]:
@@ -143,20 +177,27 @@ def _complete_shard_set(root: str, names: Sequence[str]) -> list[str]:
 
 def _locate(
     path: str | os.PathLike[str], revision: str | None, storage_options: Mapping[str, object] | None
-) -> tuple[Store, str]:
-    """The store of the checkpoint ``path`` names and the file name in it (``""`` for the folder itself)."""
+) -> tuple[Store, str, str]:
+    """The store of the checkpoint ``path`` names, the file name in it (``""`` for the folder itself) and that
+    file's location. A URL is a file's or a folder's by its path: a presigned file URL's query string
+    (``.../model.safetensors?X-Amz-Signature=...``) goes with that file's requests only, a folder URL's with every
+    object's (:class:`~loader.storage.remote.RemoteStore`)."""
     text = os.fspath(path)
     if is_url(text):
-        text = text.rstrip("/")
-        head, _, last = text.rpartition("/")
-        named = last.endswith(".safetensors") or last == INDEX_NAME
-        return open_store(head if named else text, storage_options, revision=revision), last if named else ""
+        base, mark, query = text.partition("?")
+        head, _, last = base.rstrip("/").rpartition("/")
+        if not (last.endswith(".safetensors") or last == INDEX_NAME):
+            store = open_store(base.rstrip("/") + mark + query, storage_options, revision=revision)
+            return store, "", ""
+        store = open_store(head, storage_options, revision=revision)
+        return store, last, store.sign(last, query) if query else store.locate(last)  # type: ignore[attr-defined]
     if storage_options:
         raise ValueError(f"storage_options apply to URLs only, not to the local path {text!r}")
     local = resolve_checkpoint(text, revision=revision)
     if os.path.isdir(local):
-        return LocalStore(local), ""
-    return LocalStore(os.path.dirname(local)), os.path.basename(local)
+        return LocalStore(local), "", ""
+    store = LocalStore(os.path.dirname(local))
+    return store, os.path.basename(local), store.locate(os.path.basename(local))
 
 
 def _read_headers(store: Store, files: list[str]) -> list[HeaderFile]:
@@ -250,12 +291,10 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         """
         if allow_external_symlinks is not None:
             _warn_deprecated()
-        store, name = _locate(path, revision, storage_options)  # a URL's store is given the revision
+        store, name, location = _locate(path, revision, storage_options)  # a URL's store is given the revision
         if name and name != INDEX_NAME:
-            file = store.locate(name)
-            header = read_header_file(file, store)
-            return cls(store.root, (file,), header.tensors, {file: header.metadata}, {file: header.identity}, store)
-        index_path = store.locate(INDEX_NAME)
+            return cls._from_files(store, [location], None, "")
+        index_path = location or store.locate(INDEX_NAME)
         wanted: dict[str, list[str]] | None = None
         if name == INDEX_NAME or store.exists(index_path):
             wanted = _index_files(store, index_path)
@@ -334,4 +373,4 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         return sum(info.nbytes for info in self.tensors.values())
 
     def __repr__(self) -> str:
-        return f"SafetensorsCheckpoint({self.root!r}, files={len(self.files)}, tensors={len(self.tensors)})"
+        return f"SafetensorsCheckpoint({redact_url(self.root)!r}, files={len(self.files)}, tensors={len(self.tensors)})"

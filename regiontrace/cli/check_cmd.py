@@ -21,6 +21,7 @@ from .common import (
     flat_specs,
     load_function,
     parse_inputs,
+    parse_values,
     regroup,
 )
 
@@ -29,12 +30,15 @@ DESCRIPTION = """\
 For N hypothesis examples (random seeds, data and output boxes): trace FUNCTION, run it for real, and
 check that the traced map reproduces the real result exactly — whole outputs (materialize), RemapBlocks of
 random boxes, random values and unique per-element codes (regiontrace.testing.assert_converter_exact).
+With --reference, also that FUNCTION computes what an independent implementation computes on the same data
+(a converter that is consistently wrong, e.g. with k and v swapped, traces exactly but differs from it).
 Exit status 1 on a counterexample, printed minimised; 1 also when the function is not traceable; 2 for a
 wrong command line (e.g. --input names that are not the function's parameters)."""
 EPILOG = """\
 examples:
   regiontrace check convert.py:gate_up --input 'gate[4]=8x16:bf16' --input 'up[4]=8x16:bf16'
-  regiontrace check mypkg.conv:permute_qk --input w=64x32 --examples 200"""
+  regiontrace check mypkg.conv:permute_qk --input w=64x32 --arg heads=4 --examples 200
+  regiontrace check convert.py:split_qkv --input qkv=12x4 --reference reference.py:split_qkv"""
 
 
 def add_parser(sub: Any) -> None:
@@ -47,6 +51,12 @@ def add_parser(sub: Any) -> None:
         default=4,
         metavar="K",
         help="random boxes per output per example, besides the one hypothesis draws",
+    )
+    p.add_argument(
+        "--reference",
+        metavar="MODULE:FUNCTION",
+        help="an independent implementation, called like FUNCTION (same --input and --arg): each example's "
+        "real outputs must equal its outputs bit for bit",
     )
     p.set_defaults(run=run)
 
@@ -65,11 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if args.boxes < 0:
         raise CLIError("--boxes must be at least 0")
     inputs = parse_inputs(args.input)
+    values = parse_values(args.arg, inputs)
     specs = flat_specs(inputs)
     fn = load_function(args.function)
+    reference = load_function(args.reference) if args.reference else None
 
     def call(**tensors: Any) -> Any:
-        return fn(**regroup(inputs, tensors))
+        return fn(**regroup(inputs, tensors, values))
+
+    def call_reference(**tensors: Any) -> Any:
+        return reference(**regroup(inputs, tensors, values))
 
     # a function that does not trace fails the same way on every example: say so once, plainly
     try:
@@ -77,8 +92,12 @@ def run(args: argparse.Namespace) -> int:
     except (rt.Untraceable, rt.TraceMismatch) as e:
         raise CLIError(f"not traceable: {type(e).__name__}: {e}", status=1) from e
 
-    shown = ", ".join(f"{n}={'x'.join(map(str, s)) or '()'}:{dtype_name(d)}" for n, (s, d) in specs.items())
-    print(f"checking {args.function} on {shown}: {args.examples} example(s), {args.boxes} random box(es) each")
+    shown = ", ".join(
+        [f"{n}={'x'.join(map(str, s)) or '()'}:{dtype_name(d)}" for n, (s, d) in specs.items()]
+        + [f"{n}={v!r}" for n, v in values.items()]
+    )
+    against = f", against {args.reference}" if reference else ""
+    print(f"checking {args.function} on {shown}: {args.examples} example(s), {args.boxes} random box(es) each{against}")
 
     @settings(
         max_examples=args.examples,
@@ -89,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     )
     @given(seed=st.integers(0, 2**31 - 1), data=st.data())
     def converter_is_exact(seed: int, data: Any) -> None:
-        traced = assert_converter_exact(call, specs, boxes=args.boxes, seed=seed)
+        traced = assert_converter_exact(
+            call, specs, boxes=args.boxes, seed=seed, reference=call_reference if reference else None
+        )
         # one more box per output, drawn by hypothesis so that a failure shrinks to the smallest box
         gen = torch.Generator().manual_seed(seed + 1)
         sources = {n: random_tensor(s, d, gen) for n, (s, d) in specs.items()}
@@ -121,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         if set_home is not None:
             set_home(previous)
         shutil.rmtree(home, ignore_errors=True)
-    print(f"OK: {args.examples} example(s) passed — the traced map equals the real run")
+    also = f", which equals {args.reference}'s" if reference else ""
+    print(f"OK: {args.examples} example(s) passed — the traced map equals the real run{also}")
     return 0
 
 

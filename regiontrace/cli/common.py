@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import copy
 import functools
 import importlib
 import importlib.util
@@ -27,6 +29,7 @@ __all__ = [
     "parse_dtype",
     "parse_inputs",
     "parse_shape",
+    "parse_values",
     "regroup",
 ]
 
@@ -134,6 +137,31 @@ def parse_inputs(specs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def parse_values(specs: Sequence[str], tensors: Sequence[str] = ()) -> dict[str, Any]:
+    """``NAME=VALUE`` (``--arg``: a plain Python value, read by :func:`ast.literal_eval`) → ``{name: value}``.
+
+    ``tensors`` are the ``--input`` names, which an ``--arg`` may not repeat.
+    """
+    out: dict[str, Any] = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise CLIError(f"bad --arg {spec!r}: write NAME=VALUE, e.g. heads=4, dims='(0, 1)' or mode=\"'sum'\"")
+        if name in out:
+            raise CLIError(f"--arg {name!r} given twice")
+        if name in tensors:
+            raise CLIError(f"{name!r} is given both as --input (a tensor) and as --arg (a value)")
+        try:
+            out[name] = ast.literal_eval(text.strip())
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise CLIError(
+                f"bad --arg {spec!r}: {text.strip()!r} is no Python literal (a number, True/False/None, a string "
+                f"in quotes such as {name}=\"'{text.strip()}'\", or a tuple, list or dict of them)"
+            ) from None
+    return out
+
+
 def flat_specs(inputs: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every source tensor of ``inputs`` by source name (list elements are ``NAME.i``)."""
     out = {}
@@ -145,12 +173,14 @@ def flat_specs(inputs: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch
     return out
 
 
-def regroup(inputs: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for the user's function from tensors named like :func:`flat_specs`."""
-    return {
+def regroup(inputs: dict[str, Any], tensors: dict[str, Any], values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for the user's function from tensors named like :func:`flat_specs`, and a fresh copy of
+    the ``--arg`` ``values`` (a function that changes a list it is given changes only its own)."""
+    kwargs = {
         name: [tensors[f"{name}.{i}"] for i in range(len(spec))] if isinstance(spec, list) else tensors[name]
         for name, spec in inputs.items()
     }
+    return {**kwargs, **copy.deepcopy(values or {})}
 
 
 def parse_box(text: str) -> tuple[tuple[int, int], ...]:
@@ -208,7 +238,7 @@ def load_function(ref: str) -> Callable[..., Any]:
 
 def _checked_call(fn: Callable[..., Any], ref: str) -> Callable[..., Any]:
     """``fn``, wrapped so that arguments that do not fit its signature are a usage error (exit status 2): the
-    ``--input`` names must be its parameters. Errors raised inside ``fn`` pass through unchanged."""
+    ``--input`` and ``--arg`` names must be its parameters. Errors raised inside ``fn`` pass through unchanged."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to check against (some builtins)
@@ -220,14 +250,14 @@ def _checked_call(fn: Callable[..., Any], ref: str) -> Callable[..., Any]:
             signature.bind(*args, **kwargs)
         except TypeError as e:
             params = ", ".join(signature.parameters) or "none"
-            raise CLIError(f"--input does not match {ref}'s parameters ({params}): {e}") from None
+            raise CLIError(f"--input/--arg do not match {ref}'s parameters ({params}): {e}") from None
         return fn(*args, **kwargs)
 
     return call
 
 
 def add_function_arguments(p: Any) -> None:
-    """The ``MODULE:FUNCTION`` and ``--input`` arguments shared by ``trace`` and ``check``."""
+    """The ``MODULE:FUNCTION``, ``--input`` and ``--arg`` arguments shared by ``trace`` and ``check``."""
     p.add_argument(
         "function",
         metavar="MODULE:FUNCTION",
@@ -239,5 +269,15 @@ def add_function_arguments(p: Any) -> None:
         action="append",
         default=[],
         metavar="NAME=SHAPE[:DTYPE]",
-        help="one per argument of FUNCTION, e.g. w=8x4:bf16 (dtype default float32; NAME[N]=... for a list of N)",
+        help="one per tensor argument of FUNCTION, e.g. w=8x4:bf16 (dtype default float32; NAME[N]=... for a "
+        "list of N)",
+    )
+    p.add_argument(
+        "--arg",
+        "-a",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a non-tensor argument of FUNCTION, passed as is: a Python literal (ast.literal_eval), e.g. heads=4, "
+        "dims='(0, 1)', mode=\"'sum'\"",
     )

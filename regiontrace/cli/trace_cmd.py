@@ -18,6 +18,7 @@ from .common import (
     load_function,
     parse_box,
     parse_inputs,
+    parse_values,
     regroup,
 )
 
@@ -31,7 +32,8 @@ examples:
   regiontrace trace convert.py:gate_up --input 'gate[4]=8x16:bf16' --input 'up[4]=8x16:bf16'
   regiontrace trace mypkg.conv:permute_qk --input w=64x32 --box 0:8,0:32 --dot graph.dot
 
---input NAME[N]=SHAPE passes a list of N tensors (named NAME.0 ... NAME.N-1) as argument NAME."""
+--input NAME[N]=SHAPE passes a list of N tensors (named NAME.0 ... NAME.N-1) as argument NAME;
+--arg NAME=VALUE a plain Python value (a literal: heads=4, dims='(0, 1)', mode="'sum'"), not a tensor."""
 
 
 def add_parser(sub: Any) -> None:
@@ -49,11 +51,12 @@ def run(args: argparse.Namespace) -> int:
     if args.max_blocks < 0:
         raise CLIError("--max-blocks must be at least 0")
     inputs = parse_inputs(args.input)
+    values = parse_values(args.arg, inputs)
     box = parse_box(args.box) if args.box else None
     fn = load_function(args.function)
     leaves = {n: rt.RegionTensor.leaf(n, s, d) for n, (s, d) in flat_specs(inputs).items()}
     try:
-        out = rt.trace(fn, **regroup(inputs, leaves))
+        out = rt.trace(fn, **regroup(inputs, leaves, values))
     except (rt.Untraceable, rt.TraceMismatch) as e:
         raise CLIError(f"not traceable: {type(e).__name__}: {e}", status=1) from e
     outputs = [

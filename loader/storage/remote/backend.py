@@ -15,12 +15,18 @@ that ignores ``Range``, an identity that changed).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from ...errors import CheckpointError
 from ..base import ObjectIdentity
+
+#: the most seconds a seconds-valued option may be (about 11 days; ``inf`` overflows the clocks' timeouts)
+MAX_SECONDS = 1e6
+#: our options that are seconds
+_SECONDS = ("timeout", "backoff", "latency")
 
 
 class Transient(Exception):
@@ -53,6 +59,8 @@ class RemoteOptions:
         concurrency: Requests in flight at once, per reader.
         timeout: Seconds a request may wait for the server (connect, and between bytes); a server that hangs
             fails the request after this (then retried, then a :class:`~loader.errors.CheckpointError`).
+        min_rate: Bytes per second a request's body must arrive at, on average: an HTTP(S) or ``hf://`` request
+            lasts ``timeout + bytes / min_rate`` seconds at most (a server that trickles fails it; then retried).
         retries: Attempts after the first for a :class:`Transient` failure, with exponential backoff.
         backoff: Seconds before the first retry (doubled each time).
         latency: Seconds a request costs beyond its bytes (the cost model: a gap is read through when reading it
@@ -69,6 +77,7 @@ class RemoteOptions:
 
     concurrency: int = 8
     timeout: float = 30.0
+    min_rate: float = 32e3
     retries: int = 4
     backoff: float = 0.2
     latency: float = 0.002
@@ -83,7 +92,8 @@ class RemoteOptions:
         """``(ours, the backend's)`` from a ``storage_options`` dict.
 
         Raises:
-            ValueError: one of ours has a value of the wrong type or out of range.
+            ValueError: one of ours has a value of the wrong type or out of range (not finite: ``inf`` is no
+                setting; seconds over :data:`MAX_SECONDS`).
         """
         names = {f.name: f for f in dataclasses.fields(cls)}
         ours = {k: v for k, v in storage_options.items() if k in names}
@@ -96,6 +106,10 @@ class RemoteOptions:
                 raise ValueError(f"storage_options[{k!r}] must be positive, got {v!r}")
             if v < 0:
                 raise ValueError(f"storage_options[{k!r}] must not be negative, got {v!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"storage_options[{k!r}] must be a finite number, got {v!r}")
+            if k in _SECONDS and v > MAX_SECONDS:
+                raise ValueError(f"storage_options[{k!r}] is seconds, at most {MAX_SECONDS:g}; got {v!r}")
         return cls(**ours), rest
 
     @property

@@ -3,13 +3,14 @@
 ========================  ===================================  =========================================
 URL                       backend (library)                    backend options
 ========================  ===================================  =========================================
-``http://``, ``https://`` :class:`~.http.HttpBackend` (requests) ``headers``, ``verify``, ``auth``
+``http://``, ``https://`` :class:`~.http.HttpBackend` (requests) ``headers``, ``verify``, ``auth``,
+                                                               ``forward_headers``
 ``s3://``, ``s3a://``     :class:`~.s3.S3Backend` (boto3)       s3fs' names: ``endpoint_url``, ``key``,
                                                                ``secret``, ``token``, ``anon``, ``profile``,
                                                                ``region_name``, ``client_kwargs``,
                                                                ``config_kwargs``
 ``hf://``                 :class:`~.hub.HubBackend`             ``token``, ``endpoint``, ``headers``,
-                          (huggingface_hub, requests)          ``verify``
+                          (huggingface_hub, requests)          ``verify``, ``forward_headers``
 anything else fsspec      :class:`~.fsspec_backend              the filesystem's own
 knows (``gs://`` ...)     .FsspecBackend` (fsspec)
 ========================  ===================================  =========================================
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 
+from ...errors import redact_url
 from .backend import Backend, RemoteOptions
 
 #: how to install what the backends import
@@ -27,7 +29,7 @@ EXTRA = "pip install 'regiontrace[remote]'"
 #: the libraries the ``remote`` extra installs
 _LIBRARIES = {"requests", "requests_toolbelt", "urllib3", "boto3", "botocore", "huggingface_hub", "fsspec"}
 #: the HTTP backend's options
-HTTP_OPTIONS = ("headers", "verify", "auth")
+HTTP_OPTIONS = ("headers", "verify", "auth", "forward_headers")
 
 
 def _module(name: str, url: str):
@@ -37,7 +39,7 @@ def _module(name: str, url: str):
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in _LIBRARIES:
             raise
-        raise ImportError(f"{url}: reading this URL needs {e.name}, which is not installed: {EXTRA}") from e
+        raise ImportError(f"{redact_url(url)}: reading this URL needs {e.name}, which is not installed: {EXTRA}") from e
 
 
 def http_options(url: str, backend_options: Mapping[str, object]) -> dict[str, object]:
@@ -48,7 +50,8 @@ def http_options(url: str, backend_options: Mapping[str, object]) -> dict[str, o
     """
     unknown = sorted(set(backend_options) - set(HTTP_OPTIONS))
     if unknown:
-        raise ValueError(f"unknown storage_options for {url}: {unknown}; known: {', '.join(HTTP_OPTIONS)} (and ours)")
+        known = ", ".join(HTTP_OPTIONS)
+        raise ValueError(f"unknown storage_options for {redact_url(url)}: {unknown}; known: {known} (and ours)")
     opts = dict(backend_options)
     if not isinstance(opts.get("headers", {}), Mapping):
         raise ValueError("storage_options['headers'] must be a dict of header names to values")
@@ -59,6 +62,8 @@ def http_options(url: str, backend_options: Mapping[str, object]) -> dict[str, o
         raise ValueError("storage_options['auth'] must be a (user, password) pair")
     if auth is not None:
         opts["auth"] = tuple(auth)
+    if not isinstance(opts.get("forward_headers", False), bool):
+        raise ValueError("storage_options['forward_headers'] must be a bool")
     return opts
 
 
@@ -81,7 +86,7 @@ def make_backend(
     options = options or RemoteOptions()
     scheme = url.partition("://")[0].lower()
     if revision is not None and scheme != "hf":
-        raise ValueError(f"revision={revision!r} applies to hf:// URLs only, not to {url}")
+        raise ValueError(f"revision={revision!r} applies to hf:// URLs only, not to {redact_url(url)}")
     if scheme in ("http", "https"):
         return _module("http", url).HttpBackend(options, **http_options(url, backend_options))
     if scheme in ("s3", "s3a"):
@@ -95,6 +100,7 @@ def make_backend(
     try:
         return fsspec_backend.FsspecBackend(scheme, backend_options)
     except ImportError as e:
-        raise ImportError(f"{url}: fsspec's {scheme}:// filesystem needs a package not installed here: {e}") from e
+        why = f"fsspec's {scheme}:// filesystem needs a package not installed here: {e}"
+        raise ImportError(f"{redact_url(url)}: {why}") from e
     except ValueError as e:
-        raise ValueError(f"{url}: no backend for {scheme}:// URLs ({e})") from e
+        raise ValueError(f"{redact_url(url)}: no backend for {scheme}:// URLs ({e})") from e

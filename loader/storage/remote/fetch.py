@@ -21,7 +21,7 @@ from typing import TypeVar
 from ...errors import CheckpointError
 from ..base import ObjectIdentity
 from ..untrusted import err
-from .backend import Backend, RemoteOptions, Transient
+from .backend import MAX_SECONDS, Backend, RemoteOptions, Transient
 from .requests_plan import Request
 
 T = TypeVar("T")
@@ -65,7 +65,7 @@ def with_retries(
             if i == attempts - 1:
                 tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
                 raise err(location, f"{what} failed after {tries}: {e}") from e
-            delay = options.backoff * 2**i
+            delay = min(options.backoff * 2.0 ** min(i, 64), MAX_SECONDS)  # many retries: no overflow
             if stop is not None:
                 stop.wait(delay)
             elif delay > 0:

@@ -10,8 +10,11 @@ What each answer becomes (the fetcher retries :class:`Transient`, gives up with 
 ======================================  ===============================================================
 ``206`` as asked                        the bytes
 ``200`` to a one-range request          ``CheckpointError``: the server ignores ``Range`` requests
-``200`` / one part to a multi-range     the server cannot serve several ranges at once: this backend's
-                                        :attr:`~HttpBackend.multi_range` turns ``False`` (a debug log says
+``206`` parts to a multi-range          each asked range cut out of the part that covers it (parts in any
+                                        order, one part covering several ranges: RFC 9110 allows both); a
+                                        part no range asked, or a range no part covers: ``CheckpointError``
+``200`` / one plain range not covering  the server cannot serve several ranges at once: this backend's
+the ranges, to a multi-range            :attr:`~HttpBackend.multi_range` turns ``False`` (a debug log says
                                         so) and the ranges are fetched one by one
 ``404`` / ``410``                       ``stat``: ``None``; ``get``: ``CheckpointError`` (not found)
 ``401`` / ``403``                       ``CheckpointError``: access refused (no header is ever echoed)
@@ -19,15 +22,23 @@ What each answer becomes (the fetcher retries :class:`Transient`, gives up with 
 ``416``, another ``Content-Range``      ``CheckpointError``
 ``408``, ``429``, ``5xx``               :class:`Transient`
 a reset, a timeout, a short body        :class:`Transient`
+a body slower than ``min_rate``         :class:`Transient` (a request lasts ``timeout + bytes / min_rate``
+                                        seconds at most, enforced while its body streams in)
 ======================================  ===============================================================
 
-Errors name the URL without its user info and query (a presigned URL's signature stays out of logs).
+Headers the caller gave (``headers``, the Hub's token) go to the host asked only: a redirect to another host
+(another scheme, host or port, as ``requests`` decides for ``Authorization``) is sent without them, unless
+``forward_headers``.
+
+Errors name the URL without its user info and secrets (:func:`~loader.errors.redact_url`: a presigned URL's
+signature stays out of messages and logs; a transport error whose text held one loses its cause).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,10 +51,10 @@ from requests_toolbelt.multipart.decoder import (
     NonMultipartContentTypeException,
 )
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, redact_url
 from ..base import ObjectIdentity
 from .backend import ErrorMap, RemoteOptions, Transient
-from .checks import changed, check_part, check_status, parse_content_range, range_header, redact
+from .checks import assemble, changed, check_part, check_status, parse_content_range, range_header, read_within
 
 log = logging.getLogger(__name__)
 
@@ -106,30 +117,70 @@ def merged_headers(response: requests.Response) -> dict[str, str]:
     return headers
 
 
+def is_multipart(r: requests.Response) -> bool:
+    return r.headers.get("Content-Type", "").startswith("multipart/")
+
+
+def covering_range(r: requests.Response, ranges: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """The range of a plain (not multipart) 206 answer to a multi-range request where it covers every asked range
+    (RFC 9110 lets a server coalesce them into one); ``None`` otherwise."""
+    plain = parse_content_range(r.headers.get("Content-Range")) if r.status_code == 206 else None
+    if plain is None or is_multipart(r) or not (plain[0] <= ranges[0][0] and ranges[-1][1] <= plain[1]):
+        return None
+    return plain[0], plain[1]
+
+
+def read_body(r: requests.Response, nbytes: int, started: float, timeout: float, min_rate: float) -> bytes:
+    """``r``'s body (``nbytes`` expected), refused (:class:`Transient`) once the request, ``started`` then, has
+    lasted ``timeout + nbytes / min_rate`` seconds."""
+    bound = lambda: f"{nbytes} bytes within timeout {timeout:g} s + bytes / min_rate {min_rate:g} B/s"
+    deadline = started + timeout + nbytes / min_rate
+    return read_within(lambda n: r.raw.read1(n, decode_content=False), deadline, bound)
+
+
+class _Session(requests.Session):
+    """A ``requests.Session`` that drops the caller's headers on a redirect to another host (``requests`` itself
+    drops only ``Authorization``), unless told to forward them."""
+
+    def __init__(self, private: Sequence[str], forward: bool) -> None:
+        super().__init__()
+        self.private, self.forward = tuple(private), forward
+
+    def rebuild_auth(self, prepared_request: requests.PreparedRequest, response: requests.Response) -> None:
+        super().rebuild_auth(prepared_request, response)
+        if not self.forward and self.should_strip_auth(response.request.url, prepared_request.url):
+            for header in self.private:
+                prepared_request.headers.pop(header, None)
+
+
 class transport_errors(ErrorMap):
     """A context manager: what ``requests``/``urllib3`` raise, as :class:`Transient` or ``CheckpointError``."""
 
     def translate(self, error: BaseException) -> None:
+        text = f"{type(error).__name__}: {error}"
+        safe = redact_url(text)
+        cause = error if safe == text else None  # the library's exception names the URL whole: not chained
         if isinstance(error, requests.exceptions.SSLError):
-            raise CheckpointError(f"{self.name}: TLS failed: {error}", path=self.name) from error
+            raise CheckpointError(f"{self.name}: TLS failed: {safe}", path=self.name) from cause
         transient = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
         transient += (requests.exceptions.ChunkedEncodingError, urllib3.exceptions.HTTPError, OSError)
         if isinstance(error, transient):
-            raise Transient(f"{type(error).__name__}: {error}") from error
+            raise Transient(safe) from cause
         if isinstance(error, requests.exceptions.RequestException):
-            raise CheckpointError(f"{self.name}: {type(error).__name__}: {error}", path=self.name) from error
+            raise CheckpointError(f"{self.name}: {safe}", path=self.name) from cause
 
 
 class HttpBackend:
     """HTTP(S) objects by URL (see the module's table); thread-safe (a ``requests.Session`` per thread).
 
     Args:
-        options: Timeouts (``options.timeout``: connect, and between bytes) and pool size.
-        headers: Sent with every request (an ``Authorization``, say).
+        options: Timeouts (``timeout``: connect, between bytes; ``min_rate``: a whole request) and pool size.
+        headers: Sent with every request to the host asked (an ``Authorization``, say): see the module.
         verify: TLS certificate checking: ``True``, ``False`` or a CA bundle's path.
         auth: ``(user, password)`` for HTTP basic authentication.
         names: Where responses tell the identity.
         if_match: Send ``If-Match`` with the ETag (off where a redirect leads to a server with other ETags).
+        forward_headers: Send ``headers`` on a redirect to another host too.
     """
 
     def __init__(
@@ -141,9 +192,11 @@ class HttpBackend:
         auth: tuple[str, str] | None = None,
         names: HeaderNames = HeaderNames(),
         if_match: bool = True,
+        forward_headers: bool = False,
     ) -> None:
         self.multi_range = True
-        self.timeout = options.timeout
+        self.timeout, self.min_rate = options.timeout, options.min_rate
+        self.private, self.forward_headers = tuple(headers or {}), forward_headers  # see _Session
         self.headers = {**dict(headers or {}), "Accept-Encoding": "identity"}
         self.verify, self.auth, self.if_match = verify, auth, if_match
         self.names = names
@@ -154,7 +207,7 @@ class HttpBackend:
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = requests.Session()
+            session = self._local.session = _Session(self.private, self.forward_headers)
             session.headers.update(self.headers)
             session.verify, session.auth = self.verify, self.auth
             with self._lock:
@@ -169,10 +222,10 @@ class HttpBackend:
         self._local = threading.local()
 
     def stat(self, location: str) -> ObjectIdentity | None:
-        return self.stat_url(location, redact(location))
+        return self.stat_url(location, redact_url(location))
 
     def get(self, location: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity) -> list[bytes]:
-        return self.get_url(location, redact(location), ranges, identity)
+        return self.get_url(location, redact_url(location), ranges, identity)
 
     def stat_url(self, url: str, name: str) -> ObjectIdentity | None:
         """:meth:`stat` of ``url``, naming ``name`` in errors: ``HEAD``, else a ``GET`` of its first byte."""
@@ -194,14 +247,14 @@ class HttpBackend:
             total = (parse_content_range(r.headers.get("Content-Range")) or (0, 0, None))[2]
             if total is None:
                 raise CheckpointError(f"{name}: the server tells no size (no Content-Length, no Content-Range)")
-            return identity_of(merged_headers(r), total, self.names)
 
     def first(self, location: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
-        return self.first_url(location, redact(location), nbytes)
+        return self.first_url(location, redact_url(location), nbytes)
 
     def first_url(self, url: str, name: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
         """The identity and first ``min(nbytes, size)`` bytes of ``url`` from one ranged ``GET`` (its
         ``Content-Range`` tells the size: no ``HEAD``); ``None`` when it does not exist."""
+        started = time.monotonic()
         with transport_errors(name), self._send(url, [(0, max(1, nbytes))], None) as r:
             headers = merged_headers(r)
             if r.status_code in (404, 410):
@@ -215,8 +268,8 @@ class HttpBackend:
             if got is None or got[2] is None:
                 raise CheckpointError(f"{name}: a 206 answer without the object's size in Content-Range", path=name)
             identity = identity_of(headers, got[2], self.names)
-            body = r.raw.read(decode_content=False)
             end = min(max(1, nbytes), identity.size)
+            body = read_body(r, end, started, self.timeout, self.min_rate)
             return identity, check_part(name, r.headers.get("Content-Range"), 0, end, identity.size, body)[:nbytes]
 
     def _missing(self, name: str, headers: Mapping[str, str]) -> None:
@@ -250,24 +303,30 @@ class HttpBackend:
             raise CheckpointError(f"{name}: a ranged answer with Content-Encoding {encoding}", path=name)
 
     def _get_one(self, url: str, name: str, start: int, end: int, identity: ObjectIdentity) -> bytes:
+        started = time.monotonic()
         with transport_errors(name), self._send(url, [(start, end)], identity) as r:
             self._check_206(name, r)
             check_identity(name, merged_headers(r), identity, self.names)
-            body = r.raw.read(decode_content=False)
+            body = read_body(r, end - start, started, self.timeout, self.min_rate)
             return check_part(name, r.headers.get("Content-Range"), start, end, identity.size, body)
 
     def _get_multi(
         self, url: str, name: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity
     ) -> list[bytes] | None:
-        """The ranges from one multi-range request; ``None`` when the server answers otherwise (200, one part)."""
+        """The ranges from one multi-range request (:func:`~.checks.assemble`); ``None`` when the server answers
+        otherwise (200, a plain 206 not covering them)."""
+        started = time.monotonic()
         with transport_errors(name), self._send(url, ranges, identity) as r:
-            content_type = r.headers.get("Content-Type", "")
-            if r.status_code == 200 or (r.status_code == 206 and not content_type.startswith("multipart/")):
+            plain = covering_range(r, ranges)
+            if r.status_code == 200 or (r.status_code == 206 and not is_multipart(r) and plain is None):
                 return None  # the body is not read: closing the response drops the connection
             self._check_206(name, r)
             check_identity(name, merged_headers(r), identity, self.names)
-            body = r.raw.read(decode_content=False)
-        parts = multipart_parts(name, content_type, body)
-        if len(parts) != len(ranges):
-            raise CheckpointError(f"{name}: asked {len(ranges)} ranges, the server sent {len(parts)} parts", path=name)
-        return [check_part(name, cr, a, b, identity.size, p) for (cr, p), (a, b) in zip(parts, ranges)]
+            nbytes = plain[1] - plain[0] if plain else sum(b - a for a, b in ranges)
+            body = read_body(r, nbytes, started, self.timeout, self.min_rate)
+        parts = (
+            [(r.headers.get("Content-Range"), body)]
+            if plain
+            else multipart_parts(name, r.headers["Content-Type"], body)
+        )
+        return assemble(name, parts, ranges, identity.size)

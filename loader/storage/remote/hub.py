@@ -31,7 +31,7 @@ from .backend import RemoteOptions
 from .http import HeaderNames, HttpBackend
 
 #: backend options
-OPTIONS = ("token", "endpoint", "headers", "verify")
+OPTIONS = ("token", "endpoint", "headers", "verify", "forward_headers")
 HUB_HEADERS = HeaderNames(
     etag=("X-Linked-Etag", "ETag"),
     size=("X-Linked-Size", "Content-Length"),
@@ -124,7 +124,10 @@ class HubBackend:
         self.endpoint = str(opts.get("endpoint") or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
         headers = build_hf_headers(token=opts.get("token"), headers=dict(opts.get("headers") or {}))
         verify = opts.get("verify", True)
-        self.http = HttpBackend(options, headers=headers, verify=verify, names=HUB_HEADERS, if_match=False)
+        forward = bool(opts.get("forward_headers", False))  # the token and headers, on the CDN's redirect too
+        self.http = HttpBackend(
+            options, headers=headers, verify=verify, names=HUB_HEADERS, if_match=False, forward_headers=forward
+        )
 
     @property
     def multi_range(self) -> bool:

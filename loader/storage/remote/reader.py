@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
+from ...errors import redact_url
 from ..base import ObjectIdentity, Runs, Segment, consecutive
 from ..untrusted import err
 from .backend import Backend, RemoteOptions
@@ -120,7 +121,8 @@ class RemoteReader:
         if identity is None:
             return
         if not isinstance(identity, ObjectIdentity):
-            raise TypeError(f"{location}: a remote object's identity is an ObjectIdentity, got {identity!r}")
+            where = redact_url(location)
+            raise TypeError(f"{where}: a remote object's identity is an ObjectIdentity, got {identity!r}")
         with self._lock:
             self._identities[location] = identity
 

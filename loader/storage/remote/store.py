@@ -7,20 +7,28 @@ other bytes from ranged requests (retried on transient failures, see :mod:`.fetc
 probed (:data:`FIRST_BYTES` for :meth:`RemoteStore.exists`, what :meth:`RemoteStore.head` asks) are kept and serve
 every later read of them: a small index is read in that one request, and the readers (:meth:`RemoteStore.reader`)
 serve a file's first data bytes from what its header's request already returned.
+
+A query string is kept where the URL puts it: a folder URL's (``https://host/dir?sig=...``, a token signing the
+whole folder) goes with every object's requests; a file's own (a presigned URL, :meth:`RemoteStore.sign`) with that
+file's only. Beside a presigned file, an object the signature does not open (``config.json``: 401/403) counts as
+absent, with a warning naming it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 
-from ...errors import CheckpointNotFoundError
+from ...errors import CheckpointNotFoundError, redact_url
 from ..base import ObjectHead, ObjectIdentity
 from ..untrusted import err
 from .backend import Backend, RemoteOptions
+from .checks import AccessRefused
 from .fetch import with_retries
 from .reader import RemoteReader
 
+log = logging.getLogger(__name__)
 FIRST_BYTES = 4 << 10
 """Bytes of the request that tells whether an object exists (:meth:`RemoteStore.exists`): small, so that a rank
 fetches little it may not want, and whole small objects (an index, a config) in one request."""
@@ -30,7 +38,7 @@ class RemoteStore:
     """A checkpoint folder at a URL (see :class:`~loader.storage.base.Store`).
 
     Args:
-        root: The folder's URL (a trailing slash is dropped).
+        root: The folder's URL (a trailing slash is dropped; its query string, if any, goes with every object's).
         backend: The backend speaking its protocol (shared with the readers; thread-safe).
         options: How its readers read (:class:`~.backend.RemoteOptions`).
     """
@@ -38,20 +46,35 @@ class RemoteStore:
     remote = True
 
     def __init__(self, root: str, backend: Backend, options: RemoteOptions | None = None) -> None:
-        self.root = root.rstrip("/")
+        base, _, self.query = root.partition("?")
+        self.root = base.rstrip("/")
+        self._signed: set[str] = set()  # locations of presigned files (:meth:`sign`)
         self.backend = backend
         self.options = options if options is not None else RemoteOptions()
         self._heads: dict[str, ObjectHead] = {}  # every object's first bytes, as probed: serve later reads
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"RemoteStore({self.root!r})"
+        return f"RemoteStore({redact_url(self.root)!r})"
 
     def locate(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        return f"{self.root}/{name}" + (f"?{self.query}" if self.query else "")
+
+    def sign(self, name: str, query: str) -> str:
+        """The location of ``name`` with its own query string (a presigned file URL's: its requests carry it)."""
+        location = f"{self.root}/{name}?{query}"
+        self._signed.add(location)
+        return location
 
     def exists(self, location: str) -> bool:
-        return self._probe(location, FIRST_BYTES) is not None
+        try:
+            return self._probe(location, FIRST_BYTES) is not None
+        except AccessRefused:
+            if not self._signed or location in self._signed:
+                raise
+            signed = ", ".join(redact_url(s) for s in sorted(self._signed))
+            log.warning("%s: access refused beside the presigned %s: taken as absent", redact_url(location), signed)
+            return False
 
     def list_names(self) -> list[str] | None:
         return None
