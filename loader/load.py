@@ -28,6 +28,7 @@ from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from .distributed import LoadSession, broadcast_owned, host_reads, owned_subset, peer_errors
 from .distributed.exchange_reads import exchanged_reads
 from .distributed.session import check_same
+from .distributed.versions import open_agreed
 from .execute import SPARSE_FRACTION, execute_plan, restore, snapshot
 from .options import LoadOptions
 from .placements import rank_and_world
@@ -186,7 +187,7 @@ def load_distributed(
         _resolve_on_rank_zero_first(session, path, revision)
         error = plan = None
         try:
-            checkpoint = SafetensorsCheckpoint.open(path, revision=revision, storage_options=storage_options)
+            checkpoint = open_agreed(session, opener(path, revision, storage_options), remote=is_url(path))
             plan = planner.build_plan(checkpoint, check_devices=allocate is None)
             plan = allocate(plan) if allocate is not None else plan
         except Exception as e:  # agreed below: every rank raises, none hangs
@@ -200,6 +201,18 @@ def load_distributed(
     plan.keyplan.record_on_model(planner.model)
     seconds = time.perf_counter() - started
     return load_report(plan, bytes_read, rank, world, seconds=seconds, requests=requests, exchanged=received)
+
+
+def opener(path: str, revision: str | None, storage_options: Mapping[str, Any] | None) -> Callable:
+    """What opens the checkpoint ``path`` bound to the identities it is given
+    (:func:`~loader.distributed.versions.open_agreed`)."""
+
+    def open_at(identities: Mapping | None) -> SafetensorsCheckpoint:
+        return SafetensorsCheckpoint.open(
+            path, revision=revision, storage_options=storage_options, identities=identities
+        )
+
+    return open_at
 
 
 def _resolve_on_rank_zero_first(session: LoadSession, path: str, revision: str | None) -> None:

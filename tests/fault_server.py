@@ -25,6 +25,20 @@ several ranges give ``multipart/byteranges``, an unsatisfiable one 416; ``If-Mat
 - ``redirect="http://host:port"``: a 302 to that server, same path and query.
 - ``refuse_header="Name"``: a 403 to a request that carries the header.
 - ``require_query="k=v"``: a 403 to a request whose query string lacks ``k=v`` (a presigned URL's signature).
+- ``alternate="other/file"``: another version of the object (a file under ROOT), served instead of it to requests
+  with the header ``alternate_for=[name, value]`` (a server answering clients differently), or after
+  ``alternate_after=K`` responses (replaced mid-load), or always when neither is given.
+- ``validator``: the identity the answers tell: ``"strong"`` (the default: each version's own ETag), ``"none"`` (no
+  ETag, no Last-Modified), ``"constant"`` (one strong ETag for every version), ``"weak"`` (one weak ETag and one
+  Last-Modified for every version).
+- ``ignore_if_match``: ``If-Match`` is not looked at.
+- ``relink_after=[K, link, target]``: after K responses the symlink ``ROOT/link`` points at ``target`` (a Hub
+  branch that moves).
+
+Paths ``[/prefix]/{org}/{name}/resolve/{revision}/{file}`` are the Hub's resolve URLs: the file
+``ROOT[/prefix]/{org}/{name}/{revision}/{file}``, with ``X-Repo-Commit`` (the name of the folder the revision
+links to, read at each request), ``X-Linked-Etag`` and ``X-Linked-Size``, and ``X-Error-Code: EntryNotFound`` on a
+404.
 
 ``DELETE /__control__`` clears every mode, counter and the log; ``GET /__log__`` returns the request log as JSON
 rows ``[method, path, range, status, body_bytes]`` (status 0: never answered).
@@ -33,6 +47,8 @@ rows ``[method, path, range, status, body_bytes]`` (status 0: never answered).
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import struct
 import sys
@@ -45,7 +61,9 @@ from pathlib import Path
 from processes import exit_with_parent
 
 MODES = ("ignore_range", "status", "fail_then_ok", "truncate", "change_etag_after", "hang", "reset")
+MODES += ("alternate", "alternate_for", "alternate_after", "validator", "ignore_if_match", "relink_after")
 MODES += ("trickle", "coalesce", "redirect", "refuse_header", "require_query")
+RESOLVE = re.compile(r"(?P<prefix>(/[^/]+)*?)/(?P<org>[^/]+)/(?P<repo>[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
 BOUNDARY = "fault-server-boundary"
 FLIPPED = bytes(b ^ 0xFF for b in range(256))  # the "replaced" object's bytes: bytes.translate(FLIPPED)
 
@@ -166,15 +184,47 @@ class Handler(BaseHTTPRequestHandler):
         if count < int(mode.get("fail_then_ok", 0)):
             return self._send(500, {"Content-Type": "text/plain"}, b"fault server: fail_then_ok\n")
         self._serve_file(path, mode, count)
+        self._relink(mode, count)
+
+    def _version(self, path: str, mode: dict, count: int) -> tuple[Path, dict[str, str]]:
+        """The file that answers ``path`` (its alternate where the mode says) and the Hub's headers."""
+        name, hub = urllib.parse.unquote(path).lstrip("/"), {}
+        match = RESOLVE.fullmatch("/" + name)
+        if match is not None:
+            repo = f"{match['prefix']}/{match['org']}/{match['repo']}".lstrip("/")
+            revision = self.server.root / repo / match["rev"]
+            name = f"{repo}/{match['rev']}/{match['file']}"
+            hub = {"X-Repo-Commit": revision.resolve().name, "X-Error-Code": "EntryNotFound"}
+        if "alternate" in mode:
+            who = mode.get("alternate_for")
+            after = mode.get("alternate_after")
+            if (who is None and after is None) or (who and self.headers.get(who[0]) == who[1]):
+                name = mode["alternate"]
+            elif after is not None and count >= int(after):
+                name = mode["alternate"]
+        return self.server.root / name, hub
+
+    def _relink(self, mode: dict, count: int) -> None:
+        """``relink_after``: once the K-th response was sent, the link points at its new target."""
+        if "relink_after" in mode and count + 1 >= int(mode["relink_after"][0]):
+            _, link, target = mode["relink_after"]
+            temporary = self.server.root / f"{link}.relinking"
+            temporary.unlink(missing_ok=True)
+            temporary.symlink_to(target)
+            os.replace(temporary, self.server.root / link)
 
     def _serve_file(self, path: str, mode: dict, count: int) -> None:
-        file = (self.server.root / urllib.parse.unquote(path).lstrip("/")).resolve()
+        file, hub = self._version(path, mode, count)
+        file = file.resolve()
         if not file.is_relative_to(self.server.root) or not file.is_file():
-            return self._send(404, {"Content-Type": "text/plain"}, b"not found\n")
+            return self._send(404, {"Content-Type": "text/plain", **hub}, b"not found\n")
+        hub.pop("X-Error-Code", None)
         stat = file.stat()
         size, etag, replaced = stat.st_size, f'"{stat.st_mtime_ns:x}-{stat.st_size:x}"', False
         if "change_etag_after" in mode and count >= int(mode["change_etag_after"]):
             etag, replaced = etag[:-1] + '-replaced"', True
+        validator = mode.get("validator", "strong")
+        etag = {"none": "", "constant": '"constant"', "weak": 'W/"constant"'}.get(validator, etag)
 
         def read(start: int, stop: int) -> bytes:
             with open(file, "rb") as f:
@@ -183,9 +233,15 @@ class Handler(BaseHTTPRequestHandler):
             return data.translate(FLIPPED) if replaced else data
 
         headers = {"ETag": etag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-        if_match = self.headers.get("If-Match")
+        if not etag:
+            del headers["ETag"]
+        if validator == "weak":
+            headers["Last-Modified"] = "Mon, 01 Dec 2025 00:00:00 GMT"
+        if hub:
+            headers.update(hub, **{"X-Linked-Size": str(size)}, **({"X-Linked-Etag": etag} if etag else {}))
+        if_match = None if mode.get("ignore_if_match") else self.headers.get("If-Match")
         if if_match and if_match.strip() != "*" and etag not in [t.strip() for t in if_match.split(",")]:
-            return self._send(412, {"ETag": etag}, b"precondition failed\n")
+            return self._send(412, {"ETag": etag} if etag else {}, b"precondition failed\n")
         ranges = None if mode.get("ignore_range") else parse_ranges(self.headers.get("Range"), size)
         if ranges == []:
             return self._send(416, {"Content-Range": f"bytes */{size}"}, b"range not satisfiable\n")

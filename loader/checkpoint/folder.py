@@ -200,6 +200,13 @@ def _locate(
     return store, os.path.basename(local), store.locate(os.path.basename(local))
 
 
+def _pin(store: Store, identities: Mapping[str, object] | None) -> None:
+    """A URL's store reads the objects ``identities`` name bound to them
+    (:meth:`~loader.storage.remote.RemoteStore.pin`); a local store ignores them."""
+    if identities and store.remote:
+        store.pin(identities)  # type: ignore[attr-defined]
+
+
 def _read_headers(store: Store, files: list[str]) -> list[HeaderFile]:
     """Every file's header, in order; a remote store's several at once (each costs a round trip)."""
     if not store.remote or len(files) < 2:
@@ -261,6 +268,7 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         revision: str | None = None,
         storage_options: Mapping[str, object] | None = None,
         allow_external_symlinks: bool | None = None,
+        identities: Mapping[str, object] | None = None,
     ) -> SafetensorsCheckpoint:
         """Open a checkpoint, reading and validating only its headers.
 
@@ -279,6 +287,7 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
             revision: Branch, tag or commit of a repo id or ``hf://`` URL; ``None``: the default branch.
             storage_options: Options for a URL's backend (credentials, endpoint, timeouts); only for URLs.
             allow_external_symlinks: Deprecated and ignored: symlinks to regular files are always accepted.
+            identities: For a URL: ``{location: ObjectIdentity}`` to read bound to (another rank's: ``pin``).
 
         Returns:
             The opened checkpoint.
@@ -292,6 +301,7 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         if allow_external_symlinks is not None:
             _warn_deprecated()
         store, name, location = _locate(path, revision, storage_options)  # a URL's store is given the revision
+        _pin(store, identities)
         if name and name != INDEX_NAME:
             return cls._from_files(store, [location], None, "")
         index_path = location or store.locate(INDEX_NAME)

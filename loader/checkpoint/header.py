@@ -308,7 +308,10 @@ def read_header_file(path: str, store: Store | None = None) -> HeaderFile:
         raw += store.read_range(path, 8 + len(raw), 8 + header_len, head.identity)
     data_base = 8 + header_len
     tensors, metadata = parse_header(path, raw, data_base, size - data_base)
-    return HeaderFile(tensors, metadata, head.identity)
+    identity = head.identity
+    if isinstance(identity, ObjectIdentity):  # bound to the header as read: checked again by the last request
+        identity = identity.with_head(head.data[:8] + raw)
+    return HeaderFile(tensors, metadata, identity)
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:

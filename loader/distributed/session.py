@@ -203,6 +203,32 @@ class LoadSession:
                 s.wait(keys, datetime.timedelta(seconds=self.timeout))
             return [v.decode() for v in s.multi_get(keys)]
 
+    def from_rank_zero(self, name: str, value: str | None, stage: str = "planning") -> str:
+        """Rank 0's ``value`` posted under ``name``, on every rank: rank 0 passes it, the others ``None`` and wait for
+        it (at most the timeout; a rank reported dead stops the wait). Collective; a ``solo`` session returns ``value``.
+
+        Raises:
+            PeerFailure: rank 0 did not post within the timeout, or died.
+        """
+        if self.solo or self.rank == 0:
+            if not self.solo:
+                with peer_errors(stage, f"posting {name} to the other ranks"):
+                    self.store.set(f"zero/{name}", value or "")
+            return value or ""
+        key, s = f"zero/{name}", self.store
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        delay = 0.001
+        with peer_errors(stage, f"waiting for rank 0's {name}"):
+            while not s.check([key]):
+                if s.check(["dead"]):
+                    dead = tuple(sorted({int(r) for r in s.get("dead").decode().split(",") if r}))
+                    raise _peer_failure(self, stage, "died", dead)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise _peer_failure(self, stage, "timeout", (0,))
+                time.sleep(delay)
+                delay = min(2 * delay, poll_cap(self.world))
+            return s.get(key).decode()
+
     def sides(self, name: str, ranks: list[int], stage: str = "reading") -> list[str]:
         """The ``side`` values ``ranks`` posted with :meth:`gather` under ``name`` (each of them passed ``side``), once
         this rank's gather has returned."""

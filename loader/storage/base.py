@@ -17,8 +17,9 @@ Vocabulary (used identically by every driver and by the layers above):
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -32,11 +33,21 @@ class ObjectIdentity:
         size: Bytes in the object.
         etag: The server's entity tag (quotes kept), ``""`` when it sends none.
         version: A version id or last-modified stamp, ``""`` when none.
+        head_bytes: How many of the object's first bytes :attr:`head_crc` covers (a safetensors file's length and
+            header, as they were read; 0: none).
+        head_crc: Their CRC-32: where the server's validators prove little, the first bytes are fetched again
+            with a file's last request and compared (:mod:`.remote.reader`).
     """
 
     size: int
     etag: str = ""
     version: str = ""
+    head_bytes: int = field(default=0, compare=False)  # the same object read twice: equal, whatever was hashed
+    head_crc: int = field(default=0, compare=False)
+
+    def with_head(self, data: bytes) -> ObjectIdentity:
+        """This identity, also bound to the object's first bytes ``data``."""
+        return replace(self, head_bytes=len(data), head_crc=zlib.crc32(data))
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,25 @@ def check_identity(name: str, headers: Mapping[str, str], identity: ObjectIdenti
         raise changed(name, f"version {got.version!r}, was {identity.version!r}")
 
 
+def told(backend: HttpBackend, name: str, headers: Mapping[str, str], size: int) -> ObjectIdentity:
+    """The identity ``headers`` tell; the first time ``backend`` meets no strong validator (no ETag, a weak one), a
+    warning naming the URL: a file replaced during the load is then told only by its size and its header's bytes
+    (:mod:`.recheck`)."""
+    identity = identity_of(headers, size, backend.names)
+    if backend.warned or identity.etag or (backend.names.version and headers.get(backend.names.version)):
+        return identity
+    backend.warned = True
+    tag, modified = headers.get("ETag") or "no ETag", headers.get("Last-Modified") or "no Last-Modified"
+    log.warning(
+        "%s: the server tells no strong validator (%s, %s): a file replaced during the load is detected only by "
+        "its size and by its header, fetched again with its last request (said once per load)",
+        redact_url(name),
+        tag,
+        modified,
+    )
+    return identity
+
+
 def multipart_parts(name: str, content_type: str, body: bytes) -> list[tuple[str | None, bytes]]:
     """``(Content-Range, payload)`` of each part of a ``multipart/byteranges`` body (requests_toolbelt's decoder:
     it splits on the boundary; Python's email parser, line by line, reads about 14 MB/s)."""
@@ -195,6 +214,7 @@ class HttpBackend:
         forward_headers: bool = False,
     ) -> None:
         self.multi_range = True
+        self.recheck_heads, self.warned = True, False  # headers fetched again (.recheck); weak validators said once
         self.timeout, self.min_rate = options.timeout, options.min_rate
         self.private, self.forward_headers = tuple(headers or {}), forward_headers  # see _Session
         self.headers = {**dict(headers or {}), "Accept-Encoding": "identity"}
@@ -235,7 +255,7 @@ class HttpBackend:
                 return self._missing(name, headers)
             size = next((headers[h] for h in self.names.size if headers.get(h, "").isdigit()), None)
             if r.status_code == 200 and size is not None:
-                return identity_of(headers, int(size), self.names)
+                return told(self, name, headers, int(size))
             if r.status_code not in (405, 501):
                 check_status(name, r.status_code)
         with transport_errors(name), self._send(url, [(0, 1)], None) as r:  # no HEAD or no size: the first byte
@@ -247,6 +267,7 @@ class HttpBackend:
             total = (parse_content_range(r.headers.get("Content-Range")) or (0, 0, None))[2]
             if total is None:
                 raise CheckpointError(f"{name}: the server tells no size (no Content-Length, no Content-Range)")
+            return told(self, name, merged_headers(r), total)
 
     def first(self, location: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
         return self.first_url(location, redact_url(location), nbytes)
@@ -262,12 +283,12 @@ class HttpBackend:
             if r.status_code == 416:  # an empty object: no byte to send
                 total = (parse_content_range(r.headers.get("Content-Range")) or (0, 0, 0))[2]
                 if total == 0:
-                    return identity_of(headers, 0, self.names), b""
+                    return told(self, name, headers, 0), b""
             self._check_206(name, r)
             got = parse_content_range(r.headers.get("Content-Range"))
             if got is None or got[2] is None:
                 raise CheckpointError(f"{name}: a 206 answer without the object's size in Content-Range", path=name)
-            identity = identity_of(headers, got[2], self.names)
+            identity = told(self, name, headers, got[2])
             end = min(max(1, nbytes), identity.size)
             body = read_body(r, end, started, self.timeout, self.min_rate)
             return identity, check_part(name, r.headers.get("Content-Range"), 0, end, identity.size, body)[:nbytes]

@@ -10,7 +10,10 @@ echoed; ``requests`` drops it on a redirect to another host, the Hub's CDN).
 An object's identity is ``X-Linked-Etag`` / ``X-Linked-Size`` where the Hub sends them (files in LFS/Xet
 storage, on the redirect to its CDN), else ``ETag`` / ``Content-Length``, with ``X-Repo-Commit`` as its version:
 later reads go to the resolve URL of that commit (a commit's files never change) and are checked against the
-ETag; no ``If-Match`` is sent (the CDN's own ETags differ from the Hub's). ``HF_HUB_OFFLINE=1`` refuses
+ETag; no ``If-Match`` is sent (the CDN's own ETags differ from the Hub's). The revision is resolved once per
+backend: the first answer that names a commit pins it (:attr:`HubBackend.commit`), and every later request of the
+backend, whatever file, goes to that commit's resolve URLs (a branch that moves meanwhile changes nothing);
+:meth:`HubBackend.pin` sets it from outside (another rank's). ``HF_HUB_OFFLINE=1`` refuses
 ``hf://`` URLs. A 404 that names a missing repo or revision (``X-Error-Code``) is a ``CheckpointError``.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -128,6 +132,8 @@ class HubBackend:
         self.http = HttpBackend(
             options, headers=headers, verify=verify, names=HUB_HEADERS, if_match=False, forward_headers=forward
         )
+        self.commit: str | None = self.revision if self.revision and _COMMIT.fullmatch(self.revision) else None
+        self._lock = threading.Lock()
 
     @property
     def multi_range(self) -> bool:
@@ -148,12 +154,27 @@ class HubBackend:
         if hub.revision is not None and self.revision is not None and hub.revision != self.revision:
             why = f"names revision {hub.revision!r} but revision={self.revision!r} was asked"
             raise CheckpointError(f"{location}: {why}", path=location)
-        revision = commit or hub.revision or self.revision or "main"
+        revision = commit or self.commit or hub.revision or self.revision or "main"
         return hf_hub_url(hub.repo_id, hub.path, repo_type=hub.repo_type, revision=revision, endpoint=self.endpoint)
 
+    def pin(self, commit: str) -> str:
+        """Read every later file at ``commit`` (the first commit pinned stays); returns the commit pinned."""
+        if not _COMMIT.fullmatch(commit):
+            return self.commit or ""
+        with self._lock:
+            if self.commit is None:
+                self.commit = commit
+            return self.commit
+
     def stat(self, location: str) -> ObjectIdentity | None:
-        url = self.resolve_url(location)
-        return self.http.stat_url(url, location)
+        pinned = self.commit
+        identity = self.http.stat_url(self.resolve_url(location, pinned), location)
+        if identity is None or pinned is not None or not _COMMIT.fullmatch(identity.version):
+            return identity
+        commit = self.pin(identity.version)
+        if commit != identity.version:  # another file's answer pinned another commit first: ask at that one
+            return self.http.stat_url(self.resolve_url(location, commit), location)
+        return identity
 
     def get(self, location: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity) -> list[bytes]:
         commit = identity.version if _COMMIT.fullmatch(identity.version) else None

@@ -32,6 +32,7 @@ from .backend import Backend, RemoteOptions
 from .fetch import Fetcher, with_retries
 from .heads import Heads
 from .pieces import Fetch, Piece, Window
+from .recheck import HeadChecks
 from .requests_plan import Request, plan_requests
 
 
@@ -95,6 +96,7 @@ class RemoteReader:
         self._identities: dict[str, ObjectIdentity] = {}
         self._heads = Heads(heads)
         self._window = Window(options.window_bytes)
+        self._checks = HeadChecks(backend, options.max_ranges)  # headers fetched again (see .recheck)
         self._lock = threading.Lock()
         for location, identity in (identities or {}).items():
             self.expect(location, identity)
@@ -127,12 +129,13 @@ class RemoteReader:
             self._identities[location] = identity
 
     def verify(self, location: str) -> None:
-        """Nothing to check (see the module: every response was checked); frees what was fetched ahead for
-        ``location`` and not read."""
+        """Frees what was fetched ahead for ``location`` and not read; checks nothing (see the module) but, where the
+        backend's validators prove little, its header (:mod:`.recheck`: a ``CheckpointError`` if it changed)."""
         with self._lock:
             futures = self._window.drop(location)
         for f in futures:
             f.cancel()
+        self._checks.verify(self._fetcher, location, self._identities.get(location))
 
     def verify_all(self) -> None:
         """Nothing to check (see :meth:`verify`)."""
@@ -143,6 +146,7 @@ class RemoteReader:
         identity = self._identity(location)  # known before any fetch is submitted (stat'ed now if not expected)
         wanted = self._heads.clip(location, identity, ranges())  # what a head holds is not fetched again
         requests = plan(self.backend, self.options, wanted)
+        self._checks.plan(location, self._identity(location), requests)
         with self._lock:
             stale = self._window.plan(location, requests)
             self._window.fill(self._submit)
@@ -208,7 +212,7 @@ class RemoteReader:
 
     def _submit(self, fetch: Fetch) -> Future[list[bytes]]:
         """Submit a planned fetch (called under the lock; its object's identity is known since :meth:`will_read`)."""
-        return self._fetcher.submit(fetch.location, fetch.request, self._identities[fetch.location])
+        return self._checks.submit(self._fetcher, fetch.location, fetch.request, self._identities[fetch.location])
 
     def _identity(self, location: str) -> ObjectIdentity:
         """The identity requests for ``location`` are made against: expected, else its head's, else stat'ed once."""

@@ -53,6 +53,7 @@ class RemoteStore:
         self.options = options if options is not None else RemoteOptions()
         self._heads: dict[str, ObjectHead] = {}  # every object's first bytes, as probed: serve later reads
         self._lock = threading.Lock()
+        self._pinned: dict[str, ObjectIdentity] = {}  # identities given (another rank's): probed bound to them
 
     def __repr__(self) -> str:
         return f"RemoteStore({redact_url(self.root)!r})"
@@ -110,6 +111,21 @@ class RemoteStore:
             heads = {loc: (h.identity, h.data) for loc, h in self._heads.items() if h.data}
         return RemoteReader(self.backend, self.options, identities, heads)
 
+    def pin(self, identities: Mapping[str, ObjectIdentity]) -> None:
+        """Read each of ``identities``' locations as that identity (another rank's): its first request is bound
+        to it (``If-Match``, S3's ``VersionId``, the Hub's commit, which then pins the backend's) instead of
+        probing what the object is now; a location the object no longer matches fails naming it."""
+        self._pinned.update(identities)
+        pin = getattr(self.backend, "pin", None)
+        for identity in identities.values() if pin is not None else ():
+            pin(identity.version)
+
+    def probed(self, location: str) -> ObjectIdentity | None:
+        """The identity ``location`` was probed with so far (``None``: not probed, or not found)."""
+        with self._lock:
+            known = self._heads.get(location)
+        return None if known is None else known.identity
+
     def close(self) -> None:
         """Release the backend's connections."""
         self.backend.close()
@@ -125,7 +141,11 @@ class RemoteStore:
         if known is not None:
             return known
         first = getattr(self.backend, "first", None)
-        if first is None:
+        pinned = self._pinned.get(location)
+        if pinned is not None:
+            end = min(nbytes, pinned.size)
+            head = ObjectHead(self._get(location, 0, end, pinned) if end else b"", pinned.size, pinned)
+        elif first is None:
             identity = self._stat(location)
             head = None if identity is None else ObjectHead(b"", identity.size, identity)
         else:
