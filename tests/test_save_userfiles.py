@@ -9,7 +9,9 @@ where ``mount`` is refused).
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -144,6 +146,21 @@ def test_a_mount_appearing_during_the_save_is_refused_at_the_commit(worker, old,
     assert error.startswith("ValueError: cannot save to") and repr(str(old / "data")) in error
     assert holds(old, saved[OLD]) and (old / "data" / "dataset.bin").read_bytes() == b"\x03" * 10
     assert mounted(old / "data") and left_beside(old) == []
+
+
+def test_a_leftover_old_folder_with_a_mount_inside_is_not_emptied(old, saved, mounts, caplog):
+    """What an interrupted commit (or an earlier version's commit) left beside the folder, with a filesystem
+    mounted inside: the next commit, which removes such leftovers, leaves this one whole and says so."""
+    leftover = old.parent / "out.old-commit-abcd1234"
+    shutil.copytree(old, leftover)
+    mounts("tmpfs", leftover / "data")
+    (leftover / "data" / "dataset.bin").write_bytes(b"\x04" * 10)
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        save_hf_checkpoint(build("llama", NEW)[1], old, max_shard_size=SHARDS[NEW], progress=False)
+    assert holds(old, saved[NEW])
+    assert holds(leftover, saved[OLD]) and (leftover / "data" / "dataset.bin").read_bytes() == b"\x04" * 10
+    assert mounted(leftover / "data") and left_beside(old) == ["out.old-commit-abcd1234"]
+    assert f"{leftover} is left in place: {leftover / 'data'} is mounted inside it" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------------

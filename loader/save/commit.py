@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-from .carry import Carried, carry_over, check_no_mounts, take_late
+from .carry import Carried, carry_over, check_no_mounts, mounts_at_or_below, take_late
 
 log = logging.getLogger("loader")
 
@@ -114,8 +114,8 @@ def recover(path: str) -> list[str]:
             done.append(f"restored {newest}")
             log.warning("an interrupted save left the previous checkpoint at %s: restored to %s", newest, path)
     for f in found:
-        shutil.rmtree(f, ignore_errors=True)
-        done.append(f"removed {f}")
+        if _remove_old(f):
+            done.append(f"removed {f}")
     return done
 
 
@@ -125,6 +125,17 @@ def recover(path: str) -> list[str]:
 def _step(name: str) -> None:
     if STEP_HOOK is not None:
         STEP_HOOK(name)
+
+
+def _remove_old(folder: str, strict: bool = False) -> bool:
+    """Remove an old folder, unless a filesystem is mounted inside it (left, with a warning: never emptied).
+    ``strict``: a failure to remove raises, else it is ignored. Returns whether it was removed."""
+    mounts = mounts_at_or_below(folder)
+    if mounts:
+        log.warning("%s is left in place: %s is mounted inside it (a commit never removes a mount)", folder, mounts[0])
+        return False
+    shutil.rmtree(folder, ignore_errors=not strict)
+    return True
 
 
 def _swap(staging: str, path: str, aside: str) -> bool:
@@ -185,7 +196,7 @@ def _finish(path: str, aside: str | None, carried: Carried) -> None:
     try:
         if aside is not None:
             _step("remove-old")
-            shutil.rmtree(aside)
+            _remove_old(aside, strict=True)
         _step("done")
     except OSError as e:
         log.warning("the checkpoint is saved at %s, but removing the old folder %s failed: %s", path, aside, e)
