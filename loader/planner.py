@@ -15,7 +15,6 @@ timeout, staging buffers, broadcasting) is no planning setting: it is ``load_hf_
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,20 +24,17 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from .checkpoint import SafetensorsCheckpoint
 from .dcpload import DcpLoad, checkpoint_from_metadata, holds_headers
+from .fallbacks import READ_WHOLE, log_fallbacks
 from .hooks import PlanHooks
 from .options import Rules
 from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, ValueRead, plan_rank
 from .plan.cache import PLANS, PlanCache
 from .plan.gcpause import paused_gc
-from .plan.rank import REJECTED_BY_HOOK
 from .plan.slots import TargetSlot, model_slots
-from .report import LoadReport, compact_keys, load_report, natural_sorted
+from .report import LoadReport, load_report
 from .rules import KeyPlan, plan_keys
-from .rules.conversion import rule_name
 from .rules.fp8 import dequantized_keyplan
-
-log = logging.getLogger("loader")
 
 __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from_metadata", "plan_model_keys"]
 
@@ -231,35 +227,15 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
 
 def _own_plan(planner: HFLoadPlanner, checkpoint: SafetensorsCheckpoint, make, settings: tuple) -> RankPlan:
     """The plan of this rank's own slots: the one kept in ``planner.plan_cache`` where allowed, else ``make``'s; its
-    fallbacks logged (:func:`log_fallbacks`) on rank 0 (every rank has the same conversions)."""
+    fallbacks logged (:func:`~loader.fallbacks.log_fallbacks`) on rank 0 (every rank has the same conversions)."""
     hooks = planner.hooks
     if planner.plan_cache is None or any(hooks.overridden(h) for h in UNKEYED_HOOKS):
         plan = make(model_slots(planner.model, hooks.target_slot))
     else:
         plan = planner.plan_cache.planned(planner.model, hooks.target_slot, checkpoint, planner.rules, settings, make)
     if rank_and_world()[0] == 0:
-        log_fallbacks(plan)
+        log_fallbacks(((d.conversion, d.reason) for d in plan.deferred), READ_WHOLE)
     return plan
-
-
-def log_fallbacks(plan: RankPlan) -> None:
-    """One warning of the ``loader`` logger per rule and reason that sends conversions to deferred reads (their
-    sources read whole, run for real), naming the model tensors, the rule and the op that stopped the trace; none
-    for conversions a ``supports_symbolic`` hook rejected (the caller's choice)."""
-    groups: dict[tuple[str, str], list[str]] = {}
-    for d in plan.deferred:
-        if d.reason != REJECTED_BY_HOOK:
-            groups.setdefault((rule_name(d.conversion), d.reason), []).extend(d.conversion.targets)
-    for (rule, reason), targets in groups.items():
-        log.warning(
-            "%d model tensor(s) load through a conversion that does not trace: %s via %s (%s); its sources are "
-            "read whole on every rank that loads a part of these tensors, and it runs for real (LoadReport.deferred "
-            "lists them)",
-            len(targets),
-            compact_keys(natural_sorted(targets)),
-            rule,
-            reason,
-        )
 
 
 def _plan_rank(

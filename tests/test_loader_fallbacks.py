@@ -114,3 +114,18 @@ def test_a_function_writing_into_a_buffer_of_the_wrong_device_is_a_clear_error(t
     assert "new_zeros" in message  # what to write instead
     if fn is into_real_memory:  # planning failed: nothing was written
         assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_transfer_fallback_is_logged_once_naming_tensor_rule_and_op(caplog):
+    """vLLM's padded vocabulary as a destination rule: its keys move whole, and the log says so."""
+    from loader import transfer_weights
+
+    torch.manual_seed(0)
+    src, dst = nn.Embedding(VOCAB, DIM), nn.Embedding(PADDED, DIM)
+    rule = Convert(r"^weight", "weight", pad_vocab)
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        report = transfer_weights(src, dst, src_mapping=[], dst_mapping=[rule])
+    assert report.fallback == ("weight",) and torch.equal(dst.weight, pad_vocab(src.weight))
+    (line,) = fallback_lines(caplog)
+    assert "weight via Convert(['^weight'], ['weight'], fn=pad_vocab)" in line
+    assert "constant_pad_nd" in line and "moved whole" in line

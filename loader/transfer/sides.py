@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..fallbacks import MOVED_WHOLE, log_fallbacks
 from ..options import Rules
 from ..placements import slot_for
 from ..plan import Layout, TraceCache, TracedConversion
@@ -106,7 +107,7 @@ def dest_side(
             "(the source lacks the keys they load from, or the mappings differ)" + keyplan.unmatched_note(keys)
         )
     cache, layout = cache if cache is not None else TraceCache(), Layout(keys)
-    conversions = []
+    conversions, untraced = [], []
     for conv in keyplan.conversions:
         meta = cache.meta(conv, layout)
         if meta.error is not None:
@@ -131,6 +132,8 @@ def dest_side(
             conversions.append(DestConversion(tuple(conv.sources), targets, outputs, signature=("load", outcome.key)))
         else:
             conversions.append(DestConversion(tuple(conv.sources), tuple(conv.targets), None, outcome.reason))
+            untraced.append((conv, outcome.reason))
+    log_fallbacks(untraced, MOVED_WHOLE)  # on each destination rank: each receives those keys whole
     return DestSide(tuple(conversions)), keyplan
 
 
