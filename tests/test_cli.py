@@ -10,6 +10,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -420,6 +421,18 @@ def test_console_script_is_the_loaders_command_line(tmp_path):
     assert all(f"    {command} " in r.stdout for command in ("demo", "trace", "check", "plan")), r.stdout
     r = _run([str(path), "plan", str(tmp_path / "missing"), "--mesh", "2"], None, 120)
     assert r.returncode == 2 and r.stderr.strip() == f"regiontrace plan: error: no such checkpoint: {tmp_path}/missing"
+
+
+def test_transformers_extra_brings_what_tp_plan_models_need():
+    """`pip install '.[transformers]'` installs accelerate, which transformers needs for models with a
+    tensor-parallel plan (`from_pretrained(tp_plan=...)`) and `device_map=`; `bench` keeps it too."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    for extra in ("transformers", "bench"):
+        names = [re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower() for req in extras[extra]]
+        assert "accelerate" in names and "transformers" in names, (extra, extras[extra])
 
 
 def test_algebra_command_line_stands_alone():
