@@ -123,8 +123,7 @@ class RemoteReader:
         if identity is None:
             return
         if not isinstance(identity, ObjectIdentity):
-            where = redact_url(location)
-            raise TypeError(f"{where}: a remote object's identity is an ObjectIdentity, got {identity!r}")
+            raise TypeError(f"{redact_url(location)}: a remote object's identity is an ObjectIdentity: {identity!r}")
         with self._lock:
             self._identities[location] = identity
 
