@@ -104,3 +104,28 @@ def test_disagreement_names_the_tensor_and_every_ranks_view():
     assert "rank 0: float32; rank 1: bfloat16; rank 3: float32" in message
     # ranks holding different tensors (pipeline stages) agree on what they share
     assert disagreement("source", [{"a": "x"}, {"b": "y"}, {"a": "x", "c": "z"}]) is None
+
+
+FAKE_WORLD = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import transfer_models as tm
+from loader import transfer_weights
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+try:
+    transfer_weights(tm.Pair(), tm.Pair(values=False))
+except RuntimeError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_transfer_under_a_fake_world_is_refused_clearly():
+    """torch's fake process group has no peers: a clear RuntimeError, not a hang on values no rank posts."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", FAKE_WORLD], capture_output=True, text=True, timeout=300, env=env)
+    assert "refused: transfer_weights under torch's fake process group (rank 1 of 4)" in proc.stdout, proc.stderr

@@ -78,7 +78,8 @@ def report_dict(report) -> dict:
 
 
 def describe(e: BaseException) -> dict:
-    return {"type": type(e).__name__, "message": str(e), "reason": getattr(e, "reason", None)}
+    return {"type": type(e).__name__, "message": str(e), "reason": getattr(e, "reason", None),
+            "ranks": getattr(e, "ranks", None), "stage": getattr(e, "stage", None)}  # fmt: skip
 
 
 def _transfer(ctx: dict, src, dst, oracle: str, **kwargs) -> dict:
@@ -227,7 +228,7 @@ def _outcome(call) -> dict:
         call()
         return {"type": None}
     except BaseException as e:
-        return describe(e) | {"ranks": getattr(e, "ranks", None), "stage": getattr(e, "stage", None)}
+        return describe(e)
 
 
 def _untouched(model: torch.nn.Module) -> bool:

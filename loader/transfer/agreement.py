@@ -48,12 +48,18 @@ class Sharing:
         Raises:
             Exception: ``error`` here or on another rank: the lowest failed rank's, on every rank.
             PeerFailure: a rank did not post within the timeout (naming it), died, or this rank came too late.
+            RuntimeError: under torch's fake process group (no peers).
         """
         s = self.session
         if s is None:
             if error is not None:
                 raise error
             return [value]
+        if s.solo:
+            raise RuntimeError(
+                f"transfer_weights under torch's fake process group (rank {s.rank} of {s.world}): a fake world has no "
+                "peers to send or receive the weights; plan it with loader.transfer.simulate_transfer instead"
+            ) from error
         key = f"share/{name}/"
         if error is None:
             with peer_errors(STAGE, f"posting {name}"):
