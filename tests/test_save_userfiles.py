@@ -207,6 +207,26 @@ def test_a_file_written_into_the_folder_during_the_commit_is_kept(worker, old, s
     assert left_beside(old) == []
 
 
+def test_a_folder_turned_into_a_file_during_the_commit_keeps_the_old_folder(worker, old, saved, tmp_path):
+    """The user replaces the (already carried) ``tokenizer`` folder by a file while the commit runs: the new
+    checkpoint is committed, and the old folder, holding that file, is kept beside it as ``out.kept-*``, which
+    the next commit leaves alone too."""
+    pid = worker.start(NEW, old, tmp_path / "c", hook="stall", at="exchange")
+    try:
+        wait_for(lambda: (tmp_path / "c" / "stalled").exists(), "the save to stall")
+        shutil.rmtree(old / "tokenizer")
+        (old / "tokenizer").write_text("now a file")
+    finally:
+        (tmp_path / "c" / "go").touch()
+    assert worker.wait(pid) == 0
+    assert holds(old, saved[NEW])
+    (left,) = left_beside(old)
+    assert left.startswith("out.kept-") and (old.parent / left / "tokenizer").read_text() == "now a file"
+    assert "remove-old" not in steps_of(tmp_path / "c")
+    save_hf_checkpoint(build("llama", OLD)[1], old, max_shard_size=SHARDS[OLD], progress=False)
+    assert holds(old, saved[OLD]) and left_beside(old) == [left]
+
+
 # ---------------------------------------------------------------------------------------------------
 # the lock
 

@@ -12,6 +12,7 @@ A commit replaces the folder whole (:mod:`.commit`), so what is not the checkpoi
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -82,7 +83,11 @@ def carry_over(old: str, new: str, step: Step, carried: Carried | None = None) -
 def take_late(old: str, new: str, carried: Carried, step: Step) -> list[str]:
     """After the swap: move into ``new`` what appeared in ``old`` after the carry-over (a name ``new`` lacks) and
     what was replaced there (a carried file whose old entry changed while its copy in ``new`` did not).
-    Returns the paths moved (in ``new``)."""
+    Returns the paths moved (in ``new``).
+
+    Raises:
+        OSError: a carried entry turned from a file into a folder or back (the caller keeps the old folder).
+    """
     moved: list[str] = []
     for name in sorted(os.listdir(old)):
         src, dst = os.path.join(old, name), os.path.join(new, name)
@@ -94,10 +99,12 @@ def take_late(old: str, new: str, carried: Carried, step: Step) -> list[str]:
                 step(f"late {name}")
                 os.rename(src, dst)
                 moved.append(dst)
+        elif isinstance(was, dict) != _is_dir(src) and _identity(dst) is not None:
+            raise OSError(errno.EEXIST, "turned from a file into a folder or back during the commit", src)
         elif isinstance(was, dict):
-            if _is_dir(src) and _is_dir(dst):
+            if _is_dir(dst):
                 moved += take_late(src, dst, was, step)
-        elif _identity(src) != was[0] and _identity(dst) == was[1] and not _is_dir(src):
+        elif _identity(src) != was[0] and _identity(dst) == was[1]:
             step(f"late {name}")
             os.replace(src, dst)
             moved.append(dst)

@@ -177,7 +177,7 @@ def _fallback(staging: str, path: str, aside: str) -> None:
 def _finish(path: str, aside: str | None, carried: Carried) -> None:
     """After the commit: what appeared in the old folder (now ``aside``) since the carry-over moves into ``path``,
     then the old folder goes, best effort (a leftover goes at the next commit). Where the move fails, the old folder
-    stays, with what it holds."""
+    stays whole, renamed to ``<path>.kept-XXXXXXXX`` (which no commit removes)."""
     try:
         if aside is not None:
             _step("take-late")
@@ -185,12 +185,15 @@ def _finish(path: str, aside: str | None, carried: Carried) -> None:
             if moved:
                 log.info("moved %d file(s) written into %s during the commit into the new checkpoint", len(moved), path)
     except OSError as e:
+        kept = aside.replace(".old-commit-", ".kept-", 1) if aside else aside
+        with contextlib.suppress(OSError):  # a name recover() never removes: the user's files in it stay
+            os.rename(aside, kept)
         log.warning(
             "the checkpoint is saved at %s, but moving what was written into the old folder during the commit "
-            "failed (%s): the old folder is left at %s",
+            "failed (%s): the old folder, with those files, is kept at %s",
             path,
             e,
-            aside,
+            kept if os.path.isdir(kept) else aside,
         )
         return
     try:
