@@ -3,8 +3,10 @@
 :mod:`.cells` (the source's cells, who sends each) ← :mod:`.plan` (the pure plan: moves, the whole world's or
 one rank's) ← :mod:`.schedule` (moves in bounded rounds) ← :mod:`.sides` (the two
 models as plain values: the source's save mapping, the destination's traced load) ← :mod:`.exchange` (packing,
-``all_to_all_single``, unpacking) ← :mod:`.api` (``transfer_weights``, ``TransferReport``); :mod:`.simulate` (the
-plan for any two meshes on meta models: ``simulate_transfer``).
+``all_to_all_single``, unpacking), :mod:`.memory` (the local memory checked: no meta tensor, no overlapping
+writes), :mod:`.agreement` (the values shared through the store under the transfer's timeout, the ranks' views
+of each tensor compared) ← :mod:`.api` (``transfer_weights``, ``TransferReport``); :mod:`.simulate` (the plan
+for any two meshes on meta models: ``simulate_transfer``).
 """
 
 from .api import BUCKET_BYTES, TransferReport, transfer_weights

@@ -107,7 +107,9 @@ def transfer_weights(
         group: the process group of the exchanges, holding every rank of the world (default: the world; e.g. a
             gloo group for CPU tensors beside a default NCCL one).
         bucket_bytes: the most payload one rank sends, and receives, per round.
-        timeout: seconds (or a ``timedelta``) to wait for a peer at each step; None: no limit.
+        timeout: seconds (or a ``timedelta``) to wait for the other ranks at each step: every agreement point of
+            the planning (through the store) and each round's collective; it, not the process group's timeout,
+            bounds every wait (default :data:`~loader.options.DEFAULT_TIMEOUT`, 300 s); None: no limit.
         rollback: on failure, put back every destination tensor this rank had written.
         progress: True logs each round on the ``loader`` logger; a callable gets ``(done, total)`` rounds.
         source_shapes: the source's checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint
@@ -119,8 +121,10 @@ def transfer_weights(
 
     Raises:
         ValueError: on every rank, before anything is sent: shapes or dtypes that do not match, a key the
-            destination needs that the source lacks, a source conversion that is not a bijection.
-        PeerFailure: on every rank, a rank failed, died or hung (past ``timeout``) during the transfer.
+            destination needs that the source lacks, a source conversion that is not a bijection, ranks holding
+            a tensor differently, a tensor on the meta device, destination tensors overlapping in memory (each
+            other, or a source tensor read).
+        PeerFailure: on every rank, a rank failed, died, hung or never called (past ``timeout``, naming it).
     """
     t0 = time.perf_counter()
     if bucket_bytes < 1:
