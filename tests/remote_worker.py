@@ -12,12 +12,14 @@ from gloo_world import worker_main
 
 from loader.placements import shard_module
 
+WIRE_BOUND = 0.01  # the max_overread of the bounded wire scenario (tests/test_remote_load.py holds the log to it)
 
-def _sharded_model(ctx: dict, mesh_shape: tuple[int, ...]):
+
+def _sharded_model(ctx: dict, mesh_shape: tuple[int, ...], folder: str | None = None):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(ctx["local"])
+    cfg = AutoConfig.from_pretrained(folder or ctx["local"])
     torch.manual_seed(123)
     model = AutoModelForCausalLM.from_config(cfg)
     mesh = init_device_mesh("cpu", mesh_shape)
@@ -73,6 +75,31 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
     }
 
 
+def scenario_wire(ctx: dict, name: str, **options) -> dict:
+    """The wire checkpoint (hidden 64, head_dim 128, 8 experts of 2048, 4 MB shards) TP on 4 ranks from nginx with
+    exchanged reads and ``options``, this rank's requests told apart in the server's log by their User-Agent: equal to
+    the local load; what the test holds the log against."""
+    import torch.distributed as dist
+
+    from loader import load_hf_checkpoint
+
+    local = _sharded_model(ctx, (4,), ctx["wire_local"])
+    load_hf_checkpoint(local, ctx["wire_local"], progress=False)
+    model = _sharded_model(ctx, (4,), ctx["wire_local"])
+    agent = f"regiontrace-{name}-rank{dist.get_rank()}"
+    options = {**options, "headers": {"User-Agent": agent}}
+    report = load_hf_checkpoint(model, ctx["wire_url"], storage_options=options, progress=False)
+    want, got = _local_shards(local), _local_shards(model)
+    sd = model.state_dict(keep_vars=True)
+    return {
+        "agent": agent,
+        "unequal_shards": [n for n in want if not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))],
+        "bytes_read": report.bytes_read,
+        "bytes_exchanged": report.bytes_exchanged,
+        "shard_bytes": sum(local_numel(sd[n]) * sd[n].element_size() for n in report.loaded_keys if n in sd),
+    }
+
+
 SCENARIOS = [
     ("s3_tp4", lambda ctx: scenario_remote(ctx, "s3_options", (4,))),
     ("s3_ep_tp_2x2", lambda ctx: scenario_remote(ctx, "s3_env", (2, 2))),
@@ -81,6 +108,8 @@ SCENARIOS = [
     ("local_tp4_exchanged", lambda ctx: scenario_remote(ctx, "local", (4,), exchange_reads=True)),
     ("s3_dcp_2x2", lambda ctx: scenario_remote(ctx, "s3_options", (2, 2), dcp=True)),
     ("s3_broadcast_2x2", lambda ctx: scenario_remote(ctx, "s3_options", (2, 2), broadcast_replicated_tensors=True)),
+    ("wire_tp4", lambda ctx: scenario_wire(ctx, "wire_tp4")),
+    ("wire_tp4_bounded", lambda ctx: scenario_wire(ctx, "wire_tp4_bounded", max_overread=WIRE_BOUND)),
 ]
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from hf_models import FAMILIES, build, clone_state, save
 from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 from loader.checkpoint.header import REMOTE_HEAD_BYTES
 from loader.errors import CheckpointError
+from loader.storage.remote import RemoteOptions
 
 pytest.importorskip("requests")
 pytest.importorskip("boto3")
@@ -182,9 +184,10 @@ def faulty(faults_server, folders):
 
 
 def first_data_request(control, path: str) -> int:
-    """How many requests for ``path`` come before its first data read (a GET not from byte 0: the header's)."""
+    """How many requests for ``path`` come before its first data read (the GET after the header's: one request of
+    its first bytes, as these shards' headers are shorter than it)."""
     log = [r for r in control.log() if r.path == path]
-    return next(i for i, r in enumerate(log) if r.method == "GET" and not (r.range or "").startswith("bytes=0-"))
+    return [i for i, r in enumerate(log) if r.method == "GET"][1]
 
 
 FAULTS = [
@@ -272,11 +275,99 @@ def test_cli_plan_of_a_url(scheme, folders, remote):
     assert remote_plan == local_plan
 
 
+# --- bytes on the wire ----------------------------------------------------------------------------------------
+
+
+WIRE = "wire_moe"  # a Qwen3-MoE of hidden 64, head_dim 128 and 8 experts of 2048 in 4 MB shards (6 files), on nginx
+
+
+@pytest.fixture(scope="module")
+def wire_folder(folders):
+    """:data:`WIRE` saved beside the other folders nginx serves; its model's config is the folder's."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe",
+        **dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=2048, num_hidden_layers=2),
+        **dict(num_attention_heads=4, num_key_value_heads=4, head_dim=128, num_experts=8, num_experts_per_tok=2),
+        **dict(vocab_size=128, tie_word_embeddings=False),
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    folder = folders[SHARDED].parent / WIRE
+    model.save_pretrained(folder, max_shard_size="4MB")
+    return folder
+
+
+def header_bytes(folder) -> int:
+    """What a rank's header requests may fetch: the index, and per file its first request (the 8-byte length and
+    the header, or :data:`REMOTE_HEAD_BYTES` where that is more)."""
+    total = (folder / "model.safetensors.index.json").stat().st_size
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            total += max(8 + int.from_bytes(fh.read(8), "little"), REMOTE_HEAD_BYTES)
+    return total
+
+
+def data_fetched_twice(folder, requests) -> dict[str, int]:
+    """Per file, the data bytes (past its header) that ``requests`` fetched more than once."""
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            data_start = 8 + int.from_bytes(fh.read(8), "little")
+        seen = np.zeros(f.stat().st_size, dtype=np.int64)
+        for r in requests:
+            if r.path.endswith("/" + f.name) and r.range:
+                for part in r.range.removeprefix("bytes=").split(","):
+                    a, b = part.split("-")
+                    seen[int(a) : int(b) + 1] += 1
+        out[f.name] = int((seen[data_start:] > 1).sum())
+    return out
+
+
+def test_one_rank_fetches_each_byte_once_and_no_head_request(wire_folder, web):
+    """One process loading all of :data:`WIRE` from nginx: no HEAD request, each data byte fetched once (the header's
+    first request's data bytes used, not fetched again), bytes on the wire within 1.05x the tensors' bytes and the
+    header requests' bytes."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(wire_folder))
+    options = {"headers": {"User-Agent": "regiontrace-wire-one"}}
+    report = load_hf_checkpoint(model, f"{web}/{WIRE}", storage_options=options, progress=False)
+    sent = [r for r in web.requests() if r.agent == "regiontrace-wire-one"]
+    assert sent and not [r for r in sent if r.method != "GET"], sent
+    assert not any(data_fetched_twice(wire_folder, sent).values())
+    shard = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert report.planned_bytes == shard
+    assert sum(r.bytes for r in sent) <= 1.05 * shard + header_bytes(wire_folder), sent
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["wire_tp4", "wire_tp4_bounded"])
+def test_bytes_on_the_wire_per_rank_are_its_shard_and_the_headers(world, wire_folder, name):
+    """:data:`WIRE` TP on 4 ranks from nginx with exchanged reads (q/k/v/embed/lm_head ``Shard(0)``, o_proj
+    ``Shard(1)``, experts' gate_up ``Shard(1)`` and down ``Shard(2)``): per rank, as nginx's log counts it, no HEAD
+    request, no data byte fetched twice, and the bytes on the wire within ``1 + max_overread`` times its shard (the
+    default 0.05; ``wire_tp4_bounded``: 0.01) and the header requests' bytes."""
+    from gloo_world import ok
+    from remote_worker import WIRE_BOUND
+
+    results, logged = world
+    bound = WIRE_BOUND if "bounded" in name else RemoteOptions().max_overread
+    for rank, res in enumerate(ok(results, name)):
+        assert res["unequal_shards"] == [], (rank, res)
+        sent = [r for r in logged if r.agent == res["agent"]]
+        assert sent and not [r for r in sent if r.method != "GET"], (rank, sent)
+        assert not any(data_fetched_twice(wire_folder, sent).values()), (rank, sent)
+        wire = sum(r.bytes for r in sent)
+        assert wire <= (1 + bound) * res["shard_bytes"] + header_bytes(wire_folder), (rank, wire, res)
+
+
 # --- 4 gloo ranks ----------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def world(folders, web, s3, tmp_path_factory):
+def world(folders, web, s3, wire_folder, tmp_path_factory):
     """tests/remote_worker.py's scenarios on 4 gloo ranks: a bf16 qwen3_moe checkpoint (as tests/test_distributed.py
     loads locally) in S3 and on nginx; yields ``(results per rank, nginx requests during the run)``."""
     import remote_worker
@@ -310,6 +401,8 @@ def world(folders, web, s3, tmp_path_factory):
         },
         "s3_env": {**servers.s3_env(s3), "AWS_ENDPOINT_URL": ""},
         "http_url": f"{web}/dist_moe",
+        "wire_local": str(wire_folder),
+        "wire_url": f"{web}/{WIRE}",
     }
     ctx["s3_env"].pop("AWS_ENDPOINT_URL")
     logged = len(web.requests())
@@ -369,7 +462,9 @@ def test_tp_column_shards_use_multi_range_requests_over_http(world):
     _, logged = world
     ranges = [r.range for r in logged if r.method == "GET" and r.range]  # http_tp4_each_its_own's, at least
     assert ranges and any("," in r for r in ranges), ranges
-    assert all(r.status == 206 for r in logged if r.method == "GET"), logged
+    probes = [r for r in logged if r.path == "/dist_moe/model.safetensors.index.json"]  # it has none: a 404
+    assert probes and all(r.status == 404 for r in probes), probes
+    assert all(r.status == 206 for r in logged if r.method == "GET" and r not in probes), logged
 
 
 def test_hub_revisions_and_missing_repos(folders, remote):
