@@ -552,3 +552,33 @@ def test_an_object_replaced_mid_load_stops_the_load(faults, served):
                 assert out == served[1][a:b]
         assert e.value.path == location
     assert len(control.log()) < 5 + 2 * 2 + 2  # the 5 answered, those in flight, none of the ROWS queued
+
+
+def test_first_bytes_tell_size_and_identity_without_a_head_request(tmp_path):
+    """Over nginx and S3 (moto): whether an object exists, its size, identity and first bytes come from one ranged
+    GET (no HEAD), an empty object included; a missing one is absent; what that GET returned serves later reads of
+    those bytes, through the store and through its readers, without another request."""
+    pytest.importorskip("requests")
+    pytest.importorskip("boto3")
+    keys = {"key": "testing", "secret": "testing", "region_name": "us-east-1"}
+    data = np.random.default_rng(2).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    (tmp_path / "f.bin").write_bytes(data)
+    (tmp_path / "empty.bin").write_bytes(b"")
+    for web in servers.serve(servers.nginx(tmp_path)):
+        for endpoint in servers.serve(servers.s3_server()):
+            s3 = servers.put_folder(endpoint, "first", "x", tmp_path)
+            for store in (remote_store(web, {}), remote_store(s3, {"endpoint_url": endpoint, **keys})):
+                assert store.exists(store.locate("f.bin")) and store.exists(store.locate("empty.bin"))
+                assert not store.exists(store.locate("missing.bin"))
+                head = store.head(store.locate("f.bin"), 100)
+                assert head.data == data[:100] and head.size == len(data) and head.identity.etag
+                assert store.head(store.locate("empty.bin"), 8).size == 0
+                location = store.locate("f.bin")
+                assert store.read_range(location, 10, 90, head.identity) == data[10:90]  # from the first GET
+                with store.reader({location: head.identity}) as reader:
+                    out = bytearray(200)
+                    reader.pread_into(location, 4000, out)  # 96 bytes from the first GET's 4 KiB, 104 fetched
+                    assert out == data[4000:4200] and reader.reads == 1 and reader.bytes_read == 200
+            logged = web.requests()
+            assert logged and all(r.method == "GET" for r in logged), logged
+            assert [r.range for r in logged if r.path == "/f.bin"] == ["bytes=0-4095", "bytes=4096-4199"]
