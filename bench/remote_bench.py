@@ -2,8 +2,8 @@
 held to a bandwidth limit; bytes on the wire per rank against its shard bytes, requests, walls, against peers.
 
     python bench/remote_bench.py [--out DIR] [--layers N] [--rate MB_PER_S] [--rounds N] [--layouts tp,ep]
-                                 [--servers http,s3] [--methods ours,ours_overread,download,runai]
-                                 [--overread F] [--max-requests N] [--log DIR] [--markdown]
+                                 [--servers http,s3] [--methods ours,ours_bounded,ours_overread,download,runai]
+                                 [--bound F] [--overread F] [--max-requests N] [--log DIR] [--markdown]
 
 A Qwen3-MoE-shaped checkpoint (bench/common.py's shape with ``--layers`` layers, default 2: about 235 MiB bf16,
 ``save_pretrained``'s layout: per-expert tensors, 4 shards + index) is written once to ``DIR/hf`` and served on
@@ -21,6 +21,8 @@ experts, ``Shard(0)``), then per round, layout and server, run the methods one a
 (the order of the methods turns by one each round):
 
 * ``ours``: ``load_hf_checkpoint(model, URL)`` (each rank fetches its byte ranges: loader/storage/remote);
+* ``ours_bounded``: the same with ``storage_options={"max_overread": BOUND}`` (``--bound``, default 0.01): the
+  over-read bounded tighter than the default 0.05 (for egress billed per byte);
 * ``ours_overread``: the same with ``storage_options={"max_overread": OVERREAD}`` (``--overread``, default 3.0): the
   cost model may read gaps through up to that fraction of the bytes wanted — a column shard's in a few requests;
 * ``download``: every file to a local folder, then ``load_hf_checkpoint`` from there (bench/remote_peers.py);
@@ -53,7 +55,7 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 WORLD = 4
 MIB = 1 << 20
 BUCKET = "bench"
-METHODS = ("ours", "ours_own_runs", "ours_overread", "download", "runai")
+METHODS = ("ours", "ours_bounded", "ours_own_runs", "ours_overread", "download", "runai")
 #: the user agent a rank's requests carry (HTTP: a header in storage_options; S3: botocore's app id, from the
 #: environment), so that ranks loading the same URL are told apart in the server's log
 AGENT = re.compile(r"regiontrace-bench-rank(\d+)")
@@ -108,13 +110,16 @@ def dist_rank() -> int:
 
 
 def ours_options(method: str, spec: dict) -> dict:
-    """The storage options of an ``ours`` method: none for ``ours``, ``max_overread`` for ``ours_overread``."""
-    return {"max_overread": spec["overread"]} if method == "ours_overread" else {}
+    """The storage options of an ``ours`` method: none for ``ours``, ``max_overread`` for ``ours_bounded`` and
+    ``ours_overread``."""
+    bound = {"ours_bounded": spec.get("bound"), "ours_overread": spec.get("overread")}.get(method)
+    return {} if bound is None else {"max_overread": bound}
 
 
 def ours_exchange(method: str) -> bool | None:
-    """``exchange_reads`` of an ``ours`` method: the default (on for URLs) for ``ours``, off for the others."""
-    return None if method == "ours" else False
+    """``exchange_reads`` of an ``ours`` method: the default (on for URLs) for ``ours`` and ``ours_bounded``, off for
+    the others."""
+    return None if method in ("ours", "ours_bounded") else False
 
 
 def planned(model, folder: str, multi_range: bool, options: dict) -> dict:
@@ -435,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         help="ours is not run where it plans more requests per rank (its plan is shown instead); default 5000",
     )
     parser.add_argument(
+        "--bound",
+        type=float,
+        default=0.01,
+        help="ours_bounded's max_overread storage option (default 0.01: the over-read bounded tighter than 0.05)",
+    )
+    parser.add_argument(
         "--overread",
         type=float,
         default=3.0,
@@ -482,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "max_requests": args.max_requests,
             "overread": args.overread,
+            "bound": args.bound,
             "profile": args.profile,
             "warmup": not args.no_warmup,
             "store": os.path.join(tmp, "store"),
