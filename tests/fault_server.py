@@ -121,10 +121,10 @@ class Handler(BaseHTTPRequestHandler):
         for key, value in headers.items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(body) if promise is None else promise))
+        self._record(status, 0 if self.command == "HEAD" else len(body))  # logged before the client has it all
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
-        self._record(status, 0 if self.command == "HEAD" else len(body))
 
     def _json(self, value: object) -> None:
         body = json.dumps(value).encode()

@@ -50,9 +50,10 @@ def root(tmp_path_factory):
     """``ckpt/`` (one file), ``bad/`` (an index that is not JSON), ``small/`` (an 8.5 KB file), ``outside/`` beside
     them: what an index's entries must not reach."""
     root = tmp_path_factory.mktemp("urls")
-    for folder in ("ckpt", "bad", "outside", "small"):
+    for folder in ("ckpt", "bad", "outside", "small", "redirect", "signed", "signed2", "query"):
         (root / folder).mkdir()
-    save_file(tensors(), str(root / "ckpt" / NAME))
+    for folder in ("ckpt", "redirect", "signed", "signed2", "query"):  # one per test of the fault servers' logs
+        save_file(tensors(), str(root / folder / NAME))
     save_file({"w": torch.arange(2048, dtype=torch.float32)}, str(root / "small" / NAME))
     save_file({"stolen": torch.ones(3)}, str(root / "outside" / NAME))
     (root / "bad" / INDEX).write_text("{not json")
@@ -131,16 +132,17 @@ def test_a_redirect_to_another_host_drops_the_callers_headers(two_fault_servers)
     (first, first_control), (second, second_control) = two_fault_servers
     for control in (first_control, second_control):
         control.clear()
-    first_control.set(f"/ckpt/{NAME}", redirect=second)  # another port: another host to requests
-    second_control.set(f"/ckpt/{NAME}", refuse_header="X-Secret")  # a 403 if the header reached it
+    first_control.set(f"/redirect/{NAME}", redirect=second)  # another port: another host to requests
+    second_control.set(f"/redirect/{NAME}", refuse_header="X-Secret")  # a 403 if the header reached it
     headers = {"headers": {"X-Secret": "s3cr3t-token"}}
-    checkpoint = SafetensorsCheckpoint.open(f"{first}/ckpt/{NAME}", storage_options=headers)
+    checkpoint = SafetensorsCheckpoint.open(f"{first}/redirect/{NAME}", storage_options=headers)
     assert sorted(checkpoint) == sorted(tensors())
-    assert {r.status for r in first_control.log()} == {302} and {r.status for r in second_control.log()} == {206}
+    statuses = [{r.status for r in c.log() if r.path == f"/redirect/{NAME}"} for c in (first_control, second_control)]
+    assert statuses == [{302}, {206}]
     with pytest.raises(CheckpointError, match="access refused"):  # allowed: the header goes along, and is refused
-        SafetensorsCheckpoint.open(f"{first}/ckpt/{NAME}", storage_options={**headers, "forward_headers": True})
+        SafetensorsCheckpoint.open(f"{first}/redirect/{NAME}", storage_options={**headers, "forward_headers": True})
     with pytest.raises(ValueError, match="forward_headers"):
-        SafetensorsCheckpoint.open(f"{first}/ckpt/{NAME}", storage_options={"forward_headers": "yes"})
+        SafetensorsCheckpoint.open(f"{first}/redirect/{NAME}", storage_options={"forward_headers": "yes"})
 
 
 BAD_NAMES = [
@@ -205,23 +207,23 @@ def test_a_presigned_file_url_is_that_file_with_its_query(root, web, faults):
     }
     # as S3 checks a signature: the file's requests must carry it; config.json, beside it, is refused (403)
     url, control = faults
-    control.set(f"/ckpt/{NAME}", require_query="X-Amz-Signature=s3cr3t-signature")
-    control.set("/ckpt/config.json", require_query="X-Amz-Signature=another")
+    control.set(f"/signed/{NAME}", require_query="X-Amz-Signature=s3cr3t-signature")
+    control.set("/signed/config.json", require_query="X-Amz-Signature=another")
     with pytest.raises(CheckpointError, match="access refused"):
-        SafetensorsCheckpoint.open(f"{url}/ckpt/{NAME}")
-    checkpoint = SafetensorsCheckpoint.open(f"{url}/ckpt/{NAME}{PRESIGNED}")
+        SafetensorsCheckpoint.open(f"{url}/signed/{NAME}")
+    checkpoint = SafetensorsCheckpoint.open(f"{url}/signed/{NAME}{PRESIGNED}")
     with checkpoint.reader() as reader:
         got = {key: torch.empty_like(value) for key, value in tensors().items()}
         for key, out in got.items():
             reader.pread_into(checkpoint[key].file, checkpoint[key].data_start, memoryview(out.numpy()).cast("B"))
     assert all(torch.equal(got[k], v) for k, v in tensors().items())
-    assert {r.status for r in control.log() if r.path == f"/ckpt/{NAME}"} == {403, 206}
+    assert {r.status for r in control.log() if r.path == f"/signed/{NAME}"} == {403, 206}
 
 
 def test_a_presigned_file_url_loads_and_the_config_beside_it_is_skipped_with_a_warning(faults, caplog):
     url, control = faults
-    control.set(f"/ckpt/{NAME}", require_query="X-Amz-Signature=s3cr3t-signature")
-    control.set("/ckpt/config.json", require_query="X-Amz-Signature=another")
+    control.set(f"/signed2/{NAME}", require_query="X-Amz-Signature=s3cr3t-signature")
+    control.set("/signed2/config.json", require_query="X-Amz-Signature=another")
 
     class Named(torch.nn.Module):
         def __init__(self):
@@ -230,25 +232,26 @@ def test_a_presigned_file_url_loads_and_the_config_beside_it_is_skipped_with_a_w
                 self.register_module(f"layer{i}", torch.nn.Linear(96, 64, bias=False))
 
     named = Named()
-    load_hf_checkpoint(named, f"{url}/ckpt/{NAME}{PRESIGNED}")
+    load_hf_checkpoint(named, f"{url}/signed2/{NAME}{PRESIGNED}")
     assert all(torch.equal(getattr(named, f"layer{i}").weight, tensors()[f"layer{i}.weight"]) for i in range(4))
-    checkpoint = SafetensorsCheckpoint.open(f"{url}/ckpt/{NAME}{PRESIGNED}")
+    checkpoint = SafetensorsCheckpoint.open(f"{url}/signed2/{NAME}{PRESIGNED}")
     with caplog.at_level(logging.WARNING, logger="loader"):
         assert quantization_config(checkpoint.store) is None  # what an FP8 load asks: refused, so absent
     assert "config.json: access refused beside the presigned" in caplog.text
     assert not [s for s in SECRETS if s in caplog.text]
-    assert [r.status for r in control.log() if r.path == "/ckpt/config.json"] == [403]
+    assert [r.status for r in control.log() if r.path == "/signed2/config.json"] == [403]
     with pytest.raises(CheckpointError, match="access refused"):  # a folder's own objects: refused is an error
-        SafetensorsCheckpoint.open(f"{url}/ckpt?X-Amz-Signature=another")
+        SafetensorsCheckpoint.open(f"{url}/signed2?X-Amz-Signature=another")
 
 
 def test_a_folder_url_with_a_query_sends_it_with_every_request(faults):
     url, control = faults
-    for path in (f"/ckpt/{NAME}", f"/ckpt/{INDEX}", "/ckpt/config.json"):
+    for path in (f"/query/{NAME}", f"/query/{INDEX}", "/query/config.json"):
         control.set(path, require_query="token=s3cr3t-token")
-    checkpoint = SafetensorsCheckpoint.open(f"{url}/ckpt?token=s3cr3t-token")
-    assert sorted(checkpoint) == sorted(tensors()) and checkpoint.root == f"{url}/ckpt"
-    assert {r.status for r in control.log()} <= {206, 404}  # the index's and config's 404, never a 403
+    checkpoint = SafetensorsCheckpoint.open(f"{url}/query?token=s3cr3t-token")
+    assert sorted(checkpoint) == sorted(tensors()) and checkpoint.root == f"{url}/query"
+    statuses = {r.status for r in control.log() if r.path.startswith("/query/")}
+    assert statuses == {206, 404}  # the index's and the config's 404, never a 403
 
 
 def test_a_trickling_server_fails_the_request_naming_the_bound(root, faults):
