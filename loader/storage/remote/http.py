@@ -149,6 +149,17 @@ def covering_range(r: requests.Response, ranges: Sequence[tuple[int, int]]) -> t
     return plain[0], plain[1]
 
 
+def answer_parts(
+    name: str, r: requests.Response, plain: tuple[int, int] | None, body: bytes
+) -> list[tuple[str | None, bytes]]:
+    """The ``(Content-Range, payload)`` parts of a 206 answer to a multi-range request, for
+    :func:`~.checks.assemble`: its one range where it is plain (``plain``: :func:`covering_range`), else its
+    ``multipart/byteranges`` parts."""
+    if plain is not None:
+        return [(r.headers.get("Content-Range"), body)]
+    return multipart_parts(name, r.headers["Content-Type"], body)
+
+
 def read_body(r: requests.Response, nbytes: int, started: float, timeout: float, min_rate: float) -> bytes:
     """``r``'s body (``nbytes`` expected), refused (:class:`Transient`) once the request, ``started`` then, has
     lasted ``timeout + nbytes / min_rate`` seconds."""
@@ -334,7 +345,7 @@ class HttpBackend:
     def _get_multi(
         self, url: str, name: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity
     ) -> list[bytes] | None:
-        """The ranges from one multi-range request (:func:`~.checks.assemble`); ``None`` when the server answers
+        """The ranges from one multi-range request (:func:`answer_parts`); ``None`` when the server answers
         otherwise (200, a plain 206 not covering them)."""
         started = time.monotonic()
         with transport_errors(name), self._send(url, ranges, identity) as r:
@@ -345,9 +356,4 @@ class HttpBackend:
             check_identity(name, merged_headers(r), identity, self.names)
             nbytes = plain[1] - plain[0] if plain else sum(b - a for a, b in ranges)
             body = read_body(r, nbytes, started, self.timeout, self.min_rate)
-        parts = (
-            [(r.headers.get("Content-Range"), body)]
-            if plain
-            else multipart_parts(name, r.headers["Content-Type"], body)
-        )
-        return assemble(name, parts, ranges, identity.size)
+        return assemble(name, answer_parts(name, r, plain, body), ranges, identity.size)
