@@ -32,13 +32,35 @@ from regiontrace import contiguous_strides
 
 from .checkpoint import SafetensorsCheckpoint
 from .dcpload import checkpoint_from_metadata, checkpoint_metadata, holds_headers
+from .distributed import LoadSession
+from .distributed.versions import open_agreed
 from .execute import BlockExecutor, execute_plan, restore
-from .load import read_together
+from .load import opener, read_together
 from .options import DEFAULT_TIMEOUT, STAGING_BYTES, LoadOptions
 from .placements import rank_and_world
 from .plan import BlockRead
 from .plan.slots import full_box, plain_slot
 from .storage import RangeReader, is_url
+
+
+def open_on_every_rank(
+    path: str, storage_options: Mapping[str, Any] | None, timeout: float | datetime.timedelta | None
+) -> SafetensorsCheckpoint:
+    """The checkpoint ``path``; at a URL under a process group of several ranks, at rank 0's version of every file
+    on every rank (:func:`~loader.distributed.versions.open_agreed`), a failure on one rank raised on all.
+    Collective there (``read_metadata`` runs on every rank of ``dcp.load``)."""
+    open_at = opener(path, None, storage_options)
+    if not is_url(path) or not torch.distributed.is_initialized() or rank_and_world()[1] < 2:
+        return open_at(None)
+    with LoadSession(timeout) as session:
+        checkpoint, error = None, None
+        try:
+            checkpoint = open_agreed(session, open_at, remote=True)
+        except Exception as e:  # agreed below: every rank raises, none waits for the others at the reads
+            error = e
+        session.agree(error, "planning")
+    assert checkpoint is not None
+    return checkpoint
 
 
 class SafetensorsReader(StorageReader):
@@ -115,7 +137,7 @@ class SafetensorsReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
             raise ValueError("SafetensorsReader needs a checkpoint path (or checkpoint_id)")
-        self.checkpoint = SafetensorsCheckpoint.open(self.path, storage_options=self.storage_options or None)
+        self.checkpoint = open_on_every_rank(self.path, self.storage_options or None, self.options.timeout)
         self._metadata = checkpoint_metadata(self.checkpoint)
         return self._metadata
 

@@ -40,20 +40,29 @@ class _Posted(logging.Handler):
             default_store().set(self.key, "1")
 
 
-def _load(url: str, options: dict) -> dict:
-    """Load ``url`` into a :class:`Pair`: ``{"values": the model's, "error": the message or ""}``."""
-    from loader import load_hf_checkpoint
+def _load(url: str, options: dict, *, dcp: bool = False) -> dict:
+    """Load ``url`` into a :class:`Pair` (``dcp``: through ``dcp.load`` with ``HFLoadPlanner`` and
+    ``SafetensorsReader``): ``{"values": the model's, "error": the message or ""}``."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     model = Pair()
+    options = {"retries": 1, "backoff": 0.01, **options}
     try:
-        load_hf_checkpoint(model, url, storage_options={"retries": 1, "backoff": 0.01, **options}, progress=False)
+        if dcp:
+            planner = HFLoadPlanner(model)
+            reader = SafetensorsReader(url, storage_options=options)
+            torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
+        else:
+            load_hf_checkpoint(model, url, storage_options=options, progress=False)
         error = ""
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     return {"values": {k: v.detach().clone() for k, v in model.state_dict().items()}, "error": error}
 
 
-def _after_rank_zero_posted(name: str, change, url: str, options: dict) -> dict:
+def _after_rank_zero_posted(name: str, change, url: str, options: dict, *, dcp: bool = False) -> dict:
     """Rank 0 loads; once it posted its identities rank 1 calls ``change()``, then ranks 1-3 load."""
     import torch.distributed as dist
 
@@ -67,7 +76,7 @@ def _after_rank_zero_posted(name: str, change, url: str, options: dict) -> dict:
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG)
         try:
-            return _load(url, options)
+            return _load(url, options, dcp=dcp)
         finally:
             logger.removeHandler(handler)
             logger.setLevel(level)
@@ -76,7 +85,7 @@ def _after_rank_zero_posted(name: str, change, url: str, options: dict) -> dict:
         change()
         store.set(changed, "1")
     store.wait([changed])
-    return _load(url, options)
+    return _load(url, options, dcp=dcp)
 
 
 def scenario_http(ctx: dict, path: str) -> dict:
@@ -87,16 +96,16 @@ def scenario_http(ctx: dict, path: str) -> dict:
     return _load(f"{ctx['faults']}{path}", {"headers": headers})
 
 
-def scenario_s3(ctx: dict, bucket: str) -> dict:
-    """``s3://bucket/pair/model.safetensors`` overwritten by v2 between rank 0's header read and the others'."""
+def scenario_s3(ctx: dict, bucket: str, prefix: str = "pair", *, dcp: bool = False) -> dict:
+    """``s3://bucket/{prefix}/model.safetensors`` overwritten by v2 between rank 0's header read and the others'."""
     import servers
 
     def overwrite() -> None:
         with open(ctx["v2"], "rb") as f:
-            servers.s3_client(ctx["s3"]).put_object(Bucket=bucket, Key="pair/model.safetensors", Body=f.read())
+            servers.s3_client(ctx["s3"]).put_object(Bucket=bucket, Key=f"{prefix}/model.safetensors", Body=f.read())
 
     options = {"endpoint_url": ctx["s3"], **ctx["s3_keys"]}
-    return _after_rank_zero_posted(f"s3_{bucket}", overwrite, f"s3://{bucket}/pair", options)
+    return _after_rank_zero_posted(f"s3_{bucket}_{prefix}", overwrite, f"s3://{bucket}/{prefix}", options, dcp=dcp)
 
 
 def scenario_hub(ctx: dict) -> dict:
@@ -116,6 +125,7 @@ SCENARIOS = [
     ("http_constant_etag", lambda ctx: scenario_http(ctx, "/plain/constant/model.safetensors")),
     ("s3_versioned", lambda ctx: scenario_s3(ctx, ctx["versioned"])),
     ("s3_unversioned", lambda ctx: scenario_s3(ctx, ctx["unversioned"])),
+    ("s3_versioned_dcp", lambda ctx: scenario_s3(ctx, ctx["versioned"], "dcp", dcp=True)),
     ("hub_branch_moved", scenario_hub),
 ]
 

@@ -11,7 +11,8 @@ Identity: :meth:`RemoteReader.expect` records the :class:`~loader.storage.Object
 against; the backend checks it on every response (ETag, version, size), so every byte served comes from that
 object. :meth:`RemoteReader.verify` therefore makes no request: a re-stat after the last read would prove
 nothing about the bytes already read, which their responses proved one by one; it releases what was fetched
-ahead for the file instead (the executor calls it after the file's last read).
+ahead for the file instead (the executor calls it after the file's last read) — and, where the backend's
+validators prove little (HTTP), compares the file's header as its last request fetched it again (:mod:`.recheck`).
 
 Heads: a file's first bytes, fetched with its header (``heads``, from :meth:`~.store.RemoteStore.reader`), serve the
 reads of those bytes (:mod:`.heads`): they are neither planned nor fetched again.
@@ -101,9 +102,9 @@ class RemoteReader:
         for location, identity in (identities or {}).items():
             self.expect(location, identity)
 
-    bytes_read: property = property(lambda self: self._fetcher.bytes_read + self._heads.used)
+    bytes_read: property = property(lambda self: self._fetcher.bytes_read + self._heads.used - self._checks.bytes)
     gap_bytes: property = property(lambda self: self._fetcher.gap_bytes)
-    reads: property = property(lambda self: self._fetcher.reads)
+    reads: property = property(lambda self: self._fetcher.reads - self._checks.requests)
     peak_bytes: property = property(lambda self: self._window.peak)
 
     def __enter__(self) -> RemoteReader:

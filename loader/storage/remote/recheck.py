@@ -5,9 +5,12 @@ ETag for every version, a weak ETag beside an unchanged Last-Modified, nginx's E
 seconds and the size) for a rewrite within the same second at the same size. Every response is still checked
 against the sizes known from the header (its ``Content-Range`` total, its length); and, for such backends
 (``recheck_heads``), the file's first bytes — its length and header, as :attr:`ObjectIdentity.head_crc` recorded
-them — are asked again as one more range of the file's last planned request (multi-range servers: no request
-more), else with one request of their own once its reads are done (:meth:`HeadChecks.verify`). A header that
-differs then fails the load naming the file. A rewrite that keeps the header byte for byte (the same tensors,
+them — are asked again as one more range of the file's last planned request where that is a multi-range request
+already (no request more, a part's headers more), else with one request of their own once its reads are done
+(:meth:`HeadChecks.verify`). A header that
+differs then fails the load naming the file. Those header bytes (and the requests of their own) are not counted
+as the load's reads (:attr:`HeadChecks.bytes`, :attr:`HeadChecks.requests`), as the header's first read is not.
+A rewrite that keeps the header byte for byte (the same tensors,
 other values) is not told apart: only a strong validator (or a content hash) tells that.
 """
 
@@ -42,11 +45,16 @@ class HeadChecks:
         backend: The reader's backend: its ``recheck_heads`` (whether its answers need this) and ``multi_range``
             (whether one request may carry one range more), looked at as they are now.
         max_ranges: Ranges one request carries at most.
+
+    Attributes:
+        bytes: Header bytes fetched again (the reader leaves them out of its ``bytes_read``).
+        requests: Requests of their own made for them (left out of its ``reads``).
     """
 
     def __init__(self, backend: object, max_ranges: int) -> None:
         self.backend, self.max_ranges = backend, max_ranges
         self.on = bool(getattr(backend, "recheck_heads", False))
+        self.bytes = self.requests = 0
         self._carriers: dict[str, Request] = {}
         self._checked: set[str] = set()
         self._lock = threading.Lock()
@@ -57,7 +65,7 @@ class HeadChecks:
             return
         last = requests[-1] if requests else None
         multi_range = bool(getattr(self.backend, "multi_range", False))
-        fits = last is not None and multi_range and len(last.spans) < self.max_ranges
+        fits = last is not None and multi_range and 2 <= len(last.spans) < self.max_ranges  # already multipart
         with self._lock:
             if fits and last.spans[0].start >= identity.head_bytes:
                 self._carriers[location] = last
@@ -82,6 +90,8 @@ class HeadChecks:
             if error is None:
                 data = f.result()
                 try:
+                    with self._lock:
+                        self.bytes += len(data[0])
                     compare(location, identity, data[0])
                     with self._lock:
                         self._checked.add(location)
@@ -103,6 +113,9 @@ class HeadChecks:
             if location in self._checked:
                 return
         (data,) = fetcher.get(location, head_request(identity), identity)
+        with self._lock:
+            self.bytes += len(data)
+            self.requests += 1
         compare(location, identity, data)
         with self._lock:
             self._checked.add(location)
