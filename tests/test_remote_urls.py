@@ -254,7 +254,7 @@ def test_a_folder_url_with_a_query_sends_it_with_every_request(faults):
     assert statuses == {206, 404}  # the index's and the config's 404, never a 403
 
 
-def test_a_trickling_server_fails_the_request_naming_the_bound(root, faults):
+def test_a_trickling_server_fails_the_request_naming_the_bound(faults):
     """8.5 KB at 20 B/s would take 7 minutes; ``timeout=5`` bounds the gaps only (the server sends every 50 ms),
     ``min_rate=2000`` the whole request (5 s + 8.5 KB / 2000 B/s): the load fails naming ``min_rate``."""
     url, control = faults
@@ -263,14 +263,7 @@ def test_a_trickling_server_fails_the_request_naming_the_bound(root, faults):
     with pytest.raises(CheckpointError, match="too slow.*min_rate 2000 B/s") as info:
         SafetensorsCheckpoint.open(f"{url}/small/{NAME}", storage_options=options)
     assert f"small/{NAME}" in str(info.value) and "failed after 1 attempt" in str(info.value)
-    backend = make_backend(url, {}, options=RemoteOptions(timeout=5.0, min_rate=2000.0))
-    control.clear()
-    identity = backend.stat(f"{url}/small/{NAME}")  # HEAD: no body to trickle
-    control.set(f"/small/{NAME}", trickle=20)
-    with pytest.raises(Transient, match="too slow"):
-        backend.get(f"{url}/small/{NAME}", [(0, 4096)], identity)
-    size = os.path.getsize(root / "small" / NAME)
-    assert size > 8000 and all(r.bytes < size for r in control.log())  # never sent whole
+    assert isinstance(info.value.__cause__, Transient)  # retried where retries are left
 
 
 @pytest.mark.parametrize("option", ["timeout", "backoff", "latency", "min_rate", "bandwidth", "max_overread"])
