@@ -30,7 +30,8 @@ several ranges give ``multipart/byteranges``, an unsatisfiable one 416; ``If-Mat
   ``alternate_after=K`` responses (replaced mid-load), or always when neither is given.
 - ``validator``: the identity the answers tell: ``"strong"`` (the default: each version's own ETag), ``"none"`` (no
   ETag, no Last-Modified), ``"constant"`` (one strong ETag for every version), ``"weak"`` (one weak ETag and one
-  Last-Modified for every version).
+  Last-Modified for every version), ``"dated"`` (no ETag; each version's own Last-Modified, and ``If-Range`` honoured:
+  the whole object, 200, when it names another).
 - ``ignore_if_match``: ``If-Match`` is not looked at.
 - ``relink_after=[K, link, target]``: after K responses the symlink ``ROOT/link`` points at ``target`` (a Hub
   branch that moves).
@@ -46,6 +47,7 @@ rows ``[method, path, range, status, body_bytes]`` (status 0: never answered).
 
 from __future__ import annotations
 
+import email.utils
 import json
 import os
 import re
@@ -224,7 +226,7 @@ class Handler(BaseHTTPRequestHandler):
         if "change_etag_after" in mode and count >= int(mode["change_etag_after"]):
             etag, replaced = etag[:-1] + '-replaced"', True
         validator = mode.get("validator", "strong")
-        etag = {"none": "", "constant": '"constant"', "weak": 'W/"constant"'}.get(validator, etag)
+        etag = {"none": "", "dated": "", "constant": '"constant"', "weak": 'W/"constant"'}.get(validator, etag)
 
         def read(start: int, stop: int) -> bytes:
             with open(file, "rb") as f:
@@ -237,12 +239,17 @@ class Handler(BaseHTTPRequestHandler):
             del headers["ETag"]
         if validator == "weak":
             headers["Last-Modified"] = "Mon, 01 Dec 2025 00:00:00 GMT"
+        if validator == "dated":
+            headers["Last-Modified"] = email.utils.formatdate(stat.st_mtime + (1 if replaced else 0), usegmt=True)
         if hub:
             headers.update(hub, **{"X-Linked-Size": str(size)}, **({"X-Linked-Etag": etag} if etag else {}))
         if_match = None if mode.get("ignore_if_match") else self.headers.get("If-Match")
         if if_match and if_match.strip() != "*" and etag not in [t.strip() for t in if_match.split(",")]:
             return self._send(412, {"ETag": etag} if etag else {}, b"precondition failed\n")
         ranges = None if mode.get("ignore_range") else parse_ranges(self.headers.get("Range"), size)
+        if_range = self.headers.get("If-Range") if validator == "dated" else None
+        if if_range and if_range != headers["Last-Modified"]:
+            ranges = None  # changed since: the whole object
         if ranges == []:
             return self._send(416, {"Content-Range": f"bytes */{size}"}, b"range not satisfiable\n")
         if not ranges:

@@ -80,6 +80,8 @@ def tree(tmp_path_factory):
         "v2": write(root / "plain" / "v2" / "model.safetensors", 2),
     }
     save_file({**version(3), "c": torch.zeros(8)}, str(root / "plain" / "v3.safetensors"))
+    v1 = os.stat(root / "plain/v1/model.safetensors")
+    os.utime(root / "plain/v2/model.safetensors", (v1.st_atime + 100, v1.st_mtime + 100))  # another Last-Modified
     assert os.path.getsize(root / "plain/v1/model.safetensors") == os.path.getsize(root / "plain/v2/model.safetensors")
     values["A"] = write_sharded(root / "hub" / "org" / "pair" / COMMIT_A, 1)
     values["B"] = write_sharded(root / "hub" / "org" / "pair" / COMMIT_B, 2)
@@ -158,6 +160,23 @@ def test_an_object_replaced_mid_load_under_a_weak_validator_is_caught_by_its_hea
         assert not warned, warned
     else:
         assert len(warned) == 1 and path in warned[0] and "hunter2" not in warned[0], warned
+
+
+def test_a_last_modified_alone_is_sent_as_if_range(fault):
+    """No ETag, a Last-Modified per version: every data request carries ``If-Range`` with the Last-Modified the
+    header was read with, so a server honouring it answers the next version with the whole object (200) — refused
+    at once as a changed object naming the file, not read."""
+    url, control, _ = fault
+    path = "/plain/v1/model.safetensors"
+    control.set(path, validator="dated")
+    load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)
+    skip = data_requests_from(control, path)
+    control.clear()
+    control.set(path, validator="dated", alternate="plain/v2/model.safetensors", alternate_after=skip)
+    with pytest.raises(CheckpointError, match="If-Range") as raised:
+        load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)
+    assert path in str(raised.value) and "changed" in str(raised.value)
+    assert all(r.status == 200 for r in control.log()[skip:] if r.method == "GET"), control.log()
 
 
 def test_an_object_that_grows_mid_load_is_caught_by_its_size(fault):

@@ -2,8 +2,9 @@
 
 Vocabulary: a *ranged GET* asks ``Range: bytes=a-b`` (several ranges comma-separated: a *multi-range* request,
 answered as ``multipart/byteranges``, parsed by requests_toolbelt's ``MultipartDecoder``) with ``If-Match:
-<etag>`` where the object has a strong ETag; its answer must be ``206`` with the asked ``Content-Range`` (each
-part's, for a multi-range one), the exact length, and the same ETag (else Last-Modified) as the object's identity.
+<etag>`` where the object has a strong ETag (``If-Range: <Last-Modified>`` where it has only that); its answer must
+be ``206`` with the asked ``Content-Range`` (each part's, for a multi-range one), the exact length, and the same ETag
+(else Last-Modified) as the object's identity.
 
 What each answer becomes (the fetcher retries :class:`Transient`, gives up with a ``CheckpointError`` after):
 
@@ -18,7 +19,8 @@ the ranges, to a multi-range            :attr:`~HttpBackend.multi_range` turns `
                                         so) and the ranges are fetched one by one
 ``404`` / ``410``                       ``stat``: ``None``; ``get``: ``CheckpointError`` (not found)
 ``401`` / ``403``                       ``CheckpointError``: access refused (no header is ever echoed)
-``412``, another ETag or size           ``CheckpointError``: the object changed
+``412``, another ETag or size, ``200``  ``CheckpointError``: the object changed
+to ``If-Range``
 ``416``, another ``Content-Range``      ``CheckpointError``
 ``408``, ``429``, ``5xx``               :class:`Transient`
 a reset, a timeout, a short body        :class:`Transient`
@@ -324,10 +326,14 @@ class HttpBackend:
         headers = {"Range": range_header(ranges)}
         if self.if_match and identity is not None and identity.etag:
             headers["If-Match"] = identity.etag
+        elif self.if_match and identity is not None and identity.version.endswith(" GMT"):  # Last-Modified alone
+            headers["If-Range"] = identity.version  # a server honouring it sends the whole object if it changed
         return self._session().get(url, headers=headers, stream=True, timeout=self.timeout)
 
     def _check_206(self, name: str, r: requests.Response) -> None:
         check_status(name, r.status_code)
+        if r.status_code == 200 and r.request.headers.get("If-Range"):
+            raise changed(name, f"Last-Modified no longer {r.request.headers['If-Range']}: 200 to If-Range")
         if r.status_code == 200:
             raise CheckpointError(f"{name}: the server ignores Range requests (200 instead of 206)", path=name)
         encoding = r.headers.get("Content-Encoding", "identity").lower()
