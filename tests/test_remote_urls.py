@@ -189,6 +189,16 @@ def test_an_index_entry_that_is_not_a_plain_relative_name_is_refused(web, evil, 
     assert "is not a plain relative name in the folder" in str(info.value)
 
 
+def test_an_index_entry_with_a_query_or_fragment_is_refused_for_a_url(web, evil):
+    for i, name in enumerate(["model.safetensors?x=1", "model.safetensors#part"]):
+        folder = evil / f"evil-query-{i}"
+        folder.mkdir()
+        (folder / INDEX).write_text(json.dumps({"weight_map": {"stolen": name}}))
+        with pytest.raises(CheckpointError, match="which a URL reads as its query or fragment") as info:
+            SafetensorsCheckpoint.open(f"{web}/evil-query-{i}")
+        assert info.value.path.endswith(INDEX) and info.value.key == "stolen"
+
+
 def test_plain_relative_names_in_subfolders_still_load(root, web):
     folder = root / "nested"
     (folder / "sub").mkdir(parents=True)
