@@ -109,11 +109,11 @@ def _mesh_shape(args: argparse.Namespace) -> tuple[int, ...]:
     return mesh_shape
 
 
-def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], deadline: Stages, *, temporary: str | None) -> int:
+def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], stages: Stages, *, temporary: str | None) -> int:
     """The demo (in the child process), into ``args.out`` or the ``temporary`` folder (removed by the parent
     unless ``--keep``)."""
     t0 = time.time()
-    deadline.enter("starting the fork server")
+    stages.enter("starting the fork server")
     _start_fork_server()
     world = math.prod(mesh_shape)
     kind = args.model
@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], deadline: Stages
     shutil.rmtree(saved, ignore_errors=True)
 
     # 1. the checkpoint, and the state a correct load produces
-    deadline.enter("writing the checkpoint")
+    stages.enter("writing the checkpoint")
     shutil.rmtree(checkpoint, ignore_errors=True)
     expected = write_checkpoint(kind, checkpoint)
     meta_model = build_model(kind, checkpoint)
@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], deadline: Stages
         print(f"  {name}  {placement_text(placements[name])}")
 
     # 2. start the ranks, then load the reference here while they start up
-    deadline.enter("starting the ranks")
+    stages.enter("starting the ranks")
     ctx = {
         "mesh_shape": list(mesh_shape),
         "placements": placements,
@@ -155,14 +155,14 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], deadline: Stages
         "store": os.path.join(work, "store"),
         "out": work,
         "reference": os.path.join(work, "reference.pt"),
-        "deadline": time.time() + deadline.left(),
+        "deadline": time.time() + stages.left(),
     }
     procs = None
     try:
         procs = mp.start_processes(run_rank, args=(ctx,), nprocs=world, join=False, start_method=START_METHOD)
-        deadline.enter("loading the reference")
+        stages.enter("loading the reference")
         ref_ok, ref_msg = _reference(kind, checkpoint, expected, ctx["reference"], loader_kwargs(kind))
-        deadline.enter("simulating the plan")
+        stages.enter("simulating the plan")
         svg = os.path.join(out, "plan.svg")
         sim = plan_model(
             meta_model,
@@ -175,9 +175,9 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], deadline: Stages
             model_type=_model_type(kind),
             planner_kwargs=loader_kwargs(kind),
         )
-        deadline.enter("planning the save")
+        stages.enter("planning the save")
         writes = write_plan(meta_model, mesh_shape, placements, range(world), _save_kwargs(kind, checkpoint))
-        deadline.enter("waiting for the ranks")
+        stages.enter("waiting for the ranks")
         _join(procs)
     finally:
         for p in procs.processes if procs is not None else ():
@@ -194,7 +194,7 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], deadline: Stages
             results.append(json.load(f))
 
     # 3. the tables and the verdict
-    deadline.enter("comparing the saved checkpoint")
+    stages.enter("comparing the saved checkpoint")
     # the built-in model's config.json is the demo's marker, not a config the save writes
     skip = () if kind == "transformers" else ("config.json",)
     compared = compare_checkpoints(checkpoint, saved, skip) if os.path.isdir(saved) else None
