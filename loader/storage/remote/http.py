@@ -283,28 +283,7 @@ class HttpBackend:
             return told(self, name, merged_headers(r), total)
 
     def first(self, location: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
-        return self.first_url(location, redact_url(location), nbytes)
-
-    def first_url(self, url: str, name: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
-        """The identity and first ``min(nbytes, size)`` bytes of ``url`` from one ranged ``GET`` (its
-        ``Content-Range`` tells the size: no ``HEAD``); ``None`` when it does not exist."""
-        started = time.monotonic()
-        with transport_errors(name), self._send(url, [(0, max(1, nbytes))], None) as r:
-            headers = merged_headers(r)
-            if r.status_code in (404, 410):
-                return self._missing(name, headers)
-            if r.status_code == 416 or (r.status_code == 200 and r.headers.get("Content-Length") == "0"):
-                total = (parse_content_range(r.headers.get("Content-Range")) or (0, 0, 0))[2]
-                if total == 0:  # an empty object: no byte to send (nginx answers 200, others 416 "bytes */0")
-                    return told(self, name, headers, 0), b""
-            self._check_206(name, r)
-            got = parse_content_range(r.headers.get("Content-Range"))
-            if got is None or got[2] is None:
-                raise CheckpointError(f"{name}: a 206 answer without the object's size in Content-Range", path=name)
-            identity = told(self, name, headers, got[2])
-            end = min(max(1, nbytes), identity.size)
-            body = read_body(r, end, started, self.timeout, self.min_rate)
-            return identity, check_part(name, r.headers.get("Content-Range"), 0, end, identity.size, body)[:nbytes]
+        return first_bytes(self, location, redact_url(location), nbytes)
 
     def _missing(self, name: str, headers: Mapping[str, str]) -> None:
         code = headers.get(self.names.error_code, "") if self.names.error_code else ""
@@ -363,3 +342,26 @@ class HttpBackend:
             nbytes = plain[1] - plain[0] if plain else sum(b - a for a, b in ranges)
             body = read_body(r, nbytes, started, self.timeout, self.min_rate)
         return assemble(name, answer_parts(name, r, plain, body), ranges, identity.size)
+
+
+def first_bytes(backend: HttpBackend, url: str, name: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
+    """:meth:`HttpBackend.first` of ``url``, naming ``name`` in errors: the identity and first ``min(nbytes,
+    size)`` bytes from one ranged ``GET`` (its ``Content-Range`` tells the size: no ``HEAD``); ``None`` when it
+    does not exist."""
+    started = time.monotonic()
+    with transport_errors(name), backend._send(url, [(0, max(1, nbytes))], None) as r:
+        headers = merged_headers(r)
+        if r.status_code in (404, 410):
+            return backend._missing(name, headers)
+        if r.status_code == 416 or (r.status_code == 200 and r.headers.get("Content-Length") == "0"):
+            total = (parse_content_range(r.headers.get("Content-Range")) or (0, 0, 0))[2]
+            if total == 0:  # an empty object: no byte to send (nginx answers 200, others 416 "bytes */0")
+                return told(backend, name, headers, 0), b""
+        backend._check_206(name, r)
+        got = parse_content_range(r.headers.get("Content-Range"))
+        if got is None or got[2] is None:
+            raise CheckpointError(f"{name}: a 206 answer without the object's size in Content-Range", path=name)
+        identity = told(backend, name, headers, got[2])
+        end = min(max(1, nbytes), identity.size)
+        body = read_body(r, end, started, backend.timeout, backend.min_rate)
+        return identity, check_part(name, r.headers.get("Content-Range"), 0, end, identity.size, body)[:nbytes]

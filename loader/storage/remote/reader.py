@@ -73,15 +73,13 @@ class RemoteReader:
     Thread-safe. A context manager: :meth:`close` cancels what is pending and frees what was fetched ahead.
 
     Args:
-        backend: The store's backend (shared, thread-safe).
-        options: Concurrency, retries, cost model, window.
+        backend, options: The store's backend (shared, thread-safe); concurrency, retries, cost model, window.
         identities: ``{location: ObjectIdentity}`` each object must still have.
         heads: ``{location: (identity, its first bytes)}`` already fetched (see the module).
 
     Attributes:
         bytes_read: Bytes fetched (payload, gaps read through, fetched ahead and never read; heads' as reads use them).
-        gap_bytes: Of those, the gaps between wanted ranges.
-        reads: Requests made (retries included).
+        gap_bytes, reads: Of those, the gaps between wanted ranges; the requests made (retries included).
         peak_bytes: The most bytes ever fetched ahead and not yet consumed (the window's bound, measured).
     """
 
@@ -119,8 +117,7 @@ class RemoteReader:
         self._fetcher.close()
 
     def expect(self, location: str, identity: object | None) -> None:
-        """Require ``location`` to have ``identity`` (an :class:`~loader.storage.ObjectIdentity`) from now on;
-        ``None`` is ignored."""
+        """Require ``location`` to have ``identity`` (an :class:`~loader.storage.ObjectIdentity`; None: ignored)."""
         if identity is None:
             return
         if not isinstance(identity, ObjectIdentity):
