@@ -112,6 +112,8 @@ def open_agreed(session: LoadSession, opener: Opener, *, remote: bool) -> Safete
         return checkpoint
     was = "failed to open" if checkpoint is None else f"read {_listed(identities_of(checkpoint), theirs)}"
     log.warning("rank %d: %s; opening again at rank 0's versions", session.rank, was)
+    if checkpoint is not None:
+        getattr(checkpoint.store, "close", lambda: None)()  # its connections: the checkpoint is not used
     checkpoint = opener(theirs)
     mine = identities_of(checkpoint)
     differ = differences(mine, {loc: theirs[loc] for loc in mine if loc in theirs})
