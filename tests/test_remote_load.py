@@ -342,6 +342,17 @@ def test_one_rank_fetches_each_byte_once_and_no_head_request(wire_folder, web):
     assert sum(r.bytes for r in sent) <= 1.05 * shard + header_bytes(wire_folder), sent
 
 
+def test_hub_files_are_probed_without_head_requests(remote, hub):
+    """``hf://``: each file's existence, size, identity and commit come with its first bytes from one ranged GET at
+    its resolve URL (the index's included), as over plain HTTP: no HEAD request."""
+    url, options = remote("hf", SHARDED)
+    logged = len(hub.requests())
+    _, model = build("llama", seed=1)
+    load_hf_checkpoint(model, url, storage_options=options, progress=False)
+    sent = hub.requests()[logged:]
+    assert len(sent) > 6 and all(r.method == "GET" for r in sent), sent  # the index and 6 shards at least
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("name", ["wire_tp4", "wire_tp4_bounded"])
 def test_bytes_on_the_wire_per_rank_are_its_shard_and_the_headers(world, wire_folder, name):

@@ -32,7 +32,7 @@ from huggingface_hub.utils import build_hf_headers
 from ...errors import CheckpointError
 from ..base import ObjectIdentity
 from .backend import RemoteOptions
-from .http import HeaderNames, HttpBackend
+from .http import HeaderNames, HttpBackend, first_bytes
 
 #: backend options
 OPTIONS = ("token", "endpoint", "headers", "verify", "forward_headers")
@@ -175,6 +175,17 @@ class HubBackend:
         if commit != identity.version:  # another file's answer pinned another commit first: ask at that one
             return self.http.stat_url(self.resolve_url(location, commit), location)
         return identity
+
+    def first(self, location: str, nbytes: int) -> tuple[ObjectIdentity, bytes] | None:
+        """:meth:`stat` and the first ``nbytes`` bytes in one ``GET`` (no ``HEAD``), pinned as :meth:`stat` pins."""
+        pinned = self.commit
+        got = first_bytes(self.http, self.resolve_url(location, pinned), location, nbytes)
+        if got is None or pinned is not None or not _COMMIT.fullmatch(got[0].version):
+            return got
+        commit = self.pin(got[0].version)
+        if commit != got[0].version:  # another file's answer pinned another commit first: ask at that one
+            return first_bytes(self.http, self.resolve_url(location, commit), location, nbytes)
+        return got
 
     def get(self, location: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity) -> list[bytes]:
         commit = identity.version if _COMMIT.fullmatch(identity.version) else None
