@@ -5,9 +5,9 @@ ETag for every version, a weak ETag beside an unchanged Last-Modified, nginx's E
 seconds and the size) for a rewrite within the same second at the same size. Every response is still checked
 against the sizes known from the header (its ``Content-Range`` total, its length); and, for such backends
 (``recheck_heads``), the file's first bytes — its length and header, as :attr:`ObjectIdentity.head_crc` recorded
-them — are asked again as one more range of the file's last planned request where that is a multi-range request
-already (no request more, a part's headers more), else with one request of their own once its reads are done
-(:meth:`HeadChecks.verify`). A header that
+them — are asked again as one more range of the file's last planned request where the server answers several
+ranges at once (no request more: a part's headers more), else with one request of their own once its reads are
+done (:meth:`HeadChecks.verify`). A header that
 differs then fails the load naming the file. Those header bytes (and the requests of their own) are not counted
 as the load's reads (:attr:`HeadChecks.bytes`, :attr:`HeadChecks.requests`), as the header's first read is not.
 A rewrite that keeps the header byte for byte (the same tensors,
@@ -65,7 +65,7 @@ class HeadChecks:
             return
         last = requests[-1] if requests else None
         multi_range = bool(getattr(self.backend, "multi_range", False))
-        fits = last is not None and multi_range and 2 <= len(last.spans) < self.max_ranges  # already multipart
+        fits = last is not None and multi_range and len(last.spans) < self.max_ranges
         with self._lock:
             if fits and last.spans[0].start >= identity.head_bytes:
                 self._carriers[location] = last
