@@ -131,6 +131,22 @@ def test_a_hub_branch_moving_during_the_open_reads_every_file_at_the_first_commi
     assert os.readlink(tree[0] / "hub/org/pair/main") == COMMIT_B  # the branch did move
 
 
+def test_identities_posted_by_rank_zero_read_back_and_compare_every_field():
+    """What rank 0 posts reads back equal, header CRC included; a location only one side holds, or any field that
+    differs (size, ETag, version, header bytes or CRC), is a difference."""
+    from loader.distributed.versions import decode, differences, encode
+    from loader.storage import ObjectIdentity
+
+    ids = {"s3://b/a": ObjectIdentity(10, '"e"', "v1", 8, 123), "s3://b/i": ObjectIdentity(3, "", "Mon, 01 GMT")}
+    back = decode(encode(ids))
+    assert back == ids and differences(back, ids) == []
+    assert [i.head_crc for i in back.values()] == [123, 0]
+    for changed in ({"size": 11}, {"etag": '"f"'}, {"version": "v2"}, {"head_bytes": 9}, {"head_crc": 124}):
+        other = {**ids, "s3://b/a": ObjectIdentity(**{**vars(ids["s3://b/a"]), **changed})}
+        assert differences(other, ids) == ["s3://b/a"], changed
+    assert differences({**ids, "s3://b/new": ObjectIdentity(1)}, ids) == ["s3://b/new"]
+
+
 # --- weak validators ---------------------------------------------------------------------------------------------
 
 

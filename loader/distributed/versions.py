@@ -116,13 +116,14 @@ def open_agreed(session: LoadSession, opener: Opener, *, remote: bool) -> Safete
         getattr(checkpoint.store, "close", lambda: None)()  # its connections: the checkpoint is not used
     checkpoint = opener(theirs)
     mine = identities_of(checkpoint)
-    differ = differences(mine, {loc: theirs[loc] for loc in mine if loc in theirs})
+    differ = differences(mine, theirs)  # the same objects, read bound to rank 0's identities: nothing else
     if differ:
         loc = differ[0]
         raise CheckpointError(
-            f"{redact_url(loc)}: rank {session.rank} reads other bytes than rank 0 under the same identity "
-            f"(rank 0: {describe(theirs.get(loc))}; rank {session.rank}: {describe(mine.get(loc))}): the server "
-            "answers the ranks differently, and every rank of a load must read one version",
+            f"{redact_url(loc)}: rank {session.rank} cannot read rank 0's version: it reads other bytes than rank 0 "
+            f"under the same identity, or another set of files (rank 0: {describe(theirs.get(loc))}; rank "
+            f"{session.rank}: {describe(mine.get(loc))}): the server answers the ranks differently, and every rank "
+            "of a load must read one version",
             path=redact_url(loc),
         )
     return checkpoint
