@@ -21,8 +21,8 @@ def redact_url(text: str) -> str:
     and the values of query parameters that hold secrets replaced by ``REDACTED``; the rest is kept (the host, the
     path, ``X-Amz-Date`` and ``X-Amz-Expires``: what an error should tell). Every error, log line and report of
     the project that names a location passes through it (:class:`CheckpointError` does it itself)."""
-    if "@" not in text and "=" not in text:
-        return text
+    if not isinstance(text, str) or ("@" not in text and "=" not in text):
+        return text  # not text (a caller's odd path value is kept for the error to report as it can)
     return _SECRET_PARAM.sub(rf"\1\2={REDACTED}", _USERINFO.sub(r"\1", text))
 
 
