@@ -310,24 +310,18 @@ def _all_gone(pids: list[int]) -> bool:
 def test_demo_timeout_stops_a_hanging_import_and_every_process_it_started(tmp_path):
     """The timeout fires while the demo imports a module that never returns (the demo's own process and its fork
     server): the demo is stopped from outside, not by an exception raised inside the import, so the message
-    names the timeout; no process it started is left, and --keep says where the folder is (else it is gone)."""
+    names the timeout and the stage; no process it started is left, and --keep says where the folder is (the
+    folder's removal without --keep: the SIGTERM test below; the timeout is far longer than reaching the import)."""
     env = _demo_env(tmp_path)
-    command = [sys.executable, "-m", "loader", "demo", "--world-size", "1", "--timeout", "3"]
-    for keep in ([], ["--keep"]):
-        (tmp_path / "pids").unlink(missing_ok=True)
-        r = subprocess.run(command + keep, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and len(lines) == 1, r.stdout + r.stderr
-        assert lines[0].startswith("regiontrace demo: error: gave up after 3 s (--timeout) while "), r.stderr
-        pids = _pids(tmp_path)
-        assert pids and _all_gone(pids), pids  # it did reach the import; every importer was killed
-        left = _left_behind(tmp_path / "tmp")
-        if keep:
-            (kept,) = left
-            assert kept.name.startswith("regiontrace-demo-") and lines[0].endswith(f"(output kept in {kept})")
-            shutil.rmtree(kept)
-        else:
-            assert left == [], left  # nothing of the demo's, nor of multiprocessing's, in the temporary directory
+    command = [sys.executable, "-m", "loader", "demo", "--world-size", "1", "--timeout", "10", "--keep"]
+    r = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    lines = r.stderr.strip().splitlines()
+    (kept,) = _left_behind(tmp_path / "tmp")  # the demo's folder only: multiprocessing's is removed
+    assert r.returncode == 1 and lines == [
+        f"regiontrace demo: error: gave up after 10 s (--timeout) while importing transformers (output kept in {kept})"
+    ], r.stdout + r.stderr
+    pids = _pids(tmp_path)
+    assert len(pids) >= 1 and _all_gone(pids), pids  # every importer (the demo's process, its fork server) killed
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")

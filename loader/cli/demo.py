@@ -117,6 +117,7 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], stages: Stages, 
     _start_fork_server()
     world = math.prod(mesh_shape)
     kind = args.model
+    stages.enter("importing transformers")
     if kind == "auto":
         kind = "transformers" if have_transformers() else "builtin"
     elif kind == "transformers" and not have_transformers():
