@@ -615,3 +615,24 @@ def test_plan_transfer_prints_bytes_per_rank_pair(tmp_path):
     assert r.returncode == 0 and f"wrote {svg}" in r.stdout, r.stderr
     cells = [e for e in ET.parse(svg).getroot() if e.tag.endswith("rect") and "→" in "".join(e.itertext())]
     assert len(cells) == 2 * 4  # one per (source rank, destination rank)
+
+
+def test_the_demo_starts_its_fork_server_under_a_temporary_directory_too_deep_for_a_socket(tmp_path):
+    """A deep TMPDIR (a test's own folder under xdist, a user's nested one) leaves no room for the fork server's
+    socket path: the demo's multiprocessing folder then goes to /tmp, the fork server starts, and the folder is
+    removed at exit."""
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    script = (
+        "import multiprocessing, os\n"
+        "from loader.cli.demo_process import _multiprocessing_temp_dir\n"
+        "d = _multiprocessing_temp_dir()\n"
+        "p = multiprocessing.get_context('forkserver').Process(target=os.getpid)\n"
+        "p.start(); p.join()\n"
+        "print(d, p.exitcode)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(deep))
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    folder, code = r.stdout.split()
+    assert code == "0" and folder.startswith("/tmp/pymp-") and not os.path.exists(folder)

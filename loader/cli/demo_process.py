@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -73,9 +74,7 @@ def run_in_child(work: Callable[[Stages], int], end: float) -> Outcome:
     the child's whole process group is killed; returns how it ended. ``work`` raising :class:`CLIError` is an
     outcome like a return (its message and status); any other exception is reported with its traceback."""
     ctx = multiprocessing.get_context("fork")
-    # multiprocessing's own temporary folder (the fork server's socket), made here: removed at this process's
-    # exit, not left behind by a killed child
-    multiprocessing.util.get_temp_dir()
+    _multiprocessing_temp_dir()
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(work, send, end), name="regiontrace-demo")
     stage, result, stopped, timed_out = "starting", None, threading.Event(), False
@@ -111,6 +110,25 @@ def run_in_child(work: Callable[[Stages], int], end: float) -> Outcome:
     if timed_out:
         return Outcome(None, stage=stage, timed_out=True)
     return Outcome(None, error=f"the demo's process died ({_exit_text(proc.exitcode)}) while {stage}", stage=stage)
+
+
+#: the longest path of a Unix socket (``sun_path``: 108 bytes on Linux, 104 on macOS, with its NUL)
+SOCKET_PATH_MAX = 103
+#: what multiprocessing appends to the temporary directory for its fork server's socket
+_SOCKET_SUFFIX = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
+def _multiprocessing_temp_dir() -> str:
+    """Make multiprocessing's own temporary folder (the fork server's socket) here, so that it is removed at this
+    process's exit, not left behind by a killed child; where the temporary directory's path is too long for a
+    socket's (a deep ``TMPDIR``: the fork server fails with "AF_UNIX path too long"), it is made in ``/tmp``."""
+    if len(tempfile.gettempdir()) + _SOCKET_SUFFIX <= SOCKET_PATH_MAX or not os.access("/tmp", os.W_OK):
+        return multiprocessing.util.get_temp_dir()
+    previous, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        return multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = previous
 
 
 def remove_tree(path: str, attempts: int = 50) -> None:
