@@ -18,7 +18,8 @@ read as it was), and checks ``ContentRange``, the length and the ETag. S3 serves
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import boto3
 import botocore.config
@@ -95,6 +96,19 @@ def _raise_client_error(name: str, error: botocore.exceptions.ClientError) -> No
     raise CheckpointError(f"{name}: {code or 'error'} (HTTP {status})", path=name) from error
 
 
+@contextmanager
+def _boto_errors(location: str) -> Iterator[None]:
+    """botocore's failures other than an answer (:class:`ClientError`, which passes): a timeout or a dropped
+    connection is :class:`Transient` (retried), anything else (no credentials, a bad endpoint) a
+    :class:`CheckpointError` naming the object."""
+    try:
+        yield
+    except _TRANSIENT as e:
+        raise Transient(f"{type(e).__name__}: {e}") from e
+    except botocore.exceptions.BotoCoreError as e:
+        raise CheckpointError(f"{location}: {type(e).__name__}: {e}", path=location) from e
+
+
 class S3Backend:
     """S3 objects by ``s3://bucket/key`` (see the module's docstring); thread-safe (one boto3 client)."""
 
@@ -109,15 +123,12 @@ class S3Backend:
     def stat(self, location: str) -> ObjectIdentity | None:
         bucket, key = split_s3_url(location)
         try:
-            head = self.client.head_object(Bucket=bucket, Key=key)
+            with _boto_errors(location):
+                head = self.client.head_object(Bucket=bucket, Key=key)
         except botocore.exceptions.ClientError as e:
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
                 return None
             _raise_client_error(location, e)
-        except _TRANSIENT as e:
-            raise Transient(f"{type(e).__name__}: {e}") from e
-        except botocore.exceptions.BotoCoreError as e:  # no credentials, a bad endpoint ...
-            raise CheckpointError(f"{location}: {type(e).__name__}: {e}", path=location) from e
         return ObjectIdentity(int(head["ContentLength"]), head.get("ETag", ""), head.get("VersionId", "") or "")
 
     def get(self, location: str, ranges: Sequence[tuple[int, int]], identity: ObjectIdentity) -> list[bytes]:
@@ -128,9 +139,10 @@ class S3Backend:
         tells the size: no ``head_object``); ``None`` when it does not exist."""
         bucket, key = split_s3_url(location)
         try:
-            got = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{max(1, nbytes) - 1}")
-            with got["Body"] as stream:
-                body = stream.read()
+            with _boto_errors(location):
+                got = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{max(1, nbytes) - 1}")
+                with got["Body"] as stream:
+                    body = stream.read()
         except botocore.exceptions.ClientError as e:
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status == 404:
@@ -139,10 +151,6 @@ class S3Backend:
                 identity = self.stat(location)
                 return None if identity is None else (identity, b"")
             _raise_client_error(location, e)
-        except _TRANSIENT as e:
-            raise Transient(f"{type(e).__name__}: {e}") from e
-        except botocore.exceptions.BotoCoreError as e:
-            raise CheckpointError(f"{location}: {type(e).__name__}: {e}", path=location) from e
         status = got.get("ResponseMetadata", {}).get("HTTPStatusCode")
         total = (parse_content_range(got.get("ContentRange")) or (0, 0, None))[2]
         if status != 206 or total is None:
@@ -160,15 +168,12 @@ class S3Backend:
         if identity.version:
             kwargs["VersionId"] = identity.version
         try:
-            got = self.client.get_object(**kwargs)
-            with got["Body"] as stream:
-                body = stream.read()
+            with _boto_errors(location):
+                got = self.client.get_object(**kwargs)
+                with got["Body"] as stream:
+                    body = stream.read()
         except botocore.exceptions.ClientError as e:
             _raise_client_error(location, e)
-        except _TRANSIENT as e:
-            raise Transient(f"{type(e).__name__}: {e}") from e
-        except botocore.exceptions.BotoCoreError as e:
-            raise CheckpointError(f"{location}: {type(e).__name__}: {e}", path=location) from e
         status = got.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if status != 206:
             why = f"the server ignores Range requests (HTTP {status}, not 206)"
