@@ -33,12 +33,14 @@ What a client meets (seen with nginx 1.22.1, moto 5.2.1, huggingface_hub 2.4; te
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -55,6 +57,9 @@ S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "test
 #: ``python -m moto.server`` that exits with the process that started it (see ``processes.exit_with_parent``)
 MOTO = f"import sys; sys.path.insert(0, {str(HERE)!r}); import processes; processes.exit_with_parent(); "
 MOTO += "import moto.server; moto.server.main(sys.argv[1:])"
+
+
+_tokens = itertools.count()
 
 
 class ServerUnavailable(RuntimeError):
@@ -179,14 +184,37 @@ def nginx_config(
     )
 
 
-def _access_log(path: Path) -> Callable[[], list[LoggedRequest]]:
+#: the URL path prefix of the requests that settle nginx's log before it is read (left out of what it returns)
+LOG_SYNC = "/__log_sync__/"
+
+
+def _access_log(path: Path, url: str) -> Callable[[], list[LoggedRequest]]:
+    """nginx's access log, settled: nginx writes a request's line just after sending its last byte, so a client
+    that has every byte may read the log before that line is there. One worker answers every request in turn, so
+    once a request sent after them (to ``LOG_SYNC``) is logged, so is every request answered before it."""
+
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
     def read() -> list[LoggedRequest]:
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        token = f"{LOG_SYNC}{os.getpid()}-{next(_tokens)}"
+        try:
+            urllib.request.urlopen(f"{url}{token}", timeout=60).close()
+        except urllib.error.HTTPError:
+            pass  # a 404 (or the proxied store's error) is logged as well
+        for _ in range(600):  # hang guard
+            logged = rows()
+            if any(r["path"] == token for r in logged):
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"nginx never logged {token}")
         return [
             LoggedRequest(
                 r["method"], r["path"].split("?")[0], r["range"] or None, r["status"], r["bytes"], r.get("agent", "")
             )
-            for r in rows
+            for r in logged
+            if not r["path"].startswith(LOG_SYNC)
         ]
 
     return read
@@ -226,7 +254,7 @@ def _nginx(root: Path | None, **config: object) -> Iterator[ServerUrl]:
             return child(guarded, port, tmp / "stderr.log", polite=signal.SIGQUIT)
 
         with on_free_port(start) as (port, pid):
-            yield ServerUrl(f"http://{HOST}:{port}", _access_log(tmp / "access.log"), pid)
+            yield ServerUrl(f"http://{HOST}:{port}", _access_log(tmp / "access.log", f"http://{HOST}:{port}"), pid)
 
 
 # --- moto's S3 -------------------------------------------------------------------------------------------------
