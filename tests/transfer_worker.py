@@ -34,12 +34,7 @@ def source_model(mesh, placements=tm.fsdp_placements) -> torch.nn.Module:
     _, model = build("qwen3_moe", 0, tie_word_embeddings=False)
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     shard_module(model, mesh, placements(model), fill=None)
-    with torch.no_grad():
-        for name, t in model.state_dict(keep_vars=True).items():
-            slot = slot_for(name, t)
-            for g, lb in slot.boxes:
-                box_view(slot.local, lb).copy_(box_view(full[name], g))
-    return model
+    return _with_values(model, full)
 
 
 def dest_model(mesh, ep: bool = False, model: torch.nn.Module | None = None) -> torch.nn.Module:
@@ -214,12 +209,16 @@ def sharded(model: torch.nn.Module, mesh, placement=None, fill=None) -> torch.nn
     ``fill``)."""
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     shard_module(model, mesh, {n: [placement or Shard(0)] for n, _ in model.named_parameters()}, fill=fill)
-    if fill is None:
-        with torch.no_grad():
-            for name, t in model.state_dict(keep_vars=True).items():
-                slot = slot_for(name, t)
-                for g, lb in slot.boxes:
-                    box_view(slot.local, lb).copy_(box_view(full[name], g))
+    return model if fill is not None else _with_values(model, full)
+
+
+def _with_values(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """``model`` (sharded) with each rank's shards of the whole tensors ``full`` copied in."""
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            slot = slot_for(name, t)
+            for g, lb in slot.boxes:
+                box_view(slot.local, lb).copy_(box_view(full[name], g))
     return model
 
 
