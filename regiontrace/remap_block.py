@@ -65,6 +65,8 @@ class RemapBlock:
     @property
     def read_numel(self) -> int:
         """Number of distinct source elements the block reads (broadcast dims read once)."""
+        if 0 not in self.src_strides:  # no broadcast dim (almost every block): every element is read once
+            return math.prod(self.shape)
         return math.prod(n for n, s in zip(self.shape, self.src_strides) if s != 0 or n == 0)
 
     def read_layout(self) -> ReadLayout:

@@ -95,6 +95,8 @@ def _identity(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...],
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
+    if t.dim() and t.numel() and t.is_contiguous():  # the usual case: its bytes without a reshape
+        return memoryview(t.view(torch.uint8).numpy()).cast("B")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -106,12 +108,25 @@ def _bytes_of(tensors: dict[str, memoryview], target: str, local: torch.Tensor) 
     return view
 
 
-def _alone(items: list[tuple[BlockRead, TensorInfo]]) -> list[bool]:
-    """For items sorted by first byte: whether each one's byte span overlaps no other item's span."""
+def _byte_spans(items: list[tuple[BlockRead, TensorInfo]]) -> list[tuple[int, int]]:
+    """Each item's byte span ``[lo, hi)`` in its file."""
     spans = []
     for r, info in items:
         lo, hi = r.block.source_span()
         spans.append((info.data_start + lo * info.itemsize, info.data_start + hi * info.itemsize))
+    return spans
+
+
+def _sorted_by_start(items: list[tuple[BlockRead, TensorInfo]]) -> list[tuple[int, int]]:
+    """Sort ``items`` in place by first byte (stable); their byte spans in that order (each computed once)."""
+    spans = _byte_spans(items)
+    order = sorted(range(len(items)), key=lambda i: spans[i][0])
+    items[:] = [items[i] for i in order]
+    return [spans[i] for i in order]
+
+
+def _alone(spans: list[tuple[int, int]]) -> list[bool]:
+    """For byte spans sorted by start: whether each one overlaps no other."""
     clusters = rt.overlap_clusters(spans)
     sizes = [0] * (clusters[-1] + 1 if clusters else 0)
     for c in clusters:
@@ -258,7 +273,7 @@ class BlockExecutor:
                 self.ring.finish()  # no copy may land after run returns (rollback restores after a failure)
 
     def _run_file(self, file: str, items: list[tuple[BlockRead, TensorInfo]]) -> None:
-        items.sort(key=lambda it: it[1].data_start + it[0].block.source_span()[0] * it[1].itemsize)
+        spans = _sorted_by_start(items)
         wanted = sum(r.block.read_numel * info.itemsize for r, info in items)
         identity = (getattr(self.checkpoint, "identities", None) or {}).get(file)
         size = identity.size if identity is not None else os.path.getsize(file)
@@ -267,7 +282,7 @@ class BlockExecutor:
         consecutive = functools.partial(submit_consecutive, self.pool, self.reader, self.progress)
         cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(consecutive, file)
         scatter, tensors = getattr(self.reader, "read_runs_to", None) is not None, {}
-        for (r, info), alone in zip(items, _alone(items)):
+        for (r, info), alone in zip(items, _alone(spans)):
             local = self.slots[r.target].local
             host = self.ring.link_for(local) is None
             if alone and host and _whole_copy(r, local):
