@@ -117,12 +117,13 @@ def load_report(
             redact_url(plan.checkpoint.root),
             compact_keys(keys),
         )
+    loaded = natural_sorted(plan.loaded_keys)
     return LoadReport(
-        loaded_keys=natural_sorted(plan.loaded_keys),
+        loaded_keys=loaded,
         missing_keys=natural_sorted(plan.missing_keys),
         unexpected_keys=natural_sorted(plan.unexpected_keys),
         bytes_read=bytes_read,
-        traced=natural_sorted(plan.traced),
+        traced=_sorted_as(plan.traced, loaded),
         deferred=natural_sorted(plan.deferred_targets),
         blocks=plan.block_count,
         planned_bytes=plan.planned_bytes(),
@@ -134,6 +135,13 @@ def load_report(
         requests=requests,
         bytes_exchanged=exchanged,
     )
+
+
+def _sorted_as(keys: Iterable[str], done: tuple[str, ...]) -> tuple[str, ...]:
+    """``natural_sorted(keys)``, which is ``done`` when ``keys`` are its keys (the traced tensors of a load that
+    traced everything: not sorted twice)."""
+    distinct = set(keys)
+    return done if len(distinct) == len(done) and distinct.issuperset(done) else natural_sorted(distinct)
 
 
 def natural_sorted(keys: Iterable[str]) -> tuple[str, ...]:
