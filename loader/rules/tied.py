@@ -10,6 +10,8 @@ from .conversion import Conversion
 def resolve_tied(state, produced, hf_pairs: Mapping[str, str]) -> tuple[dict[str, str], list[Conversion]]:
     """Group names of one tensor object (and transformers' tied pairs); choose a canonical name per group:
     a loaded one (transformers' tie source first), else the tie source, else the first name."""
+    if _untied(state, hf_pairs):
+        return {}, []  # every name alone: nothing to group (the usual case, without a record per name)
     parent: dict[str, str] = {}
 
     def find(n: str) -> str:
@@ -56,3 +58,11 @@ def resolve_tied(state, produced, hf_pairs: Mapping[str, str]) -> tuple[dict[str
             duplicates.append(conv)
         tied.update({n: canonical for n in names if n != canonical})
     return tied, duplicates
+
+
+def _untied(state, hf_pairs: Mapping[str, str]) -> bool:
+    """Whether no two names of ``state`` are one tensor object and no tied pair joins two of its names."""
+    tensors = [t for t in state.values() if t is not None]
+    if len(set(map(id, tensors))) != len(tensors):
+        return False
+    return not any(a != s and a in state and s in state for a, s in hf_pairs.items())
