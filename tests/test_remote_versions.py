@@ -113,6 +113,17 @@ def data_requests_from(control, path: str) -> int:
     return gets[1] if len(gets) > 1 else len(log)
 
 
+def replaced_from_first_data_read(url: str, control, path: str, validator: str, alternate: str) -> int:
+    """Serve ``path`` under ``validator``, then ``alternate`` in its place from its first data read on (counted in
+    a clean load first); returns how many responses come before that read."""
+    control.set(path, validator=validator)
+    load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)  # a clean load: the requests
+    skip = data_requests_from(control, path)
+    control.clear()
+    control.set(path, validator=validator, alternate=alternate, alternate_after=skip)
+    return skip
+
+
 # --- the Hub: one commit per load ------------------------------------------------------------------------------
 
 
@@ -158,11 +169,7 @@ def test_an_object_replaced_mid_load_under_a_weak_validator_is_caught_by_its_hea
     the constant ETag: it looks strong)."""
     url, control, values = fault
     path = "/plain/v1/model.safetensors"
-    control.set(path, validator=validator)
-    load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)  # a clean load: the requests
-    skip = data_requests_from(control, path)
-    control.clear()
-    control.set(path, validator=validator, alternate="plain/v2/model.safetensors", alternate_after=skip)
+    replaced_from_first_data_read(url, control, path, validator, "plain/v2/model.safetensors")
     model = Pair()
     caplog.clear()
     caplog.set_level(logging.WARNING, logger="loader")
@@ -184,11 +191,7 @@ def test_a_last_modified_alone_is_sent_as_if_range(fault):
     at once as a changed object naming the file, not read."""
     url, control, _ = fault
     path = "/plain/v1/model.safetensors"
-    control.set(path, validator="dated")
-    load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)
-    skip = data_requests_from(control, path)
-    control.clear()
-    control.set(path, validator="dated", alternate="plain/v2/model.safetensors", alternate_after=skip)
+    skip = replaced_from_first_data_read(url, control, path, "dated", "plain/v2/model.safetensors")
     with pytest.raises(CheckpointError, match="If-Range") as raised:
         load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)
     assert path in str(raised.value) and "changed" in str(raised.value)
@@ -200,11 +203,7 @@ def test_an_object_that_grows_mid_load_is_caught_by_its_size(fault):
     from the size its header was read with."""
     url, control, _ = fault
     path = "/plain/v1/model.safetensors"
-    control.set(path, validator="none")
-    load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)
-    skip = data_requests_from(control, path)
-    control.clear()
-    control.set(path, validator="none", alternate="plain/v3.safetensors", alternate_after=skip)
+    replaced_from_first_data_read(url, control, path, "none", "plain/v3.safetensors")
     with pytest.raises(CheckpointError, match="bytes now") as raised:
         load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)
     assert path in str(raised.value)
