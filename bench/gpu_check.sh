@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check of a session lent a GPU machine, as one prepared command (see the device tool's README):
+# The device check of a GPU machine, as one prepared command (see the device tool's README):
 # the CUDA tests, then the GPU benchmark; logs and the markdown table under $OUT (or ./gpu_check_out).
 #
 #   bash bench/gpu_check.sh            # GB=8 by default; GB=2 for a quicker run

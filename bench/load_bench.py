@@ -44,7 +44,7 @@ method's process (default: torch's own); each method's figure says how many it r
 is missing or that fails here is a row with its reason, not a failed run.
 
 ``--markdown`` prints the tables docs/benchmarks.md holds instead of the plain report, the first of them the
-side-by-side table of issue 19 (cold and warm medians, bytes read, peak memory; ours / the fastest peer).
+side-by-side table (cold and warm medians, bytes read, peak memory; ours / the fastest peer).
 """
 
 from __future__ import annotations
@@ -559,7 +559,7 @@ def print_markdown(rounds: list[dict[str, dict]], repeat: int, load: str) -> Non
 
 
 def side_by_side(rounds: list[dict[str, dict]], names: dict[str, str], repeat: int) -> str:
-    """Issue 19's table: per method, cold and warm medians, bytes read cold, peak extra memory; ours / fastest."""
+    """The side-by-side table: per method, cold and warm medians, bytes read cold, peak extra memory; ours / fastest."""
     import mdtable
 
     def values(method: str, key: str) -> list[float]:
@@ -589,7 +589,7 @@ def side_by_side(rounds: list[dict[str, dict]], names: dict[str, str], repeat: i
             rows.append({"method": "floor", "label": label, "threads": threads, "cells": cells})
     columns = ["cold (median)", "warm (median)", "bytes read (physical, cold)", "peak extra memory (first load)"]
     head = (
-        f"Side by side (issue 19): medians over {len(rounds)} process(es) per method x {repeat} loads; cold = the "
+        f"Side by side: medians over {len(rounds)} process(es) per method x {repeat} loads; cold = the "
         "method's files dropped from the page cache (`POSIX_FADV_DONTNEED`) before each load"
         + (f" (at most {left / MIB:.1f} MiB of them stayed cached after a drop)" if left else " (none stayed cached)")
         + "; ratio = ours / the least value among the peers "

@@ -149,7 +149,7 @@ def median(values: Sequence[float]) -> float:
 
 
 def side_by_side(columns: Sequence[str], rows: Sequence[dict], ours: str, peers: Sequence[str]) -> str:
-    """The side-by-side table of issue 19: one row per method, then ``ours / fastest peer`` per column.
+    """The side-by-side table: one row per method, then ``ours / fastest peer`` per column.
 
     Each row is a dict: ``method`` (its key), ``label``, ``threads`` (text), and either ``cells`` — one
     ``(value or None, text)`` per column, lower is better — or ``error``, why the method could not run here.

@@ -1,4 +1,4 @@
-"""Benchmark (issue 18): 4 ranks loading their TP / EP shards from an HTTP server and an S3 server, each connection
+"""Benchmark: 4 ranks loading their TP / EP shards from an HTTP server and an S3 server, each connection
 held to a bandwidth limit; bytes on the wire per rank against its shard bytes, requests, walls, against peers.
 
     python bench/remote_bench.py [--out DIR] [--layers N] [--rate MB_PER_S] [--rounds N] [--layouts tp,ep]
@@ -33,7 +33,7 @@ Reported per rank: bytes on the wire (the server's log: body bytes sent, multipa
 bench's marker requests split the log between measurements) ÷ the rank's shard bytes (its local tensors,
 replicated ones included), the method's own count where it has one (``LoadReport.bytes_read``) ÷ shard bytes,
 requests (log), and the wall of the slowest rank. After each load every rank checks its shards bit for bit
-against the first method's. Target for ours (issue 18): wire ÷ shard ≤ 1.05 on every rank. With 2 CPUs for 4 ranks
+against the first method's. Target for ours: wire ÷ shard ≤ 1.05 on every rank. With 2 CPUs for 4 ranks
 and both servers, walls are CPU-bound and contended; ``--markdown`` prints the tables docs/benchmarks.md holds.
 """
 

@@ -64,7 +64,7 @@ reads them whole just before every warm load, so that every method copies out of
 folios, readahead leaves large ones; bench/folio_probe.py). The per-rank report also gives the CPU time of all
 ranks (user and system) of each phase. And
 ``--markdown`` prints the tables docs/benchmarks.md holds instead of the per-rank report: bytes and checks per
-method, then the side-by-side table of issue 19 (cold and warm medians, bytes read, peak extra memory, and
+method, then the side-by-side table (cold and warm medians, bytes read, peak extra memory, and
 ours / the fastest peer in each column).
 """
 
@@ -658,7 +658,7 @@ def print_markdown(rounds: list[list[dict]], methods: list[str], visible: bool, 
         )
     print()
     print(
-        "Side by side (issue 19): cold and warm = median over runs of the slowest rank's wall; bytes read = the "
+        "Side by side: cold and warm = median over runs of the slowest rank's wall; bytes read = the "
         "worst rank's physical read in the cold load (`/proc/self/io`); peak extra memory = the worst rank's peak "
         "RSS over its warm and cold loads minus its RSS before each (mmapped checkpoint pages count); ratio = ours "
         f"/ the least value among the peers ({', '.join(m for m in PEERS if m in methods)}) that load the right "
