@@ -109,11 +109,12 @@ def test_symlinks_to_files_anywhere_one_rule_for_single_and_sharded(tmp_path: Pa
         assert ckpt.identities == {ckpt.files[0]: FileIdentity.of(os.stat(store / "single.safetensors"))}
 
 
-def test_allow_external_symlinks_is_a_deprecated_no_op(cache: Path):
+def test_allow_external_symlinks_is_gone(cache: Path):
+    """The removed parameter is refused like any unknown one; symlinks to regular files need no setting."""
     snapshot = repo_folder(cache, REPO) / "snapshots" / MAIN
-    for value in (True, False):
-        with pytest.warns(DeprecationWarning, match="allow_external_symlinks"):
-            assert len(SafetensorsCheckpoint.open(snapshot, allow_external_symlinks=value)) == 4
+    with pytest.raises(TypeError, match="allow_external_symlinks"):
+        SafetensorsCheckpoint.open(snapshot, allow_external_symlinks=True)  # type: ignore[call-arg]
+    assert len(SafetensorsCheckpoint.open(snapshot)) == 4
 
 
 def test_repo_id_opens_the_cached_main_snapshot(cache: Path):

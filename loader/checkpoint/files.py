@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ..storage import FileReader, RangeReader
-from .header import TensorInfo
+from .chunks import TensorInfo, check_encodings
 
 
 def coalesce_ranges(
@@ -97,7 +97,8 @@ def read_ranges(
 
 
 def read_tensor(info: TensorInfo, reader: RangeReader | None = None) -> torch.Tensor:
-    """Read one whole tensor into a new CPU tensor (bit-identical to ``safetensors.torch.load_file``).
+    """Read one whole tensor into a new CPU tensor (bit-identical to ``safetensors.torch.load_file``); a tensor
+    stored as several chunks is assembled from them.
 
     Args:
         info: Where the tensor lives.
@@ -107,17 +108,33 @@ def read_tensor(info: TensorInfo, reader: RangeReader | None = None) -> torch.Te
         A fresh, writable, contiguous CPU tensor of ``info.dtype`` and ``info.shape``.
 
     Raises:
-        CheckpointError: The file is shorter than the header promised, or changed underneath.
+        CheckpointError: The file is shorter than the header promised, or changed underneath; the tensor's
+            encoding is not one the loader reads.
     """
+    check_encodings((info,))
     if info.nbytes == 0 or info.numel == 0:
         return torch.empty(info.shape, dtype=info.dtype)
-    buf = bytearray(info.nbytes)
     own = reader is None
     rd = FileReader() if reader is None else reader
     try:
-        rd.pread_into(info.file, info.data_start, buf)
-        rd.verify(info.file)  # a file rewritten during the read (see FileReader.expect)
+        if not info.split:
+            return _read_chunk(rd, info)
+        out = torch.empty(info.shape, dtype=info.dtype)
+        for j, chunk in enumerate(info.split):
+            view = out
+            for d, (a, b) in enumerate(chunk.box):
+                view = view.narrow(d, a, b - a)
+            if chunk.numel:
+                view.copy_(_read_chunk(rd, info.chunk_info(j)))
+        return out
     finally:
         if own:
             rd.close()
+
+
+def _read_chunk(reader: RangeReader, info: TensorInfo) -> torch.Tensor:
+    """One chunk's tensor (``info`` one chunk), verified against its file's identity."""
+    buf = bytearray(info.nbytes)
+    reader.pread_into(info.file, info.data_start, buf)
+    reader.verify(info.file)  # a file rewritten during the read (see FileReader.expect)
     return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(info.shape)

@@ -13,15 +13,15 @@ import os
 import posixpath
 import re
 import urllib.parse
-import warnings
-from collections.abc import Iterator, KeysView, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointNotFoundError, redact_url
-from ..storage import LocalStore, RangeReader, Store, is_url, open_reader, open_store
+from ..storage import LocalStore, Store, is_url, open_store
 from ..storage.untrusted import err, loads_json
 from .header import HeaderFile, TensorInfo, read_header_file
 from .hub import resolve_checkpoint
+from .protocol import TableCheckpoint, chunk_files
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -215,19 +215,9 @@ def _read_headers(store: Store, files: list[str]) -> list[HeaderFile]:
         return list(pool.map(lambda f: read_header_file(f, store), files))
 
 
-def _warn_deprecated() -> None:
-    warnings.warn(
-        "SafetensorsCheckpoint.open(allow_external_symlinks=...) is deprecated and ignored: symlinks to "
-        "regular files are always accepted",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
-    """A safetensors checkpoint (one file or a sharded folder), known from its headers only.
-
-    A read-only mapping from tensor key to :class:`TensorInfo`.
+class SafetensorsCheckpoint(TableCheckpoint):
+    """A safetensors checkpoint (one file or a sharded folder), known from its headers only: the safetensors
+    implementation of :class:`~.protocol.Checkpoint` (each tensor one chunk, plain encoding).
 
     Attributes:
         root: The checkpoint's folder: an absolute path, or a URL.
@@ -249,16 +239,8 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         identities: Mapping[str, object] | None = None,
         store: Store | None = None,
     ) -> None:
-        self.store = store if store is not None else LocalStore(root)
-        self.root = self.store.root
-        self.files = tuple(files)
-        self.tensors = tensors
-        self.metadata = metadata if metadata is not None else {f: {} for f in self.files}
-        self.identities: dict[str, object] = dict(identities or {})
-
-    def reader(self, *, direct_io: bool = False) -> RangeReader:
-        """A new :class:`~loader.storage.RangeReader` of this checkpoint's files, told each file's identity."""
-        return open_reader(self.store, self.identities, direct_io=direct_io)
+        store = store if store is not None else LocalStore(root)
+        super().__init__(tensors, tuple(files), metadata, identities, store)
 
     @classmethod
     def open(
@@ -267,7 +249,6 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         *,
         revision: str | None = None,
         storage_options: Mapping[str, object] | None = None,
-        allow_external_symlinks: bool | None = None,
         identities: Mapping[str, object] | None = None,
     ) -> SafetensorsCheckpoint:
         """Open a checkpoint, reading and validating only its headers.
@@ -284,9 +265,8 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
 
         Args:
             path: File, folder, repo id or URL.
-            revision: Branch, tag or commit of a repo id or ``hf://`` URL; ``None``: the default branch.
-            storage_options: Options for a URL's backend (credentials, endpoint, timeouts); only for URLs.
-            allow_external_symlinks: Deprecated and ignored: symlinks to regular files are always accepted.
+            storage: Where and how its bytes are reached (:class:`~loader.options.StorageOptions`: the revision of
+                a repo id or ``hf://`` URL, a URL's backend settings and requests); None: the defaults.
             identities: For a URL: ``{location: ObjectIdentity}`` to read bound to (another rank's: ``pin``).
 
         Returns:
@@ -298,44 +278,11 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
             CheckpointError: A file or the index is malformed, not a regular file, names missing files or
                 keys, escapes the folder, or two files hold the same key; a folder holds shards but no index.
         """
-        if allow_external_symlinks is not None:
-            _warn_deprecated()
         store, name, location = _locate(path, revision, storage_options)  # a URL's store is given the revision
         _pin(store, identities)
-        if name and name != INDEX_NAME:
-            return cls._from_files(store, [location], None, "")
-        index_path = location or store.locate(INDEX_NAME)
-        wanted: dict[str, list[str]] | None = None
-        if name == INDEX_NAME or store.exists(index_path):
-            wanted = _index_files(store, index_path)
-            files = list(wanted)
-        elif store.exists(store.locate(SINGLE_NAME)):
-            files = [store.locate(SINGLE_NAME)]
-        else:
-            files = _folder_files(store)
-        return cls._from_files(store, files, wanted, index_path)
-
-    @classmethod
-    def _from_files(
-        cls, store: Store, files: list[str], wanted: dict[str, list[str]] | None, index_path: str
-    ) -> SafetensorsCheckpoint:
-        tensors: dict[str, TensorInfo] = {}
-        metadata: _Meta = {}
-        identities: dict[str, object] = {}
-        for file, header in zip(files, _read_headers(store, files)):
-            metadata[file], identities[file] = header.metadata, header.identity
-            if wanted is not None:
-                for key in wanted[file]:
-                    if key not in header.tensors:
-                        raise err(index_path, f"index places it in {file}, whose header lacks it", key)
-                    tensors[key] = header.tensors[key]
-                continue
-            for key, info in header.tensors.items():
-                if key in tensors:
-                    other = os.path.basename(tensors[key].file)
-                    raise err(file, f"key {key!r} in both {other} and {os.path.basename(file)}", key)
-                tensors[key] = info
-        return cls(store.root, files, tensors, metadata, identities, store)
+        files, wanted, index_path = _checkpoint_files(store, name, location)
+        tensors, metadata, found = _tables(store, files, wanted, index_path)
+        return cls(store.root, files, tensors, metadata, found, store)
 
     @classmethod
     def from_infos(
@@ -349,8 +296,8 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
             store: The store the files are in; default: the local folder ``root``.
 
         Returns:
-            The checkpoint; ``files`` lists the infos' files in first-seen order, ``metadata`` is ``{}``
-            for each, ``identities`` is empty.
+            The checkpoint; ``files`` lists the infos' chunk locations in first-seen order, ``metadata`` is
+            ``{}`` for each, ``identities`` is empty.
 
         Raises:
             ValueError: A mapping key differs from its info's ``key``.
@@ -358,29 +305,48 @@ class SafetensorsCheckpoint(Mapping[str, TensorInfo]):
         for key, info in infos.items():
             if info.key != key:
                 raise ValueError(f"mapping key {key!r} holds TensorInfo for {info.key!r}")
-        files = tuple(dict.fromkeys(info.file for info in infos.values()))
-        return cls(root, files, dict(infos), store=store)
-
-    def __getitem__(self, key: str) -> TensorInfo:
-        return self.tensors[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.tensors
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def keys(self) -> KeysView[str]:
-        """Tensor keys, in checkpoint order."""
-        return self.tensors.keys()
-
-    @property
-    def total_bytes(self) -> int:
-        """Sum of all tensors' data bytes."""
-        return sum(info.nbytes for info in self.tensors.values())
+        return cls(root, chunk_files(infos), dict(infos), store=store)
 
     def __repr__(self) -> str:
         return f"SafetensorsCheckpoint({redact_url(self.root)!r}, files={len(self.files)}, tensors={len(self.tensors)})"
+
+
+def _checkpoint_files(store: Store, name: str, location: str) -> tuple[list[str], dict[str, list[str]] | None, str]:
+    """The files a checkpoint is read from, the keys its index places in each (None without an index), and the
+    index's location (``""`` for a single file)."""
+    if name and name != INDEX_NAME:
+        return [location], None, ""
+    index_path = location or store.locate(INDEX_NAME)
+    if name == INDEX_NAME or store.exists(index_path):
+        wanted = _index_files(store, index_path)
+        return list(wanted), wanted, index_path
+    if store.exists(store.locate(SINGLE_NAME)):
+        return [store.locate(SINGLE_NAME)], None, index_path
+    return _folder_files(store), None, index_path
+
+
+def _tables(
+    store: Store, files: list[str], wanted: dict[str, list[str]] | None, index_path: str
+) -> tuple[dict[str, TensorInfo], _Meta, dict[str, object]]:
+    """Every file's header read into the checkpoint's tensors, metadata and identities.
+
+    Raises:
+        CheckpointError: the index places a key in a file whose header lacks it, or two files hold one key.
+    """
+    tensors: dict[str, TensorInfo] = {}
+    metadata: _Meta = {}
+    identities: dict[str, object] = {}
+    for file, header in zip(files, _read_headers(store, files)):
+        metadata[file], identities[file] = header.metadata, header.identity
+        if wanted is not None:
+            for key in wanted[file]:
+                if key not in header.tensors:
+                    raise err(index_path, f"index places it in {file}, whose header lacks it", key)
+                tensors[key] = header.tensors[key]
+            continue
+        for key, info in header.tensors.items():
+            if key in tensors:
+                other = os.path.basename(tensors[key].file)
+                raise err(file, f"key {key!r} in both {other} and {os.path.basename(file)}", key)
+            tensors[key] = info
+    return tensors, metadata, identities

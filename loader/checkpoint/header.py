@@ -13,10 +13,8 @@ becomes a :class:`TensorInfo` (``bench/header_bench.py`` measures time and memor
 
 from __future__ import annotations
 
-import math
 import os
 import struct
-from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -24,6 +22,7 @@ import torch
 
 from ..storage import FileIdentity, LocalStore, ObjectIdentity, Store
 from ..storage.untrusted import DuplicateKeyError, err, gc_paused, loads_json, short, strict_dict
+from .chunks import TensorInfo
 
 MAX_HEADER_BYTES = 100_000_000  # same limit as the safetensors reference implementation
 _MAX_FAST_NDIM = 64  # longer shapes take the careful path (bounded products)
@@ -42,42 +41,6 @@ DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, attr) for name, attr in _DTYPE_NAMES.items() if hasattr(torch, attr)
 }
 _ITEMSIZES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives on disk.
-
-    Attributes:
-        key: Tensor name in the checkpoint.
-        file: Absolute path of the file holding it.
-        dtype: Torch dtype of the elements.
-        shape: Tensor shape.
-        data_start: Absolute byte offset of the first byte in ``file`` (``8 + header_len + begin``).
-        data_end: Absolute byte offset one past the last byte.
-    """
-
-    key: str
-    file: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    data_start: int
-    data_end: int
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element."""
-        return self.dtype.itemsize
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of tensor data (``data_end - data_start``)."""
-        return self.data_end - self.data_start
 
 
 class HeaderFile(NamedTuple):

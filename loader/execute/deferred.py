@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checkpoint import SafetensorsCheckpoint, read_tensor
+from ..checkpoint import Checkpoint, read_tensor
 from ..plan import DeferredRead, deferred_inputs
 from ..plan.slots import TargetSlot, box_view
 from ..rules.conversion import rule_name
@@ -14,15 +14,16 @@ from ..storage import RangeReader
 
 
 def run_deferred(
-    deferred: DeferredRead, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot], reader: RangeReader
+    deferred: DeferredRead, checkpoint: Checkpoint, slots: Mapping[str, TargetSlot], reader: RangeReader
 ) -> None:
-    """Read the conversion's sources whole, run it for real, copy the owned boxes of its outputs.
+    """Read the conversion's sources whole (a source stored as several chunks assembled from them), run it for
+    real, copy the owned boxes of its outputs.
 
     Raises:
         CheckpointError: a source file is short, or changed since its header was read.
     """
-    identities = getattr(checkpoint, "identities", None) or {}
-    for file in {checkpoint[k].file for k in deferred.conversion.sources}:
+    identities = checkpoint.identities
+    for file in {c.location for k in deferred.conversion.sources for c in checkpoint[k].chunks}:
         reader.expect(file, identities.get(file))
     tensors = {k: read_tensor(checkpoint[k], reader) for k in deferred.conversion.sources}  # each verified
     apply_deferred(deferred, tensors, slots)
