@@ -25,11 +25,12 @@ from typing import Any
 
 from .checkpoint import SafetensorsCheckpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
-from .distributed import LoadSession, broadcast_owned, host_reads, owned_subset, peer_errors
-from .distributed.exchange_reads import exchanged_reads
+from .distributed import LoadSession, broadcast_owned, owned_subset, peer_errors
+from .distributed.exchange_reads import SessionPeers
 from .distributed.session import check_same
 from .distributed.versions import open_agreed
-from .execute import SPARSE_FRACTION, execute_plan, restore, snapshot
+from .execute import SPARSE_FRACTION, execute_plan, host_shared, restore, snapshot
+from .execute.exchanged import exchanged_reads
 from .options import LoadOptions
 from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead, describe
@@ -89,13 +90,15 @@ def read_together(
         exchange = exchanging(options, plan, session)
         try:
             shared = _agree_on_reads(plan, reader, reads, session, exchange)
-        except host_reads.PostError as e:  # a mate's post: agreed below (the other hosts' ranks never saw it)
+        except host_shared.PostError as e:  # a mate's post: agreed next (the other hosts' ranks never saw it)
             error, shared = e, 0
         if shared:
             what = "file(s) read with readahead (this host's ranks read most of them)"
             log.info("rank %d: %d %s", session.rank, shared, what)
-        if exchange:
-            reads, error, received = exchanged_reads(plan, reader, reads, options, session, error=error)
+        if exchange:  # a mate's bad post is agreed at the exchanged reads' first agreement point
+            peers = SessionPeers(session, "reading")
+            peers.carry(error)
+            reads, received = exchanged_reads(plan, reader, reads, options, peers)
         if error is None:
             try:
                 execute_plan(
@@ -123,22 +126,22 @@ def _agree_on_reads(
 ) -> int:
     """One gather of every rank's reading settings: ``exchange`` must be the same everywhere (a collective path:
     every rank or none), and the local files this host's ranks read most of together are read with readahead
-    (:mod:`~loader.distributed.host_reads`). Returns how many of this rank's files that is. Collective."""
+    (:mod:`~loader.execute.host_shared`). Returns how many of this rank's files that is. Collective."""
     mine: dict = {"host": "", "files": {}}
     if getattr(reader, "read_ahead", None) is not None and not session.solo:
         try:
-            mine = host_reads.post(plan.checkpoint, reads)
+            mine = host_shared.post(plan.checkpoint, reads)
         except Exception:  # only a hint: this rank then reads as it would alone (and never leaves the others waiting)
             log.warning("rank %d: could not describe its reads to the host's other ranks", session.rank, exc_info=True)
-    side = host_reads.pack(mine["files"]) if mine["files"] else None
+    side = host_shared.pack(mine["files"]) if mine["files"] else None
     small = json.dumps({"exchange": str(exchange), "host": mine["host"], "files": side is not None})
     posts = [json.loads(p) for p in session.gather("reading", small, side=side)]
     check_same("exchange_reads", [p["exchange"] for p in posts])
     if side is None:  # no local file (or a solo session)
         return 0
-    mates = host_reads.mates(posts, session.rank)
-    together = [host_reads.unpack(t, r) for t, r in zip(session.sides("reading", mates), mates)]
-    files = host_reads.read_together(together, mates.index(session.rank), SPARSE_FRACTION)
+    mates = host_shared.mates(posts, session.rank)
+    together = [host_shared.unpack(t, r) for t, r in zip(session.sides("reading", mates), mates)]
+    files = host_shared.files_to_read_ahead(together, mates.index(session.rank), SPARSE_FRACTION)
     reader.read_ahead(files)  # type: ignore[attr-defined]
     return len(files)
 

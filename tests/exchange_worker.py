@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dist_worker import check_full, layout_placements, local_numel, moe_placements
 from gloo_world import worker_main
 
+from loader.options import LoadOptions, Rules
 from loader.placements import shard_module
 
 TIMEOUT = 20.0  # seconds each rank waits for the others in the failure scenarios
@@ -49,30 +50,35 @@ def _filled(model: torch.nn.Module, value: float = 7.0) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def tensor_per_round() -> Iterator[None]:
-    """Rounds of one tensor each (:data:`~loader.distributed.exchange_reads.ROUND_BYTES`, 1 GiB, set to 1 byte: every
-    file over it, cut at each tensor that holds exchanged bytes): a checkpoint of small shards is exchanged in many
-    rounds, each file in parts. (``load_hf_checkpoint`` passes no ``round_bytes``: the module's default is read.)"""
-    from loader.distributed import exchange_reads
+    """Rounds of one tensor each (:data:`~loader.execute.exchanged.ROUND_BYTES`, 1 GiB, set to 1 byte: every file
+    over it, cut at each tensor that holds exchanged bytes): a checkpoint of small shards is exchanged in many
+    rounds, each file in sections. (``load_hf_checkpoint`` passes no ``round_bytes``: the module's default is read.)"""
+    from loader.execute import exchanged
 
-    saved, exchange_reads.ROUND_BYTES = exchange_reads.ROUND_BYTES, 1
+    saved, exchanged.ROUND_BYTES = exchanged.ROUND_BYTES, 1
     try:
         yield
     finally:
-        exchange_reads.ROUND_BYTES = saved
+        exchanged.ROUND_BYTES = saved
 
 
 @contextlib.contextmanager
 def counting_exchanges() -> Iterator[dict]:
-    """``{"fetch_chunks": n, "exchange": n, "files": [...]}``: how many rounds this rank fetched chunks for, how many
+    """``{"fetch_shares": n, "exchange": n, "files": [...]}``: how many rounds this rank fetched shares for, how many
     got past their agreement into the exchange, and the names of the files fetched for exchange, seen by a profile
     hook (nothing of the loader replaced)."""
-    count: dict = {"fetch_chunks": 0, "exchange": 0, "files": []}
+    count: dict = {"fetch_shares": 0, "exchange": 0, "files": []}
 
     def hook(frame, event, arg):
         code = frame.f_code
-        if event == "call" and code.co_name in count and code.co_filename.endswith("exchange_reads.py"):
+        where = code.co_filename.replace(os.sep, "/")
+        if (
+            event == "call"
+            and code.co_name in count
+            and where.endswith(("execute/exchanged.py", "execute/exchange.py"))
+        ):
             count[code.co_name] += 1
-            if code.co_name == "fetch_chunks":
+            if code.co_name == "fetch_shares":
                 count["files"] = sorted({*count["files"], *(os.path.basename(f) for f in frame.f_locals["files"])})
 
     sys.setprofile(hook)
@@ -105,11 +111,11 @@ def _describe(e: BaseException) -> dict:
 
 
 def _failing_load(model, path: str, timeout: float, **kwargs) -> dict:
-    """``load_hf_checkpoint(model, path, rollback=True, ...)``: ``{"type": None}``, or its error, described."""
+    """A load with ``LoadOptions(rollback=True)``: ``{"type": None}``, or its error, described."""
     from loader import load_hf_checkpoint
 
     try:
-        load_hf_checkpoint(model, path, progress=False, rollback=True, timeout=timeout, **kwargs)
+        load_hf_checkpoint(model, path, options=LoadOptions(progress=False, rollback=True, timeout=timeout), **kwargs)
     except BaseException as e:
         return _describe(e)
     return {"type": None}
@@ -121,7 +127,7 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, r
     from loader import load_hf_checkpoint
 
     alone = _moe(ctx, mesh_shape)
-    load_hf_checkpoint(alone, ctx["moe"], progress=False, exchange_reads=False)
+    load_hf_checkpoint(alone, ctx["moe"], options=LoadOptions(progress=False, exchange_reads=False))
     model = _moe(ctx, mesh_shape)
     with contextlib.ExitStack() as stack:
         if rounds:
@@ -146,11 +152,11 @@ def _load(ctx: dict, model: torch.nn.Module, dcp: bool):
     from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     if not dcp:
-        return load_hf_checkpoint(model, ctx["moe"], progress=False, exchange_reads=True)
+        return load_hf_checkpoint(model, ctx["moe"], options=LoadOptions(progress=False, exchange_reads=True))
     import torch.distributed.checkpoint as torch_dcp
 
     planner = HFLoadPlanner(model)
-    reader = SafetensorsReader(ctx["moe"], exchange_reads=True)
+    reader = SafetensorsReader(ctx["moe"], options=LoadOptions(exchange_reads=True))
     torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
     return planner.finish(ctx["moe"])
 
@@ -163,8 +169,13 @@ def scenario_layout(ctx: dict) -> dict:
     from loader import load_hf_checkpoint
 
     alone, model = _layout(), _layout()
-    load_hf_checkpoint(alone, ctx["layout"], weights_mapping=dm.RULES, progress=False)
-    report = load_hf_checkpoint(model, ctx["layout"], weights_mapping=dm.RULES, progress=False, exchange_reads=True)
+    load_hf_checkpoint(alone, ctx["layout"], rules=Rules(weights_mapping=dm.RULES), options=LoadOptions(progress=False))
+    report = load_hf_checkpoint(
+        model,
+        ctx["layout"],
+        rules=Rules(weights_mapping=dm.RULES),
+        options=LoadOptions(progress=False, exchange_reads=True),
+    )
     return {
         "unequal": _unequal(alone, model),
         "bad": check_full(model, torch.load(ctx["layout_ref"])),
@@ -200,7 +211,7 @@ def scenario_changed_on_one_rank(ctx: dict) -> dict:
     planner = RewritingPlanner(model)
     with tensor_per_round(), counting_exchanges() as rounds:
         outcome = _failing_load(model, ctx["changing"], TIMEOUT, planner=planner, exchange_reads=True)
-    fetched, exchanged = rounds["fetch_chunks"], rounds["exchange"]
+    fetched, exchanged = rounds["fetch_shares"], rounds["exchange"]
     return {**outcome, "unchanged": _unchanged(model), "fetched": fetched, "exchanged": exchanged} | {
         "fetched_files": rounds["files"]
     }
@@ -261,24 +272,30 @@ def scenario_ranks_disagree(ctx: dict) -> dict:
 @contextlib.contextmanager
 def corrupting_sends(altered: list) -> Iterator[None]:
     """This rank's exchange sends altered bytes: the first byte it sends the first peer it sends any to is flipped
-    after its checksums were computed, then the real ``all_to_all_single`` runs (``altered``: that peer, appended)."""
-    from loader.distributed import exchange_reads
+    after its checksums were computed, then the real ``all_to_all_bytes`` of its peers runs (``altered``: that peer,
+    appended)."""
+    from loader.execute import exchange, exchanged
 
-    real = exchange_reads.all_to_all_bytes
+    real = exchanged.exchange
 
-    def altering(out, send, out_sizes, send_sizes, **kwargs):
-        peer = next((j for j, n in enumerate(send_sizes) if n > exchange_reads.CHECKSUM_BYTES), None)
-        if peer is not None:
-            send = send.clone()
-            send[sum(send_sizes[:peer])] ^= 0xFF
-            altered.append(peer)
-        return real(out, send, out_sizes, send_sizes, **kwargs)
+    class Altering:
+        def __init__(self, peers):
+            self.peers, self.rank, self.world, self.timeout = peers, peers.rank, peers.world, peers.timeout
 
-    exchange_reads.all_to_all_bytes = altering
+        def all_to_all_bytes(self, sends, recv_sizes):
+            peer = next((j for j, s in enumerate(sends) if len(s) > exchange.CHECKSUM_BYTES), None)
+            if peer is not None:
+                sends = list(sends)
+                sends[peer] = sends[peer].copy()
+                sends[peer][0] ^= 0xFF
+                altered.append(peer)
+            return self.peers.all_to_all_bytes(sends, recv_sizes)
+
+    exchanged.exchange = lambda plans, files, fetched, peers: real(plans, files, fetched, Altering(peers))
     try:
         yield
     finally:
-        exchange_reads.all_to_all_bytes = real
+        exchanged.exchange = real
 
 
 def scenario_altered_in_transit(ctx: dict) -> dict:
@@ -295,24 +312,24 @@ def scenario_altered_in_transit(ctx: dict) -> dict:
 
 
 def scenario_garbage_host_post(ctx: dict) -> dict:
-    """Rank 2 posts garbage as its files for the host's ranks (``host_reads.pack`` replaced on it alone): every rank
+    """Rank 2 posts garbage as its files for the host's ranks (``host_shared.pack`` replaced on it alone): every rank
     raises an error naming rank 2 and what it posted, before anything is read, its tensors unchanged."""
     import dist_models as dm
 
-    from loader.distributed import host_reads
+    from loader.execute import host_shared
 
-    model, real = _layout(7.0), host_reads.pack
+    model, real = _layout(7.0), host_shared.pack
     if dist.get_rank() == FAILING:
-        host_reads.pack = lambda files: "not base64 at all!"
+        host_shared.pack = lambda files: "not base64 at all!"
     try:
         outcome = _failing_load(model, ctx["layout"], TIMEOUT, weights_mapping=dm.RULES, exchange_reads=False)
     finally:
-        host_reads.pack = real
+        host_shared.pack = real
     return {**outcome, "unchanged": _unchanged(model)}
 
 
 def scenario_stopped_at_the_exchange(ctx: dict, how: str) -> dict:
-    """Rank 2 stops as it enters the exchange (its chunks fetched, every fetch agreed): killed (``how="dies"``), or
+    """Rank 2 stops as it enters the exchange (its shares fetched, every fetch agreed): killed (``how="dies"``), or
     hung until the others gave up (``"hangs"``; then it resumes). The others, in the ``all_to_all``, raise
     PeerFailure within the timeout and restore their tensors; a hung rank raises PeerFailure when it resumes."""
     import dist_models as dm
@@ -322,7 +339,8 @@ def scenario_stopped_at_the_exchange(ctx: dict, how: str) -> dict:
     if rank == FAILING:
 
         def stop_entering_exchange(frame, event, arg):
-            if event == "call" and frame.f_code.co_name == "exchange" and "exchange_reads" in frame.f_code.co_filename:
+            where = frame.f_code.co_filename.replace(os.sep, "/")
+            if event == "call" and frame.f_code.co_name == "exchange" and where.endswith("execute/exchange.py"):
                 if how == "dies":
                     os.kill(os.getpid(), signal.SIGKILL)
                 sys.setprofile(None)

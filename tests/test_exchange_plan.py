@@ -1,4 +1,4 @@
-"""Property tests of the plan of exchanged reads (loader/distributed/exchange_plan.py), a pure function of every
+"""Property tests of the plan of exchanged reads (loader/execute/exchange_plan.py), a pure function of every
 rank's wanted byte ranges: random worlds of 1..6 ranks wanting column shards (a run of every row each), row shards,
 replicated and overlapping ranges, with ranks that want nothing, at byte offsets of small files and of files of
 many GiB; every property checked against a plain-Python reference of the module's definitions.
@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loader.distributed.exchange_plan import END, SMALL_RANGE, as_ranges, chunks, pieces, plan_files, rounds
+from loader.execute.exchange_plan import END, SMALL_RANGE, as_ranges, parcels, plan_files, rounds, shares
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -155,7 +155,7 @@ def test_as_ranges_is_the_normal_form_of_the_same_bytes(raw):
 @SETTINGS
 @given(one_file())
 def test_chunks_exactly_cover_the_shared_extents_each_rank_fetching_at_most_its_wants(everyone):
-    c = chunks(everyone)
+    c = shares(everyone)
     starts, ends, holders = c.starts, c.ends, c.holders
     assert (ends > starts).all()  # none empty
     assert (starts[1:] >= ends[:-1]).all()  # ascending, disjoint
@@ -168,7 +168,7 @@ def test_chunks_exactly_cover_the_shared_extents_each_rank_fetching_at_most_its_
         for r, mine in enumerate(everyone):
             held = holders[inside] == r
             wanted = nbytes(intersect(pairs(mine), [(a, b)]))
-            assert held.sum() <= 1, "a rank fetches one contiguous chunk of an extent"
+            assert held.sum() <= 1, "a rank fetches one contiguous share of an extent"
             # exact integer bounds: never more than it wants in the extent (no rounding slack needed)
             assert int((ends[inside][held] - starts[inside][held]).sum()) <= wanted, (r, (a, b), everyone)
     for r in range(len(everyone)):
@@ -178,15 +178,15 @@ def test_chunks_exactly_cover_the_shared_extents_each_rank_fetching_at_most_its_
 @SETTINGS
 @given(one_file())
 def test_pieces_partition_each_ranks_shared_wants_and_lie_in_their_holders_chunks(everyone):
-    c = chunks(everyone)
+    c = shares(everyone)
     shared = shared_extents(everyone)
-    chunk_list = list(zip(c.starts.tolist(), c.ends.tolist(), c.holders.tolist()))
+    share_list = list(zip(c.starts.tolist(), c.ends.tolist(), c.holders.tolist()))
     for mine in everyone:
-        p = pieces(mine, c)
+        p = parcels(mine, c)
         assert (p.ends > p.starts).all() and (p.starts[1:] >= p.ends[:-1]).all()
         assert merged(zip(p.starts, p.ends)) == intersect(pairs(mine), shared), (mine, everyone)
         for a, b, h in zip(p.starts.tolist(), p.ends.tolist(), p.holders.tolist()):
-            assert any(s <= a and b <= e and h == k for s, e, k in chunk_list), ((a, b, h), chunk_list)
+            assert any(s <= a and b <= e and h == k for s, e, k in share_list), ((a, b, h), share_list)
         for h in range(len(everyone)):
             assert p.sizes_from(h).tolist() == [b - a for a, b in pairs(p.from_holder(h))]
 
@@ -202,15 +202,15 @@ def test_plan_files_sends_and_costs(world_and_wants):
     assert sorted(plans) == with_shared
     for f, fp in plans.items():
         wants = [w.get(f, empty) for w in everyone]
-        assert len(fp.pieces) == world
-        chunk_of = list(zip(fp.chunks.starts.tolist(), fp.chunks.ends.tolist(), fp.chunks.holders.tolist()))
+        assert len(fp.parcels) == world
+        share_of = list(zip(fp.shares.starts.tolist(), fp.shares.ends.tolist(), fp.shares.holders.tolist()))
         for i in range(world):
             for j in range(world):
-                # what i sends j: j's wanted bytes inside i's chunks, cut at chunk bounds, ascending
-                expected = [piece for s, e, h in chunk_of if h == i for piece in intersect(pairs(wants[j]), [(s, e)])]
+                # what i sends j: j's wanted bytes inside i's shares, cut at share bounds, ascending
+                expected = [parcel for s, e, h in share_of if h == i for parcel in intersect(pairs(wants[j]), [(s, e)])]
                 assert pairs(fp.sends(i, j)) == expected, (f, i, j)
-            received = sum(nbytes(pairs(fp.pieces[i].from_holder(h))) for h in range(world) if h != i)
-            assert fp.cost(i) == nbytes(pairs(fp.chunks.of(i))) + received
+            received = sum(nbytes(pairs(fp.parcels[i].from_holder(h))) for h in range(world) if h != i)
+            assert fp.cost(i) == nbytes(pairs(fp.shares.of(i))) + received
 
 
 @SETTINGS
@@ -249,11 +249,11 @@ def files_with_tensors(draw) -> tuple[int, list[dict[str, np.ndarray]], dict[str
     return world, everyone, spans
 
 
-def part_cost(fp, rank: int, lo: int, hi: int) -> int:
-    """Bytes ``rank`` holds for ``[lo, hi)`` of a file: its chunks and the pieces it receives there (plain
+def section_cost(fp, rank: int, lo: int, hi: int) -> int:
+    """Bytes ``rank`` holds for ``[lo, hi)`` of a file: its shares and the parcels it receives there (plain
     reference)."""
-    received = [pair for h in range(len(fp.pieces)) if h != rank for pair in pairs(fp.pieces[rank].from_holder(h))]
-    return nbytes(intersect(pairs(fp.chunks.of(rank)), [(lo, hi)])) + nbytes(intersect(received, [(lo, hi)]))
+    received = [pair for h in range(len(fp.parcels)) if h != rank for pair in pairs(fp.parcels[rank].from_holder(h))]
+    return nbytes(intersect(pairs(fp.shares.of(rank)), [(lo, hi)])) + nbytes(intersect(received, [(lo, hi)]))
 
 
 def with_holders(starts, ends, holders) -> dict[int, list[tuple[int, int]]]:
@@ -277,14 +277,14 @@ def test_files_over_the_budget_are_cut_at_tensor_starts_into_parts_within_it(dra
     flat = [p for g in groups for p in g]
     assert sorted({p.file for p in flat}) == sorted(plans) and [p.file for p in flat] == sorted(p.file for p in flat)
     for g in groups:
-        assert g and len({p.file for p in g}) == len(g), g  # two parts of a file never in one round
-        held = [sum(part_cost(plans[p.file], r, p.lo, p.hi) for p in g) for r in range(world)]
+        assert g and len({p.file for p in g}) == len(g), g  # two sections of a file never in one round
+        held = [sum(section_cost(plans[p.file], r, p.lo, p.hi) for p in g) for r in range(world)]
         if max(held) > budget:  # only a tensor over the budget alone (with tensors holding nothing)
             (p,) = g
             costly = [
                 (a, b)
                 for a, b in pairs(spans[p.file])
-                if p.lo <= a < p.hi and any(part_cost(plans[p.file], r, a, b) for r in range(world))
+                if p.lo <= a < p.hi and any(section_cost(plans[p.file], r, a, b) for r in range(world))
             ]
             assert len(costly) == 1, (g, costly, held, budget)
     for f, fp in plans.items():
@@ -292,38 +292,38 @@ def test_files_over_the_budget_are_cut_at_tensor_starts_into_parts_within_it(dra
         starts = set(spans[f][:, 0].tolist())
         assert mine[0].lo == 0 and mine[-1].hi == END and all(x.hi == y.lo for x, y in zip(mine, mine[1:]))
         assert all(p.lo in starts for p in mine[1:]), (mine, starts)  # cut at tensor starts only
-        assert all(any(part_cost(fp, r, p.lo, p.hi) for r in range(world)) for p in mine), mine  # no empty round
-        for x, y in zip(mine, mine[1:]):  # greedy: a part within the budget ends where the next tensor won't fit
-            if max(part_cost(fp, r, x.lo, x.hi) for r in range(world)) <= budget:
+        assert all(any(section_cost(fp, r, p.lo, p.hi) for r in range(world)) for p in mine), mine  # no empty round
+        for x, y in zip(mine, mine[1:]):  # greedy: a section within the budget ends where the next tensor won't fit
+            if max(section_cost(fp, r, x.lo, x.hi) for r in range(world)) <= budget:
                 nxt = min([b for b in [*starts, END] if b > y.lo] + [y.hi])
-                assert max(part_cost(fp, r, x.lo, nxt) for r in range(world)) > budget, (x, y, budget)
-        # the parts' plans cover the file's chunks and pieces exactly once, each piece with its holder
-        cut = [fp.part(p.lo, p.hi) for p in mine]
+                assert max(section_cost(fp, r, x.lo, nxt) for r in range(world)) > budget, (x, y, budget)
+        # the sections' plans cover the file's shares and parcels exactly once, each parcel with its holder
+        cut = [fp.section(p.lo, p.hi) for p in mine]
         for q, p in zip(cut, mine):
-            assert (q.chunks.starts >= p.lo).all() and (q.chunks.ends <= p.hi).all()
+            assert (q.shares.starts >= p.lo).all() and (q.shares.ends <= p.hi).all()
             for r in range(world):
-                assert q.cost(r) == part_cost(fp, r, p.lo, p.hi)
+                assert q.cost(r) == section_cost(fp, r, p.lo, p.hi)
                 for h in range(world):
                     clipped = [(max(a, p.lo), min(b, p.hi)) for a, b in pairs(fp.sends(h, r)) if a < p.hi and b > p.lo]
                     assert pairs(q.sends(h, r)) == clipped  # in order, touching ones (two tensors') not merged
         cat = lambda xs: np.concatenate([np.zeros(0, dtype=np.int64), *xs])
-        c = fp.chunks
-        assert sum(q.chunks.nbytes for q in cut) == c.nbytes
-        got = with_holders(*(cat(getattr(q.chunks, k) for q in cut) for k in ("starts", "ends", "holders")))
+        c = fp.shares
+        assert sum(q.shares.nbytes for q in cut) == c.nbytes
+        got = with_holders(*(cat(getattr(q.shares, k) for q in cut) for k in ("starts", "ends", "holders")))
         assert got == with_holders(c.starts, c.ends, c.holders)
         for r in range(world):
-            p = fp.pieces[r]
-            parts_r = [q.pieces[r] for q in cut]
-            assert sum(int((x.ends - x.starts).sum()) for x in parts_r) == int((p.ends - p.starts).sum())
-            got = with_holders(*(cat(getattr(x, k) for x in parts_r) for k in ("starts", "ends", "holders")))
+            p = fp.parcels[r]
+            sections_r = [q.parcels[r] for q in cut]
+            assert sum(int((x.ends - x.starts).sum()) for x in sections_r) == int((p.ends - p.starts).sum())
+            got = with_holders(*(cat(getattr(x, k) for x in sections_r) for k in ("starts", "ends", "holders")))
             assert got == with_holders(p.starts, p.ends, p.holders)
 
 
 def test_a_5_gib_file_of_column_shards_is_held_a_gib_at_most_per_round():
     """TP2 over a 5 GiB file of ten 512 MiB column-sharded tensors (each rank a 64 KiB run of every 128 KiB row):
-    one extent over the file, rank 0's chunk its first half. Whole, the file held 3.75 GiB per rank at once (its
-    2.5 GiB chunk and the 1.25 GiB of pieces it receives); cut at tensor starts, at most 1 GiB: two tensors a part
-    (a rank's 512 MiB of chunk and its peer's 256 MiB of pieces, in each)."""
+    one extent over the file, rank 0's share its first half. Whole, the file held 3.75 GiB per rank at once (its
+    2.5 GiB share and the 1.25 GiB of parcels it receives); cut at tensor starts, at most 1 GiB: two tensors a section
+    (a rank's 512 MiB of share and its peer's 256 MiB of parcels, in each)."""
     world, run, size = 2, 1 << 16, 1 << 29
     row_starts = np.arange(0, 10 * size, world * run, dtype=np.int64)
     wants = [{"/ckpt/f": np.stack([row_starts + r * run, row_starts + (r + 1) * run], axis=1)} for r in range(world)]
@@ -336,24 +336,24 @@ def test_a_5_gib_file_of_column_shards_is_held_a_gib_at_most_per_round():
         *([(t, t + 2 * size)] for t in (2 * size, 4 * size, 6 * size)),
         [(8 * size, END)],
     ]
-    held = [[fp.part(p.lo, p.hi).cost(r) >> 20 for r in range(world)] for (p,) in groups]
+    held = [[fp.section(p.lo, p.hi).cost(r) >> 20 for r in range(world)] for (p,) in groups]
     assert held == [[1024, 512], [1024, 512], [768, 768], [512, 1024], [512, 1024]]  # MiB
 
 
 def test_a_column_shard_of_a_5_gib_file_is_cut_into_one_quarter_per_rank():
     """4 ranks, a run of each of 1000 rows each, over 5 GiB: bounds computed exactly (``size * cumulative wants``
-    overflowed int64 past ~3 GB extents: chunks lost, pieces assigned to holders that had not fetched them)."""
+    overflowed int64 past ~3 GB extents: shares lost, parcels assigned to holders that had not fetched them)."""
     run, world, rows = (5 << 30) // 4000, 4, 1000
     starts = [[(row * world + r) * run for row in range(rows)] for r in range(world)]
     everyone = [as_ranges([(a, a + run) for a in mine]) for mine in starts]
-    c = chunks(everyone)
+    c = shares(everyone)
     quarter = rows * run
     assert pairs(np.stack([c.starts, c.ends], axis=1)) == [(r * quarter, (r + 1) * quarter) for r in range(world)]
     assert c.holders.tolist() == list(range(world))
     for r, mine in enumerate(everyone):
-        p = pieces(mine, c)
+        p = parcels(mine, c)
         assert nbytes(pairs(np.stack([p.starts, p.ends], axis=1))) == quarter
-        assert p.sizes_from(r).sum() == quarter // world  # a quarter of its own runs lie in its own chunk
+        assert p.sizes_from(r).sum() == quarter // world  # a quarter of its own runs lie in its own share
 
 
 def shared_tensors(per_tensor: list[list[np.ndarray]], small: int) -> list[int]:
@@ -388,18 +388,18 @@ def test_sharing_decided_per_group_of_tensors(data):
     everyone = [np.concatenate([np.zeros((0, 2), dtype=np.int64), *mine]) for mine in per_tensor]
     shared = shared_tensors(per_tensor, small)
     extents = merged(pair for mine in per_tensor for k in shared for pair in pairs(mine[k]))
-    c = chunks(everyone, spans, small)
+    c = shares(everyone, spans, small)
     assert (c.ends > c.starts).all() and (c.starts[1:] >= c.ends[:-1]).all()
     assert merged(zip(c.starts, c.ends)) == extents, (per_tensor, spans, c)
-    chunk_list = list(zip(c.starts.tolist(), c.ends.tolist(), c.holders.tolist()))
+    share_list = list(zip(c.starts.tolist(), c.ends.tolist(), c.holders.tolist()))
     for r, mine in enumerate(everyone):
         for a, b in extents:
-            fetched = sum(e - s for s, e, h in chunk_list if h == r and a <= s and e <= b)
+            fetched = sum(e - s for s, e, h in share_list if h == r and a <= s and e <= b)
             assert fetched <= nbytes(intersect(pairs(mine), [(a, b)])), (r, (a, b))
-        p = pieces(mine, c)
+        p = parcels(mine, c)
         assert merged(zip(p.starts, p.ends)) == intersect(pairs(mine), extents), (r, per_tensor, spans)
         for a, b, h in zip(p.starts.tolist(), p.ends.tolist(), p.holders.tolist()):
-            assert any(s <= a and b <= e and h == k for s, e, k in chunk_list), ((a, b, h), chunk_list)
+            assert any(s <= a and b <= e and h == k for s, e, k in share_list), ((a, b, h), share_list)
     if small == SMALL_RANGE:  # plan_files decides with the default
         plans = plan_files([{"/ckpt/f": mine} for mine in everyone], {"/ckpt/f": spans})
         assert sorted(plans) == (["/ckpt/f"] if extents else [])

@@ -1,4 +1,4 @@
-"""Exchanged reads (loader/distributed/exchange_reads.py, loader/storage/held.py): the HeldReader over a real local
+"""Exchanged reads (loader/execute/exchanged.py, loader/storage/held.py): the HeldReader over a real local
 file and a real FileReader, then a real 4-rank gloo world (started once, shared by the distributed tests here)
 loading local files with ``exchange_reads=True``: equal to the loads without it, and failing on every rank when a
 rank's fetch fails, a rank's later read fails, or a rank dies at the exchange. The plan itself:
@@ -318,7 +318,7 @@ def test_exchanged_local_loads_equal_the_loads_without(results, name):
         # what a rank did not fetch itself, a peer fetched and sent it; each fetches about its shard
         assert res["planned_bytes"] <= res["bytes_read"] + res["bytes_exchanged"], (r, res)
         assert res["bytes_read"] <= 1.05 * res["shard_bytes"], (r, res)
-        if "tp4" in name:  # column shards (o_proj, the experts' down_proj): fetched in chunks and exchanged
+        if "tp4" in name:  # column shards (o_proj, the experts' down_proj): fetched in shares and exchanged
             assert res["bytes_exchanged"] > 0, (r, res)
 
 

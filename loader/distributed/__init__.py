@@ -2,7 +2,6 @@
 travels as :mod:`.remote` says) and broadcast of replicated boxes (:mod:`.broadcast`). The distributed
 load that composes them with planning and execution is :mod:`loader.load`."""
 
-from . import host_reads
 from .broadcast import assign_owners, broadcast_owned, owned_subset
 from .session import DEFAULT_TIMEOUT, LoadSession, peer_errors, timeout_seconds
 
@@ -11,7 +10,6 @@ __all__ = [
     "LoadSession",
     "assign_owners",
     "broadcast_owned",
-    "host_reads",
     "owned_subset",
     "peer_errors",
     "timeout_seconds",

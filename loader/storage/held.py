@@ -1,10 +1,18 @@
 """Bytes held in memory in front of a reader: a :class:`~.base.RangeReader` that serves some byte ranges of some
-files from buffers (bytes fetched once and shared between ranks: :mod:`loader.distributed.exchange_reads`) and
-reads everything else through the reader it wraps.
+files from buffers and reads everything else through the reader it wraps.
 
-Each byte of a read comes from memory where a piece holds it, else through the wrapped reader: a read may cross
+Vocabulary:
+
+- a *held span*: a byte range ``[start, end)`` of one file whose bytes lie in a buffer in memory (fetched once and
+  exchanged between ranks: :mod:`loader.execute.exchanged`);
+- a *buffer*: a ``uint8`` array holding some spans' bytes (a rank's received bytes, and those it fetched itself);
+- a *run*: one of a read's equal-length byte ranges (a column shard's row), as :class:`~.base.Runs` gives them.
+
+It is a reader like any other, wrapping one, and knows nothing of ranks: it stays in the storage layer.
+
+Each byte of a read comes from memory where a span holds it, else through the wrapped reader: a read may cross
 from held bytes into others (the executor joins touching ranges of two tensors, one shared and one not). A column
-shard has a piece per row (tens of thousands per rank): the runs of a read that lie inside one piece each are copied
+shard has a span per row (tens of thousands per rank): the runs of a read that lie inside one span each are copied
 in a few numpy calls (:func:`gather`), only the others byte range by byte range.
 """
 
@@ -39,7 +47,7 @@ def _index(sorted_starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class HeldFile:
-    """One file's held pieces, ascending, disjoint: the bytes ``[starts[i], ends[i])`` are
+    """One file's held spans, ascending, disjoint: the bytes ``[starts[i], ends[i])`` are
     ``buffers[buffer_of[i]][offsets[i]:offsets[i] + ends[i] - starts[i]]`` (``int64`` arrays; ``uint8`` buffers:
     what a rank received, and what it fetched itself)."""
 
@@ -49,13 +57,13 @@ class HeldFile:
     offsets: np.ndarray
     buffers: tuple[np.ndarray, ...]
 
-    def piece(self, i: int) -> np.ndarray:
-        """The bytes of piece ``i``."""
+    def span(self, i: int) -> np.ndarray:
+        """The bytes of span ``i``."""
         o = int(self.offsets[i])
         return self.buffers[int(self.buffer_of[i])][o : o + int(self.ends[i] - self.starts[i])]
 
     def within(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Per range ``[starts[j], ends[j])`` (non-empty), the piece holding all of it, or -1."""
+        """Per range ``[starts[j], ends[j])`` (non-empty), the span holding all of it, or -1."""
         if not len(self.starts):
             return np.full(len(starts), -1, dtype=np.int64)
         k = _index(self.starts, starts)
@@ -65,11 +73,11 @@ class HeldFile:
         """Per range ``[starts[j], ends[j])``, whether some byte of it is held."""
         if not len(self.starts):
             return np.zeros(len(starts), dtype=bool)
-        k = np.searchsorted(self.ends, starts, side="right")  # the first piece ending after the range's start
+        k = np.searchsorted(self.ends, starts, side="right")  # the first span ending after the range's start
         return (k < len(self.starts)) & (self.starts[np.minimum(k, len(self.starts) - 1)] < ends)
 
     def holds(self, offset: int) -> int:
-        """The piece holding byte ``offset``, or -1."""
+        """The span holding byte ``offset``, or -1."""
         return int(self.within(np.array([offset]), np.array([offset + 1]))[0])
 
     def overlaps(self, start: int, end: int) -> bool:
@@ -77,7 +85,7 @@ class HeldFile:
         return bool(self.touched(np.array([start]), np.array([end]))[0])
 
     def missing(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The parts of ``[start, end)`` no piece holds, ascending."""
+        """The parts of ``[start, end)`` no span holds, ascending."""
         lo, hi = np.searchsorted(self.ends, start, side="right"), np.searchsorted(self.starts, end)
         out, pos = [], start
         for a, b in zip(self.starts[lo:hi].tolist(), self.ends[lo:hi].tolist()):
@@ -89,18 +97,18 @@ class HeldFile:
         return out
 
     def next_start(self, offset: int) -> int | None:
-        """The first piece start after ``offset``, or None."""
+        """The first span start after ``offset``, or None."""
         i = int(np.searchsorted(self.starts, offset, side="right"))
         return int(self.starts[i]) if i < len(self.starts) else None
 
     def copy(self, i: int, offset: int, dst: memoryview) -> int:
-        """Copy held bytes from ``offset`` (in piece ``i``) into ``dst``, across touching pieces, up to the end of
+        """Copy held bytes from ``offset`` (in span ``i``) into ``dst``, across touching spans, up to the end of
         ``dst`` or the first byte not held; returns the bytes copied."""
         pos, end, at = offset, offset + len(dst), 0
         while pos < end and i < len(self.starts) and self.starts[i] <= pos < self.ends[i]:
             first = int(self.starts[i])
             n = min(end, int(self.ends[i])) - pos
-            dst[at : at + n] = self.piece(i)[pos - first : pos - first + n]
+            dst[at : at + n] = self.span(i)[pos - first : pos - first + n]
             pos, at, i = pos + n, at + n, i + 1
         return at
 
@@ -161,7 +169,7 @@ class HeldReader:
 
         def not_held() -> list[tuple[int, int]]:
             r = np.fromiter(itertools.chain.from_iterable(ranges()), dtype=np.int64).reshape(-1, 2)
-            r = r[(r[:, 1] > r[:, 0]) & (held.within(r[:, 0], r[:, 1]) < 0)]  # those in one piece: dropped at once
+            r = r[(r[:, 1] > r[:, 0]) & (held.within(r[:, 0], r[:, 1]) < 0)]  # those in one span: dropped at once
             return [m for a, b in r.tolist() for m in held.missing(a, b)]
 
         self.inner.will_read(location, not_held, sparse=sparse)
@@ -177,7 +185,7 @@ class HeldReader:
             self._read(location, segments, lambda: self.inner.pread_consecutive(location, offset, outs))
 
     def read_runs(self, location: str, runs: Runs, out: memoryview, base: int, *, wanted: int) -> None:
-        """Runs inside one held piece copied from memory at once per buffer, the others each byte from where it is
+        """Runs inside one held span copied from memory at once per buffer, the others each byte from where it is
         (all through ``inner``'s own ``read_runs`` when no run touches held bytes)."""
         held = self.held.get(location)
         if held is not None:
@@ -210,7 +218,7 @@ class HeldReader:
         self._serve(location, held, segments)
 
     def _serve(self, location: str, held: HeldFile, segments: list[Segment]) -> None:
-        """Each byte of ``segments`` from the piece holding it, else through ``inner`` (up to the next held byte)."""
+        """Each byte of ``segments`` from the span holding it, else through ``inner`` (up to the next held byte)."""
         for a, dst in segments:
             at = 0
             while at < len(dst):

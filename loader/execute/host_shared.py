@@ -1,5 +1,15 @@
-"""Files the ranks of one host read together: read with the kernel's readahead where, between them, they read most
-of a file they share.
+"""Host-shared reads: the local files the ranks of one host read together, read with the kernel's readahead where,
+between them, they read most of a file they share.
+
+Vocabulary:
+
+- a *host*: one kernel (its boot id), so one page cache;
+- a file's *key*: its identity (device, inode, size, mtime, ctime): the same key on one host is the same cached
+  pages;
+- a rank's *coverage* of a file: the granules (:data:`GRANULE` bytes) holding a byte of its blocks' spans;
+- a rank's *files*: ``{path: [key, size, coverage as hex]}`` of the local files it reads (:func:`post`);
+- a *post*: what a rank publishes to its host's ranks: its host and its files (packed: :func:`pack`);
+- a rank's *mates*: the ranks of its host that read local files (:func:`mates`).
 
 A rank that reads a small part of a local file tells the kernel so (``POSIX_FADV_RANDOM``: no readahead), which
 keeps its physical reads at the page bound. But ranks started on one host (``torchrun``) usually share one copy of
@@ -8,20 +18,11 @@ read all of it. Read page by page, the file then lands in the page cache as 4 Ki
 every later load, and read from the disk in smaller requests); read with readahead, in large folios, and no byte is
 read that the host's ranks do not need (bench/folio_probe.py, docs/loading.md "The page cache's folios").
 
-Vocabulary:
-
-- a *host*: one kernel (its boot id), so one page cache;
-- a file's *key*: its identity (device, inode, size, mtime, ctime): the same key on one host is the same cached
-  pages;
-- a rank's *coverage* of a file: the granules (:data:`GRANULE` bytes) holding a byte of its blocks' spans;
-- a rank's *files*: ``{path: [key, size, coverage as hex]}`` of the local files it reads (:func:`post`).
-
-A file is read with readahead on a rank when at least two ranks of its host read it (same key) and their coverages
-together hold at least ``fraction`` of it. In the one gather a distributed load makes, each rank posts its host and
-whether it reads local files (:func:`mates` finds the ranks of its host that do) and, aside
-(:meth:`~.session.LoadSession.gather`'s ``side``, compressed: :func:`pack`), its files, which only the ranks of its
-host fetch; every rank then decides from its mates' files (:func:`read_together`). A post that does not unpack to
-such files is a :class:`PostError` naming the rank that posted it and what is wrong with it.
+A file is read with readahead on a rank when at least two of its mates read it (same key) and their coverages
+together hold at least ``fraction`` of it (:func:`files_to_read_ahead`). The distributed load gathers the posts
+(:mod:`loader.load`): each rank's host and whether it reads local files, and aside, compressed, its files, which
+only its mates fetch. A post that does not unpack to such files is a :class:`PostError` naming the rank that
+posted it and what is wrong with it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import Checkpoint
 from ..plan import BlockRead
 
 #: bytes of a coverage granule (a 5 GB file is 4 800 of them: 600 bytes of bits, less once compressed)
@@ -71,9 +72,9 @@ def _decode(text: str, n: int) -> np.ndarray:
     return np.unpackbits(np.frombuffer(bytes.fromhex(text), dtype=np.uint8))[:n].astype(bool)
 
 
-def post(checkpoint: SafetensorsCheckpoint, reads: Sequence[BlockRead]) -> Post:
+def post(checkpoint: Checkpoint, reads: Sequence[BlockRead]) -> Post:
     """This rank's post: the local files ``reads`` read (those of known identity), with their keys and coverage."""
-    identities = getattr(checkpoint, "identities", None) or {}
+    identities = checkpoint.identities
     spans: dict[str, list[tuple[int, int]]] = {}
     for r in reads:
         info = checkpoint[r.block.source]
@@ -156,7 +157,7 @@ def mates(posts: Sequence[Mapping[str, Any]], rank: int) -> list[int]:
     return [r for r, p in enumerate(posts) if p["host"] == host and p["files"]]
 
 
-def read_together(files: Sequence[Mapping[str, Any]], index: int, fraction: float) -> set[str]:
+def files_to_read_ahead(files: Sequence[Mapping[str, Any]], index: int, fraction: float) -> set[str]:
     """The files of ``files[index]`` that rank reads with readahead, given the files of every rank of its host
     (:func:`mates`): read (same key) by at least two of them, whose coverages together hold at least ``fraction`` of
     the file. Every rank of the host computes its own from the same files."""

@@ -1,9 +1,5 @@
 """Who fetches what, who sends what: the plan of exchanged reads, as pure functions of every rank's wanted ranges.
 
-A column shard wants a short run of every row: fetched by each rank on its own it costs a request (or a multipart
-part, or a page-spanning read) per row, though together the ranks want every byte once. Exchanged reads fetch such
-bytes once, each rank one contiguous stretch, and exchange them over the process group.
-
 Vocabulary (per file; offsets are bytes of the file):
 
 - *wanted* (:data:`Ranges`): a rank's byte ranges, an ``(n, 2)`` int64 array, ascending, disjoint, touching ones
@@ -11,13 +7,21 @@ Vocabulary (per file; offsets are bytes of the file):
 - an *extent*: a maximal stretch of bytes some rank wants (every rank's wanted ranges merged);
 - a *shared extent*: an extent at least two ranks want, one of them in more than one range (interleaved wants;
   ranks that each want one range of it fetch their own);
-- a *chunk*: the contiguous part of a shared extent one rank fetches, as long as the bytes that rank wants in it
-  (scaled to the extent where wants overlap): each rank fetches about what it needs;
-- a *piece*: a wanted range cut at chunk bounds: the bytes one chunk's *holder* sends to one rank;
-- a *part* (:class:`Part`): the bytes ``[lo, hi)`` of one file, cut at tensor starts, with the chunks and pieces
-  clipped to it: a file over the budget of a round is cut into parts;
-- a *round*: parts fetched, exchanged and read together, each rank holding (its chunks and pieces) at most a budget
-  of bytes for them, unless a part is one tensor over the budget alone.
+- a *share* (:class:`Shares`): the contiguous stretch of a shared extent one rank, its *holder*, fetches, as long as
+  the bytes that rank wants in it (scaled to the extent where wants overlap): each rank fetches about what it needs;
+- a *parcel* (:class:`Parcels`): a wanted range cut at share bounds: the bytes one share's holder sends to one rank;
+- a *section* (:class:`Section`): the bytes ``[lo, hi)`` of one file, cut at tensor starts, with the shares and
+  parcels clipped to it: a file over the budget of a round is cut into sections;
+- a *round*: sections fetched, exchanged and read together, each rank holding (its shares and parcels) at most a
+  budget of bytes for them, unless a section is one tensor over the budget alone.
+
+A column shard wants a short run of every row: fetched by each rank on its own it costs a request (or a multipart
+part, or a page-spanning read) per row, though together the ranks want every byte once. Exchanged reads fetch such
+bytes once, each rank one contiguous stretch, and exchange them over the process group (:mod:`.exchanged`).
+
+This module lives in the execution layer, not in :mod:`loader.plan`: a :class:`~loader.plan.RankPlan` says which
+bytes one rank reads into which tensors; this says which rank fetches them and who sends whom what, a way of
+executing the ranks' plans together that changes none of them. It imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -34,16 +38,16 @@ Ranges = np.ndarray
 _EMPTY = np.zeros((0, 2), dtype=np.int64)
 
 END = int(np.iinfo(np.int64).max)
-"""The end of every file: a part ``[lo, END)`` runs to the file's end."""
+"""The end of every file: a section ``[lo, END)`` runs to the file's end."""
 
 SMALL_RANGE = 1 << 20
-"""Bytes under which a wanted range costs more as a request of its own than as part of an exchanged chunk (a request's
+"""Bytes under which a wanted range costs more as a request of its own than inside an exchanged share (a request's
 latency is worth about a MiB at the bandwidths of object stores: 20 ms at 50 MB/s)."""
 
 
 @dataclass(frozen=True)
-class Chunks:
-    """The chunks of one file's shared extents: ``[starts[i], ends[i])`` is fetched by rank ``holders[i]``,
+class Shares:
+    """The shares of one file's shared extents: ``[starts[i], ends[i])`` is fetched by rank ``holders[i]``,
     ascending, disjoint, none empty."""
 
     starts: np.ndarray
@@ -51,7 +55,7 @@ class Chunks:
     holders: np.ndarray
 
     def of(self, rank: int) -> Ranges:
-        """The chunks ``rank`` fetches."""
+        """The shares ``rank`` fetches."""
         mine = self.holders == rank
         return np.stack([self.starts[mine], self.ends[mine]], axis=1)
 
@@ -61,8 +65,8 @@ class Chunks:
 
 
 @dataclass(frozen=True)
-class Pieces:
-    """One rank's wanted bytes inside shared extents, cut at chunk bounds: ``[starts[i], ends[i])`` comes from
+class Parcels:
+    """One rank's wanted bytes inside shared extents, cut at share bounds: ``[starts[i], ends[i])`` comes from
     rank ``holders[i]``; ascending."""
 
     starts: np.ndarray
@@ -74,7 +78,7 @@ class Pieces:
         return self.ends[mine] - self.starts[mine]
 
     def from_holder(self, holder: int) -> Ranges:
-        """The pieces ``holder`` sends, in the order it sends them (ascending)."""
+        """The parcels ``holder`` sends, in the order it sends them (ascending)."""
         mine = self.holders == holder
         return np.stack([self.starts[mine], self.ends[mine]], axis=1)
 
@@ -121,9 +125,9 @@ def _shared_groups(counts: np.ndarray, wanted: np.ndarray, small: int) -> np.nda
     return fragmented[group] & multi
 
 
-def chunks(everyone: Sequence[Ranges], tensors: Ranges | None = None, small: int = SMALL_RANGE) -> Chunks:
-    """The chunks of one file, from every rank's wanted ranges (index = rank): each shared extent cut into one
-    chunk per rank wanting it, in rank order, each as long as that rank's wanted bytes in it (scaled).
+def shares(everyone: Sequence[Ranges], tensors: Ranges | None = None, small: int = SMALL_RANGE) -> Shares:
+    """The shares of one file, from every rank's wanted ranges (index = rank): each shared extent cut into one
+    share per rank wanting it, in rank order, each as long as that rank's wanted bytes in it (scaled).
 
     Args:
         everyone: every rank's wanted ranges of the file.
@@ -131,7 +135,7 @@ def chunks(everyone: Sequence[Ranges], tensors: Ranges | None = None, small: int
             decided per *group*, a maximal run of consecutive tensors each wanted by at least two ranks: shared
             when a rank wants it in several ranges of under ``small`` bytes on average (column shards; row shards
             of small tensors); the extents are the wanted bytes of shared tensors, merged across touching tensors.
-            So a TP layer's row and column shards are fetched in a few chunks together, while whole experts (one
+            So a TP layer's row and column shards are fetched in a few shares together, while whole experts (one
             rank each) are fetched by their ranks, and break groups. None: sharing decided per extent (shared
             when a rank wants more than one range of it).
         small: see ``tensors``.
@@ -139,7 +143,7 @@ def chunks(everyone: Sequence[Ranges], tensors: Ranges | None = None, small: int
     world = len(everyone)
     extents = as_ranges(np.concatenate([_EMPTY, *everyone]))
     if not len(extents):
-        return Chunks(*(np.zeros(0, dtype=np.int64),) * 3)
+        return Shares(*(np.zeros(0, dtype=np.int64),) * 3)
     regions = extents if tensors is None else np.asarray(tensors, dtype=np.int64).reshape(-1, 2)
     counts, wanted = _per_region(everyone, regions)
     shared = ((counts > 0).sum(axis=1) >= 2) & (counts.max(axis=1) >= 2)
@@ -158,21 +162,21 @@ def chunks(everyone: Sequence[Ranges], tensors: Ranges | None = None, small: int
     starts, ends = bounds[:, :-1].ravel(), bounds[:, 1:].ravel()
     holders = np.tile(np.arange(world, dtype=np.int64), len(ext))
     keep = ends > starts
-    return Chunks(starts[keep], ends[keep], holders[keep])
+    return Shares(starts[keep], ends[keep], holders[keep])
 
 
-def pieces(wanted: Ranges, file_chunks: Chunks) -> Pieces:
-    """``wanted`` (one rank's ranges of the file) inside the chunks, cut at chunk bounds, with each piece's holder.
+def parcels(wanted: Ranges, file_shares: Shares) -> Parcels:
+    """``wanted`` (one rank's ranges of the file) inside the shares, cut at share bounds, with each parcel's holder.
 
-    A wanted range lies in one extent, so it is either inside the chunks (a shared extent) or outside all."""
-    c = file_chunks
+    A wanted range lies in one extent, so it is either inside the shares (a shared extent) or outside all."""
+    c = file_shares
     if not len(wanted) or not len(c.starts):
-        return Pieces(*(np.zeros(0, dtype=np.int64),) * 3)
+        return Parcels(*(np.zeros(0, dtype=np.int64),) * 3)
     k = np.searchsorted(c.starts, wanted[:, 0], side="right") - 1
     inside = (k >= 0) & (wanted[:, 0] < c.ends[np.maximum(k, 0)])
     w = wanted[inside]
     if not len(w):
-        return Pieces(*(np.zeros(0, dtype=np.int64),) * 3)
+        return Parcels(*(np.zeros(0, dtype=np.int64),) * 3)
     cuts = np.concatenate([c.starts, c.ends])
     cuts = cuts[(cuts > w[0, 0]) & (cuts < w[-1, 1])]
     points = np.sort(np.concatenate([w[:, 0], w[:, 1], cuts]))
@@ -181,45 +185,45 @@ def pieces(wanted: Ranges, file_chunks: Chunks) -> Pieces:
     owner = np.searchsorted(w[:, 0], lo, side="right") - 1
     keep = (owner >= 0) & (lo < w[np.maximum(owner, 0), 1])
     lo, hi = lo[keep], hi[keep]
-    return Pieces(lo, hi, c.holders[np.searchsorted(c.starts, lo, side="right") - 1])
+    return Parcels(lo, hi, c.holders[np.searchsorted(c.starts, lo, side="right") - 1])
 
 
 @dataclass(frozen=True)
 class FilePlan:
-    """One file's exchange: its chunks and every rank's pieces (index = rank)."""
+    """One file's exchange: its shares and every rank's parcels (index = rank)."""
 
-    chunks: Chunks
-    pieces: tuple[Pieces, ...]
+    shares: Shares
+    parcels: tuple[Parcels, ...]
 
     def sends(self, holder: int, to: int) -> Ranges:
-        """The pieces ``holder`` sends to rank ``to`` (ascending)."""
-        return self.pieces[to].from_holder(holder)
+        """The parcels ``holder`` sends to rank ``to`` (ascending)."""
+        return self.parcels[to].from_holder(holder)
 
     def cost(self, rank: int) -> int:
-        """Bytes ``rank`` holds for this file's exchange: its chunks and the pieces it receives (its pieces of its
-        own chunks are read there)."""
-        c, p = self.chunks, self.pieces[rank]
+        """Bytes ``rank`` holds for this file's exchange: its shares and the parcels it receives (its parcels of its
+        own shares are read there)."""
+        c, p = self.shares, self.parcels[rank]
         mine, received = c.holders == rank, p.holders != rank
         return int((c.ends[mine] - c.starts[mine]).sum() + (p.ends[received] - p.starts[received]).sum())
 
     def held_below(self, offsets: np.ndarray) -> np.ndarray:
         """``(world, len(offsets))``: the bytes of each rank's :meth:`cost` below each offset (ascending)."""
-        c = self.chunks
-        out = np.empty((len(self.pieces), len(offsets)), dtype=np.int64)
-        for r, p in enumerate(self.pieces):
+        c = self.shares
+        out = np.empty((len(self.parcels), len(offsets)), dtype=np.int64)
+        for r, p in enumerate(self.parcels):
             mine, received = c.holders == r, p.holders != r
             out[r] = _below(c.starts[mine], c.ends[mine], offsets) + _below(
                 p.starts[received], p.ends[received], offsets
             )
         return out
 
-    def part(self, lo: int, hi: int) -> FilePlan:
-        """This plan restricted to the bytes ``[lo, hi)``: chunks and pieces clipped (one across a bound is cut,
+    def section(self, lo: int, hi: int) -> FilePlan:
+        """This plan restricted to the bytes ``[lo, hi)``: shares and parcels clipped (one across a bound is cut,
         each side kept by its holder)."""
-        c = self.chunks
+        c = self.shares
         return FilePlan(
-            Chunks(*_clip(c.starts, c.ends, c.holders, lo, hi)),
-            tuple(Pieces(*_clip(p.starts, p.ends, p.holders, lo, hi)) for p in self.pieces),
+            Shares(*_clip(c.starts, c.ends, c.holders, lo, hi)),
+            tuple(Parcels(*_clip(p.starts, p.ends, p.holders, lo, hi)) for p in self.parcels),
         )
 
 
@@ -243,33 +247,35 @@ def plan_files(
     everyone: Sequence[Mapping[str, Ranges]], tensors: Mapping[str, Ranges] | None = None
 ) -> dict[str, FilePlan]:
     """The exchange of every file some rank wants shared bytes of, from every rank's ``{file: wanted}``, by file
-    name (every rank computes the same); ``tensors``: ``{file: its tensors' byte spans}`` (see :func:`chunks`)."""
+    name (every rank computes the same); ``tensors``: ``{file: its tensors' byte spans}`` (see :func:`shares`)."""
     files = sorted({f for wants in everyone for f in wants})
     out = {}
     for f in files:
         wants = [w.get(f, _EMPTY) for w in everyone]
-        c = chunks(wants, None if tensors is None else tensors.get(f))
+        c = shares(wants, None if tensors is None else tensors.get(f))
         if len(c.starts):
-            out[f] = FilePlan(c, tuple(pieces(w, c) for w in wants))
+            out[f] = FilePlan(c, tuple(parcels(w, c) for w in wants))
     return out
 
 
-class Part(NamedTuple):
+class Section(NamedTuple):
     """The bytes ``[lo, hi)`` of ``file`` (see the module): the reads of the tensors starting there, and its plan's
-    chunks and pieces clipped to it (:meth:`FilePlan.part`)."""
+    shares and parcels clipped to it (:meth:`FilePlan.section`)."""
 
     file: str
     lo: int
     hi: int
 
 
-def parts(file: str, plan: FilePlan, tensor_starts: np.ndarray | None, budget: int) -> list[tuple[Part, np.ndarray]]:
-    """``file`` cut at tensor starts into parts of at most ``budget`` bytes held per rank (greedily, each as long
-    as fits), each with what every rank holds for it (``(world,)``); a tensor over the budget is a part of its own
-    (with the tensors after it that hold nothing). One part when the file fits or its tensors are unknown."""
+def sections(
+    file: str, plan: FilePlan, tensor_starts: np.ndarray | None, budget: int
+) -> list[tuple[Section, np.ndarray]]:
+    """``file`` cut at tensor starts into sections of at most ``budget`` bytes held per rank (greedily, each as long
+    as fits), each with what every rank holds for it (``(world,)``); a tensor over the budget is a section of its own
+    (with the tensors after it that hold nothing). One section when the file fits or its tensors are unknown."""
     whole = plan.held_below(np.array([END]))[:, 0]
     if tensor_starts is None or whole.max() <= budget:
-        return [(Part(file, 0, END), whole)]
+        return [(Section(file, 0, END), whole)]
     bounds = np.unique(np.concatenate([[0], tensor_starts, [END]]))
     held = plan.held_below(bounds)
 
@@ -283,24 +289,24 @@ def parts(file: str, plan: FilePlan, tensor_starts: np.ndarray | None, budget: i
         cuts.append(j if j > i else furthest(i, held[:, i + 1]))  # j == i: the next tensor alone is over
     if len(cuts) > 2 and not (held[:, cuts[1]] - held[:, 0]).any():  # tensors holding nothing first: with the next
         del cuts[1]
-    return [(Part(file, int(bounds[i]), int(bounds[j])), held[:, j] - held[:, i]) for i, j in zip(cuts, cuts[1:])]
+    return [(Section(file, int(bounds[i]), int(bounds[j])), held[:, j] - held[:, i]) for i, j in zip(cuts, cuts[1:])]
 
 
 def rounds(
     plans: Mapping[str, FilePlan], world: int, budget: int, tensors: Mapping[str, Ranges] | None = None
-) -> list[list[Part]]:
-    """Every file's :func:`parts` (``tensors``: ``{file: its tensors' byte spans}``), in name order, grouped so that
-    no rank holds more than ``budget`` bytes for one round (a part over the budget alone is a round of its own;
-    two parts of one file never share a round). Every rank computes the same."""
-    groups: list[list[Part]] = []
+) -> list[list[Section]]:
+    """Every file's :func:`sections` (``tensors``: ``{file: its tensors' byte spans}``), in name order, grouped so that
+    no rank holds more than ``budget`` bytes for one round (a section over the budget alone is a round of its own;
+    two sections of one file are never in one round). Every rank computes the same."""
+    groups: list[list[Section]] = []
     held = np.zeros(world, dtype=np.int64)
     for f in sorted(plans):
         spans = None if tensors is None or f not in tensors else np.asarray(tensors[f]).reshape(-1, 2)
-        for part, cost in parts(f, plans[f], None if spans is None else spans[:, 0], budget):
+        for section, cost in sections(f, plans[f], None if spans is None else spans[:, 0], budget):
             if groups and (held + cost).max() <= budget:
-                groups[-1].append(part)
+                groups[-1].append(section)
                 held += cost
             else:
-                groups.append([part])
+                groups.append([section])
                 held = cost
     return groups
