@@ -16,7 +16,6 @@ import torch.distributed as dist
 from dist_worker import check_full, layout_placements, local_numel, moe_placements
 from gloo_world import worker_main
 
-from loader.options import LoadOptions, Rules
 from loader.placements import shard_module
 
 TIMEOUT = 20.0  # seconds each rank waits for the others in the failure scenarios
@@ -111,11 +110,11 @@ def _describe(e: BaseException) -> dict:
 
 
 def _failing_load(model, path: str, timeout: float, **kwargs) -> dict:
-    """A load with ``LoadOptions(rollback=True)``: ``{"type": None}``, or its error, described."""
+    """``load_hf_checkpoint(model, path, rollback=True, ...)``: ``{"type": None}``, or its error, described."""
     from loader import load_hf_checkpoint
 
     try:
-        load_hf_checkpoint(model, path, options=LoadOptions(progress=False, rollback=True, timeout=timeout), **kwargs)
+        load_hf_checkpoint(model, path, progress=False, rollback=True, timeout=timeout, **kwargs)
     except BaseException as e:
         return _describe(e)
     return {"type": None}
@@ -127,7 +126,7 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, r
     from loader import load_hf_checkpoint
 
     alone = _moe(ctx, mesh_shape)
-    load_hf_checkpoint(alone, ctx["moe"], options=LoadOptions(progress=False, exchange_reads=False))
+    load_hf_checkpoint(alone, ctx["moe"], progress=False, exchange_reads=False)
     model = _moe(ctx, mesh_shape)
     with contextlib.ExitStack() as stack:
         if rounds:
@@ -152,11 +151,11 @@ def _load(ctx: dict, model: torch.nn.Module, dcp: bool):
     from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     if not dcp:
-        return load_hf_checkpoint(model, ctx["moe"], options=LoadOptions(progress=False, exchange_reads=True))
+        return load_hf_checkpoint(model, ctx["moe"], progress=False, exchange_reads=True)
     import torch.distributed.checkpoint as torch_dcp
 
     planner = HFLoadPlanner(model)
-    reader = SafetensorsReader(ctx["moe"], options=LoadOptions(exchange_reads=True))
+    reader = SafetensorsReader(ctx["moe"], exchange_reads=True)
     torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
     return planner.finish(ctx["moe"])
 
@@ -169,13 +168,8 @@ def scenario_layout(ctx: dict) -> dict:
     from loader import load_hf_checkpoint
 
     alone, model = _layout(), _layout()
-    load_hf_checkpoint(alone, ctx["layout"], rules=Rules(weights_mapping=dm.RULES), options=LoadOptions(progress=False))
-    report = load_hf_checkpoint(
-        model,
-        ctx["layout"],
-        rules=Rules(weights_mapping=dm.RULES),
-        options=LoadOptions(progress=False, exchange_reads=True),
-    )
+    load_hf_checkpoint(alone, ctx["layout"], weights_mapping=dm.RULES, progress=False)
+    report = load_hf_checkpoint(model, ctx["layout"], weights_mapping=dm.RULES, progress=False, exchange_reads=True)
     return {
         "unequal": _unequal(alone, model),
         "bad": check_full(model, torch.load(ctx["layout_ref"])),
