@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .session import LoadSession, peer_errors
+from . import peer_errors
 
 
 def all_to_all_bytes(
@@ -44,11 +44,11 @@ class SessionPeers:
     session's store.
 
     Args:
-        session: the load's session.
+        session: the load's session (its ``rank``, ``world``, ``timeout`` and ``agree``).
         stage: the stage the drivers run in (named in errors and agreement points).
     """
 
-    def __init__(self, session: LoadSession, stage: str = "reading") -> None:
+    def __init__(self, session: Any, stage: str = "reading") -> None:
         self.session, self.stage = session, stage
         self.rank, self.world, self.timeout = session.rank, session.world, session.timeout
         self._carried: BaseException | None = None
