@@ -154,7 +154,7 @@ def test_as_ranges_is_the_normal_form_of_the_same_bytes(raw):
 
 @SETTINGS
 @given(one_file())
-def test_chunks_exactly_cover_the_shared_extents_each_rank_fetching_at_most_its_wants(everyone):
+def test_shares_exactly_cover_the_shared_extents_each_rank_fetching_at_most_its_wants(everyone):
     c = shares(everyone)
     starts, ends, holders = c.starts, c.ends, c.holders
     assert (ends > starts).all()  # none empty
@@ -177,7 +177,7 @@ def test_chunks_exactly_cover_the_shared_extents_each_rank_fetching_at_most_its_
 
 @SETTINGS
 @given(one_file())
-def test_pieces_partition_each_ranks_shared_wants_and_lie_in_their_holders_chunks(everyone):
+def test_parcels_partition_each_ranks_shared_wants_and_lie_in_their_holders_shares(everyone):
     c = shares(everyone)
     shared = shared_extents(everyone)
     share_list = list(zip(c.starts.tolist(), c.ends.tolist(), c.holders.tolist()))
@@ -266,7 +266,7 @@ def with_holders(starts, ends, holders) -> dict[int, list[tuple[int, int]]]:
 
 @SETTINGS
 @given(files_with_tensors(), st.data())
-def test_files_over_the_budget_are_cut_at_tensor_starts_into_parts_within_it(drawn, data):
+def test_files_over_the_budget_are_cut_at_tensor_starts_into_sections_within_it(drawn, data):
     world, everyone, spans = drawn
     plans = plan_files(everyone, spans)
     if not plans:
