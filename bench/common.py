@@ -25,10 +25,16 @@ QWEN3_MOE = dict(
 )
 
 
-def ours_options() -> dict:
-    """Keyword arguments for ours' loads (``load_hf_checkpoint``, ``SafetensorsReader``) from ``$BENCH_OURS``, a JSON
-    object such as ``{"io_threads": 2, "direct_io": true}`` (inherited by every worker and rank); default none."""
-    return json.loads(os.environ.get("BENCH_OURS", "{}"))
+def ours_options(**load: object) -> dict:
+    """Keyword arguments for ours' loads (``load_hf_checkpoint``, ``SafetensorsReader``): ``options`` (a
+    :class:`~loader.options.LoadOptions` of ``load`` and the settings in ``$BENCH_OURS``, a JSON object such as
+    ``{"io_threads": 2, "direct_io": true}``, inherited by every worker and rank) and ``storage`` (its
+    ``direct_io``)."""
+    from loader.options import LoadOptions, StorageOptions
+
+    settings = {**load, **json.loads(os.environ.get("BENCH_OURS", "{}"))}
+    storage = StorageOptions(direct_io=bool(settings.pop("direct_io", False)))
+    return {"options": LoadOptions(**settings), "storage": storage}
 
 
 def safetensors_files(directory: str) -> list[str]:

@@ -173,7 +173,7 @@ def _has(module: str) -> bool:
 def load_ours(model, directory: str):
     from loader import load_hf_checkpoint
 
-    report = load_hf_checkpoint(model, directory, progress=False, **ours_options())
+    report = load_hf_checkpoint(model, directory, **ours_options(progress=False))
     assert report.deferred == (), report.deferred_reasons
     return report
 

@@ -41,6 +41,8 @@ import time
 
 from common import pread_all, safetensors_files
 
+from loader.options import LoadOptions
+
 MIB = 1 << 20
 SIZES = {  # qwen3_moe config fields (head_dim, kv heads, ...) per size; "gb" gets its layers from --gb
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_experts=8, moe_intermediate_size=64, head_dim=32,
@@ -163,12 +165,12 @@ def methods(directory: str, device, config) -> dict:
             t.zero_()  # touched: the load writes into memory that exists
 
     def ours():
-        load_hf_checkpoint(built, directory, progress=False)
+        load_hf_checkpoint(built, directory, options=LoadOptions(progress=False))
         return built
 
     def ours_meta():
         model = meta_model()
-        load_hf_checkpoint(model, directory, device=device, progress=False)
+        load_hf_checkpoint(model, directory, device=device, options=LoadOptions(progress=False))
         return model
 
     # device_map needs accelerate; without it a model on the CPU is what from_pretrained loads anyway

@@ -244,7 +244,7 @@ def worker(method: str, directory: str, repeat: int, profile: bool, threads: int
         timer = _PlanTimer()
 
         def run():
-            return load_hf_checkpoint(model, directory, progress=False, **ours_options())
+            return load_hf_checkpoint(model, directory, **ours_options(progress=False))
 
     elif method == "dcp_hf":
 

@@ -144,7 +144,7 @@ def child(method: str, path: str, tensors: int, experts: int, per_expert: int, p
         from loader import load_hf_checkpoint
 
         t = time.perf_counter()
-        rep = load_hf_checkpoint(model, path, progress=False)
+        rep = load_hf_checkpoint(model, path, options=LoadOptions(progress=False))
         phases["load_hf_checkpoint"] = time.perf_counter() - t
         assert len(rep.loaded_keys) == tensors and not rep.missing_keys and not rep.unexpected_keys, rep
     else:

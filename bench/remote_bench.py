@@ -50,6 +50,8 @@ import tempfile
 import time
 from datetime import timedelta
 
+from loader.options import LoadOptions
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
 WORLD = 4
@@ -99,7 +101,9 @@ def load_ours(model, url: str, options: dict | None = None, exchange: bool | Non
     options = dict(options or {})
     if url.startswith("http"):  # this rank's requests told apart in the log (S3: AWS_SDK_UA_APP_ID)
         options["headers"] = {"User-Agent": f"regiontrace-bench-rank{dist_rank()}"}
-    report = load_hf_checkpoint(model, url, progress=False, storage_options=options or None, exchange_reads=exchange)
+    report = load_hf_checkpoint(
+        model, url, storage_options=options or None, options=LoadOptions(progress=False, exchange_reads=exchange)
+    )
     return {"bytes_read": report.bytes_read, "requests": report.requests, "exchanged": report.bytes_exchanged}
 
 

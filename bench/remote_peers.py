@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from loader.options import LoadOptions
+
 CHUNK = 8 << 20  # bytes per ranged GET of a download
 THREADS = 8  # GETs in flight per file of a download
 MARK = "/__mark__/"  # the URL path prefix of the bench's marker requests
@@ -60,7 +62,7 @@ def split_log(requests: list, rank_of) -> dict[str, dict[int, dict[str, int]]]:
 def _local_load(model, folder: str) -> int:
     from loader import load_hf_checkpoint
 
-    return load_hf_checkpoint(model, folder, progress=False).bytes_read
+    return load_hf_checkpoint(model, folder, options=LoadOptions(progress=False)).bytes_read
 
 
 def _http_get(url: str, headers: dict | None = None) -> bytes:

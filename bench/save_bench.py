@@ -45,6 +45,8 @@ from datetime import timedelta
 
 import mdtable
 
+from loader.options import SaveOptions
+
 MIB = 1 << 20
 
 
@@ -112,7 +114,7 @@ def single(args: argparse.Namespace) -> str:
     print(f"one process: Qwen3-MoE bf16, {nbytes / MIB:.0f} MiB of tensors, {args.repeat} interleaved runs (median)")
     shard = "5GB"
     methods = {
-        "ours": lambda d: save_hf_checkpoint(model, d, max_shard_size=shard, progress=False),
+        "ours": lambda d: save_hf_checkpoint(model, d, options=SaveOptions(max_shard_size=shard, progress=False)),
         "save_pretrained": lambda d: model.save_pretrained(d, max_shard_size=shard),
         "save_file": lambda d: (os.makedirs(d), save_file(model.state_dict(), os.path.join(d, "m.safetensors"))),
     }
@@ -191,7 +193,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
     dist.barrier()
     t0 = time.perf_counter()
-    report = save_hf_checkpoint(model, ours_dir, progress=False)
+    report = save_hf_checkpoint(model, ours_dir, options=SaveOptions(progress=False))
     ours_wall = time.perf_counter() - t0
 
     dist.barrier()

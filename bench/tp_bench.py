@@ -282,7 +282,7 @@ def _count_gaps() -> None:
 def load_ours(model, out: str) -> int:
     from loader import load_hf_checkpoint
 
-    return load_hf_checkpoint(model, os.path.join(out, "hf"), progress=False, **ours_options()).bytes_read
+    return load_hf_checkpoint(model, os.path.join(out, "hf"), **ours_options(progress=False)).bytes_read
 
 
 def load_ours_random(model, out: str) -> int:
@@ -312,8 +312,9 @@ def load_ours_dcp(model, out: str) -> int:
 
     path = os.path.join(out, "hf")
     planner = HFLoadPlanner(model)
-    dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(path, **ours_options()), planner=planner)
-    return planner.finish(path).bytes_read
+    reader = SafetensorsReader(path, **ours_options())
+    dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
+    return planner.finish(reader).bytes_read
 
 
 def _peer(name: str):

@@ -11,7 +11,8 @@ experts' gate and up in ``mlp.gate_up_proj`` (``_StridedShard(1, split_factor=2)
 on each rank), ``mlp.down_proj`` ``Shard(2)``, ``o_proj`` ``Shard(1)``, vocab-parallel head, column-parallel
 embedding, norms and router replicated: tensor parallel over 4. Methods, same run, same shards:
 
-* ``transfer_weights``: ``loader.transfer_weights(src, dst, dst_mapping=rules(), bucket_bytes=B)`` for each
+* ``transfer_weights``: ``loader.transfer_weights(src, dst, dst_mapping=rules(),
+  options=TransferOptions(bucket_bytes=B))`` for each
   ``--bucket-mib`` B (the plan composes the source's save mapping with the destination's load rules, through
   the per-expert checkpoint keys; its wall includes planning on every rank);
 * ``gather + load`` (verl / OpenRLHF): per destination tensor, ``full_tensor()`` of each source tensor it is
@@ -222,6 +223,7 @@ def rank_main(rank: int, spec: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from loader import transfer_weights
+    from loader.options import TransferOptions
     from loader.placements import shard_module, slot_for
 
     torch.set_num_threads(1)
@@ -250,7 +252,9 @@ def rank_main(rank: int, spec: dict) -> None:
                 f.write("5")
             t0 = time.perf_counter()
             if method == "transfer_weights":
-                r = transfer_weights(src, dst, dst_mapping=rules(), bucket_bytes=bucket, timeout=600)
+                r = transfer_weights(
+                    src, dst, dst_mapping=rules(), options=TransferOptions(bucket_bytes=bucket, timeout=600)
+                )
                 received, sent, local, messages = r.bytes_received, r.bytes_sent, r.bytes_local, r.messages
             else:
                 fn = _gather_load if method == "gather + load" else _broadcast_cut

@@ -3,6 +3,8 @@
 from .api import load_hf_checkpoint
 from .checkpoint import SafetensorsCheckpoint
 from .errors import CheckpointError, PeerFailure
+from .hooks import PlanHooks
+from .options import LoadOptions, RemoteOptions, RequestCosts, Rules, SaveOptions, StorageOptions, TransferOptions
 from .planner import HFLoadPlanner
 from .reader import SafetensorsReader
 from .report import LoadReport
@@ -15,13 +17,21 @@ __all__ = [
     "CheckpointError",
     "Convert",
     "HFLoadPlanner",
+    "LoadOptions",
     "LoadReport",
     "PeerFailure",
+    "PlanHooks",
     "RankFigures",
+    "RemoteOptions",
     "Rename",
+    "RequestCosts",
+    "Rules",
     "SafetensorsCheckpoint",
     "SafetensorsReader",
+    "SaveOptions",
     "SaveReport",
+    "StorageOptions",
+    "TransferOptions",
     "TransferReport",
     "load_hf_checkpoint",
     "save_hf_checkpoint",

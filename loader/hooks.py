@@ -1,7 +1,8 @@
 """PlanHooks: the customisable decisions of load planning, as one small strategy object.
 
 A hook is asked while the plan is built; the defaults follow transformers' ``from_pretrained``. Subclass
-:class:`PlanHooks` (or :class:`~loader.HFLoadPlanner`, which is its own default hooks) and override any of them.
+:class:`PlanHooks`, override any of them, and give an instance to the planner:
+``HFLoadPlanner(model, hooks=MyHooks())``.
 """
 
 from __future__ import annotations

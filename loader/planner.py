@@ -1,28 +1,29 @@
 """HFLoadPlanner: the load planner, usable directly (``load_hf_checkpoint``) or inside ``dcp.load``.
 
-Three parts: the plan as a value (:meth:`HFLoadPlanner.build_plan` → :class:`~loader.plan.RankPlan`, by
-:func:`plan_model_keys` and :func:`~loader.plan.plan_rank`), the hooks that customise it
-(:class:`~loader.hooks.PlanHooks`; the planner is its own default hooks, so a subclass overrides them), and the
+It only plans: the plan as a value (:meth:`HFLoadPlanner.build_plan` → :class:`~loader.plan.RankPlan`, by
+:func:`plan_model_keys` and :func:`~loader.plan.plan_rank`), asking the hooks that customise it
+(:class:`~loader.hooks.PlanHooks`, a separate strategy object: ``HFLoadPlanner(model, hooks=...)``), and the
 adapter to torch's ``LoadPlanner`` interface, whose per-load state is a :class:`~loader.dcpload.DcpLoad`. Inside
 ``torch.distributed.checkpoint.load`` each RemapBlock becomes a ``ReadItem``. With
 :class:`~loader.reader.SafetensorsReader` any block (strided, flipped, broadcast, cast) is executed by the
-loader's own read path; with torch's ``HuggingFaceStorageReader`` only blocks that read a plain box of a
-checkpoint tensor can be expressed, and others raise a clear error. How a load runs and reads (rollback,
-timeout, staging buffers, broadcasting) is no planning setting: it is ``load_hf_checkpoint``'s, or inside
-``dcp.load`` the :class:`~loader.SafetensorsReader`'s.
+loader's own read path, and the reader counts the bytes it read; with torch's ``HuggingFaceStorageReader`` only
+blocks that read a plain box of a checkpoint tensor can be expressed, and others raise a clear error. How a load
+runs and reads is no planning setting: it is the :class:`~loader.options.LoadOptions` of ``load_hf_checkpoint``,
+or inside ``dcp.load`` of the :class:`~loader.SafetensorsReader`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
 
-from .checkpoint import SafetensorsCheckpoint
+from .checkpoint import Checkpoint
 from .dcpload import DcpLoad, checkpoint_from_metadata, holds_headers
 from .fallbacks import READ_WHOLE, log_fallbacks
 from .hooks import PlanHooks
@@ -31,10 +32,14 @@ from .placements import rank_and_world
 from .plan import BlockRead, DeferredRead, RankPlan, TraceCache, ValueRead, plan_rank
 from .plan.cache import PLANS, PlanCache
 from .plan.gcpause import paused_gc
+from .plan.rank import VALUE_BYTES
 from .plan.slots import TargetSlot, model_slots
 from .report import LoadReport, load_report
 from .rules import KeyPlan, plan_keys
 from .rules.fp8 import dequantized_keyplan
+
+if TYPE_CHECKING:
+    from .reader import SafetensorsReader
 
 __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from_metadata", "plan_model_keys"]
 
@@ -44,7 +49,7 @@ UNKEYED_HOOKS = ("default_weights_mapping", "map_checkpoint_key", "select_conver
 
 
 def plan_model_keys(
-    model: torch.nn.Module, checkpoint: SafetensorsCheckpoint, rules: Rules, hooks: PlanHooks
+    model: torch.nn.Module, checkpoint: Checkpoint, rules: Rules, hooks: PlanHooks
 ) -> KeyPlan:
     """Which keys of ``checkpoint`` load which tensors of ``model`` (:func:`~loader.rules.plan_keys` with
     ``rules`` and ``hooks``; FP8 checkpoints dequantized)."""
@@ -63,58 +68,40 @@ def plan_model_keys(
     return dequantized_keyplan(keyplan, checkpoint, model)
 
 
-class HFLoadPlanner(LoadPlanner, PlanHooks):
+class HFLoadPlanner(LoadPlanner):
     """Plans a Hugging Face checkpoint load into ``model`` through traced conversions.
 
     Args:
         model: the module loaded in place (its tensors keep their identity).
-        weights_mapping, extra_weights_mapping, key_mapping: the rules (see :func:`loader.load_hf_checkpoint`).
-        rules: the same three as one :class:`~loader.options.Rules` value (instead of them).
-        strict: raise, before anything is read, when a model tensor is loaded by nothing.
-        hooks: the :class:`~loader.hooks.PlanHooks` asked while planning; default: this planner itself, so a
-            subclass overrides :meth:`default_weights_mapping`, :meth:`map_checkpoint_key`,
-            :meth:`select_converter`, :meth:`supports_symbolic` or :meth:`target_slot`.
+        rules: the :class:`~loader.options.Rules` (with ``strict``); None: the default rules, strict.
+        hooks: the :class:`~loader.hooks.PlanHooks` asked while planning (subclass it to override
+            ``default_weights_mapping``, ``map_checkpoint_key``, ``select_converter``, ``supports_symbolic`` or
+            ``target_slot``); None: the defaults.
 
     Attributes:
         rules: the :class:`~loader.options.Rules`.
+        hooks: the :class:`~loader.hooks.PlanHooks`.
         cache: the traces, by signature, shared by every plan this planner builds (e.g. simulated ranks).
         plan_cache: the :class:`~loader.plan.cache.PlanCache` a plan of this model's own slots is kept in and taken
             from (default: the process's, so that a second load of the same model and checkpoint plans nothing);
             None plans every load anew.
 
-    Raises:
-        ValueError: ``rules`` together with any of the three rule arguments.
-
     The planner memoises the last checkpoint's key plan and the traces, and keeps plans in :attr:`plan_cache`; a load
     executes and reports the plan value :meth:`build_plan` returns.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        weights_mapping: Sequence[Any] | None = None,
-        extra_weights_mapping: Sequence[Any] = (),
-        key_mapping: Mapping[str, str] | None = None,
-        rules: Rules | None = None,
-        strict: bool = True,
-        hooks: PlanHooks | None = None,
-    ) -> None:
-        given = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
-        if rules is not None and given.given:
-            raise ValueError("HFLoadPlanner: pass the rules either as rules= or as the three rule arguments, not both")
+    def __init__(self, model: torch.nn.Module, *, rules: Rules | None = None, hooks: PlanHooks | None = None) -> None:
         self.model = model
-        self.rules = rules if rules is not None else given
-        self.strict = strict
-        self.hooks: PlanHooks = hooks if hooks is not None else self
+        self.rules = rules if rules is not None else Rules()
+        self.hooks = hooks if hooks is not None else PlanHooks()
         self.cache = TraceCache()
         self.plan_cache: PlanCache | None = PLANS
-        self._key_plan_memo: tuple[SafetensorsCheckpoint, KeyPlan] | None = None
+        self._key_plan_memo: tuple[Checkpoint, KeyPlan] | None = None
         self._dcp: DcpLoad | None = None
 
     # -- planning -------------------------------------------------------------------------------------------
 
-    def key_plan(self, checkpoint: SafetensorsCheckpoint) -> KeyPlan:
+    def key_plan(self, checkpoint: Checkpoint) -> KeyPlan:
         """:func:`plan_model_keys` of this planner's model, rules and hooks; memoised for the last checkpoint."""
         if self._key_plan_memo is None or self._key_plan_memo[0] is not checkpoint:
             self._key_plan_memo = (checkpoint, plan_model_keys(self.model, checkpoint, self.rules, self.hooks))
@@ -123,7 +110,7 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
     @paused_gc()  # a few acyclic records per tensor: no full collections over the model meanwhile
     def build_plan(
         self,
-        checkpoint: SafetensorsCheckpoint,
+        checkpoint: Checkpoint,
         slots: Mapping[str, TargetSlot] | None = None,
         *,
         check_devices: bool = True,
@@ -149,7 +136,7 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         make = functools.partial(_plan_rank, self, checkpoint, check_devices=check_devices, values=values)
         if slots is not None:  # another rank's view (a simulation): nothing logged
             return make(slots)
-        return _own_plan(self, checkpoint, make, (self.strict, check_devices, values))
+        return _own_plan(self, checkpoint, make, (self.rules.strict, check_devices, values))
 
     # -- torch.distributed.checkpoint LoadPlanner ---------------------------------------------------------
 
@@ -198,16 +185,10 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         state = self._state()
         return (state.plan, *state.planned_reads(dcp_plan))
 
-    def add_bytes_read(self, nbytes: int, requests: int = 0, exchanged: int = 0) -> None:
-        """Count ``nbytes`` read from checkpoint files in ``requests`` read requests, and ``exchanged`` bytes
-        received from other ranks, for the current ``dcp.load`` (reported by :meth:`finish`)."""
-        state = self._state()
-        state.bytes_read += nbytes
-        state.requests += requests
-        state.bytes_exchanged += exchanged
-
-    def finish(self, path: str = "") -> LoadReport:
-        """After ``dcp.load``: record conversions on the model and return this rank's report.
+    def finish(self, reader: SafetensorsReader | StorageReader | None = None) -> LoadReport:
+        """After ``dcp.load``: record conversions on the model and return this rank's report, with the bytes
+        ``reader`` (the load's :class:`~loader.SafetensorsReader`) counted; for another storage reader (or None): the
+        bytes of the items it committed.
 
         Raises:
             RuntimeError: ``dcp.load`` did not run with this planner.
@@ -215,8 +196,12 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         state = self._state()
         state.plan.keyplan.record_on_model(self.model)
         rank, world = rank_and_world()
+        from .reader import SafetensorsReader  # the layer above: only its counts are read
+
+        if not isinstance(reader, SafetensorsReader):
+            return load_report(state.plan, state.bytes_read, rank, world)
         return load_report(
-            state.plan, state.bytes_read, rank, world, requests=state.requests, exchanged=state.bytes_exchanged
+            state.plan, reader.bytes_read, rank, world, requests=reader.requests, exchanged=reader.bytes_exchanged
         )
 
     def _state(self) -> DcpLoad:
@@ -225,7 +210,7 @@ class HFLoadPlanner(LoadPlanner, PlanHooks):
         return self._dcp
 
 
-def _own_plan(planner: HFLoadPlanner, checkpoint: SafetensorsCheckpoint, make, settings: tuple) -> RankPlan:
+def _own_plan(planner: HFLoadPlanner, checkpoint: Checkpoint, make, settings: tuple) -> RankPlan:
     """The plan of this rank's own slots: the one kept in ``planner.plan_cache`` where allowed, else ``make``'s; its
     fallbacks logged (:func:`~loader.fallbacks.log_fallbacks`) on rank 0 (every rank has the same conversions)."""
     hooks = planner.hooks
@@ -240,7 +225,7 @@ def _own_plan(planner: HFLoadPlanner, checkpoint: SafetensorsCheckpoint, make, s
 
 def _plan_rank(
     planner: HFLoadPlanner,
-    checkpoint: SafetensorsCheckpoint,
+    checkpoint: Checkpoint,
     slots: Mapping[str, TargetSlot],
     *,
     check_devices: bool,
@@ -251,9 +236,9 @@ def _plan_rank(
         planner.key_plan(checkpoint),
         checkpoint,
         dict(slots),
-        strict=planner.strict,
+        strict=planner.rules.strict,
         supports_symbolic=planner.hooks.supports_symbolic,
         cache=planner.cache,
         check_devices=check_devices,
-        values=values,
+        value_bytes=VALUE_BYTES if values else None,
     )

@@ -3,12 +3,12 @@ forked child (a real process: killed with SIGKILL, its exit status read with ``w
 
 Reads JSON commands from stdin, one a line, answers one JSON line each:
 
-- ``{"op": "start", "seed", "out", "shard", "control", "hook", "at", "exchange"}``: fork a child that saves the
+- ``{"op": "start", "seed", "out", "shard", "control", "hook", "at", "swap"}``: fork a child that saves the
   llama model of ``seed`` (tests/hf_models.py) to ``out`` with ``max_shard_size=shard``; answers ``{"pid"}``.
   Every commit step the child reaches is appended to ``<control>/steps`` just before the step is taken; at step
   number ``at`` (or the step named ``at``) the hook ``"kill"`` sends the child SIGKILL, ``"error"`` raises an
   ``OSError`` (as if that step's rename failed), ``"stall"`` writes ``<control>/stalled`` and waits for
-  ``<control>/go`` (at most 300 s). ``exchange: false`` forces the two-rename fallback; ``timeout`` is the save's.
+  ``<control>/go`` (at most 300 s). ``swap: false`` forces the two-rename fallback; ``timeout`` is the save's.
   The child exits 0 after a save, 3 after an error (its type and message in ``<control>/error``).
 - ``{"op": "wait", "pid"}``: answers ``{"code"}``, the child's exit code (``-9``: killed by SIGKILL).
 """
@@ -28,7 +28,8 @@ import torch
 from hf_models import build
 
 from loader import save_hf_checkpoint
-from loader.save import commit
+from loader.options import SaveOptions
+from loader.storage import local_commit as commit
 
 MODELS: dict[int, torch.nn.Module] = {}
 
@@ -62,13 +63,11 @@ def child(cmd: dict) -> None:
     code = 0
     try:
         commit.STEP_HOOK = hook_for(cmd)
-        commit.USE_EXCHANGE = cmd.get("exchange", True)
+        commit.USE_SWAP = cmd.get("swap", True)
         save_hf_checkpoint(
             MODELS[cmd["seed"]],
             cmd["out"],
-            max_shard_size=cmd["shard"],
-            progress=False,
-            timeout=cmd.get("timeout"),
+            options=SaveOptions(max_shard_size=cmd["shard"], progress=False, timeout=cmd.get("timeout")),
         )
     except BaseException as e:
         with open(os.path.join(cmd["control"], "error"), "w") as f:

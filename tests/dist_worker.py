@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from loader.hooks import PlanHooks
+from loader.options import LoadOptions, Rules
 from loader.placements import Placements, placements_matching, shard_module
 
 
@@ -96,11 +98,14 @@ def scenario_layout(ctx: dict, mesh_shape, use_dcp: bool = False, repo_id: bool 
     if use_dcp:
         import torch.distributed.checkpoint as dcp
 
-        planner = HFLoadPlanner(model, weights_mapping=dm.RULES)
-        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(path), planner=planner)
-        report = planner.finish(path)
+        planner = HFLoadPlanner(model, rules=Rules(weights_mapping=dm.RULES))
+        reader = SafetensorsReader(path)
+        dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
+        report = planner.finish(reader)
     else:
-        report = load_hf_checkpoint(model, path, weights_mapping=dm.RULES, progress=False)
+        report = load_hf_checkpoint(
+            model, path, rules=Rules(weights_mapping=dm.RULES), options=LoadOptions(progress=False)
+        )
     expected = torch.load(ctx["layout_ref"])
     bad = check_full(model, expected)
     sd = model.state_dict(keep_vars=True)
@@ -134,10 +139,11 @@ def scenario_moe(ctx: dict, mesh_shape, use_dcp: bool = False) -> dict:
         import torch.distributed.checkpoint as dcp
 
         planner = HFLoadPlanner(model)
-        dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(ctx["moe_path"]), planner=planner)
-        report = planner.finish(ctx["moe_path"])
+        reader = SafetensorsReader(ctx["moe_path"])
+        dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
+        report = planner.finish(reader)
     else:
-        report = load_hf_checkpoint(model, ctx["moe_path"], progress=False)
+        report = load_hf_checkpoint(model, ctx["moe_path"], options=LoadOptions(progress=False))
     expected = torch.load(ctx["moe_ref"])
     bad = check_full(model, expected)
     sd = model.state_dict(keep_vars=True)
@@ -169,7 +175,9 @@ def scenario_fail_on_rank2(ctx: dict) -> dict:
             p.fill_(7.0)
     rules = [r for r in dm.RULES if "norm" not in repr(r)] + [Convert("norm_src", "norm", norm)]
     try:
-        load_hf_checkpoint(model, ctx["layout_path"], weights_mapping=rules, progress=False)
+        load_hf_checkpoint(
+            model, ctx["layout_path"], rules=Rules(weights_mapping=rules), options=LoadOptions(progress=False)
+        )
         outcome = "no error"
     except BaseException as e:
         outcome = f"{type(e).__name__}: {e}"
@@ -186,13 +194,16 @@ def scenario_broadcast(ctx: dict, use_dcp: bool = False) -> dict:
     if use_dcp:
         import torch.distributed.checkpoint as dcp
 
-        planner = HFLoadPlanner(model, weights_mapping=dm.RULES)
-        reader = SafetensorsReader(ctx["layout_path"], broadcast_replicated_tensors=True)
+        planner = HFLoadPlanner(model, rules=Rules(weights_mapping=dm.RULES))
+        reader = SafetensorsReader(ctx["layout_path"], options=LoadOptions(broadcast_replicated_tensors=True))
         dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
-        report = planner.finish(ctx["layout_path"])
+        report = planner.finish(reader)
     else:
         report = load_hf_checkpoint(
-            model, ctx["layout_path"], weights_mapping=dm.RULES, progress=False, broadcast_replicated_tensors=True
+            model,
+            ctx["layout_path"],
+            rules=Rules(weights_mapping=dm.RULES),
+            options=LoadOptions(progress=False, broadcast_replicated_tensors=True),
         )
     expected = torch.load(ctx["layout_ref"])
     bad = [n for n, t in model.state_dict().items() if not torch.equal(t, expected[n])]
@@ -211,7 +222,9 @@ def scenario_simulation(ctx: dict, mesh_shape) -> dict:
     mesh = init_device_mesh("cpu", mesh_shape)
     model = shard_module(dm.Layout(), mesh, layout_placements(mesh_shape))
     figures = simulate_load(model, ctx["layout_path"], weights_mapping=dm.RULES)
-    report = load_hf_checkpoint(model, ctx["layout_path"], weights_mapping=dm.RULES, progress=False)
+    report = load_hf_checkpoint(
+        model, ctx["layout_path"], rules=Rules(weights_mapping=dm.RULES), options=LoadOptions(progress=False)
+    )
     mine = figures[dist.get_rank()]
     return {
         "sim_blocks": mine.blocks,
@@ -275,7 +288,10 @@ def scenario_read_fail_rollback(ctx: dict) -> dict:
 
     try:
         load_hf_checkpoint(
-            model, ctx["layout_path"], weights_mapping=_rules_with_scaled(scaled), progress=False, rollback=True
+            model,
+            ctx["layout_path"],
+            rules=Rules(weights_mapping=_rules_with_scaled(scaled)),
+            options=LoadOptions(progress=False, rollback=True),
         )
         outcome = {"type": None}
     except BaseException as e:
@@ -292,7 +308,7 @@ def scenario_checkpoint_error_carried(ctx: dict) -> dict:
     path = ctx["bad_layout_path"] if dist.get_rank() == 2 else ctx["layout_path"]
     model = _filled_layout()
     try:
-        load_hf_checkpoint(model, path, weights_mapping=dm.RULES, progress=False)
+        load_hf_checkpoint(model, path, rules=Rules(weights_mapping=dm.RULES), options=LoadOptions(progress=False))
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)
@@ -343,7 +359,12 @@ def scenario_remote_errors(ctx: dict) -> dict:
 
         rules = [r for r in dm.RULES if "norm" not in repr(r)] + [Convert("norm_src", "norm", norm)]
         try:
-            load_hf_checkpoint(_filled_layout(), ctx["layout_path"], weights_mapping=rules, progress=False)
+            load_hf_checkpoint(
+                _filled_layout(),
+                ctx["layout_path"],
+                rules=Rules(weights_mapping=rules),
+                options=LoadOptions(progress=False),
+            )
             out[name] = {"type": None}
         except BaseException as e:
             out[name] = _remote(e)
@@ -355,7 +376,10 @@ def scenario_remote_errors(ctx: dict) -> dict:
 
     try:
         load_hf_checkpoint(
-            _filled_layout(), ctx["layout_path"], weights_mapping=_rules_with_scaled(scaled), progress=False
+            _filled_layout(),
+            ctx["layout_path"],
+            rules=Rules(weights_mapping=_rules_with_scaled(scaled)),
+            options=LoadOptions(progress=False),
         )
         out["reading"] = {"type": None}
     except BaseException as e:
@@ -365,14 +389,14 @@ def scenario_remote_errors(ctx: dict) -> dict:
 
 def scenario_host_reads(ctx: dict) -> dict:
     """The four ranks of this host read one copy of the MoE checkpoint, each its tensor-parallel quarter: through
-    ``read_together`` (the distributed load's reading step, with a real reader and session) every rank reads the
+    ``read_on_every_rank`` (the distributed load's reading step, with a real reader and session) every rank reads the
     files ahead (none advised ``POSIX_FADV_RANDOM``) and loads the right values; when rank 0 alone reads, it reads as
     it would alone (sparse: advised random)."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from loader import HFLoadPlanner, SafetensorsCheckpoint
-    from loader.load import read_together
+    from loader.load import read_on_every_rank
     from loader.options import LoadOptions
 
     cfg = AutoConfig.from_pretrained(ctx["moe_path"])
@@ -384,7 +408,7 @@ def scenario_host_reads(ctx: dict) -> dict:
         reading = case == "all" or dist.get_rank() == 0
         reads, deferred = (plan.reads, plan.deferred) if reading else ((), ())
         with plan.checkpoint.reader() as reader:
-            read_together(plan, reader, reads, deferred, LoadOptions(progress=False, timeout=60))
+            read_on_every_rank(plan, reader, reads, deferred, LoadOptions(progress=False, timeout=60))
             files = {plan.checkpoint[r.block.source].file for r in plan.reads}
             out[case] = {"files": len(files), "sparse": len(reader.sparse_files)}
         if case == "all":
@@ -441,7 +465,7 @@ def scenario_hung_planning(ctx: dict) -> dict:
 
     rank = dist.get_rank()
 
-    class HangingPlanner(HFLoadPlanner):
+    class HangingPlanner(PlanHooks):
         hung = False
 
         def map_checkpoint_key(self, key: str) -> str | None:
@@ -451,9 +475,9 @@ def scenario_hung_planning(ctx: dict) -> dict:
             return key
 
     model = _filled_layout()
-    planner = HangingPlanner(model, weights_mapping=dm.RULES)
+    planner = HFLoadPlanner(model, hooks=HangingPlanner(), rules=Rules(weights_mapping=dm.RULES))
     try:
-        load_hf_checkpoint(model, ctx["layout_path"], planner=planner, progress=False, timeout=2.5)
+        load_hf_checkpoint(model, ctx["layout_path"], planner=planner, options=LoadOptions(progress=False, timeout=2.5))
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)
@@ -463,7 +487,7 @@ def scenario_hung_planning(ctx: dict) -> dict:
 
 
 def scenario_hung_reading_dcp(ctx: dict) -> dict:
-    """Inside dcp.load, rank 2 hangs while reading; SafetensorsReader(timeout=) names it on every rank."""
+    """Inside dcp.load, rank 2 hangs while reading; the reader's ``LoadOptions.timeout`` names it on every rank."""
     import torch.distributed.checkpoint as dcp
 
     from loader import HFLoadPlanner, SafetensorsReader
@@ -485,7 +509,7 @@ def scenario_hung_reading_dcp(ctx: dict) -> dict:
                 raise
 
     model = _filled_layout()
-    planner = HFLoadPlanner(model, weights_mapping=_rules_with_scaled(scaled))
+    planner = HFLoadPlanner(model, rules=Rules(weights_mapping=_rules_with_scaled(scaled)))
     try:
         dcp.load(planner.state_dict_for_load(), storage_reader=Reader(ctx["layout_path"], timeout=2.5), planner=planner)
         outcome = {"type": None}
@@ -515,10 +539,8 @@ def scenario_killed_reading(ctx: dict) -> dict:
         load_hf_checkpoint(
             model,
             ctx["layout_path"],
-            weights_mapping=_rules_with_scaled(scaled),
-            progress=False,
-            rollback=True,
-            timeout=6,
+            rules=Rules(weights_mapping=_rules_with_scaled(scaled)),
+            options=LoadOptions(progress=False, rollback=True, timeout=6),
         )
         outcome = {"type": None}
     except BaseException as e:

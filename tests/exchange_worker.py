@@ -16,6 +16,8 @@ import torch.distributed as dist
 from dist_worker import check_full, layout_placements, local_numel, moe_placements
 from gloo_world import worker_main
 
+from loader.hooks import PlanHooks
+from loader.options import LoadOptions, Rules
 from loader.placements import shard_module
 
 TIMEOUT = 20.0  # seconds each rank waits for the others in the failure scenarios
@@ -110,11 +112,11 @@ def _describe(e: BaseException) -> dict:
 
 
 def _failing_load(model, path: str, timeout: float, **kwargs) -> dict:
-    """``load_hf_checkpoint(model, path, rollback=True, ...)``: ``{"type": None}``, or its error, described."""
+    """A load with ``LoadOptions(rollback=True)``: ``{"type": None}``, or its error, described."""
     from loader import load_hf_checkpoint
 
     try:
-        load_hf_checkpoint(model, path, progress=False, rollback=True, timeout=timeout, **kwargs)
+        load_hf_checkpoint(model, path, options=LoadOptions(progress=False, rollback=True, timeout=timeout), **kwargs)
     except BaseException as e:
         return _describe(e)
     return {"type": None}
@@ -126,7 +128,7 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, r
     from loader import load_hf_checkpoint
 
     alone = _moe(ctx, mesh_shape)
-    load_hf_checkpoint(alone, ctx["moe"], progress=False, exchange_reads=False)
+    load_hf_checkpoint(alone, ctx["moe"], options=LoadOptions(progress=False, exchange_reads=False))
     model = _moe(ctx, mesh_shape)
     with contextlib.ExitStack() as stack:
         if rounds:
@@ -151,13 +153,13 @@ def _load(ctx: dict, model: torch.nn.Module, dcp: bool):
     from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     if not dcp:
-        return load_hf_checkpoint(model, ctx["moe"], progress=False, exchange_reads=True)
+        return load_hf_checkpoint(model, ctx["moe"], options=LoadOptions(progress=False, exchange_reads=True))
     import torch.distributed.checkpoint as torch_dcp
 
     planner = HFLoadPlanner(model)
-    reader = SafetensorsReader(ctx["moe"], exchange_reads=True)
+    reader = SafetensorsReader(ctx["moe"], options=LoadOptions(exchange_reads=True))
     torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
-    return planner.finish(ctx["moe"])
+    return planner.finish(reader)
 
 
 def scenario_layout(ctx: dict) -> dict:
@@ -168,8 +170,13 @@ def scenario_layout(ctx: dict) -> dict:
     from loader import load_hf_checkpoint
 
     alone, model = _layout(), _layout()
-    load_hf_checkpoint(alone, ctx["layout"], weights_mapping=dm.RULES, progress=False)
-    report = load_hf_checkpoint(model, ctx["layout"], weights_mapping=dm.RULES, progress=False, exchange_reads=True)
+    load_hf_checkpoint(alone, ctx["layout"], rules=Rules(weights_mapping=dm.RULES), options=LoadOptions(progress=False))
+    report = load_hf_checkpoint(
+        model,
+        ctx["layout"],
+        rules=Rules(weights_mapping=dm.RULES),
+        options=LoadOptions(progress=False, exchange_reads=True),
+    )
     return {
         "unequal": _unequal(alone, model),
         "bad": check_full(model, torch.load(ctx["layout_ref"])),
@@ -187,7 +194,7 @@ def scenario_changed_on_one_rank(ctx: dict) -> dict:
     rank, marker = dist.get_rank(), os.path.join(ctx["out"], "changed")
     path = os.path.join(ctx["changing"], ctx["second_shard"])
 
-    class RewritingPlanner(HFLoadPlanner):
+    class RewritingPlanner(PlanHooks):
         done = False
 
         def map_checkpoint_key(self, key: str) -> str | None:  # planning: after the headers were read
@@ -202,7 +209,7 @@ def scenario_changed_on_one_rank(ctx: dict) -> dict:
         deadline = time.monotonic() + TIMEOUT
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.01)
-    planner = RewritingPlanner(model)
+    planner = HFLoadPlanner(model, hooks=RewritingPlanner())
     with tensor_per_round(), counting_exchanges() as rounds:
         outcome = _failing_load(model, ctx["changing"], TIMEOUT, planner=planner, exchange_reads=True)
     fetched, exchanged = rounds["fetch_shares"], rounds["exchange"]

@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from loader.hooks import PlanHooks
+from loader.options import LoadOptions, Rules
 from loader.placements import plan_placements, shard_module
 from loader.plan.slots import storage_of
 
@@ -84,7 +86,7 @@ def scenario_load(
     on_meta = sorted(n for n, t in before.items() if storage_of(t).device.type == "meta")
     tied = family == "llama" and model.lm_head.weight is model.model.embed_tokens.weight
 
-    report = load_hf_checkpoint(model, ctx[f"{checkpoint}_path"], device="cpu", progress=False)
+    report = load_hf_checkpoint(model, ctx[f"{checkpoint}_path"], device="cpu", options=LoadOptions(progress=False))
 
     after = _tensors(model)
     ref = torch.load(ctx[f"{checkpoint}_ref"])
@@ -192,7 +194,7 @@ def scenario_without_device(ctx: dict) -> dict:
 
     model, _, _ = sharded_meta_model("llama", (4,), vocab_size=70)
     try:
-        load_hf_checkpoint(model, ctx["llama_path"], progress=False)
+        load_hf_checkpoint(model, ctx["llama_path"], options=LoadOptions(progress=False))
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)
@@ -219,7 +221,7 @@ def scenario_strict_on_one_rank(ctx: dict) -> dict:
     model, _, _ = sharded_meta_model("llama", (4,), vocab_size=70)
     before = _tensors(model)
 
-    class Dropping(HFLoadPlanner):
+    class Dropping(PlanHooks):
         allocated = False
 
         def map_checkpoint_key(self, key: str) -> str | None:
@@ -229,13 +231,15 @@ def scenario_strict_on_one_rank(ctx: dict) -> dict:
             self.allocated |= storage_of(tensor).device.type != "meta"
             return super().target_slot(name, tensor)
 
-    planner = Dropping(model)
+    planner = HFLoadPlanner(model, hooks=Dropping())
     try:
-        load_hf_checkpoint(model, ctx["llama_path"], planner=planner, device="cpu", progress=False, timeout=60)
+        load_hf_checkpoint(
+            model, ctx["llama_path"], planner=planner, device="cpu", options=LoadOptions(progress=False, timeout=60)
+        )
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)
-    return {**outcome, **_meta_state(model, before), "allocated": planner.allocated}
+    return {**outcome, **_meta_state(model, before), "allocated": planner.hooks.allocated}
 
 
 def scenario_missing_initialised(ctx: dict) -> dict:
@@ -251,7 +255,7 @@ def scenario_missing_initialised(ctx: dict) -> dict:
 
     model, _, _ = sharded_meta_model("llama", (4,), placements_of, vocab_size=70)
 
-    class Dropping(HFLoadPlanner):
+    class Dropping(PlanHooks):
         def map_checkpoint_key(self, key: str) -> str | None:
             return None if key in MISSING else key
 
@@ -261,7 +265,11 @@ def scenario_missing_initialised(ctx: dict) -> dict:
     logging.getLogger("loader").addHandler(handler)
     try:
         report = load_hf_checkpoint(
-            model, ctx["llama_path"], planner=Dropping(model, strict=False), device="cpu", progress=False
+            model,
+            ctx["llama_path"],
+            planner=HFLoadPlanner(model, hooks=Dropping(), rules=Rules(strict=False)),
+            device="cpu",
+            options=LoadOptions(progress=False),
         )  # strict is the planner's
     finally:
         logging.getLogger("loader").removeHandler(handler)
@@ -290,7 +298,7 @@ def scenario_killed_planning(ctx: dict) -> dict:
     model, _, _ = sharded_meta_model("llama", (4,), vocab_size=70)
     before = _tensors(model)
 
-    class DyingPlanner(HFLoadPlanner):
+    class DyingPlanner(PlanHooks):
         def map_checkpoint_key(self, key: str) -> str | None:
             if rank == DYING:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -298,7 +306,11 @@ def scenario_killed_planning(ctx: dict) -> dict:
 
     try:
         load_hf_checkpoint(
-            model, ctx["llama_path"], planner=DyingPlanner(model), device="cpu", progress=False, timeout=6
+            model,
+            ctx["llama_path"],
+            planner=HFLoadPlanner(model, hooks=DyingPlanner()),
+            device="cpu",
+            options=LoadOptions(progress=False, timeout=6),
         )
         outcome = {"type": None}
     except BaseException as e:
@@ -447,7 +459,7 @@ def scenario_fp8_weights(ctx: dict) -> dict:
             with torch.device("meta"):
                 model = Weight(shape)
             shard_module(model, meshes[mesh_shape], {"weight": pl}, device="meta")
-            report = load_hf_checkpoint(model, path, device="cpu", progress=False)
+            report = load_hf_checkpoint(model, path, device="cpu", options=LoadOptions(progress=False))
             data = model.weight.data
             local = data._local_tensor
             mask = owned_mask(model.weight)
@@ -483,7 +495,7 @@ def scenario_fp8_broadcast(ctx: dict) -> dict:
     path, shape, block = case["path"], tuple(case["shape"]), tuple(case["block"])
     stored = load_file(os.path.join(path, "model.safetensors"))
     model = Weight(shape)
-    report = load_hf_checkpoint(model, path, progress=False, broadcast_replicated_tensors=True)
+    report = load_hf_checkpoint(model, path, options=LoadOptions(progress=False, broadcast_replicated_tensors=True))
     want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
     return {
         "ok": torch.equal(model.weight.data, want),

@@ -10,6 +10,7 @@ import torch
 from dist_worker import check_full, local_numel, moe_placements
 from gloo_world import worker_main
 
+from loader.options import LoadOptions
 from loader.placements import shard_module
 
 WIRE_BOUND = 0.01  # the max_overread of the bounded wire scenario (tests/test_remote_load.py holds the log to it)
@@ -36,7 +37,7 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
     from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     local = _sharded_model(ctx, mesh_shape)
-    load_hf_checkpoint(local, ctx["local"], progress=False, **kwargs)
+    load_hf_checkpoint(local, ctx["local"], options=LoadOptions(progress=False), **kwargs)
     options = None
     if source == "s3_options":
         url, options = ctx["s3_url"], {"endpoint_url": ctx["s3"], **ctx["s3_keys"]}
@@ -55,9 +56,11 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
             planner = HFLoadPlanner(model)
             reader = SafetensorsReader(url, storage_options=options, **kwargs)
             torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
-            report = planner.finish(url)
+            report = planner.finish(reader)
         else:
-            report = load_hf_checkpoint(model, url, storage_options=options, progress=False, **kwargs)
+            report = load_hf_checkpoint(
+                model, url, storage_options=options, options=LoadOptions(progress=False), **kwargs
+            )
     finally:
         for key in ctx["s3_env"] if source == "s3_env" else ():
             os.environ.pop(key, None)
@@ -84,11 +87,11 @@ def scenario_wire(ctx: dict, name: str, **options) -> dict:
     from loader import load_hf_checkpoint
 
     local = _sharded_model(ctx, (4,), ctx["wire_local"])
-    load_hf_checkpoint(local, ctx["wire_local"], progress=False)
+    load_hf_checkpoint(local, ctx["wire_local"], options=LoadOptions(progress=False))
     model = _sharded_model(ctx, (4,), ctx["wire_local"])
     agent = f"regiontrace-{name}-rank{dist.get_rank()}"
     options = {**options, "headers": {"User-Agent": agent}}
-    report = load_hf_checkpoint(model, ctx["wire_url"], storage_options=options, progress=False)
+    report = load_hf_checkpoint(model, ctx["wire_url"], storage_options=options, options=LoadOptions(progress=False))
     want, got = _local_shards(local), _local_shards(model)
     sd = model.state_dict(keep_vars=True)
     return {

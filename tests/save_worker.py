@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from loader.options import LoadOptions, Rules, SaveOptions
+
 FAILING = 2
 
 
@@ -111,12 +113,17 @@ def scenario_layout(ctx: dict, mesh_shape: tuple[int, ...], max_shard_size: str 
 
     mesh = init_device_mesh("cpu", mesh_shape)
     model = shard_module(NoScaled(), mesh, layout_placements(mesh_shape))
-    load_hf_checkpoint(model, ctx["layout"], weights_mapping=layout_rules(), progress=False)
+    load_hf_checkpoint(
+        model, ctx["layout"], rules=Rules(weights_mapping=layout_rules()), options=LoadOptions(progress=False)
+    )
     out = os.path.join(ctx["out"], f"layout_{'x'.join(map(str, mesh_shape))}")
     report = save_hf_checkpoint(
-        model, out, weights_mapping=layout_rules(), source_shapes=ctx["layout"], max_shard_size=max_shard_size,
-        progress=False,
-    )  # fmt: skip
+        model,
+        out,
+        source_shapes=ctx["layout"],
+        rules=Rules(weights_mapping=layout_rules()),
+        options=SaveOptions(max_shard_size=max_shard_size, progress=False),
+    )
     return {
         "out": out,
         **report_dict(report),
@@ -141,9 +148,9 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], submesh: bool = False) 
     else:
         mesh = init_device_mesh("cpu", mesh_shape)
     model = shard_module(model, mesh, moe_placements(model, mesh_shape))
-    load_hf_checkpoint(model, ctx["moe"], progress=False)
+    load_hf_checkpoint(model, ctx["moe"], options=LoadOptions(progress=False))
     out = os.path.join(ctx["out"], f"moe_{'x'.join(map(str, mesh_shape))}{'_sub' if submesh else ''}")
-    report = save_hf_checkpoint(model, out, max_shard_size=ctx["moe_shard_size"], progress=False)
+    report = save_hf_checkpoint(model, out, options=SaveOptions(max_shard_size=ctx["moe_shard_size"], progress=False))
     return {
         "out": out,
         **report_dict(report),
@@ -179,7 +186,13 @@ def scenario_fail_writing(ctx: dict) -> dict:
     if dist.get_rank() == FAILING:
         resource.setrlimit(resource.RLIMIT_FSIZE, (256, hard))
     try:
-        save_hf_checkpoint(model, out, weights_mapping=layout_rules(), source_shapes=ctx["layout"], progress=False)
+        save_hf_checkpoint(
+            model,
+            out,
+            source_shapes=ctx["layout"],
+            rules=Rules(weights_mapping=layout_rules()),
+            options=SaveOptions(progress=False),
+        )
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)
@@ -212,7 +225,9 @@ def scenario_fail_preparing(ctx: dict) -> dict:
     model = _layout_model()
     out = os.path.join(ctx["out"], "fail_preparing")
     try:
-        save_hf_checkpoint(model, out, weights_mapping=_rules_failing_on(FAILING), source_shapes=ctx["layout"])
+        save_hf_checkpoint(
+            model, out, source_shapes=ctx["layout"], rules=Rules(weights_mapping=_rules_failing_on(FAILING))
+        )
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)
@@ -228,7 +243,11 @@ def scenario_killed(ctx: dict) -> dict:
     out = os.path.join(ctx["out"], "killed")
     try:
         save_hf_checkpoint(
-            model, out, weights_mapping=_rules_failing_on(FAILING, kill=True), source_shapes=ctx["layout"], timeout=6
+            model,
+            out,
+            source_shapes=ctx["layout"],
+            rules=Rules(weights_mapping=_rules_failing_on(FAILING, kill=True)),
+            options=SaveOptions(timeout=6),
         )
         outcome = {"type": None}
     except BaseException as e:
@@ -262,7 +281,13 @@ def scenario_disagree(ctx: dict, how: str) -> dict:
     model = shard_module(model, mesh, _disagreeing_placements(how))  # no load: the save must refuse
     out = os.path.join(ctx["out"], f"disagree_{how}")
     try:
-        save_hf_checkpoint(model, out, weights_mapping=layout_rules(), source_shapes=ctx["layout"], progress=False)
+        save_hf_checkpoint(
+            model,
+            out,
+            source_shapes=ctx["layout"],
+            rules=Rules(weights_mapping=layout_rules()),
+            options=SaveOptions(progress=False),
+        )
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)

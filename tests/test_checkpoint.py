@@ -24,6 +24,7 @@ from loader.checkpoint import (
     read_tensor,
 )
 from loader.errors import CheckpointError, CheckpointNotFoundError
+from loader.options import LoadOptions
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -345,7 +346,7 @@ def test_no_checkpoint_is_checkpoint_not_found(tmp_path: Path, kind: str):
     model = nn.Linear(2, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointNotFoundError, match=str(path)):
-        load_hf_checkpoint(model, str(path), progress=False)
+        load_hf_checkpoint(model, str(path), options=LoadOptions(progress=False))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

@@ -23,6 +23,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from loader.options import LoadOptions, SaveOptions
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONVERTERS = textwrap.dedent("""
@@ -553,7 +555,9 @@ def test_builtin_demo_model_loads_exactly(tmp_path):
 
     expected = write_checkpoint("builtin", str(tmp_path / "ckpt"))
     model = build_model("builtin", str(tmp_path / "ckpt")).to_empty(device="cpu")
-    report = load_hf_checkpoint(model, str(tmp_path / "ckpt"), progress=False, **loader_kwargs("builtin"))
+    report = load_hf_checkpoint(
+        model, str(tmp_path / "ckpt"), options=LoadOptions(progress=False), **loader_kwargs("builtin")
+    )
     state = model.state_dict()
     assert set(state) == set(expected) and not report.deferred
     assert all(torch.equal(state[k], v) for k, v in expected.items())
@@ -581,7 +585,7 @@ def test_write_plan_is_the_saves_own_and_prints_a_table(tmp_path):
 
     real = build_model("builtin", ckpt).to_empty(device="cpu")
     (single,) = write_plan(real, (1,), {}, [0], kwargs)
-    report = save_hf_checkpoint(real, str(tmp_path / "saved"), progress=False, **kwargs)
+    report = save_hf_checkpoint(real, str(tmp_path / "saved"), options=SaveOptions(progress=False), **kwargs)
     assert (report.bytes_written, report.writes) == (single.bytes_written, single.writes)
     assert report.bytes_written == total
 

@@ -16,6 +16,7 @@ from test_staging import STAGING, assert_bit_equal, expected, targets, write_fil
 from loader import SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileReader
 from loader.execute import BlockExecutor, StagingRing
+from loader.options import LoadOptions
 from loader.rules.fp8 import dequantize_quant_blocks
 
 pytestmark = [
@@ -44,15 +45,17 @@ def test_a_model_on_the_gpu_equals_the_cpu_load(tmp_path, meta):
     _, source = build("qwen3_moe", seed=0)
     save(source, tmp_path, dtype=torch.bfloat16)
     _, cpu_model = build("qwen3_moe", seed=1)
-    load_hf_checkpoint(cpu_model, str(tmp_path), progress=False)
+    load_hf_checkpoint(cpu_model, str(tmp_path), options=LoadOptions(progress=False))
     if meta:
         with torch.device("meta"):
             _, model = build("qwen3_moe", seed=1)
-        load_hf_checkpoint(model, str(tmp_path), device="cuda", staging_bytes=STAGING, progress=False)
+        load_hf_checkpoint(
+            model, str(tmp_path), device="cuda", options=LoadOptions(staging_bytes=STAGING, progress=False)
+        )
     else:
         _, model = build("qwen3_moe", seed=1)
         model = model.to("cuda")
-        load_hf_checkpoint(model, str(tmp_path), staging_bytes=STAGING, progress=False)
+        load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(staging_bytes=STAGING, progress=False))
     want = clone_state(cpu_model)
     for name, value in model.state_dict().items():
         assert value.device.type == "cuda", name
@@ -63,7 +66,7 @@ def test_fp8_dequantizes_on_the_device_bit_identically(tmp_path):
     shape, block = (300, 200), (128, 128)
     stored = write_fp8(tmp_path, {"weight": torch.randn(shape)}, block)
     model = Weight(shape).to("cuda")
-    report = load_hf_checkpoint(model, str(tmp_path), staging_bytes=STAGING, progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(staging_bytes=STAGING, progress=False))
     assert report.deferred == ()
     want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], block, torch.bfloat16)
     assert torch.equal(model.weight.data.cpu(), want)

@@ -1,7 +1,7 @@
 """Files that change while ``torch.distributed.checkpoint.load`` reads them through ``SafetensorsReader``: the same
 promises as ``load_hf_checkpoint`` (tests/test_read_faults.py) — a file overwritten after planning is refused, a
-file truncated mid-read is an error naming it, and with ``SafetensorsReader(rollback=True)`` the model is left
-exactly as it was.
+file truncated mid-read is an error naming it, and with ``SafetensorsReader(options=LoadOptions(rollback=True))``
+the model is left exactly as it was.
 
 Each scenario runs in a subprocess (``python -c``) on the checkpoint and the column-sharded model of
 test_read_faults.py, tampers with the second file at a fixed point, and writes the error (``dcp.load`` raises
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from loader import SafetensorsReader
 from loader.checkpoint import FileReader
+from loader.options import LoadOptions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,7 +139,7 @@ def scenario_overwritten(root: Path, put_back: bool, rollback: bool) -> None:
     net = Net()
     before = state(net)
     planner = ColumnShardPlanner(net, lambda ckpt, plan: tamper(root / SECOND))
-    error = _dcp_load(root, net, planner, SafetensorsReader(str(root), rollback=rollback))
+    error = _dcp_load(root, net, planner, SafetensorsReader(str(root), options=LoadOptions(rollback=rollback)))
     _finish(root, before, net, error)
 
 
@@ -158,7 +159,7 @@ def scenario_truncated_mid_read_default_planner(root: Path, rollback: bool) -> N
     before = state(net)
     victim = root / SECOND
     planner = CutAfterFirstCommit(str(victim), data_start(victim, "col2") + 1000)
-    error = _dcp_load(root, net, planner, SafetensorsReader(str(root), rollback=rollback))
+    error = _dcp_load(root, net, planner, SafetensorsReader(str(root), options=LoadOptions(rollback=rollback)))
     _finish(root, before, net, error, committed=planner.committed)
 
 
@@ -189,7 +190,7 @@ def test_dcp_load_through_the_reader_is_bit_exact(root):
     net = Net()
     before = state(net)
     planner = ColumnShardPlanner(net)
-    assert _dcp_load(root, net, planner, SafetensorsReader(str(root), rollback=True)) is None
+    assert _dcp_load(root, net, planner, SafetensorsReader(str(root), options=LoadOptions(rollback=True))) is None
     assert bit_equal(state(net), expected_state(before, checkpoint_tensors()))
 
 

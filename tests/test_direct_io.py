@@ -23,6 +23,7 @@ from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileReader
 from loader.execute import BlockExecutor
 from loader.execute.staging import StagingRing
+from loader.options import LoadOptions, StorageOptions
 from loader.storage import direct
 from loader.storage.direct import DirectFileReader
 
@@ -86,7 +87,7 @@ def test_a_real_model_loads_bit_identically_with_direct_io(disk, threads, dtype)
     save(source, disk, dtype=dtype)
     _, model = build("qwen3_moe", seed=1)
     kwargs = {"io_threads": threads, "staging_bytes": 4096, "progress": False}
-    report = load_hf_checkpoint(model, str(disk), direct_io=True, **kwargs)
+    report = load_hf_checkpoint(model, str(disk), storage=StorageOptions(direct_io=True), **kwargs)
     got = clone_state(model)
     for name, value in clone_state(source).items():
         assert torch.equal(got[name].view(torch.uint8), value.to(dtype).to(value.dtype).view(torch.uint8)), name
@@ -133,7 +134,12 @@ def test_a_refused_direct_read_falls_back_to_the_page_cache_with_a_log_line(disk
     save(source, disk)
     _, model = build("qwen3_moe", seed=1)
     with caplog.at_level(logging.DEBUG, logger="loader"):
-        load_hf_checkpoint(model, str(disk), direct_io=True, staging_bytes=4096, progress=False)
+        load_hf_checkpoint(
+            model,
+            str(disk),
+            options=LoadOptions(staging_bytes=4096, progress=False),
+            storage=StorageOptions(direct_io=True),
+        )
     for name, value in clone_state(source).items():
         assert torch.equal(model.state_dict()[name], value), name
     refused = [r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]
@@ -150,6 +156,6 @@ def test_tmpfs_direct_io_loads_or_falls_back(monkeypatch):
         _, source = build("qwen3_moe", seed=0)
         save(source, Path(folder))
         _, model = build("qwen3_moe", seed=1)
-        load_hf_checkpoint(model, folder, direct_io=True, progress=False)
+        load_hf_checkpoint(model, folder, options=LoadOptions(progress=False), storage=StorageOptions(direct_io=True))
         for name, value in clone_state(source).items():
             assert torch.equal(model.state_dict()[name], value), name

@@ -18,6 +18,7 @@ from loader import CheckpointError, PeerFailure, load_hf_checkpoint
 from loader.distributed.remote import MAX_PAYLOAD, decode_failure, encode_failure, remote_error
 from loader.distributed.session import peer_errors, timeout_seconds
 from loader.errors import RemoteError
+from loader.options import LoadOptions, Rules
 from regiontrace import NotInvertible
 
 
@@ -167,7 +168,12 @@ def test_a_non_positive_timeout_is_refused_even_in_one_process(tmp_path, timeout
     path = str(tmp_path / "layout.safetensors")
     dm.write_checkpoint(path)
     with pytest.raises(ValueError, match="timeout must be positive"):
-        load_hf_checkpoint(dm.Layout(), path, weights_mapping=dm.RULES, progress=False, timeout=timeout)
+        load_hf_checkpoint(
+            dm.Layout(),
+            path,
+            rules=Rules(weights_mapping=dm.RULES),
+            options=LoadOptions(progress=False, timeout=timeout),
+        )
 
 
 class Unprintable(CheckpointError):

@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from loader.options import LoadOptions, Rules
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_models as dm
@@ -71,17 +73,19 @@ def play_rank(rank: int, root: Path) -> None:
         model = shard_module(Plain(), mesh, plain)
         if way == "dcp":  # dcp's own plan exchange needs real collectives: no_dist (our reader reads as `rank`)
             planner = HFLoadPlanner(model)
-            dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(root / "plain"), planner=planner,
-                     no_dist=True)  # fmt: skip
-            report = planner.finish()
+            reader = SafetensorsReader(root / "plain")
+            dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner, no_dist=True)
+            report = planner.finish(reader)
         else:
-            report = load_hf_checkpoint(model, str(root / "plain"), broadcast_replicated_tensors=way == "broadcast")
+            report = load_hf_checkpoint(
+                model, str(root / "plain"), options=LoadOptions(broadcast_replicated_tensors=way == "broadcast")
+            )
         save_file(_locals(model), str(root / f"rank{rank}_{way}.safetensors"))
         result[way] = {"bytes_read": report.bytes_read, "rank": report.rank, "world": report.world_size}
     # conversions (cat, permutes, stacks, a strided shard, a deferred sum) against DTensor's own local chunks
     placements = layout_placements((WORLD,))
     model = shard_module(dm.Layout(), mesh, placements)
-    load_hf_checkpoint(model, str(root / "layout.safetensors"), weights_mapping=dm.RULES)
+    load_hf_checkpoint(model, str(root / "layout.safetensors"), rules=Rules(weights_mapping=dm.RULES))
     expected = dm.expected_state(load_file(str(root / "layout.safetensors")))
     got = _locals(model)
     want = {

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard
 from loader import CheckpointError, HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 from loader.checkpoint import FileReader, SafetensorsCheckpoint
 from loader.execute import execute_plan
-from loader.options import LoadOptions
+from loader.options import LoadOptions, Rules
 from loader.placements import shard_boxes
 from loader.plan import TargetSlot, plain_slot
 from loader.rules.fp8 import dequantize_quant_blocks
@@ -86,7 +86,7 @@ def test_fp8_weights_dequantize_exactly(tmp_path, shape, quant_block, dtype):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     stored = write_fp8(tmp_path, {"weight": w}, quant_block)
     model = Weight(shape, dtype)
-    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     want = dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, dtype)
     assert torch.equal(model.weight.data, want)
     assert report.deferred == () and report.unexpected_keys == () and report.traced == ("weight",)
@@ -166,7 +166,7 @@ def test_fp8_model_tensors_load_codes_and_scales_unchanged(tmp_path):
             self.register_buffer("weight_scale_inv", torch.zeros(2, 3))
 
     model = Fp8Weight()
-    load_hf_checkpoint(model, str(tmp_path), progress=False)
+    load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert torch.equal(model.weight.view(torch.uint8), stored["weight"].view(torch.uint8))
     assert torch.equal(model.weight_scale_inv, stored["weight_scale_inv"])
 
@@ -199,7 +199,7 @@ def test_moe_experts_dequantize_then_merge_like_from_pretrained(tmp_path):
     with torch.device("meta"):
         target = auto.from_config(reference.config, dtype=BF16)
     target.config.quantization_config = None
-    report = load_hf_checkpoint(target, str(quantized), device="cpu", progress=False)
+    report = load_hf_checkpoint(target, str(quantized), device="cpu", options=LoadOptions(progress=False))
     assert report.deferred == () and report.unexpected_keys == () and report.missing_keys == ()
     got, want = target.state_dict(), reference.state_dict()
     assert set(got) == set(want)
@@ -212,10 +212,9 @@ def test_inside_dcp_load_values_are_value_reads_and_exact(tmp_path):
     stored = write_fp8(tmp_path, {"weight": torch.randn(shape)}, quant_block)
     model = Weight(shape)
     planner = HFLoadPlanner(model)
-    dcp.load(
-        planner.state_dict_for_load(), storage_reader=SafetensorsReader(str(tmp_path)), planner=planner, no_dist=True
-    )
-    report = planner.finish(str(tmp_path))
+    reader = SafetensorsReader(str(tmp_path))
+    dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner, no_dist=True)
+    report = planner.finish(reader)
     assert report.deferred == () and report.traced == ("weight",)  # as load_hf_checkpoint: a value read
     assert torch.equal(
         model.weight.data, dequantize_quant_blocks(stored["weight"], stored["weight_scale_inv"], quant_block, BF16)
@@ -232,7 +231,7 @@ def test_e8m0_exponent_scales_dequantize_as_transformers_does(tmp_path):
     exps = torch.randint(110, 140, (8, 2), generator=g, dtype=torch.uint8)
     save_file({"weight": codes, "weight_scale_inv": exps}, os.path.join(tmp_path, "model.safetensors"))
     model = Weight((8, 64))
-    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert report.deferred == ("weight",) and "exp2" in report.deferred_reasons["weight"]
     assert torch.equal(model.weight.data, Fp8Dequantize(None)._dequantize_one(codes, exps, BF16))
 
@@ -246,7 +245,7 @@ def test_float8_e8m0_scales_are_traced_and_match_transformers(tmp_path):
     scales = (2.0 ** torch.randint(-5, 5, (2, 3), generator=g).float()).to(torch.float8_e8m0fnu)
     save_file({"weight": codes, "weight_scale_inv": scales}, os.path.join(tmp_path, "model.safetensors"))
     model = Weight((64, 96))
-    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert report.deferred == ()
     assert torch.equal(model.weight.data, Fp8Dequantize(None)._dequantize_one(codes, scales, BF16))
 
@@ -320,7 +319,7 @@ def test_fp8_checkpoints_we_cannot_interpret_are_refused_before_any_write(tmp_pa
     _write_raw(tmp_path, tensors, quant)
     model = Weight((64, 64))
     with pytest.raises(CheckpointError, match=says) as err:
-        load_hf_checkpoint(model, str(tmp_path), progress=False)
+        load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert err.value.key == key
     assert torch.equal(model.weight.data, torch.zeros(64, 64, dtype=BF16))
 
@@ -338,7 +337,7 @@ def test_a_block_larger_than_the_weight_is_one_block_of_the_weight(tmp_path, sca
         {"quant_method": "fp8", "weight_block_size": [2**31 - 1, 2**30]},
     )
     model = Weight((64, 64))
-    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert report.deferred == (() if scale_dtype == torch.float32 else ("weight",))
     assert torch.equal(
         model.weight.data, (CODES.float() * 4.0 if scale_dtype == torch.uint8 else CODES.float() * 2.0).to(BF16)
@@ -358,7 +357,7 @@ def test_a_hostile_config_json_is_refused_without_hanging(tmp_path, kind):
         with open(path, "w") as f:
             f.write('{"pad": "' + "x" * (5 << 20) + '"}')
     with pytest.raises(CheckpointError, match="config.json") as err:
-        load_hf_checkpoint(Weight((64, 64)), str(tmp_path), progress=False)
+        load_hf_checkpoint(Weight((64, 64)), str(tmp_path), options=LoadOptions(progress=False))
     assert err.value.path == path
 
 
@@ -374,7 +373,9 @@ def test_an_expert_stored_without_its_scales_fails_the_whole_merge(tmp_path):
     model = Weight((3, 8, 16))
     rules = [Convert("experts.*.w", "weight", lambda ws: torch.stack(ws))]
     with pytest.raises(CheckpointError, match="as the values of its torch.float8_e4m3fn codes") as err:
-        load_hf_checkpoint(model, str(tmp_path), weights_mapping=rules, progress=False)
+        load_hf_checkpoint(
+            model, str(tmp_path), rules=Rules(weights_mapping=rules), options=LoadOptions(progress=False)
+        )
     assert err.value.key == "experts.2.w"
     assert torch.equal(model.weight.data, torch.zeros(3, 8, 16, dtype=BF16))
 
@@ -412,7 +413,9 @@ def test_every_family_loads_an_fp8_checkpoint_like_from_pretrained(tmp_path, fam
     reference = auto.from_pretrained(reference_dir, dtype=BF16)
     with torch.device("meta"):
         target = auto.from_config(reference.config, dtype=BF16)
-    report = load_hf_checkpoint(target, str(quantized), device="cpu", progress=False, strict=False)
+    report = load_hf_checkpoint(
+        target, str(quantized), device="cpu", rules=Rules(strict=False), options=LoadOptions(progress=False)
+    )
     assert report.deferred == () and report.unexpected_keys == ()
     got, want = target.state_dict(), reference.state_dict()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
@@ -433,7 +436,7 @@ def test_block_scales_under_the_names_transformers_renames(tmp_path, scale_name)
             self.proj = Weight((40, 24))
 
     model = Model()
-    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert report.deferred == () and report.unexpected_keys == ()
     assert torch.equal(model.proj.weight.data, dequantize_quant_blocks(codes, scales, (16, 8), BF16))
 
@@ -449,7 +452,7 @@ def test_a_per_tensor_scale_dequantizes_like_transformers(tmp_path, scale_shape)
     quant = {"quant_method": "fp8", "weight_block_size": [16, 8]}
     _write_raw(tmp_path, {"weight": codes, "weight_scale_inv": scale}, quant)
     model = Weight((40, 24))
-    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert report.deferred == ()
     assert torch.equal(model.weight.data, Fp8Dequantize(None)._dequantize_one(codes, scale, BF16))
 

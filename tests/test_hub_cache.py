@@ -24,6 +24,7 @@ from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileIdentity, read_tensor, resolve_checkpoint
 from loader.checkpoint.hub import hub_cache_dir, looks_like_repo_id
 from loader.errors import CheckpointNotFoundError
+from loader.options import LoadOptions, StorageOptions
 
 pytest.importorskip("huggingface_hub")
 
@@ -135,7 +136,9 @@ def test_repo_id_at_a_revision(cache: Path, revision: str):
 @pytest.mark.parametrize(("revision", "seed"), [(None, 0), ("v1", 1)])
 def test_load_hf_checkpoint_from_repo_id(cache: Path, revision: str | None, seed: int):
     net = model(7)
-    report = load_hf_checkpoint(net, REPO, revision=revision, progress=False)
+    report = load_hf_checkpoint(
+        net, REPO, options=LoadOptions(progress=False), storage=StorageOptions(revision=revision)
+    )
     assert_loaded(net, seed)
     assert report.bytes_read == sum(t.numel() * t.element_size() for t in model(seed).state_dict().values())
 
@@ -145,7 +148,7 @@ def test_local_folder_wins_over_a_repo_id(cache: Path, tmp_path: Path):
     local.mkdir(parents=True)
     (local / "model.safetensors").write_bytes(save(model(2).state_dict()))
     net = model(7)
-    load_hf_checkpoint(net, REPO, progress=False)
+    load_hf_checkpoint(net, REPO, options=LoadOptions(progress=False))
     assert_loaded(net, 2)
     with pytest.raises(CheckpointError, match="revision='v1' is for Hub repo ids") as info:
         SafetensorsCheckpoint.open(REPO, revision="v1")
@@ -250,7 +253,7 @@ def test_a_revision_that_leaves_refs_is_refused(cache: Path, tmp_path: Path, rev
     (tmp_path / "evil_ref").write_text("../../../evil")  # refs/../../../evil_ref; snapshots/../../../evil
     net = model(7)
     with pytest.raises(CheckpointError, match="revision=.* " + why.replace("(", r"\(")) as info:
-        load_hf_checkpoint(net, REPO, revision=revision, progress=False)
+        load_hf_checkpoint(net, REPO, options=LoadOptions(progress=False), storage=StorageOptions(revision=revision))
     assert f"revision={revision!r}" in str(info.value)
     assert not isinstance(info.value, FileNotFoundError)
     assert_loaded(net, 7)  # untouched
@@ -276,7 +279,7 @@ def test_a_cached_ref_that_is_not_a_commit_hash_is_refused(cache: Path, tmp_path
     (repo_folder(cache, REPO) / "refs" / "main").write_text(content)
     net = model(7)
     with pytest.raises(CheckpointError, match="the ref of revision 'main' holds .*, not a 40-hex commit hash") as info:
-        load_hf_checkpoint(net, REPO, progress=False)
+        load_hf_checkpoint(net, REPO, options=LoadOptions(progress=False))
     assert info.value.path == str(repo_folder(cache, REPO) / "refs" / "main")
     assert_loaded(net, 7)
 
@@ -285,7 +288,7 @@ def test_a_ref_hash_with_a_trailing_newline_is_accepted(cache: Path):
     """A ref's content is stripped of whitespace (an editor's newline) before it is checked and used."""
     (repo_folder(cache, REPO) / "refs" / "v1").write_text(f"  {OLD}\n")
     net = model(7)
-    load_hf_checkpoint(net, REPO, revision="v1", progress=False)
+    load_hf_checkpoint(net, REPO, options=LoadOptions(progress=False), storage=StorageOptions(revision="v1"))
     assert_loaded(net, 1)
 
 
@@ -298,7 +301,9 @@ def test_a_snapshot_folder_linked_out_of_the_cache_is_refused(cache: Path, tmp_p
     for revision in ("evil", commit):
         net = model(7)
         with pytest.raises(CheckpointError, match=f"resolves to {evil}, outside the repo's snapshots folder"):
-            load_hf_checkpoint(net, REPO, revision=revision, progress=False)
+            load_hf_checkpoint(
+                net, REPO, options=LoadOptions(progress=False), storage=StorageOptions(revision=revision)
+            )
         assert_loaded(net, 7)
 
 

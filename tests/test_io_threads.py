@@ -123,12 +123,17 @@ def test_a_real_model_loads_bit_identically_with_any_number_of_threads(tmp_path,
     save(source, tmp_path, dtype=dtype)
     want = {k: v.to(dtype).to(v.dtype) for k, v in clone_state(source).items()}
     _, model = build("qwen3_moe", seed=1)
-    report = load_hf_checkpoint(model, str(tmp_path), io_threads=threads, staging_bytes=4096, progress=False)
+    report = load_hf_checkpoint(
+        model, str(tmp_path), options=LoadOptions(io_threads=threads, staging_bytes=4096, progress=False)
+    )
     got = clone_state(model)
     for name, value in want.items():
         assert torch.equal(got[name].view(torch.uint8), value.view(torch.uint8)), name
     _, again = build("qwen3_moe", seed=1)
-    assert load_hf_checkpoint(again, str(tmp_path), io_threads=1, progress=False).bytes_read == report.bytes_read
+    assert (
+        load_hf_checkpoint(again, str(tmp_path), options=LoadOptions(io_threads=1, progress=False)).bytes_read
+        == report.bytes_read
+    )
 
 
 @pytest.mark.parametrize("rollback", [True, False])
@@ -150,7 +155,12 @@ def test_a_read_failing_on_an_io_thread_is_a_checkpoint_error_and_rolls_back(tmp
 
     planner = ColumnShardPlanner(net, tamper)
     with pytest.raises(CheckpointError) as info:
-        load_hf_checkpoint(net, str(tmp_path), planner=planner, rollback=rollback, io_threads=4, staging_bytes=4096)
+        load_hf_checkpoint(
+            net,
+            str(tmp_path),
+            planner=planner,
+            options=LoadOptions(rollback=rollback, io_threads=4, staging_bytes=4096),
+        )
     assert info.value.path == str(victim) and str(victim) in str(info.value)
     assert readers and readers[0].failed_on and all(n.startswith("loader-io") for n in readers[0].failed_on)
     if rollback:
@@ -163,7 +173,9 @@ def test_a_normal_column_shard_load_with_threads_is_bit_exact(tmp_path):
     tensors = write_checkpoint(tmp_path)
     net = Net()
     want = expected_state(state(net), tensors)
-    load_hf_checkpoint(net, str(tmp_path), planner=ColumnShardPlanner(net), io_threads=4, staging_bytes=4096)
+    load_hf_checkpoint(
+        net, str(tmp_path), planner=ColumnShardPlanner(net), options=LoadOptions(io_threads=4, staging_bytes=4096)
+    )
     assert bit_equal(state(net), want)
 
 
@@ -177,7 +189,7 @@ def test_read_options_are_validated_where_options_are_built(tmp_path, option, ba
     with pytest.raises(ValueError, match=option):
         LoadOptions(**{option: bad})
     with pytest.raises(ValueError, match=option):
-        load_hf_checkpoint(source, str(tmp_path), progress=False, **{option: bad})
+        load_hf_checkpoint(source, str(tmp_path), options=LoadOptions(progress=False), **{option: bad})
     with pytest.raises(ValueError, match=option):
         SafetensorsReader(str(tmp_path), **{option: bad})
 

@@ -29,6 +29,8 @@ from loader import (
     SafetensorsReader,
     load_hf_checkpoint,
 )
+from loader.hooks import PlanHooks
+from loader.options import LoadOptions, Rules
 from loader.rules import dot_natural_key
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -101,7 +103,7 @@ def test_family_oracle(family, ckpt_dtype, saved, tmp_path):
     state = model.state_dict()
     assert not any(torch.equal(fresh.state_dict()[k], v) for k, v in state.items() if v.is_floating_point())
 
-    report = load_hf_checkpoint(fresh, directory, progress=False)
+    report = load_hf_checkpoint(fresh, directory, options=LoadOptions(progress=False))
 
     assert isinstance(report, LoadReport)
     loaded = fresh.state_dict()
@@ -161,7 +163,7 @@ def test_dtype_cast_to_lower_precision(saved):
     """A float32 checkpoint into a bfloat16 model rounds exactly like from_pretrained(dtype=bfloat16)."""
     auto, _, directory, _ = saved("qwen3_moe")
     _, fresh = build("qwen3_moe", seed=1, dtype=torch.bfloat16)
-    report = load_hf_checkpoint(fresh, directory, progress=False)
+    report = load_hf_checkpoint(fresh, directory, options=LoadOptions(progress=False))
     assert report.deferred == ()
     reference = auto.from_pretrained(directory, dtype=torch.bfloat16)
     assert_bit_equal(fresh.state_dict(), reference.state_dict())
@@ -176,7 +178,7 @@ def test_qwen3_vl_moe_transposed_checkpoint(saved, tmp_path):
     save_file(original, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(tmp_path)
     _, fresh = build("qwen3_vl_moe", seed=1)
-    report = load_hf_checkpoint(fresh, tmp_path, progress=False)
+    report = load_hf_checkpoint(fresh, tmp_path, options=LoadOptions(progress=False))
     assert report.deferred == () and report.missing_keys == () and report.unexpected_keys == ()
     assert_bit_equal(fresh.state_dict(), model.state_dict())
     assert_bit_equal(fresh.state_dict(), auto.from_pretrained(tmp_path).state_dict())
@@ -191,8 +193,8 @@ def test_base_checkpoint_into_causal_lm(tie, tmp_path):
     causal = AutoModelForCausalLM.from_config(config)
     if not tie:  # lm_head is not in a base checkpoint
         with pytest.raises(ValueError, match="lm_head.weight"):
-            load_hf_checkpoint(causal, tmp_path, progress=False)
-    report = load_hf_checkpoint(causal, tmp_path, strict=tie, progress=False)
+            load_hf_checkpoint(causal, tmp_path, options=LoadOptions(progress=False))
+    report = load_hf_checkpoint(causal, tmp_path, rules=Rules(strict=tie), options=LoadOptions(progress=False))
     reference, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert set(report.missing_keys) == info["missing_keys"] == (set() if tie else {"lm_head.weight"})
     assert report.unexpected_keys == () and report.deferred == ()
@@ -211,7 +213,7 @@ def test_causal_lm_checkpoint_into_base(tmp_path):
     causal = AutoModelForCausalLM.from_config(config)
     causal.save_pretrained(tmp_path)
     base = AutoModel.from_config(config)
-    report = load_hf_checkpoint(base, tmp_path, progress=False)
+    report = load_hf_checkpoint(base, tmp_path, options=LoadOptions(progress=False))
     reference, info = AutoModel.from_pretrained(tmp_path, output_loading_info=True)
     assert report.unexpected_keys == ("lm_head.weight",) and info["unexpected_keys"] == {"lm_head.weight"}
     assert report.missing_keys == () and info["missing_keys"] == set()
@@ -234,8 +236,8 @@ def test_ignored_keys_reported_like_from_pretrained(saved, tmp_path):
     model.config.save_pretrained(tmp_path)
     _, fresh = build("qwen2_moe", seed=1)
     with pytest.raises(ValueError, match=r"2 model tensor\(s\) are not in the checkpoint"):
-        load_hf_checkpoint(fresh, tmp_path, progress=False)
-    report = load_hf_checkpoint(fresh, tmp_path, strict=False, progress=False)
+        load_hf_checkpoint(fresh, tmp_path, options=LoadOptions(progress=False))
+    report = load_hf_checkpoint(fresh, tmp_path, rules=Rules(strict=False), options=LoadOptions(progress=False))
     reference, info = auto.from_pretrained(tmp_path, output_loading_info=True)
     assert (
         set(report.missing_keys)
@@ -255,7 +257,7 @@ def test_fewer_layers_reads_only_what_it_needs(saved):
     """A one-layer model from a two-layer checkpoint reads exactly the bytes of the tensors it loads."""
     auto, model, directory, tensors = saved("mixtral")
     _, small = build("mixtral", seed=1, num_hidden_layers=1)
-    report = load_hf_checkpoint(small, directory, progress=False)
+    report = load_hf_checkpoint(small, directory, options=LoadOptions(progress=False))
     layer1 = [k for k in tensors if k.startswith("model.layers.1.")]
     assert report.unexpected_keys == nsorted(layer1) and report.missing_keys == ()
     ckpt = SafetensorsCheckpoint.open(directory)
@@ -273,16 +275,15 @@ def test_sharded_checkpoint(saved, tmp_path):
     assert os.path.isfile(tmp_path / "model.safetensors.index.json")
     assert len([n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]) >= 3
     _, fresh = build("olmoe", seed=1)
-    report = load_hf_checkpoint(fresh, tmp_path, progress=False)
+    report = load_hf_checkpoint(fresh, tmp_path, options=LoadOptions(progress=False))
     assert_bit_equal(fresh.state_dict(), auto.from_pretrained(tmp_path, dtype=torch.float32).state_dict())
     assert report.bytes_read == SafetensorsCheckpoint.open(tmp_path).total_bytes
 
 
-class PreferTransformers(HFLoadPlanner):
+class PreferTransformers(PlanHooks):
     """Picks transformers' converter over ours, recording what the hook receives."""
 
-    def __init__(self, model: nn.Module, **kwargs) -> None:
-        super().__init__(model, **kwargs)
+    def __init__(self) -> None:
         self.seen: list[tuple] = []
 
     def select_converter(self, source_pattern, target_name, candidates, *, source_key=None):
@@ -290,7 +291,7 @@ class PreferTransformers(HFLoadPlanner):
         return candidates[-1]
 
 
-class PreferOursThreeArgs(HFLoadPlanner):
+class PreferOursThreeArgs(PlanHooks):
     """An override written against the 3-argument hook (no ``source_key``)."""
 
     def select_converter(self, source_pattern, target_name, candidates):
@@ -305,8 +306,8 @@ def test_select_converter_hook_gets_the_matched_pattern(saved):
     stack = Convert(".experts.*.w2.weight", ".experts.down_proj", lambda ws: torch.stack(ws))
     for cls, ours in ((PreferTransformers, False), (PreferOursThreeArgs, True)):
         _, fresh = build("mixtral", seed=1)
-        planner = cls(fresh, extra_weights_mapping=[stack])
-        load_hf_checkpoint(fresh, directory, planner=planner, progress=False)
+        planner = HFLoadPlanner(fresh, rules=Rules(extra_weights_mapping=[stack]), hooks=cls())
+        load_hf_checkpoint(fresh, directory, planner=planner, options=LoadOptions(progress=False))
         assert_bit_equal(fresh.state_dict(), model.state_dict())
         downs = [
             c
@@ -314,8 +315,11 @@ def test_select_converter_hook_gets_the_matched_pattern(saved):
             if c.targets[0].endswith("down_proj")
         ]
         assert len(downs) == 2 and all((c.rule is stack) == ours for c in downs)
-    first = PreferTransformers(build("mixtral", seed=1)[1], extra_weights_mapping=[stack])
-    load_hf_checkpoint(first.model, directory, planner=first, progress=False)
+    first = HFLoadPlanner(
+        build("mixtral", seed=1)[1], rules=Rules(extra_weights_mapping=[stack]), hooks=PreferTransformers()
+    )
+    load_hf_checkpoint(first.model, directory, planner=first, options=LoadOptions(progress=False))
+    first = first.hooks
     assert len(first.seen) == 8  # 2 layers x 4 experts
     pattern, target, key, candidates = first.seen[0]
     # the pattern that matched the renamed key (block_sparse_moe -> mlp), the key as the checkpoint stores it
@@ -335,7 +339,7 @@ def dcp_load(model: nn.Module, directory, reader=None, planner=None) -> LoadRepo
     planner = planner or HFLoadPlanner(model)
     reader = reader or SafetensorsReader(directory)
     dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner, no_dist=True)
-    return planner.finish(str(directory))
+    return planner.finish(reader)
 
 
 def same_report(a: LoadReport, b: LoadReport) -> None:
@@ -352,7 +356,7 @@ def test_dcp_single_process_safetensors_reader(family, saved):
     assert identities(fresh) == before
     assert_bit_equal(fresh.state_dict(), cast_like(model.state_dict(), fresh.state_dict(), torch.bfloat16))
     _, again = build(family, seed=2)
-    same_report(report, load_hf_checkpoint(again, directory, progress=False))
+    same_report(report, load_hf_checkpoint(again, directory, options=LoadOptions(progress=False)))
     assert repr(fresh._weight_conversions) == repr(again._weight_conversions)
 
 
@@ -365,7 +369,7 @@ def test_dcp_single_process_hf_storage_reader(family, saved):
     report = dcp_load(fresh, directory, reader=dcp.HuggingFaceStorageReader(str(directory)))
     assert_bit_equal(fresh.state_dict(), cast_like(model.state_dict(), fresh.state_dict(), torch.bfloat16))
     _, again = build(family, seed=2)
-    same_report(report, load_hf_checkpoint(again, directory, progress=False))
+    same_report(report, load_hf_checkpoint(again, directory, options=LoadOptions(progress=False)))
 
 
 class EveryOtherRow(nn.Module):
@@ -378,7 +382,7 @@ def test_hf_storage_reader_refuses_strided_blocks_before_reading(tmp_path):
     """A step slice reads no box: torch's reader cannot serve it, which is known before any read."""
     save_file({"w": torch.randn(8, 6)}, os.path.join(tmp_path, "model.safetensors"))
     net = EveryOtherRow()
-    planner = HFLoadPlanner(net, weights_mapping=[Convert("w", "rows", lambda w: w[::2])])
+    planner = HFLoadPlanner(net, rules=Rules(weights_mapping=[Convert("w", "rows", lambda w: w[::2])]))
     with pytest.raises(CheckpointException) as err:  # dcp wraps each rank's error
         dcp_load(net, tmp_path, reader=dcp.HuggingFaceStorageReader(str(tmp_path)), planner=planner)
     ((error, _),) = err.value.failures.values()
@@ -414,7 +418,7 @@ def test_hf_storage_reader_loads_qkv_interleaved_per_kv_head(tmp_path, model_dty
     save_file(ckpt, os.path.join(tmp_path, "model.safetensors"))
     rules = [Convert(["attn.q.weight", "attn.k.weight", "attn.v.weight"], "qkv.weight", interleave_qkv)]
     net = FusedQKV().to(model_dtype)
-    planner = HFLoadPlanner(net, weights_mapping=rules)
+    planner = HFLoadPlanner(net, rules=Rules(weights_mapping=rules))
     report = dcp_load(net, tmp_path, reader=dcp.HuggingFaceStorageReader(str(tmp_path)), planner=planner)
     expected = interleave_qkv(*(ckpt[f"attn.{n}.weight"] for n in "qkv")).to(model_dtype)
     assert_bit_equal(net.state_dict(), {"qkv.weight": expected})
@@ -542,7 +546,9 @@ def test_plain_module_convert_rules(plain_dir, model_dtype):
     directory, ckpt = plain_dir
     net = fresh_plain(model_dtype)
     before = identities(net)
-    report = load_hf_checkpoint(net, directory, weights_mapping=PLAIN_RULES, progress=False)
+    report = load_hf_checkpoint(
+        net, directory, rules=Rules(weights_mapping=PLAIN_RULES), options=LoadOptions(progress=False)
+    )
     expected = {k: v.to(model_dtype) for k, v in plain_expected(ckpt).items()}
     assert_bit_equal(net.state_dict(), expected)
     assert identities(net) == before and net.head.weight is net.embed.weight
@@ -560,20 +566,30 @@ def test_plain_module_through_dcp(plain_dir):
     """Strided blocks (transpose, rope permute) and deferred conversions also run inside dcp.load."""
     directory, ckpt = plain_dir
     net = fresh_plain()
-    report = dcp_load(net, directory, planner=HFLoadPlanner(net, weights_mapping=PLAIN_RULES))
+    report = dcp_load(net, directory, planner=HFLoadPlanner(net, rules=Rules(weights_mapping=PLAIN_RULES)))
     assert_bit_equal(net.state_dict(), plain_expected(ckpt))
-    same_report(report, load_hf_checkpoint(fresh_plain(), directory, weights_mapping=PLAIN_RULES, progress=False))
+    same_report(
+        report,
+        load_hf_checkpoint(
+            fresh_plain(), directory, rules=Rules(weights_mapping=PLAIN_RULES), options=LoadOptions(progress=False)
+        ),
+    )
 
 
 def test_supports_symbolic_false_defers_everything(plain_dir):
     directory, ckpt = plain_dir
 
-    class NoTrace(HFLoadPlanner):
+    class NoTrace(PlanHooks):
         def supports_symbolic(self, conversion):
             return conversion.is_rename  # every Convert runs for real
 
     net = fresh_plain()
-    report = load_hf_checkpoint(net, directory, planner=NoTrace(net, weights_mapping=PLAIN_RULES), progress=False)
+    report = load_hf_checkpoint(
+        net,
+        directory,
+        planner=HFLoadPlanner(net, hooks=NoTrace(), rules=Rules(weights_mapping=PLAIN_RULES)),
+        options=LoadOptions(progress=False),
+    )
     assert_bit_equal(net.state_dict(), plain_expected(ckpt))
     assert "layers.0.qkv.weight" in report.deferred and "layers.1.experts" in report.deferred
     assert report.deferred_reasons["layers.0.qkv.weight"] == "rejected by supports_symbolic"
@@ -590,7 +606,7 @@ def test_planner_hooks_map_and_select(plain_dir):
     """map_checkpoint_key renames or skips keys; default_weights_mapping supplies the rules."""
     directory, ckpt = plain_dir
 
-    class Hooks(HFLoadPlanner):
+    class Hooks(PlanHooks):
         def default_weights_mapping(self, model):
             return PLAIN_RULES
 
@@ -599,7 +615,12 @@ def test_planner_hooks_map_and_select(plain_dir):
 
     net = fresh_plain()
     before = clone_state(net)
-    report = load_hf_checkpoint(net, directory, planner=Hooks(net, strict=False), progress=False)
+    report = load_hf_checkpoint(
+        net,
+        directory,
+        planner=HFLoadPlanner(net, hooks=Hooks(), rules=Rules(strict=False)),
+        options=LoadOptions(progress=False),
+    )
     assert report.missing_keys == ("layers.0.running", "layers.1.running")
     assert report.unexpected_keys == ()  # skipped keys are neither loaded nor unexpected
     expected = plain_expected(ckpt)
@@ -622,7 +643,9 @@ def test_partial_regions_read_only_needed_bytes(tmp_path):
 
     rules = [Convert("big", ["rows", "cols", "every_other"], lambda w: (w[2:5], w[:, 7:9], w[10:20:2]))]
     net = Small()
-    report = load_hf_checkpoint(net, tmp_path / "model.safetensors", weights_mapping=rules, progress=False)
+    report = load_hf_checkpoint(
+        net, tmp_path / "model.safetensors", rules=Rules(weights_mapping=rules), options=LoadOptions(progress=False)
+    )
     assert torch.equal(net.rows, big[2:5]) and torch.equal(net.cols, big[:, 7:9])
     assert torch.equal(net.every_other, big[10:20:2])
     assert report.unexpected_keys == ("other",) and report.deferred == ()
@@ -638,9 +661,13 @@ def test_strict_false_reports_missing(plain_dir):
     net = Plain(layers=3)
     before = clone_state(net)
     with pytest.raises(ValueError, match=r"layers\.2\.qkv\.weight.*strict=False"):
-        load_hf_checkpoint(net, directory, weights_mapping=PLAIN_RULES, progress=False)
+        load_hf_checkpoint(
+            net, directory, rules=Rules(weights_mapping=PLAIN_RULES), options=LoadOptions(progress=False)
+        )
     assert_bit_equal(net.state_dict(), before)
-    report = load_hf_checkpoint(net, directory, weights_mapping=PLAIN_RULES, strict=False, progress=False)
+    report = load_hf_checkpoint(
+        net, directory, rules=Rules(weights_mapping=PLAIN_RULES, strict=False), options=LoadOptions(progress=False)
+    )
     assert report.missing_keys == nsorted(k for k in net.state_dict() if k.startswith("layers.2."))
     assert_bit_equal(net.state_dict(), plain_expected(ckpt))
     assert_bit_equal(net.state_dict(), before, report.missing_keys)
@@ -650,7 +677,9 @@ def test_bf16_checkpoint_into_plain_float32(tmp_path):
     ckpt = plain_checkpoint(dtype=torch.bfloat16)
     save_file(ckpt, str(tmp_path / "model.safetensors"))
     net = fresh_plain()
-    report = load_hf_checkpoint(net, tmp_path, weights_mapping=PLAIN_RULES, progress=False)
+    report = load_hf_checkpoint(
+        net, tmp_path, rules=Rules(weights_mapping=PLAIN_RULES), options=LoadOptions(progress=False)
+    )
     expected = {k: v.float() for k, v in plain_expected(ckpt).items()}
     assert_bit_equal(net.state_dict(), expected)
     assert report.bytes_read == sum(v.numel() * 2 for v in ckpt.values())
@@ -667,10 +696,12 @@ def test_extra_weights_mapping_and_key_mapping(plain_dir):
     load_hf_checkpoint(
         net,
         directory,
-        weights_mapping=PLAIN_RULES[2:],
-        extra_weights_mapping=[swap],
-        key_mapping={r"^tok\.": "embed.", r"^blocks\.(\d+)\.": r"layers.\1."},
-        progress=False,
+        rules=Rules(
+            weights_mapping=PLAIN_RULES[2:],
+            extra_weights_mapping=[swap],
+            key_mapping={r"^tok\.": "embed.", r"^blocks\.(\d+)\.": r"layers.\1."},
+        ),
+        options=LoadOptions(progress=False),
     )
     expected = plain_expected(ckpt)
     expected["layers.1.qkv.weight"] = torch.cat([ckpt[f"blocks.1.attn.{n}.weight"] for n in "vkq"])
@@ -686,7 +717,9 @@ def test_extra_weights_mapping_and_key_mapping(plain_dir):
 def test_progress_bar_and_log_lines(plain_dir, capfd, caplog):
     directory, _ = plain_dir
     with caplog.at_level(logging.INFO, logger="loader"):
-        report = load_hf_checkpoint(fresh_plain(), directory, weights_mapping=PLAIN_RULES, progress=False)
+        report = load_hf_checkpoint(
+            fresh_plain(), directory, rules=Rules(weights_mapping=PLAIN_RULES), options=LoadOptions(progress=False)
+        )
     assert "loading" not in capfd.readouterr().err
     messages = [r.getMessage() for r in caplog.records if r.name == "loader"]
     traced = len(report.traced)
@@ -697,11 +730,13 @@ def test_progress_bar_and_log_lines(plain_dir, capfd, caplog):
         )
         for m in messages
     ), messages
-    load_hf_checkpoint(fresh_plain(), directory, weights_mapping=PLAIN_RULES, progress=True)
+    load_hf_checkpoint(
+        fresh_plain(), directory, rules=Rules(weights_mapping=PLAIN_RULES), options=LoadOptions(progress=True)
+    )
     err = capfd.readouterr().err
     assert "loading" in err and "B" in err
     # default: on only when stderr is a terminal (it is captured here)
-    load_hf_checkpoint(fresh_plain(), directory, weights_mapping=PLAIN_RULES)
+    load_hf_checkpoint(fresh_plain(), directory, rules=Rules(weights_mapping=PLAIN_RULES))
     assert "loading" not in capfd.readouterr().err
 
 
@@ -725,7 +760,9 @@ def test_many_run_blocks_are_read_by_span_in_one_strided_copy(tmp_path):
 
     rules = [Convert("w", "cols", lambda w: w[:, 2:5]), Convert("u", "every_other", lambda u: u[:, ::2].double())]
     net = Net()
-    report = load_hf_checkpoint(net, str(tmp_path), weights_mapping=rules, progress=False)
+    report = load_hf_checkpoint(
+        net, str(tmp_path), rules=Rules(weights_mapping=rules), options=LoadOptions(progress=False)
+    )
     assert torch.equal(net.cols.data, src["w"][:, 2:5].float())
     assert torch.equal(net.every_other.data, src["u"][:, ::2].double())
     assert report.deferred == ()
@@ -746,18 +783,23 @@ def test_deferred_transformers_conversions_cast_sources_like_from_pretrained(tmp
     _, saved = hf_models.build("mixtral", seed=0)
     hf_models.save(saved, tmp_path, dtype=torch.bfloat16)
 
-    class NoTracing(HFLoadPlanner):
+    class NoTracing(PlanHooks):
         def supports_symbolic(self, conversion):
             return conversion.is_rename
 
     _, traced_model = hf_models.build("mixtral", seed=1)
     _, deferred_model = hf_models.build("mixtral", seed=2)
-    load_hf_checkpoint(traced_model, str(tmp_path), progress=False)
-    report = load_hf_checkpoint(deferred_model, str(tmp_path), planner=NoTracing(deferred_model), progress=False)
+    load_hf_checkpoint(traced_model, str(tmp_path), options=LoadOptions(progress=False))
+    report = load_hf_checkpoint(
+        deferred_model,
+        str(tmp_path),
+        planner=HFLoadPlanner(deferred_model, hooks=NoTracing()),
+        options=LoadOptions(progress=False),
+    )
     assert report.deferred and "rejected by supports_symbolic" in " ".join(report.deferred_reasons.values())
     for name, t in traced_model.state_dict().items():
         assert torch.equal(t, deferred_model.state_dict()[name]), name
-    planner = NoTracing(deferred_model)
+    planner = HFLoadPlanner(deferred_model, hooks=NoTracing())
     from loader.checkpoint import SafetensorsCheckpoint
 
     plan = planner.build_plan(SafetensorsCheckpoint.open(str(tmp_path)))

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from loader import Convert, HFLoadPlanner, LoadReport, SafetensorsReader, load_hf_checkpoint
+from loader.options import LoadOptions, Rules
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # no_dist=True: "torch.distributed is disabled"
 
@@ -55,14 +56,16 @@ def write(folder: str) -> dict[str, torch.Tensor]:
 
 
 def dcp_load(model: nn.Module, folder: str, reader) -> LoadReport:
-    planner = HFLoadPlanner(model, weights_mapping=RULES)
+    planner = HFLoadPlanner(model, rules=Rules(weights_mapping=RULES))
     dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner, no_dist=True)
-    return planner.finish(folder)
+    return planner.finish(reader)
 
 
 def test_value_conversions_inside_dcp_load_read_what_load_hf_checkpoint_reads(tmp_path):
     tensors = write(str(tmp_path))
-    direct = load_hf_checkpoint(direct_model := Gated(), str(tmp_path), weights_mapping=RULES, progress=False)
+    direct = load_hf_checkpoint(
+        direct_model := Gated(), str(tmp_path), rules=Rules(weights_mapping=RULES), options=LoadOptions(progress=False)
+    )
     inside = dcp_load(dcp_model := Gated(), str(tmp_path), SafetensorsReader(str(tmp_path)))
     assert inside == direct  # every field but the timing: keys, traced, deferred, bytes, blocks, reasons
     assert inside.requests == direct.requests
@@ -105,7 +108,9 @@ def play_rank(rank: int, folder: str) -> None:
     for way in ("direct", "dcp"):
         model = shard_module(Gated(), mesh, placements)
         if way == "direct":
-            report = load_hf_checkpoint(model, folder, weights_mapping=RULES, progress=False)
+            report = load_hf_checkpoint(
+                model, folder, rules=Rules(weights_mapping=RULES), options=LoadOptions(progress=False)
+            )
         else:
             report = dcp_load(model, folder, SafetensorsReader(folder))
         local = model.full.data.to_local()

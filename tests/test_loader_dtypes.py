@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from loader import CheckpointError, Convert, HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
+from loader.options import LoadOptions, Rules
 
 F8 = torch.float8_e4m3fn
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -28,7 +29,7 @@ def load_recording(model: nn.Module, directory, **kwargs):
     """``load_hf_checkpoint`` with every warning recorded: ``(report, [warning messages])``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = load_hf_checkpoint(model, str(directory), progress=False, **kwargs)
+        report = load_hf_checkpoint(model, str(directory), options=LoadOptions(progress=False), **kwargs)
     return report, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
@@ -105,13 +106,9 @@ def test_dcp_load_reports_casts_too(tmp_path):
     model = Mixed()
     planner = HFLoadPlanner(model)
     with pytest.warns(UserWarning, match="cast_keys"):
-        dcp.load(
-            planner.state_dict_for_load(),
-            storage_reader=SafetensorsReader(str(tmp_path)),
-            planner=planner,
-            no_dist=True,
-        )
-        report = planner.finish(str(tmp_path))
+        reader = SafetensorsReader(str(tmp_path))
+        dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner, no_dist=True)
+        report = planner.finish(reader)
     assert [name for name, _, _ in report.cast_keys] == ["counts", "ids", "mask"]
 
 
@@ -142,7 +139,7 @@ def test_fp8_codes_without_scales_into_a_non_fp8_model_are_refused_before_any_wr
     model = Proj()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError) as err:
-        load_hf_checkpoint(model, str(tmp_path), strict=False, progress=False)
+        load_hf_checkpoint(model, str(tmp_path), rules=Rules(strict=False), options=LoadOptions(progress=False))
     e = err.value
     assert e.path == path and e.key == "proj.weight"
     assert path in str(e) and "'proj.weight'" in str(e) and "float8_e4m3fn" in str(e)
@@ -157,7 +154,7 @@ def test_fp8_codes_with_scales_into_a_non_fp8_model_dequantize(tmp_path):
     ckpt = fp8_checkpoint()
     write(tmp_path, ckpt)
     model = Proj()
-    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     want = Fp8Dequantize(None)._dequantize_one(ckpt["proj.weight"], ckpt["proj.weight_scale_inv"], torch.bfloat16)
     assert torch.equal(model.proj.weight.view(torch.int16), want.view(torch.int16))
     assert report.deferred == () and report.unexpected_keys == ()
@@ -168,7 +165,7 @@ def test_fp8_into_fp8_loads_the_codes_unchanged(tmp_path):
     del ckpt["proj.weight_scale_inv"]
     write(tmp_path, ckpt)
     model = Proj(F8)
-    report = load_hf_checkpoint(model, str(tmp_path), progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert model.proj.weight.dtype == F8 and report.cast_keys == ()
     assert torch.equal(model.proj.weight.view(torch.uint8), ckpt["proj.weight"].view(torch.uint8))
 
@@ -178,7 +175,7 @@ def test_fp8_weight_whose_block_scales_load_nowhere_is_refused(tmp_path):
     path = write(tmp_path, fp8_checkpoint())
     model = Proj(F8)
     with pytest.raises(CheckpointError, match="'proj.weight_scale_inv', which no model tensor loads") as err:
-        load_hf_checkpoint(model, str(tmp_path), strict=False, progress=False)
+        load_hf_checkpoint(model, str(tmp_path), rules=Rules(strict=False), options=LoadOptions(progress=False))
     assert err.value.path == path and err.value.key == "proj.weight"
     assert torch.equal(model.proj.weight.float(), torch.full((4, 8), 7.0))
 
@@ -193,7 +190,7 @@ def test_fp8_weight_and_its_scales_both_loaded_are_allowed(tmp_path):
     ckpt = fp8_checkpoint()
     write(tmp_path, ckpt)
     model = ProjWithScales()
-    load_hf_checkpoint(model, str(tmp_path), progress=False)
+    load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert torch.equal(model.proj.weight.view(torch.uint8), ckpt["proj.weight"].view(torch.uint8))
     assert torch.equal(model.proj.weight_scale_inv, ckpt["proj.weight_scale_inv"])
 
@@ -206,7 +203,7 @@ def test_a_converter_that_dequantizes_with_the_scales_is_allowed(tmp_path):
         Convert("proj.bias", "proj.bias", lambda b: b),
     ]
     model = Proj(torch.float32)
-    load_hf_checkpoint(model, str(tmp_path), weights_mapping=rules, progress=False)
+    load_hf_checkpoint(model, str(tmp_path), rules=Rules(weights_mapping=rules), options=LoadOptions(progress=False))
     assert torch.equal(model.proj.weight, ckpt["proj.weight"].float() * 0.01)
 
 
@@ -215,7 +212,7 @@ def test_dcp_load_refuses_fp8_codes_while_planning(tmp_path):
     del ckpt["proj.weight_scale_inv"]
     write(tmp_path, ckpt)
     model = Proj()
-    planner = HFLoadPlanner(model, strict=False)
+    planner = HFLoadPlanner(model, rules=Rules(strict=False))
     with pytest.raises(CheckpointException) as err:
         dcp.load(
             planner.state_dict_for_load(),

@@ -29,6 +29,7 @@ from loader import (
     SafetensorsReader,
     load_hf_checkpoint,
 )
+from loader.options import LoadOptions, Rules
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -98,7 +99,7 @@ def expect_checkpoint_error(path, *names: str, model: nn.Module | None = None, *
     model = model or tiny()
     before = snapshot(model)
     with pytest.raises(CheckpointError) as info:
-        load_hf_checkpoint(model, path, progress=False, **kwargs)
+        load_hf_checkpoint(model, path, options=LoadOptions(progress=False), **kwargs)
     err = info.value
     assert isinstance(err, ValueError)
     for name in names:
@@ -209,7 +210,7 @@ def two_shards(folder: Path) -> dict[str, str]:
 def test_sharded_folder_loads(folder):
     write_index(folder, two_shards(folder))
     net = tiny()
-    report = load_hf_checkpoint(net, folder, progress=False)
+    report = load_hf_checkpoint(net, folder, options=LoadOptions(progress=False))
     for k, v in good_tensors().items():
         assert torch.equal(net.state_dict()[k], v), k
     assert report.bytes_read == sum(v.numel() * 4 for v in good_tensors().values())
@@ -290,9 +291,9 @@ def test_strict_missing_raises_before_any_write(folder):
     net = tiny()
     before = snapshot(net)
     with pytest.raises(ValueError, match=r"1 model tensor\(s\) are not in the checkpoint: a\.bias"):
-        load_hf_checkpoint(net, folder, progress=False)
+        load_hf_checkpoint(net, folder, options=LoadOptions(progress=False))
     assert_unchanged(net, before)
-    report = load_hf_checkpoint(net, folder, strict=False, progress=False)
+    report = load_hf_checkpoint(net, folder, rules=Rules(strict=False), options=LoadOptions(progress=False))
     assert report.missing_keys == ("a.bias",)
     assert report.loaded_keys == ("a.weight", "b.weight", "steps")
     assert torch.equal(net.a.bias, before["a.bias"]) and torch.equal(net.a.weight, t["a.weight"])
@@ -304,7 +305,7 @@ def test_unexpected_keys_reported(folder):
     t["a.extra"] = torch.ones(3)
     good_file(folder, t)
     net = tiny()
-    report = load_hf_checkpoint(net, folder, progress=False)
+    report = load_hf_checkpoint(net, folder, options=LoadOptions(progress=False))
     assert report.unexpected_keys == ("a.extra", "c.weight") and report.missing_keys == ()
     assert report.bytes_read == sum(v.numel() * 4 for k, v in t.items() if k not in ("c.weight", "a.extra"))
 
@@ -322,7 +323,7 @@ def test_unexpected_keys_are_logged_as_from_pretrained_does(tmp_path, caplog):
     _, one = build("mixtral", num_hidden_layers=1)
     _, info = auto.from_pretrained(tmp_path, num_hidden_layers=1, output_loading_info=True)
     with caplog.at_level(logging.WARNING, logger="loader"):
-        report = load_hf_checkpoint(one, str(tmp_path), progress=False)
+        report = load_hf_checkpoint(one, str(tmp_path), options=LoadOptions(progress=False))
     # both report layer 1: from_pretrained by model names (experts merged), the loader by checkpoint keys
     assert info["unexpected_keys"] and all(k.startswith("model.layers.1.") for k in info["unexpected_keys"])
     assert len(report.unexpected_keys) == 19 and all(k.startswith("model.layers.1.") for k in report.unexpected_keys)
@@ -337,7 +338,7 @@ def test_unexpected_keys_are_logged_as_from_pretrained_does(tmp_path, caplog):
     assert len(message) < 1000
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="loader"):  # nothing unexpected: nothing logged
-        load_hf_checkpoint(build("mixtral")[1], str(tmp_path), progress=False)
+        load_hf_checkpoint(build("mixtral")[1], str(tmp_path), options=LoadOptions(progress=False))
     assert not [r for r in caplog.records if "unexpected" in r.getMessage()]
 
 
@@ -373,7 +374,7 @@ def test_reports_print_as_a_short_summary(folder, tmp_path):
     source = Wide()
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(folder / "model.safetensors"))
     net = Wide()
-    report = load_hf_checkpoint(net, folder, progress=False)
+    report = load_hf_checkpoint(net, folder, options=LoadOptions(progress=False))
     text = str(report)
     assert text == repr(report) and "\n" not in text and len(text) < 250
     assert text.startswith("LoadReport(rank 0 of 1: 200 tensors loaded (200 traced, 0 deferred), 0 missing,")
@@ -394,7 +395,9 @@ def test_two_checkpoint_keys_to_one_name(folder):
     net = tiny()
     before = snapshot(net)
     with pytest.raises(ValueError) as info:
-        load_hf_checkpoint(net, folder, weights_mapping=[Rename(r"^x\.", "a.")], progress=False)
+        load_hf_checkpoint(
+            net, folder, rules=Rules(weights_mapping=[Rename(r"^x\.", "a.")]), options=LoadOptions(progress=False)
+        )
     message = str(info.value)
     assert "'a.weight'" in message and "'x.weight'" in message and "both map to model tensor" in message
     assert_unchanged(net, before)
@@ -407,7 +410,7 @@ def test_shape_mismatch(folder):
     net = tiny()
     before = snapshot(net)
     with pytest.raises(ValueError) as info:
-        load_hf_checkpoint(net, folder, progress=False)
+        load_hf_checkpoint(net, folder, options=LoadOptions(progress=False))
     assert "'a.weight'" in str(info.value) and "checkpoint (2, 4) vs target (3, 4)" in str(info.value)
     assert_unchanged(net, before)
     # the same through a conversion (traced) and through a deferred one
@@ -415,7 +418,10 @@ def test_shape_mismatch(folder):
     for fn in (lambda w: w.t(), lambda w: w.t() * 1):
         with pytest.raises(ValueError, match=r"'b\.weight'.*checkpoint \(3, 2\) vs target \(2, 3\)"):
             load_hf_checkpoint(
-                net, folder, weights_mapping=[Convert("b.weight", "b.weight", fn)], strict=False, progress=False
+                net,
+                folder,
+                rules=Rules(weights_mapping=[Convert("b.weight", "b.weight", fn)], strict=False),
+                options=LoadOptions(progress=False),
             )
         assert_unchanged(net, before)
 
@@ -425,9 +431,9 @@ def test_target_on_meta_device(folder):
     with torch.device("meta"):
         net = Tiny()
     with pytest.raises(ValueError, match=r"'a\.bias' is on the meta device"):
-        load_hf_checkpoint(net, folder, progress=False)
+        load_hf_checkpoint(net, folder, options=LoadOptions(progress=False))
     net.to_empty(device="cpu")
-    load_hf_checkpoint(net, folder, progress=False)
+    load_hf_checkpoint(net, folder, options=LoadOptions(progress=False))
     assert torch.equal(net.b.weight, good_tensors()["b.weight"])
 
 
@@ -466,7 +472,7 @@ def test_file_truncated_after_planning(folder, rollback):
     before = snapshot(net)
     planner = Sabotage(net, victim, keep)
     with pytest.raises(CheckpointError) as info:
-        load_hf_checkpoint(net, folder, planner=planner, rollback=rollback, progress=False)
+        load_hf_checkpoint(net, folder, planner=planner, options=LoadOptions(rollback=rollback, progress=False))
     assert isinstance(info.value, ValueError)
     assert str(victim) in str(info.value) and "changed underneath" in str(info.value)
     if rollback:
@@ -483,6 +489,6 @@ def test_file_truncated_after_planning_deferred_rollback(folder):
     rules = [Convert("^steps", "steps", lambda s: s.cumsum(0))]  # untraceable: read whole, run for real
     planner = Sabotage(net, victim, keep, extra_weights_mapping=rules)
     with pytest.raises(CheckpointError, match="changed underneath"):
-        load_hf_checkpoint(net, folder, planner=planner, rollback=True, progress=False)
+        load_hf_checkpoint(net, folder, planner=planner, options=LoadOptions(rollback=True, progress=False))
     assert [d.conversion.targets for d in planner.plans[-1].deferred] == [("steps",)]
     assert_unchanged(net, before)

@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from loader import Convert, HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
+from loader.hooks import PlanHooks
+from loader.options import LoadOptions, Rules
 
 VOCAB, PADDED, DIM = 5, 8, 4
 
@@ -61,7 +63,9 @@ def fallback_lines(caplog) -> list[str]:
 def test_each_fallback_is_logged_once_naming_tensors_rule_and_op(tmp_path, caplog, fn, op):
     tensors = write(tmp_path)
     with caplog.at_level(logging.WARNING, logger="loader"):
-        report = load_hf_checkpoint(model := Padded(), tmp_path, weights_mapping=rules(fn), progress=False)
+        report = load_hf_checkpoint(
+            model := Padded(), tmp_path, rules=Rules(weights_mapping=rules(fn)), options=LoadOptions(progress=False)
+        )
     assert report.deferred == ("layers.0.weight", "layers.1.weight")
     for i in range(2):
         assert torch.equal(model.layers[i].weight, pad_vocab(tensors[f"emb.{i}"]))
@@ -70,7 +74,7 @@ def test_each_fallback_is_logged_once_naming_tensors_rule_and_op(tmp_path, caplo
     assert f"fn={fn.__name__}" in line and op in line and "read whole" in line
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="loader"):  # inside dcp.load too
-        planner = HFLoadPlanner(Padded(), weights_mapping=rules(fn))
+        planner = HFLoadPlanner(Padded(), rules=Rules(weights_mapping=rules(fn)))
         dcp.load(planner.state_dict_for_load(), storage_reader=SafetensorsReader(str(tmp_path)), planner=planner,
                  no_dist=True)  # fmt: skip
     assert len(fallback_lines(caplog)) == 1 and op in fallback_lines(caplog)[0]
@@ -79,13 +83,17 @@ def test_each_fallback_is_logged_once_naming_tensors_rule_and_op(tmp_path, caplo
 def test_a_conversion_the_hook_sends_to_a_deferred_read_is_not_warned_about(tmp_path, caplog):
     write(tmp_path)
 
-    class NoTracing(HFLoadPlanner):
+    class NoTracing(PlanHooks):
         def supports_symbolic(self, conversion):
             return False
 
     model = Padded()
     with caplog.at_level(logging.WARNING, logger="loader"):
-        report = load_hf_checkpoint(model, tmp_path, planner=NoTracing(model, weights_mapping=rules(pad_vocab)))
+        report = load_hf_checkpoint(
+            model,
+            tmp_path,
+            planner=HFLoadPlanner(model, hooks=NoTracing(), rules=Rules(weights_mapping=rules(pad_vocab))),
+        )
     assert set(report.deferred) == {"layers.0.weight", "layers.1.weight", "norm"}
     assert fallback_lines(caplog) == []
 
@@ -108,7 +116,7 @@ def test_a_function_writing_into_a_buffer_of_the_wrong_device_is_a_clear_error(t
     model = Padded()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=says) as info:
-        load_hf_checkpoint(model, tmp_path, weights_mapping=rules(fn), progress=False)
+        load_hf_checkpoint(model, tmp_path, rules=Rules(weights_mapping=rules(fn)), options=LoadOptions(progress=False))
     message = str(info.value)
     assert f"fn={fn.__name__}" in message and "layers.0.weight" in message and "meta" in message
     assert "new_zeros" in message  # what to write instead

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from loader import CheckpointError, HFLoadPlanner, SafetensorsCheckpoint, SafetensorsReader, load_hf_checkpoint
+from loader.options import LoadOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # no_dist=True: "torch.distributed is disabled"
 
@@ -53,7 +54,7 @@ def torch_save(folder, files: int) -> dict[str, torch.Tensor]:
 def test_a_complete_shard_set_without_its_index_loads_and_says_so(tmp_path, caplog, files):
     state = torch_save(tmp_path, files)
     with caplog.at_level(logging.INFO, logger="loader"):
-        report = load_hf_checkpoint(net := Net(), tmp_path, progress=False)
+        report = load_hf_checkpoint(net := Net(), tmp_path, options=LoadOptions(progress=False))
     for name, value in state.items():
         assert torch.equal(net.state_dict()[name], value), name
     assert report.missing_keys == report.unexpected_keys == ()
@@ -71,7 +72,10 @@ def test_a_complete_shard_set_without_its_index_loads_and_says_so(tmp_path, capl
 def test_a_shard_set_with_a_member_missing_is_refused(tmp_path):
     torch_save(tmp_path, 3)
     os.remove(tmp_path / "model-00002-of-00003.safetensors")
-    for opener in (SafetensorsCheckpoint.open, lambda p: load_hf_checkpoint(Net(), p, progress=False)):
+    for opener in (
+        SafetensorsCheckpoint.open,
+        lambda p: load_hf_checkpoint(Net(), p, options=LoadOptions(progress=False)),
+    ):
         with pytest.raises(CheckpointError, match="holds 2 of the 3 shard files") as info:
             opener(tmp_path)
         assert "missing model-00002-of-00003.safetensors" in str(info.value) and INDEX in str(info.value)
@@ -96,7 +100,7 @@ def test_a_saves_staging_folder_is_refused(tmp_path):
     staging = tmp_path / "ckpt.tmp-a1b2_c3d"
     torch_save(staging, 2)
     with pytest.raises(CheckpointError, match="staging folder of a save interrupted before its commit") as info:
-        load_hf_checkpoint(Net(), staging, progress=False)
+        load_hf_checkpoint(Net(), staging, options=LoadOptions(progress=False))
     assert info.value.path == str(staging)
     torch_save(tmp_path / "ckpt.tmp-not-ours", 2)  # another name: an ordinary folder
     SafetensorsCheckpoint.open(tmp_path / "ckpt.tmp-not-ours")

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from loader import CheckpointError, HFLoadPlanner, load_hf_checkpoint
 from loader.materialize import materialize
+from loader.options import LoadOptions, Rules
 
 
 def meta_model(family: str, **overrides) -> torch.nn.Module:
@@ -35,7 +36,7 @@ def test_a_meta_transformers_model_equals_from_pretrained(tmp_path, family):
     save(model, tmp_path)
     meta = meta_model(family)
 
-    report = load_hf_checkpoint(meta, str(tmp_path), device="cpu", progress=False)
+    report = load_hf_checkpoint(meta, str(tmp_path), device="cpu", options=LoadOptions(progress=False))
 
     reference = auto.from_pretrained(tmp_path, dtype=torch.float32)
     assert report.missing_keys == ()
@@ -53,7 +54,7 @@ def test_tied_weights_stay_tied(tmp_path):
     meta = meta_model("llama", tie_word_embeddings=True)
     assert meta.lm_head.weight is meta.model.embed_tokens.weight
 
-    load_hf_checkpoint(meta, str(tmp_path), device=torch.device("cpu"), progress=False)
+    load_hf_checkpoint(meta, str(tmp_path), device=torch.device("cpu"), options=LoadOptions(progress=False))
 
     assert meta.lm_head.weight is meta.model.embed_tokens.weight
     assert isinstance(meta.lm_head.weight, torch.nn.Parameter) and meta.lm_head.weight.requires_grad
@@ -75,7 +76,7 @@ def test_a_plain_meta_module(tmp_path):
     with torch.device("meta"):
         model = Plain()
 
-    report = load_hf_checkpoint(model, str(tmp_path), device="cpu", progress=False)
+    report = load_hf_checkpoint(model, str(tmp_path), device="cpu", options=LoadOptions(progress=False))
 
     assert report.loaded_keys == ("a.bias", "a.weight", "b.weight", "scale")
     assert isinstance(model.a.weight, torch.nn.Parameter) and model.a.weight.requires_grad
@@ -96,7 +97,7 @@ def test_strict_names_what_is_left_uninitialised(tmp_path):
     meta.extra = torch.nn.Parameter(torch.empty(3, device="meta"))
     meta._keys_to_ignore_on_load_missing = [r"^extra$"]
     with pytest.raises(ValueError, match=r"1 model tensor\(s\) .* neither loaded nor initialised by the model: extra "):
-        load_hf_checkpoint(meta, str(tmp_path), device="cpu", progress=False)
+        load_hf_checkpoint(meta, str(tmp_path), device="cpu", options=LoadOptions(progress=False))
     assert_on_meta(meta)  # raised before anything was read: the model is as it was
 
     # a plain module: a non-persistent buffer nothing can initialise; strict=False zeroes it (and says so)
@@ -106,10 +107,12 @@ def test_strict_names_what_is_left_uninitialised(tmp_path):
     with torch.device("meta"):
         plain = WithTable()
     with pytest.raises(ValueError, match="initialised by the model: table"):
-        load_hf_checkpoint(plain, str(tmp_path / "plain"), device="cpu", progress=False)
+        load_hf_checkpoint(plain, str(tmp_path / "plain"), device="cpu", options=LoadOptions(progress=False))
     with torch.device("meta"):
         plain = WithTable()
-    load_hf_checkpoint(plain, str(tmp_path / "plain"), device="cpu", strict=False, progress=False)
+    load_hf_checkpoint(
+        plain, str(tmp_path / "plain"), device="cpu", rules=Rules(strict=False), options=LoadOptions(progress=False)
+    )
     assert torch.equal(plain.a.weight, source.a.weight) and torch.equal(plain.table, torch.zeros(3, dtype=torch.long))
 
 
@@ -118,7 +121,7 @@ def test_without_device_a_meta_model_is_refused(tmp_path):
     with torch.device("meta"):
         model = Plain()
     with pytest.raises(ValueError, match="is on the meta device: materialize the model first"):
-        load_hf_checkpoint(model, str(tmp_path), progress=False)
+        load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     assert model.a.weight.device.type == "meta"
 
 
@@ -127,7 +130,7 @@ def test_a_materialised_model_is_loaded_as_before(tmp_path):
     save_file(dict(source.state_dict()), tmp_path / "model.safetensors")
     model = Plain()
     weight = model.a.weight
-    load_hf_checkpoint(model, str(tmp_path), device="cpu", progress=False)
+    load_hf_checkpoint(model, str(tmp_path), device="cpu", options=LoadOptions(progress=False))
     assert model.a.weight is weight and torch.equal(weight, source.a.weight)
 
 
@@ -168,12 +171,12 @@ def test_a_strict_error_leaves_the_model_on_meta_having_read_only_headers(tmp_pa
     before = model_tensors(meta)
     read = bytes_read_by_this_process()
     with pytest.raises(ValueError, match=r"1 model tensor\(s\) are not in the checkpoint: model.norm.weight "):
-        load_hf_checkpoint(meta, path, device="cpu", progress=False)
+        load_hf_checkpoint(meta, path, device="cpu", options=LoadOptions(progress=False))
     read = bytes_read_by_this_process() - read
     assert_on_meta(meta, before)
     assert read < size / 20, (read, size)  # the header and config.json: a few KB of 330 KB
     read = bytes_read_by_this_process()  # the count sees a load's reads
-    load_hf_checkpoint(meta, path, device="cpu", strict=False, progress=False)
+    load_hf_checkpoint(meta, path, device="cpu", rules=Rules(strict=False), options=LoadOptions(progress=False))
     assert bytes_read_by_this_process() - read > 0.95 * size
 
 
@@ -203,7 +206,7 @@ def test_a_truncated_file_leaves_the_model_on_meta(tmp_path, when):
     # after planning, the file's identity check refuses it when it is opened for reading
     match = "model.safetensors.*" + ("run past the data section" if planner is None else "changed underneath")
     with pytest.raises(CheckpointError, match=match):
-        load_hf_checkpoint(meta, path, device="cpu", planner=planner, progress=False)
+        load_hf_checkpoint(meta, path, device="cpu", planner=planner, options=LoadOptions(progress=False))
     assert_on_meta(meta, before)
 
 
@@ -263,7 +266,9 @@ def test_strict_false_initialises_what_nothing_loaded_as_the_model_would(tmp_pat
     prime_allocator((64, 40), (64,))
     torch.manual_seed(1)
     with caplog.at_level(logging.WARNING, logger="loader"):
-        report = load_hf_checkpoint(model, str(tmp_path), device="cpu", strict=False, progress=False)
+        report = load_hf_checkpoint(
+            model, str(tmp_path), device="cpu", rules=Rules(strict=False), options=LoadOptions(progress=False)
+        )
     torch.manual_seed(1)
     reference = torch.nn.Linear(40, 64)  # its constructor runs reset_parameters: the same draws
 
@@ -284,7 +289,13 @@ def test_reset_parameters_keeps_the_modules_other_tensors(tmp_path):
     with torch.device("meta"):
         model = Mixed()
     model.owned.weight = torch.nn.Parameter(torch.full((64, 40), 5.0))
-    load_hf_checkpoint(model, str(tmp_path / "m.safetensors"), device="cpu", strict=False, progress=False)
+    load_hf_checkpoint(
+        model,
+        str(tmp_path / "m.safetensors"),
+        device="cpu",
+        rules=Rules(strict=False),
+        options=LoadOptions(progress=False),
+    )
     assert torch.equal(model.owned.weight, torch.full((64, 40), 5.0))
     assert torch.equal(model.owned.bias, torch.arange(64.0))
 
@@ -306,7 +317,13 @@ def test_a_parents_reset_parameters_leaves_its_childs_tensor_reported(tmp_path, 
     with torch.device("meta"):
         model = Parent()
     with caplog.at_level(logging.WARNING, logger="loader"):
-        load_hf_checkpoint(model, str(tmp_path / "m.safetensors"), device="cpu", strict=False, progress=False)
+        load_hf_checkpoint(
+            model,
+            str(tmp_path / "m.safetensors"),
+            device="cpu",
+            rules=Rules(strict=False),
+            options=LoadOptions(progress=False),
+        )
     assert torch.equal(model.scale, torch.ones(64)) and torch.equal(model.bare.table, torch.zeros(64, 40))
     assert [r.getMessage() for r in caplog.records if "neither loaded" in r.getMessage()] == [
         "1 model tensor(s) from the meta device were neither loaded nor initialised by the model: bare.table; "
@@ -322,7 +339,9 @@ def test_in_place_inits_of_a_transformers_model_count_as_initialised(tmp_path, c
     prime_allocator(tuple(meta.lm_head.weight.shape), tuple(meta.model.norm.weight.shape))
     torch.manual_seed(2)
     with caplog.at_level(logging.WARNING, logger="loader"):
-        report = load_hf_checkpoint(meta, path, device="cpu", strict=False, progress=False)
+        report = load_hf_checkpoint(
+            meta, path, device="cpu", rules=Rules(strict=False), options=LoadOptions(progress=False)
+        )
     torch.manual_seed(2)
     reference = torch.empty(meta.lm_head.weight.shape).normal_(0.0, meta.config.initializer_range)
 
@@ -377,8 +396,8 @@ def test_device_meta_is_a_clear_error_before_anything_is_read(tmp_path, device):
     meta = meta_model("llama")
     before = {k: (v.device.type, id(v)) for k, v in meta.state_dict(keep_vars=True).items()}
     with pytest.raises(ValueError, match=r"device=.*meta.*holds no data.*'cpu', 'cuda'"):
-        load_hf_checkpoint(meta, str(tmp_path), device=device, progress=False)
+        load_hf_checkpoint(meta, str(tmp_path), device=device, options=LoadOptions(progress=False))
     assert {k: (v.device.type, id(v)) for k, v in meta.state_dict(keep_vars=True).items()} == before
     _, built = build("llama", seed=2)  # a model already materialised: the same error
     with pytest.raises(ValueError, match="holds no data"):
-        load_hf_checkpoint(built, str(tmp_path), device=device, progress=False)
+        load_hf_checkpoint(built, str(tmp_path), device=device, options=LoadOptions(progress=False))

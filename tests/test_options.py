@@ -52,15 +52,12 @@ def test_defaults_are_typed_once():
         {"timeout": datetime.timedelta(0)},
         {"staging_bytes": 0},
         {"exchange_reads": "yes"},
+        {"exchange_round_bytes": 0},
     ],
 )
 def test_options_are_validated_once_where_they_are_built(kwargs, folder):
-    with pytest.raises(ValueError, match="timeout|staging_bytes|exchange_reads"):
+    with pytest.raises(ValueError, match="timeout|staging_bytes|exchange_reads|exchange_round_bytes"):
         LoadOptions(**kwargs)
-    with pytest.raises(ValueError, match="timeout|staging_bytes|exchange_reads"):
-        load_hf_checkpoint(Net(), folder, weights_mapping=RULES, **kwargs)
-    with pytest.raises(ValueError, match="timeout|staging_bytes|exchange_reads"):
-        SafetensorsReader(folder, **kwargs)
     if "timeout" in kwargs:
         with pytest.raises(ValueError, match="timeout"):
             SaveOptions(timeout=kwargs["timeout"])
@@ -78,19 +75,19 @@ def test_options_are_validated_once_where_they_are_built(kwargs, folder):
 def test_a_planner_with_rules_or_strict_beside_it_is_an_error(given, folder):
     net = Net()
     with pytest.raises(ValueError, match="planner"):
-        load_hf_checkpoint(net, folder, planner=HFLoadPlanner(net, weights_mapping=RULES), **given)
+        load_hf_checkpoint(
+            net, folder, planner=HFLoadPlanner(net, rules=Rules(weights_mapping=RULES)), rules=Rules(**given)
+        )
     assert not net.weight.any()  # nothing was read
 
 
 def test_the_planner_carries_rules_and_strict(folder):
     net = Net()
     report = load_hf_checkpoint(
-        net, folder, planner=HFLoadPlanner(net, rules=Rules(weights_mapping=RULES[:1]), strict=False)
+        net, folder, planner=HFLoadPlanner(net, rules=Rules(weights_mapping=RULES[:1], strict=False))
     )
     assert report.missing_keys == ("bias",)
     assert torch.equal(net.weight.detach(), load_file(os.path.join(folder, "model.safetensors"))["w"])
-    with pytest.raises(ValueError, match="rules"):
-        HFLoadPlanner(net, rules=Rules(weights_mapping=RULES), key_mapping={"a": "b"})
 
 
 def test_hooks_are_a_strategy_object(folder):
@@ -99,7 +96,7 @@ def test_hooks_are_a_strategy_object(folder):
             return False
 
     net = Net()
-    planner = HFLoadPlanner(net, weights_mapping=RULES, hooks=Defer())
+    planner = HFLoadPlanner(net, hooks=Defer(), rules=Rules(weights_mapping=RULES))
     report = load_hf_checkpoint(net, folder, planner=planner)
     assert report.deferred_reasons == {
         "bias": "rejected by supports_symbolic",

@@ -19,7 +19,7 @@ import regiontrace as rt
 from loader import Convert, HFLoadPlanner, Rename, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileReader
 from loader.execute import execute_plan
-from loader.options import LoadOptions
+from loader.options import LoadOptions, Rules
 from loader.plan import RankPlan, Traced, Untraced
 from loader.report import load_report
 from loader.rules import dot_natural_key, plan_keys
@@ -78,7 +78,7 @@ def rules(stack: Counted, scale: Counted) -> list:
 
 def test_each_conversion_runs_on_meta_once_per_signature(folder):
     stack, scale = Counted(lambda ws: torch.stack(ws)), Counted(lambda w: torch.stack([w, w]).sum(0))
-    planner = HFLoadPlanner(Net(), weights_mapping=rules(stack, scale))
+    planner = HFLoadPlanner(Net(), rules=Rules(weights_mapping=rules(stack, scale)))
     planner.plan_cache = None  # plans not kept (tests/test_plan_cache.py): the key plan and traces are what is counted
     plan = planner.build_plan(SafetensorsCheckpoint.open(folder))
     # 4 layers, one signature each: one meta run (the rules'), one RegionTensor run (the trace), no more
@@ -106,7 +106,9 @@ def test_a_transformers_converter_runs_on_meta_once_per_signature(folder):
 
     merge = core.WeightConverter("experts.*.w", "experts", [CountedMerge(dim=0)])
     net = Net()
-    planner = HFLoadPlanner(net, weights_mapping=[merge, Convert("scale_me", "scaled", lambda w: w.clone())])
+    planner = HFLoadPlanner(
+        net, rules=Rules(weights_mapping=[merge, Convert("scale_me", "scaled", lambda w: w.clone())])
+    )
     plan = planner.build_plan(SafetensorsCheckpoint.open(folder))
     assert CountedMerge.calls == {"meta": 1, "region": 1, "real": 0}
     assert {c.targets for c in plan.conversions if c.rule is not None and "Merge" in c.description} == {
@@ -117,7 +119,9 @@ def test_a_transformers_converter_runs_on_meta_once_per_signature(folder):
 
 def test_outcomes_are_typed_values(folder):
     stack, scale = Counted(lambda ws: torch.stack(ws)), Counted(lambda w: torch.stack([w, w]).sum(0))
-    plan = HFLoadPlanner(Net(), weights_mapping=rules(stack, scale)).build_plan(SafetensorsCheckpoint.open(folder))
+    plan = HFLoadPlanner(Net(), rules=Rules(weights_mapping=rules(stack, scale))).build_plan(
+        SafetensorsCheckpoint.open(folder)
+    )
     assert isinstance(plan, RankPlan) and len(plan.outcomes) == len(plan.conversions)
     for conv, outcome in zip(plan.conversions, plan.outcomes):
         if conv.targets[0].endswith("experts"):
@@ -131,7 +135,7 @@ def test_outcomes_are_typed_values(folder):
 def test_the_plan_is_a_value_nothing_is_read_back_from_the_planner(folder):
     stack, scale = Counted(lambda ws: torch.stack(ws)), Counted(lambda w: torch.stack([w, w]).sum(0))
     net = Net()
-    planner = HFLoadPlanner(net, weights_mapping=rules(stack, scale))
+    planner = HFLoadPlanner(net, rules=Rules(weights_mapping=rules(stack, scale)))
     plan = planner.build_plan(SafetensorsCheckpoint.open(folder))
     for stale in ("plan", "slots", "checkpoint", "keyplan"):
         assert not hasattr(planner, stale), stale
@@ -147,7 +151,12 @@ def test_the_plan_is_a_value_nothing_is_read_back_from_the_planner(folder):
     assert report.bytes_read == report.planned_bytes == sum(t.numel() * 4 for t in tensors.values())
     assert scale.calls["real"] == LAYERS
     other = Net()
-    assert load_hf_checkpoint(other, folder, weights_mapping=rules(stack, scale), progress=False) == report
+    assert (
+        load_hf_checkpoint(
+            other, folder, rules=Rules(weights_mapping=rules(stack, scale)), options=LoadOptions(progress=False)
+        )
+        == report
+    )
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), net.state_dict().values()))
 
 
@@ -272,11 +281,11 @@ def test_planning_reading_and_reporting_pause_the_garbage_collector(tmp_path):
     assert len(collections) > 10
     model["extra"] = nn.Parameter(torch.empty(2))
     with pytest.raises(ValueError, match="not in the checkpoint: extra"):
-        HFLoadPlanner(model, strict=True).build_plan(SafetensorsCheckpoint.open(str(tmp_path)))
+        HFLoadPlanner(model, rules=Rules(strict=True)).build_plan(SafetensorsCheckpoint.open(str(tmp_path)))
     assert gc.isenabled()
     gc.disable()
     try:
-        load_hf_checkpoint(model, str(tmp_path), strict=False)
+        load_hf_checkpoint(model, str(tmp_path), rules=Rules(strict=False))
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -297,7 +306,7 @@ def test_a_load_then_a_save_of_the_same_model_share_one_trace_per_signature(fold
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     mapping = [Convert("experts.*.w", "experts", lambda ws: torch.stack(ws))]
     model, checkpoint = Kept(), SafetensorsCheckpoint.open(folder)
-    planner = HFLoadPlanner(model, weights_mapping=mapping)
+    planner = HFLoadPlanner(model, rules=Rules(weights_mapping=mapping))
     plan = planner.build_plan(checkpoint)
     signatures = {planner.cache.signature(c, checkpoint) for c in plan.conversions}
     assert len(signatures) == 1 and planner.cache.misses == 1

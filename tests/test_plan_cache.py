@@ -15,6 +15,7 @@ from torch import nn
 
 from loader import HFLoadPlanner, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.hooks import PlanHooks
+from loader.options import LoadOptions, Rules
 from loader.plan import RankPlan, TargetSlot
 from loader.plan.cache import PLANS, PlanCache
 
@@ -38,10 +39,10 @@ def ckpt(tmp_path) -> str:
     return str(tmp_path)
 
 
-def load(model: nn.Module, path: str, **kwargs) -> tuple[int, int]:
-    """Load; return (hits, misses) of the process's plan cache during it."""
+def load(model: nn.Module, path: str, **rules) -> tuple[int, int]:
+    """Load with ``Rules(**rules)``; return (hits, misses) of the process's plan cache during it."""
     hits, misses = PLANS.hits, PLANS.misses
-    load_hf_checkpoint(model, path, progress=False, **kwargs)
+    load_hf_checkpoint(model, path, rules=Rules(**rules), options=LoadOptions(progress=False))
     return PLANS.hits - hits, PLANS.misses - misses
 
 
@@ -140,7 +141,9 @@ def test_other_boxes_miss(tmp_path):
     seen = []
     for rank in (0, 1, 1, 0):  # both kept (two plans per model)
         hits, misses = PLANS.hits, PLANS.misses
-        load_hf_checkpoint(model, str(tmp_path), planner=HFLoadPlanner(model, hooks=Rows(rank)), progress=False)
+        load_hf_checkpoint(
+            model, str(tmp_path), planner=HFLoadPlanner(model, hooks=Rows(rank)), options=LoadOptions(progress=False)
+        )
         assert torch.equal(model.w.data, full[rank * 8 : rank * 8 + 8])
         seen.append((PLANS.hits - hits, PLANS.misses - misses))
     assert seen == [(0, 1), (0, 1), (1, 0), (1, 0)]
@@ -155,14 +158,16 @@ def test_other_boxes_miss(tmp_path):
 
 
 def test_planners_with_unkeyed_hooks_plan_every_load(ckpt):
-    class Deferring(HFLoadPlanner):
+    class Deferring(PlanHooks):
         def supports_symbolic(self, conversion) -> bool:
             return True
 
     model = Net()
     for _ in range(2):
         hits = PLANS.hits
-        load_hf_checkpoint(model, ckpt, planner=Deferring(model), progress=False)
+        load_hf_checkpoint(
+            model, ckpt, planner=HFLoadPlanner(model, hooks=Deferring()), options=LoadOptions(progress=False)
+        )
         assert PLANS.hits == hits
 
 

@@ -25,6 +25,7 @@ from hf_models import FAMILIES, build, clone_state, save
 from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 from loader.checkpoint.header import REMOTE_HEAD_BYTES
 from loader.errors import CheckpointError
+from loader.options import LoadOptions, StorageOptions
 from loader.storage.remote import RemoteOptions
 
 pytest.importorskip("requests")
@@ -130,12 +131,12 @@ def object_bytes(folder) -> int:
 def test_family_loads_bit_identical_to_the_local_load(family, folders, remote, web):
     _, template = build("llama" if family == SHARDED else family, seed=1)
     local = copy.deepcopy(template)
-    local_report = load_hf_checkpoint(local, folders[family], progress=False)
+    local_report = load_hf_checkpoint(local, folders[family], options=LoadOptions(progress=False))
     for scheme in SCHEMES:
         url, options = remote(scheme, family)
         fresh = copy.deepcopy(template)
         logged = len(web.requests())
-        report = load_hf_checkpoint(fresh, url, storage_options=options or None, progress=False)
+        report = load_hf_checkpoint(fresh, url, storage_options=options or None, options=LoadOptions(progress=False))
         assert_bit_equal(fresh.state_dict(), local.state_dict())
         what = (scheme, report)
         assert (report.loaded_keys, report.traced, report.deferred) == (
@@ -157,9 +158,9 @@ def test_partial_load_fetches_only_its_ranges(folders, remote, web):
     url, _ = remote("http", "llama")
     _, model = build("llama", seed=1, num_hidden_layers=1)
     _, local = build("llama", seed=1, num_hidden_layers=1)
-    load_hf_checkpoint(local, folders["llama"], progress=False)
+    load_hf_checkpoint(local, folders["llama"], options=LoadOptions(progress=False))
     logged = len(web.requests())
-    report = load_hf_checkpoint(model, url, progress=False, storage_options={"latency": 1e-9})
+    report = load_hf_checkpoint(model, url, storage_options={"latency": 1e-9}, options=LoadOptions(progress=False))
     assert_bit_equal(model.state_dict(), local.state_dict())
     assert report.bytes_read == report.planned_bytes < object_bytes(folders["llama"])
     gets = [r for r in web.requests()[logged:] if r.method == "GET"]
@@ -219,7 +220,7 @@ def test_fault_is_a_checkpoint_error_naming_the_url_and_the_model_is_untouched(f
     url, control, path, model, before = faulty
     control.set(path, **mode)
     with pytest.raises(CheckpointError, match=match) as raised:
-        load_hf_checkpoint(model, url, rollback=True, storage_options=FAST, progress=False)
+        load_hf_checkpoint(model, url, storage_options=FAST, options=LoadOptions(rollback=True, progress=False))
     assert path in str(raised.value), raised.value
     assert_bit_equal(model.state_dict(), before)
 
@@ -229,12 +230,14 @@ def test_object_replaced_mid_load_rolls_back(faulty, folders):
     and the tensors already written from the other shards are restored."""
     url, control, path, model, before = faulty
     _, probe = build("llama", seed=1)
-    load_hf_checkpoint(probe, url, progress=False)  # a clean load: how many requests come before the data reads
+    load_hf_checkpoint(
+        probe, url, options=LoadOptions(progress=False)
+    )  # a clean load: how many requests come before the data reads
     skip = first_data_request(control, path)
     control.clear()
     control.set(path, change_etag_after=skip)
     with pytest.raises(CheckpointError, match="changed") as raised:
-        load_hf_checkpoint(model, url, rollback=True, storage_options=FAST, progress=False)
+        load_hf_checkpoint(model, url, storage_options=FAST, options=LoadOptions(rollback=True, progress=False))
     assert path in str(raised.value)
     assert_bit_equal(model.state_dict(), before)
 
@@ -242,9 +245,9 @@ def test_object_replaced_mid_load_rolls_back(faulty, folders):
 def test_500_then_success_loads(faulty, folders):
     url, control, path, model, _ = faulty
     _, local = build("llama", seed=1)
-    load_hf_checkpoint(local, folders[SHARDED], progress=False)
+    load_hf_checkpoint(local, folders[SHARDED], options=LoadOptions(progress=False))
     control.set(path, fail_then_ok=2)
-    load_hf_checkpoint(model, url, storage_options={**FAST, "retries": 3}, progress=False)
+    load_hf_checkpoint(model, url, storage_options={**FAST, "retries": 3}, options=LoadOptions(progress=False))
     assert_bit_equal(model.state_dict(), local.state_dict())
     assert [r.status for r in control.log() if r.path == path][:2] == [500, 500]
 
@@ -259,11 +262,11 @@ def test_dcp_load_through_safetensors_reader(scheme, folders, remote):
     url, options = remote(scheme, "qwen3_moe")
     _, local = build("qwen3_moe", seed=1)
     model = copy.deepcopy(local)
-    load_hf_checkpoint(local, folders["qwen3_moe"], progress=False)
+    load_hf_checkpoint(local, folders["qwen3_moe"], options=LoadOptions(progress=False))
     planner = HFLoadPlanner(model)
     reader = SafetensorsReader(url, storage_options=options or None)
     dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
-    report = planner.finish(url)
+    report = planner.finish(reader)
     assert_bit_equal(model.state_dict(), local.state_dict())
     assert report.bytes_read >= report.planned_bytes > 0 and report.requests >= 1
 
@@ -344,7 +347,7 @@ def test_one_rank_fetches_each_byte_once_and_no_head_request(wire_folder, web):
 
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(wire_folder))
     options = {"headers": {"User-Agent": "regiontrace-wire-one"}}
-    report = load_hf_checkpoint(model, f"{web}/{WIRE}", storage_options=options, progress=False)
+    report = load_hf_checkpoint(model, f"{web}/{WIRE}", storage_options=options, options=LoadOptions(progress=False))
     sent = [r for r in web.requests() if r.agent == "regiontrace-wire-one"]
     assert sent and not [r for r in sent if r.method != "GET"], sent
     assert not any(data_fetched_twice(wire_folder, sent).values())
@@ -359,7 +362,7 @@ def test_hub_files_are_probed_without_head_requests(remote, hub):
     url, options = remote("hf", SHARDED)
     logged = len(hub.requests())
     _, model = build("llama", seed=1)
-    load_hf_checkpoint(model, url, storage_options=options, progress=False)
+    load_hf_checkpoint(model, url, storage_options=options, options=LoadOptions(progress=False))
     sent = hub.requests()[logged:]
     assert len(sent) > 6 and all(r.method == "GET" for r in sent), sent  # the index and 6 shards at least
 
@@ -491,11 +494,11 @@ def test_tp_column_shards_use_multi_range_requests_over_http(world):
 
 def test_hub_revisions_and_missing_repos(folders, remote):
     _, local = build("llama", seed=1)
-    load_hf_checkpoint(local, folders["llama"], progress=False)
+    load_hf_checkpoint(local, folders["llama"], options=LoadOptions(progress=False))
     url, _ = remote("hf", "llama")
     for path, revision in [(url, COMMIT), (f"{url}@main", None), (f"{url}@{COMMIT}", COMMIT)]:
         _, model = build("llama", seed=1)
-        load_hf_checkpoint(model, path, revision=revision, progress=False)
+        load_hf_checkpoint(model, path, options=LoadOptions(progress=False), storage=StorageOptions(revision=revision))
         assert_bit_equal(model.state_dict(), local.state_dict())
     _, model = build("llama", seed=1)
     before = clone_state(model)
@@ -505,5 +508,7 @@ def test_hub_revisions_and_missing_repos(folders, remote):
         (f"{url}@main", "dev", "names revision 'main'"),
     ]:
         with pytest.raises(CheckpointError, match=match):
-            load_hf_checkpoint(model, path, revision=revision, progress=False)
+            load_hf_checkpoint(
+                model, path, options=LoadOptions(progress=False), storage=StorageOptions(revision=revision)
+            )
     assert_bit_equal(model.state_dict(), before)

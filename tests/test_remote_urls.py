@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import quantization_config
+from loader.options import Rules
 from loader.storage.remote import RemoteOptions, remote_store
 from loader.storage.remote.backend import Transient
 from loader.storage.remote.backends import make_backend
@@ -122,7 +123,7 @@ def test_a_load_from_a_url_with_credentials_reports_none_of_them(web, caplog):
     caplog.set_level(logging.DEBUG, logger="loader")
     model = torch.nn.Module()
     model.register_parameter("layer0", torch.nn.Parameter(torch.zeros(64, 96)))  # no checkpoint key: unexpected
-    load_hf_checkpoint(model, with_userinfo(f"{web}/ckpt") + "?token=s3cr3t-token", strict=False)
+    load_hf_checkpoint(model, with_userinfo(f"{web}/ckpt") + "?token=s3cr3t-token", rules=Rules(strict=False))
     checkpoint = SafetensorsCheckpoint.open(with_userinfo(f"{web}/ckpt/{NAME}") + PRESIGNED)
     assert not [s for s in SECRETS if s in caplog.text + repr(checkpoint) + repr(checkpoint.store)]
     assert "unexpected" in caplog.text  # the log that names the checkpoint was written

@@ -117,7 +117,9 @@ def replaced_from_first_data_read(url: str, control, path: str, validator: str, 
     """Serve ``path`` under ``validator``, then ``alternate`` in its place from its first data read on (counted in
     a clean load first); returns how many responses come before that read."""
     control.set(path, validator=validator)
-    load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)  # a clean load: the requests
+    load_hf_checkpoint(
+        Pair(), f"{url}{path}", storage_options=FAST, options=LoadOptions(progress=False)
+    )  # a clean load: the requests
     skip = data_requests_from(control, path)
     control.clear()
     control.set(path, validator=validator, alternate=alternate, alternate_after=skip)
@@ -134,7 +136,7 @@ def test_a_hub_branch_moving_during_the_open_reads_every_file_at_the_first_commi
     index = "/hub/org/pair/resolve/main/model.safetensors.index.json"
     control.set(index, relink_after=[1, "hub/org/pair/main", COMMIT_B])
     model = Pair()
-    load_hf_checkpoint(model, "hf://org/pair", storage_options=FAST, progress=False)
+    load_hf_checkpoint(model, "hf://org/pair", storage_options=FAST, options=LoadOptions(progress=False))
     assert equal(model, values["A"])
     paths = [r.path for r in control.log()]
     assert [p for p in paths if "/resolve/main/" in p] == [index], paths
@@ -175,7 +177,9 @@ def test_an_object_replaced_mid_load_under_a_weak_validator_is_caught_by_its_hea
     caplog.set_level(logging.WARNING, logger="loader")
     secret = url.replace("http://", "http://user:hunter2@")
     with pytest.raises(CheckpointError, match="header") as raised:
-        load_hf_checkpoint(model, f"{secret}{path}", storage_options=FAST, progress=False, rollback=True)
+        load_hf_checkpoint(
+            model, f"{secret}{path}", storage_options=FAST, options=LoadOptions(progress=False, rollback=True)
+        )
     assert path in str(raised.value)
     assert equal(model, {k: torch.zeros(N, N) for k in ("a", "b")})
     warned = [r.getMessage() for r in caplog.records if "no strong validator" in r.getMessage()]
@@ -193,7 +197,7 @@ def test_a_last_modified_alone_is_sent_as_if_range(fault):
     path = "/plain/v1/model.safetensors"
     skip = replaced_from_first_data_read(url, control, path, "dated", "plain/v2/model.safetensors")
     with pytest.raises(CheckpointError, match="If-Range") as raised:
-        load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)
+        load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, options=LoadOptions(progress=False))
     assert path in str(raised.value) and "changed" in str(raised.value)
     assert all(r.status == 200 for r in control.log()[skip:] if r.method == "GET"), control.log()
 
@@ -205,7 +209,7 @@ def test_an_object_that_grows_mid_load_is_caught_by_its_size(fault):
     path = "/plain/v1/model.safetensors"
     replaced_from_first_data_read(url, control, path, "none", "plain/v3.safetensors")
     with pytest.raises(CheckpointError, match="bytes now") as raised:
-        load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, progress=False)
+        load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, options=LoadOptions(progress=False))
     assert path in str(raised.value)
 
 
@@ -219,7 +223,7 @@ def test_the_header_comes_again_with_the_last_request_and_no_request_more(fault,
     tensors = {"a": values["v1"]["a"], "a_skipped": torch.zeros(N, N), "b": values["v1"]["b"]}  # stored in name order
     save_file(tensors, str(tree[0] / path.lstrip("/")))
     model = Pair()
-    report = load_hf_checkpoint(model, f"{url}{path}", progress=False)
+    report = load_hf_checkpoint(model, f"{url}{path}", options=LoadOptions(progress=False))
     assert equal(model, values["v1"])
     gets = [r for r in control.log() if r.path == path and r.method == "GET"]
     assert len(gets) == 1 + report.requests, gets  # the header's first request, then the reads
@@ -227,7 +231,7 @@ def test_the_header_comes_again_with_the_last_request_and_no_request_more(fault,
     assert report.bytes_read == report.planned_bytes
     control.clear()
     path = "/plain/v1/model.safetensors"
-    report = load_hf_checkpoint(Pair(), f"{url}{path}", progress=False)
+    report = load_hf_checkpoint(Pair(), f"{url}{path}", options=LoadOptions(progress=False))
     gets = [r for r in control.log() if r.path == path and r.method == "GET"]
     assert len(gets) == 1 + report.requests and gets[-1].range.startswith("bytes=0-"), gets
     assert gets[-1].range.count(",") == 1 and report.bytes_read == report.planned_bytes, gets

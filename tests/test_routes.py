@@ -13,6 +13,7 @@ from torch import nn
 from loader import SafetensorsCheckpoint
 from loader.execute import execute_plan
 from loader.execute.routes import DIRECT, SCATTER, SPAN, STAGED
+from loader.hooks import PlanHooks
 from loader.plan import TargetSlot
 from loader.plan.cache import PlanCache
 from loader.planner import HFLoadPlanner
@@ -40,7 +41,7 @@ BOXES = {  # model name: (the checkpoint tensor's shape, the box of it this "ran
 KINDS = {"rows": DIRECT, "short": SPAN, "long": SCATTER if CAN_SCATTER else SPAN, "few": STAGED}
 
 
-class Sharded(HFLoadPlanner):
+class Sharded(PlanHooks):
     def target_slot(self, name: str, tensor: torch.Tensor) -> TargetSlot:
         shape, box = BOXES[name]
         local = tuple((0, b - a) for a, b in box)
@@ -57,7 +58,7 @@ def folder(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
 
 
 def _load(model: Model, path: str, cache: PlanCache):
-    planner = Sharded(model)
+    planner = HFLoadPlanner(model, hooks=Sharded())
     planner.plan_cache = cache
     plan = planner.build_plan(SafetensorsCheckpoint.open(path))
     with FileReader() as reader:

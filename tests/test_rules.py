@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.core_model_loading import MergeModulelist, WeightConverter, WeightRenaming
 from transformers.core_model_loading import dot_natural_key as hf_dot_natural_key
 
+from loader.options import LoadOptions, Rules
 from loader.rules import Conversion, Convert, KeyPlan, Rename, dot_natural_key, plan_keys
 
 
@@ -240,7 +241,7 @@ def test_head_keys_named_like_base_modules_load_as_from_pretrained_does(saved, t
     reference, info = AutoModel.from_pretrained(ckpt, output_loading_info=True)
     assert info["unexpected_keys"] == {"lm_head.weight"} and info["missing_keys"] == set()
     base = AutoModel.from_config(causal.config)
-    report = load_hf_checkpoint(base, str(ckpt), progress=False)
+    report = load_hf_checkpoint(base, str(ckpt), options=LoadOptions(progress=False))
     ours, theirs = base.state_dict(), reference.state_dict()
     assert list(ours) == list(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
@@ -724,7 +725,9 @@ def test_convert_targets_take_back_references_like_rename(tmp_path):
     assert plan.missing_keys == [] and plan.unexpected_keys == []
     save_file(tensors, str(tmp_path / "model.safetensors"))
     model = Layers()
-    report = load_hf_checkpoint(model, tmp_path, weights_mapping=[rule], progress=False)
+    report = load_hf_checkpoint(
+        model, tmp_path, rules=Rules(weights_mapping=[rule]), options=LoadOptions(progress=False)
+    )
     assert report.deferred == ()
     for i, layer in enumerate(model.layers):
         src = {p: tensors[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"}
@@ -753,7 +756,7 @@ def test_a_convert_whose_pattern_matches_nothing_is_named_with_the_nearest_keys(
     typo = Convert(["attn.q.weight", "attn.k.wieght", "attn.v.weight"], "qkv", lambda q, k, v: torch.cat([q, k, v]))
     wrong = Convert(r"atn\.q\.weight", "qkv", lambda q: q.repeat(3, 1))
     with pytest.raises(ValueError, match="1 model tensor.*not in the checkpoint: qkv") as info:
-        load_hf_checkpoint(Fused(), tmp_path, weights_mapping=[wrong], progress=False)
+        load_hf_checkpoint(Fused(), tmp_path, rules=Rules(weights_mapping=[wrong]), options=LoadOptions(progress=False))
     message = str(info.value)
     assert "matched no checkpoint key" in message and repr(r"atn\.q\.weight") in message
     assert "nearest checkpoint keys: ['attn.q.weight'" in message
@@ -762,8 +765,8 @@ def test_a_convert_whose_pattern_matches_nothing_is_named_with_the_nearest_keys(
     assert "matched no checkpoint key" in str(info.value) and "'attn.q.weight'" in str(info.value)
     # a typo in one of several patterns: the rule matched keys, its group lacks the pattern (named, with the keys)
     with pytest.raises(ValueError, match=r"no checkpoint key for source pattern 'attn\.k\.wieght'"):
-        load_hf_checkpoint(Fused(), tmp_path, weights_mapping=[typo], progress=False)
+        load_hf_checkpoint(Fused(), tmp_path, rules=Rules(weights_mapping=[typo]), options=LoadOptions(progress=False))
     # without a typo no note: the tensor is simply not in the checkpoint
     with pytest.raises(ValueError, match="not in the checkpoint: qkv") as info:
-        load_hf_checkpoint(Fused(), tmp_path, weights_mapping=[], progress=False)
+        load_hf_checkpoint(Fused(), tmp_path, rules=Rules(weights_mapping=[]), options=LoadOptions(progress=False))
     assert "matched no checkpoint key" not in str(info.value)

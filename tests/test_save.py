@@ -24,7 +24,7 @@ from torch import nn
 
 import regiontrace as rt
 from loader import Convert, Rename, SafetensorsCheckpoint, SaveReport, load_hf_checkpoint, save_hf_checkpoint
-from loader.options import Rules
+from loader.options import LoadOptions, Rules, SaveOptions
 from loader.rules import dot_natural_key
 from loader.save import TensorSpec, map_for_save, plan_layout, plan_rank_writes
 from loader.save.filelayout import header_bytes, parse_size, split_into_files
@@ -59,7 +59,7 @@ def assert_bit_equal(actual: dict, expected: dict) -> None:
 def test_family_files_equal_save_pretrained(family, dtype, tmp_path):
     auto, model = build(family, dtype=dtype)
     sharded = {"max_shard_size": "40KB"} if dtype == torch.float32 else {}  # bf16: one file
-    report = save_hf_checkpoint(model, tmp_path / "ours", progress=False, **sharded)
+    report = save_hf_checkpoint(model, tmp_path / "ours", options=SaveOptions(progress=False), **sharded)
     model.save_pretrained(tmp_path / "theirs", **sharded)
 
     ours, theirs = folder_bytes(tmp_path / "ours"), folder_bytes(tmp_path / "theirs")
@@ -83,9 +83,9 @@ def test_a_loaded_model_saves_the_checkpoint_it_came_from(tmp_path):
     auto, original = build("qwen3_moe", dtype=torch.bfloat16)
     original.save_pretrained(tmp_path / "ckpt", max_shard_size="30KB")
     _, model = build("qwen3_moe", seed=1, dtype=torch.bfloat16)
-    load_hf_checkpoint(model, tmp_path / "ckpt", progress=False)
+    load_hf_checkpoint(model, tmp_path / "ckpt", options=LoadOptions(progress=False))
     assert model._weight_conversions  # recorded like from_pretrained
-    save_hf_checkpoint(model, tmp_path / "resaved", max_shard_size="30KB", progress=False)
+    save_hf_checkpoint(model, tmp_path / "resaved", options=SaveOptions(max_shard_size="30KB", progress=False))
     assert folder_bytes(tmp_path / "resaved") == folder_bytes(tmp_path / "ckpt")
 
 
@@ -95,19 +95,19 @@ def test_a_loaded_model_saved_with_another_split_holds_the_same_tensors(tmp_path
     _, original = build("qwen3_moe", dtype=torch.bfloat16)
     original.save_pretrained(tmp_path / "ckpt", max_shard_size="30KB")
     _, model = build("qwen3_moe", seed=1, dtype=torch.bfloat16)
-    load_hf_checkpoint(model, tmp_path / "ckpt", progress=False)
-    save_hf_checkpoint(model, tmp_path / "resaved", progress=False)  # the default: one file
+    load_hf_checkpoint(model, tmp_path / "ckpt", options=LoadOptions(progress=False))
+    save_hf_checkpoint(model, tmp_path / "resaved", options=SaveOptions(progress=False))  # the default: one file
     assert sorted(os.listdir(tmp_path / "resaved")) != sorted(os.listdir(tmp_path / "ckpt"))
     assert_bit_equal(read_checkpoint(tmp_path / "resaved"), read_checkpoint(tmp_path / "ckpt"))
 
 
 def test_sharded_output_round_trips_through_the_loader(tmp_path):
     _, model = build("mixtral")
-    report = save_hf_checkpoint(model, tmp_path / "out", max_shard_size="30KB", progress=False)
+    report = save_hf_checkpoint(model, tmp_path / "out", options=SaveOptions(max_shard_size="30KB", progress=False))
     assert len(report.files) > 3 and (tmp_path / "out" / "model.safetensors.index.json").exists()
     assert SafetensorsCheckpoint.open(str(tmp_path / "out")).total_bytes == report.total_size
     _, fresh = build("mixtral", seed=1)
-    load_hf_checkpoint(fresh, tmp_path / "out", progress=False)
+    load_hf_checkpoint(fresh, tmp_path / "out", options=LoadOptions(progress=False))
     assert_bit_equal(fresh.state_dict(), model.state_dict())
 
 
@@ -155,15 +155,17 @@ def test_plain_module_with_convert_rules_needs_source_shapes(tmp_path):
     ckpt = net_checkpoint()
     save_file(ckpt, tmp_path / "model.safetensors", metadata={"format": "pt"})
     net = Net()
-    load_hf_checkpoint(net, tmp_path, weights_mapping=CONVERT_RULES, progress=False)
+    load_hf_checkpoint(net, tmp_path, rules=Rules(weights_mapping=CONVERT_RULES), options=LoadOptions(progress=False))
     with pytest.raises(ValueError, match="pass source_shapes"):
-        save_hf_checkpoint(net, tmp_path / "no_shapes", weights_mapping=CONVERT_RULES)
+        save_hf_checkpoint(net, tmp_path / "no_shapes", rules=Rules(weights_mapping=CONVERT_RULES))
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # refused before anything was created
 
     extra = {**{k: tuple(v.shape) for k, v in ckpt.items()}, "stray.weight": (2, 2)}
     with pytest.raises(ValueError, match=r"checkpoint keys \['stray.weight'\] \(found by source_shapes\) map to no"):
-        save_hf_checkpoint(net, tmp_path / "stray", weights_mapping=CONVERT_RULES, source_shapes=extra)
-    report = save_hf_checkpoint(net, tmp_path / "out", weights_mapping=CONVERT_RULES, source_shapes=str(tmp_path))
+        save_hf_checkpoint(net, tmp_path / "stray", source_shapes=extra, rules=Rules(weights_mapping=CONVERT_RULES))
+    report = save_hf_checkpoint(
+        net, tmp_path / "out", source_shapes=str(tmp_path), rules=Rules(weights_mapping=CONVERT_RULES)
+    )
     assert report.derived_by == "source_shapes" and not (tmp_path / "out" / "config.json").exists()
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "model.safetensors").read_bytes()
 
@@ -171,13 +173,15 @@ def test_plain_module_with_convert_rules_needs_source_shapes(tmp_path):
 def test_plain_module_renames_are_reversed(tmp_path):
     rules = [Rename(r"^tok\.", "embed."), Rename(r"^attn\.qkv\.", "qkv."), Rename(r"^proj\.", "out.")]
     net = Net()
-    report = save_hf_checkpoint(net, tmp_path / "out", weights_mapping=rules, progress=False)
+    report = save_hf_checkpoint(
+        net, tmp_path / "out", rules=Rules(weights_mapping=rules), options=SaveOptions(progress=False)
+    )
     saved = load_file(tmp_path / "out" / "model.safetensors")
     assert report.derived_by == "renames"
     expected = {"tok.weight", "attn.qkv.weight", "rope.weight", "proj.weight", "proj.bias", "experts", "steps"}
     assert set(saved) == expected
     back = Net()
-    load_hf_checkpoint(back, tmp_path / "out", weights_mapping=rules, progress=False)
+    load_hf_checkpoint(back, tmp_path / "out", rules=Rules(weights_mapping=rules), options=LoadOptions(progress=False))
     assert_bit_equal(back.state_dict(), net.state_dict())
 
 
@@ -185,7 +189,7 @@ def test_tied_plain_tensors_are_saved_once(tmp_path):
     net = Net()
     net.head = nn.Linear(8, 10, bias=False)
     net.head.weight = net.embed.weight
-    save_hf_checkpoint(net, tmp_path / "out", progress=False)
+    save_hf_checkpoint(net, tmp_path / "out", options=SaveOptions(progress=False))
     assert "head.weight" not in load_file(tmp_path / "out" / "model.safetensors")
 
 
@@ -207,7 +211,9 @@ def test_conversions_without_an_inverse_are_refused(tmp_path, fn, source, says):
 
     shapes = {"src": source}
     with pytest.raises(ValueError, match=r"model tensors \['w'\].*src") as err:
-        save_hf_checkpoint(One(), tmp_path / "out", weights_mapping=[Convert("src", "w", fn)], source_shapes=shapes)
+        save_hf_checkpoint(
+            One(), tmp_path / "out", source_shapes=shapes, rules=Rules(weights_mapping=[Convert("src", "w", fn)])
+        )
     assert says in str(err.value)
     assert os.listdir(tmp_path) == []
 
@@ -227,13 +233,13 @@ def test_saving_to_a_url_is_refused_before_anything_is_written(url, tmp_path, mo
 def test_an_existing_folder_gets_its_weights_replaced(tmp_path):
     _, model = build("llama")
     out = tmp_path / "out"
-    save_hf_checkpoint(model, out, max_shard_size="20KB", progress=False)
+    save_hf_checkpoint(model, out, options=SaveOptions(max_shard_size="20KB", progress=False))
     (out / "README.md").write_text("mine")
     sharded = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
     assert len(sharded) > 2
-    save_hf_checkpoint(model, out, progress=False)  # one file now: the shards and the index go
+    save_hf_checkpoint(model, out, options=SaveOptions(progress=False))  # one file now: the shards and the index go
     assert sorted(os.listdir(out)) == ["README.md", "config.json", "generation_config.json", "model.safetensors"]
-    save_hf_checkpoint(model, out, max_shard_size="20KB", progress=False)  # and back
+    save_hf_checkpoint(model, out, options=SaveOptions(max_shard_size="20KB", progress=False))  # and back
     assert sorted(n for n in os.listdir(out) if n.endswith(".safetensors")) == sharded
     assert (out / "README.md").read_text() == "mine" and len(os.listdir(tmp_path)) == 1
 
@@ -246,7 +252,7 @@ def test_a_failed_write_leaves_no_checkpoint(tmp_path):
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
         with pytest.raises(OSError):
-            save_hf_checkpoint(model, tmp_path / "out", progress=False)
+            save_hf_checkpoint(model, tmp_path / "out", options=SaveOptions(progress=False))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
@@ -366,7 +372,7 @@ ONE_BYTE = "a file holds at least one byte"
 )  # fmt: skip
 def test_a_bad_max_shard_size_is_a_value_error_before_anything_is_written(tmp_path, size, why):
     with pytest.raises(ValueError) as err:
-        save_hf_checkpoint(Tiny(), tmp_path / "out", max_shard_size=size, progress=False)
+        save_hf_checkpoint(Tiny(), tmp_path / "out", options=SaveOptions(max_shard_size=size, progress=False))
     assert str(err.value).startswith(f"max_shard_size={size!r} is not a file size ({why})"), str(err.value)
     assert os.listdir(tmp_path) == []  # no folder, no temporary folder
 
@@ -384,7 +390,7 @@ def test_max_shard_size_reads_like_save_pretrained_and_binary_units(tmp_path):
     assert parse_size("1TiB") == 2**40 and parse_size(np.int64(4096)) == 4096 and parse_size(1) == 1
 
     _, model = build("llama")
-    report = save_hf_checkpoint(model, tmp_path / "ours", max_shard_size="20KiB", progress=False)
+    report = save_hf_checkpoint(model, tmp_path / "ours", options=SaveOptions(max_shard_size="20KiB", progress=False))
     model.save_pretrained(tmp_path / "theirs", max_shard_size=20 * 1024)
     assert len(report.files) > 2 and folder_bytes(tmp_path / "ours") == folder_bytes(tmp_path / "theirs")
 
@@ -400,7 +406,7 @@ def test_a_tensor_named_metadata_is_refused_before_anything_is_written(tmp_path,
     else:
         model.register_buffer("__metadata__", value)
     with pytest.raises(ValueError, match=r"checkpoint key '__metadata__' is the header entry safetensors reserves"):
-        save_hf_checkpoint(model, tmp_path / "out", progress=False)
+        save_hf_checkpoint(model, tmp_path / "out", options=SaveOptions(progress=False))
     assert os.listdir(tmp_path) == []
     save_file({"__metadata__": value}, tmp_path / "raw.safetensors")  # why: the file safetensors writes
     with pytest.raises(Exception, match="header"):
@@ -421,7 +427,7 @@ def test_a_contiguous_conj_or_neg_view_is_refused(tmp_path, make, bit, fix):
     model.save_pretrained(tmp_path / "theirs")
     assert not torch.equal(load_file(tmp_path / "theirs" / "model.safetensors")["lazy"], model.lazy)  # why
     with pytest.raises(ValueError) as err:
-        save_hf_checkpoint(model, tmp_path / "ours", progress=False)
+        save_hf_checkpoint(model, tmp_path / "ours", options=SaveOptions(progress=False))
     assert f"model tensor 'lazy' has its {bit} bit set" in str(err.value) and f".{fix}()" in str(err.value)
     assert sorted(os.listdir(tmp_path)) == ["theirs"]
 
@@ -432,7 +438,7 @@ def test_a_strided_conj_or_neg_view_saves_its_values_as_save_pretrained_does(tmp
     model.register_buffer("conj_t", torch.randn(3, 5, dtype=torch.complex64).conj().t())
     model.register_buffer("neg_imag", torch.randn(6, dtype=torch.complex64).conj().imag)
     assert model.conj_t.is_conj() and model.neg_imag.is_neg() and not model.conj_t.is_contiguous()
-    save_hf_checkpoint(model, tmp_path / "ours", progress=False)
+    save_hf_checkpoint(model, tmp_path / "ours", options=SaveOptions(progress=False))
     model.save_pretrained(tmp_path / "theirs")
     assert folder_bytes(tmp_path / "ours") == folder_bytes(tmp_path / "theirs")
     saved = load_file(tmp_path / "ours" / "model.safetensors")

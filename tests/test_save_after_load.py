@@ -10,6 +10,7 @@ from torch import nn
 from transformers.core_model_loading import WeightRenaming
 
 from loader import Rename, load_hf_checkpoint, save_hf_checkpoint
+from loader.options import LoadOptions, Rules, SaveOptions
 
 
 def assert_same_files(a, b) -> None:
@@ -37,16 +38,22 @@ def write_renamed_llama(folder) -> None:
 def test_a_transformers_model_saved_without_rules_reverses_what_its_load_applied(tmp_path):
     write_renamed_llama(tmp_path / "ckpt")
     _, model = build("llama", seed=1)
-    load_hf_checkpoint(model, tmp_path / "ckpt", weights_mapping=HF_RULES, progress=False)
-    save_hf_checkpoint(model, tmp_path / "resaved", progress=False)
+    load_hf_checkpoint(
+        model, tmp_path / "ckpt", rules=Rules(weights_mapping=HF_RULES), options=LoadOptions(progress=False)
+    )
+    save_hf_checkpoint(model, tmp_path / "resaved", options=SaveOptions(progress=False))
     assert_same_files(tmp_path / "ckpt", tmp_path / "resaved")
 
 
 def test_a_transformers_model_saved_with_its_rules_reverses_only_those_applied(tmp_path):
     write_renamed_llama(tmp_path / "ckpt")
     _, model = build("llama", seed=1)
-    load_hf_checkpoint(model, tmp_path / "ckpt", weights_mapping=HF_RULES, progress=False)
-    save_hf_checkpoint(model, tmp_path / "resaved", weights_mapping=HF_RULES, progress=False)
+    load_hf_checkpoint(
+        model, tmp_path / "ckpt", rules=Rules(weights_mapping=HF_RULES), options=LoadOptions(progress=False)
+    )
+    save_hf_checkpoint(
+        model, tmp_path / "resaved", rules=Rules(weights_mapping=HF_RULES), options=SaveOptions(progress=False)
+    )
     assert_same_files(tmp_path / "ckpt", tmp_path / "resaved")  # no ``self_attn.qq`` keys
 
 
@@ -77,17 +84,23 @@ def write_plain(folder) -> dict[str, torch.Tensor]:
 def test_a_plain_module_saved_after_a_load_writes_the_keys_it_came_from(tmp_path):
     tensors = write_plain(tmp_path / "ckpt")
     net = Net()
-    load_hf_checkpoint(net, tmp_path / "ckpt", weights_mapping=PLAIN_RULES[:1], progress=False)
+    load_hf_checkpoint(
+        net, tmp_path / "ckpt", rules=Rules(weights_mapping=PLAIN_RULES[:1]), options=LoadOptions(progress=False)
+    )
     assert torch.equal(net.norm.data, tensors["norm0.weight"])
-    save_hf_checkpoint(net, tmp_path / "plain", progress=False)
+    save_hf_checkpoint(net, tmp_path / "plain", options=SaveOptions(progress=False))
     assert_same_files(tmp_path / "ckpt", tmp_path / "plain")
-    save_hf_checkpoint(net, tmp_path / "given", weights_mapping=PLAIN_RULES, progress=False)
+    save_hf_checkpoint(
+        net, tmp_path / "given", rules=Rules(weights_mapping=PLAIN_RULES), options=SaveOptions(progress=False)
+    )
     assert_same_files(tmp_path / "ckpt", tmp_path / "given")  # ``lin_old.*`` never renamed: not reversed
 
 
 def test_without_a_load_the_rules_given_are_reversed_as_before(tmp_path):
     """A fresh model (no load recorded) saved with rules: every rename given is reversed."""
     net = Net()
-    save_hf_checkpoint(net, tmp_path / "out", weights_mapping=PLAIN_RULES, progress=False)
+    save_hf_checkpoint(
+        net, tmp_path / "out", rules=Rules(weights_mapping=PLAIN_RULES), options=SaveOptions(progress=False)
+    )
     saved = set(load_file(str(tmp_path / "out" / "model.safetensors")))
     assert saved == {"norm0.weight", "lin_old.weight", "lin_old.bias"}

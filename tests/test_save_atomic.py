@@ -23,21 +23,22 @@ from hf_models import build, clone_state
 from transformers import AutoModelForCausalLM
 
 from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint, save_hf_checkpoint
-from loader.save import commit
+from loader.options import LoadOptions, SaveOptions
+from loader.storage import local_commit as commit
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 HERE = Path(__file__).resolve().parent
 OLD, NEW, NEXT = 1, 2, 3  # model seeds
 SHARDS = {OLD: "20KB", NEW: "45KB", NEXT: "45KB"}
-EXCHANGE_STEPS = [
+SWAP_STEPS = [
     "lock",
     "recover",
     "carry README.md",
     "carry tokenizer",
     "rescan",
     "stage",
-    "exchange",
+    "swap",
     "take-late",
     "remove-old",
     "done",
@@ -101,7 +102,7 @@ def states() -> dict[int, dict[str, torch.Tensor]]:
 def old_folder(tmp_path_factory) -> Path:
     """The old checkpoint (6 shards and the index), with a README and a tokenizer folder of the user's."""
     folder = tmp_path_factory.mktemp("old") / "out"
-    save_hf_checkpoint(build("llama", OLD)[1], folder, max_shard_size=SHARDS[OLD], progress=False)
+    save_hf_checkpoint(build("llama", OLD)[1], folder, options=SaveOptions(max_shard_size=SHARDS[OLD], progress=False))
     (folder / "README.md").write_text("mine")
     (folder / "tokenizer").mkdir()
     (folder / "tokenizer" / "vocab.txt").write_text("a b c")
@@ -127,7 +128,7 @@ def which_model(path: Path, states: dict) -> tuple[int | None, int | None]:
         return found[0] if len(found) == 1 else None
 
     model = build("llama", 0)[1]
-    load_hf_checkpoint(model, path, progress=False)
+    load_hf_checkpoint(model, path, options=LoadOptions(progress=False))
     ours = match(clone_state(model))
     theirs = match(clone_state(AutoModelForCausalLM.from_pretrained(path)))
     return ours, theirs
@@ -151,18 +152,18 @@ def left_beside(out: Path) -> list[str]:
 # the steps
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "fallback"])
-def test_the_commit_steps_and_what_they_keep(worker, states, old_folder, tmp_path, exchange):
-    """One whole save: the steps taken (the exchange where Linux offers it), the user's files carried over as
+@pytest.mark.parametrize("swap", [True, False], ids=["swap", "fallback"])
+def test_the_commit_steps_and_what_they_keep(worker, states, old_folder, tmp_path, swap):
+    """One whole save: the steps taken (the swap where Linux offers it), the user's files carried over as
     hard links of the very same files, the folder's mode kept, nothing left beside the folder."""
-    if exchange and commit._exchange() is None:
+    if swap and commit.swapper() is None:
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available here")
     out = fresh_copy(old_folder, tmp_path)
     os.chmod(out, 0o750)
     (out.parent / "out.old-20241201").mkdir()  # the user's, not a commit's leftover: left alone
     readme = os.stat(out / "README.md").st_ino
-    assert worker.save(NEW, out, tmp_path / "c", exchange=exchange) == 0
-    assert steps_of(tmp_path / "c") == (EXCHANGE_STEPS if exchange else FALLBACK_STEPS)
+    assert worker.save(NEW, out, tmp_path / "c", swap=swap) == 0
+    assert steps_of(tmp_path / "c") == (SWAP_STEPS if swap else FALLBACK_STEPS)
     assert_whole(out, NEW, states)
     assert os.stat(out / "README.md").st_ino == readme and os.stat(out).st_mode & 0o777 == 0o750
     assert sorted(os.listdir(out)) == sorted(
@@ -177,7 +178,7 @@ def test_a_symlink_to_a_folder_stays_a_symlink(states, old_folder, tmp_path):
     out = fresh_copy(old_folder, tmp_path)
     link = tmp_path / "link"
     link.symlink_to(out, target_is_directory=True)
-    save_hf_checkpoint(build("llama", NEW)[1], link, max_shard_size=SHARDS[NEW], progress=False)
+    save_hf_checkpoint(build("llama", NEW)[1], link, options=SaveOptions(max_shard_size=SHARDS[NEW], progress=False))
     assert link.is_symlink() and os.readlink(link) == str(out)
     assert_whole(out, NEW, states)
     assert left_beside(out) == []
@@ -187,31 +188,31 @@ def test_a_symlink_to_a_folder_stays_a_symlink(states, old_folder, tmp_path):
 # SIGKILL before every step
 
 
-@pytest.mark.parametrize(
-    ("exchange", "steps"), [(True, EXCHANGE_STEPS), (False, FALLBACK_STEPS)], ids=["exchange", "fallback"]
-)
-def test_a_kill_at_every_commit_step_leaves_the_old_or_the_new_model(worker, states, old_folder, tmp_path, exchange,
+@pytest.mark.parametrize(("swap", "steps"), [(True, SWAP_STEPS), (False, FALLBACK_STEPS)], ids=["swap", "fallback"])
+def test_a_kill_at_every_commit_step_leaves_the_old_or_the_new_model(worker, states, old_folder, tmp_path, swap,
                                                                       steps):  # fmt: skip
     """SIGKILL just before each step (so just after the one before): exit status -9, then the folder holds the old
     model whole before the swap and the new one whole after it. With two renames, a kill between them leaves no
     folder and the old one whole under ``out.old-*``, put back by the next save. The next save always commits
     cleanly: the user's files kept, nothing of the killed save's commit left but its staging folder."""
-    if exchange and commit._exchange() is None:
+    if swap and commit.swapper() is None:
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available here")
-    swap = steps.index("exchange" if exchange else "move-in")
+    at_swap = steps.index("swap" if swap else "move-in")
     for k, step in enumerate(steps):
         case = tmp_path / str(k)
         out = fresh_copy(old_folder, case)
-        assert worker.save(NEW, out, case / "c", hook="kill", at=k, exchange=exchange) == -9, step
+        assert worker.save(NEW, out, case / "c", hook="kill", at=k, swap=swap) == -9, step
         assert steps_of(case / "c")[-1] == step
-        if not exchange and step == "move-in":  # between the two renames
+        if not swap and step == "move-in":  # between the two renames
             assert not os.path.exists(out)
             (aside,) = [out.parent / n for n in left_beside(out) if n.startswith("out.old-")]
             assert_whole(aside, OLD, states)
         else:
-            assert_whole(out, NEW if k > swap else OLD, states)
+            assert_whole(out, NEW if k > at_swap else OLD, states)
         assert all(n == ".out.lock" or n.startswith(("out.tmp-", "out.old-")) for n in left_beside(out)), step
-        save_hf_checkpoint(build("llama", NEXT)[1], out, max_shard_size=SHARDS[NEXT], progress=False)
+        save_hf_checkpoint(
+            build("llama", NEXT)[1], out, options=SaveOptions(max_shard_size=SHARDS[NEXT], progress=False)
+        )
         assert_whole(out, NEXT, states)
         assert all(n.startswith("out.tmp-") for n in left_beside(out)), (step, left_beside(out))
         assert len(left_beside(out)) <= 1
@@ -231,22 +232,20 @@ def test_a_kill_while_saving_into_a_new_path(worker, states, tmp_path):
 # a failed rename
 
 
-@pytest.mark.parametrize(
-    ("exchange", "steps"), [(True, EXCHANGE_STEPS), (False, FALLBACK_STEPS)], ids=["exchange", "fallback"]
-)
-def test_an_error_at_any_commit_step_leaves_the_old_checkpoint_whole(worker, states, old_folder, tmp_path, exchange,
+@pytest.mark.parametrize(("swap", "steps"), [(True, SWAP_STEPS), (False, FALLBACK_STEPS)], ids=["swap", "fallback"])
+def test_an_error_at_any_commit_step_leaves_the_old_checkpoint_whole(worker, states, old_folder, tmp_path, swap,
                                                                       steps):  # fmt: skip
-    """An ``OSError`` in place of each step (the exchange or a rename failing): up to the swap the save raises and
+    """An ``OSError`` in place of each step (the swap or a rename failing): up to the swap the save raises and
     the old checkpoint is whole, with nothing left beside it; after the swap the save has succeeded (the removal
     of the old folder is best effort, what it leaves goes at the next commit)."""
-    if exchange and commit._exchange() is None:
+    if swap and commit.swapper() is None:
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available here")
-    swap = steps.index("exchange" if exchange else "move-in")
+    at_swap = steps.index("swap" if swap else "move-in")
     for k, step in enumerate(steps):
         case = tmp_path / str(k)
         out = fresh_copy(old_folder, case)
-        code = worker.save(NEW, out, case / "c", hook="error", at=k, exchange=exchange)
-        if k <= swap:
+        code = worker.save(NEW, out, case / "c", hook="error", at=k, swap=swap)
+        if k <= at_swap:
             assert code == 3, step
             assert "OSError: [Errno 5] injected failure" in (case / "c" / "error").read_text()
             assert_whole(out, OLD, states)
@@ -275,7 +274,7 @@ def test_concurrent_saves_commit_one_after_the_other(worker, states, old_folder,
     for the lock. Meanwhile a reader sees the old model, whole. Then A commits, B commits after it: both succeed,
     the folder holds B's model whole, nothing is left beside it."""
     out = fresh_copy(old_folder, tmp_path)
-    a = worker.start(NEW, out, tmp_path / "a", hook="stall", at="exchange")
+    a = worker.start(NEW, out, tmp_path / "a", hook="stall", at="swap")
     try:
         wait_for(lambda: (tmp_path / "a" / "stalled").exists(), "save A to stall")
         b = worker.start(NEXT, out, tmp_path / "b")
@@ -312,12 +311,15 @@ def test_a_folder_of_shards_without_an_index_is_refused(states, old_folder, tmp_
     the folder and the missing index, as ``from_pretrained`` refuses it."""
     out = fresh_copy(old_folder, tmp_path)
     new = tmp_path / "new"
-    save_hf_checkpoint(build("llama", NEW)[1], new, max_shard_size=SHARDS[NEW], progress=False)
+    save_hf_checkpoint(build("llama", NEW)[1], new, options=SaveOptions(max_shard_size=SHARDS[NEW], progress=False))
     os.remove(out / "model.safetensors.index.json")
     for name in os.listdir(new):
         if name.startswith("model-"):
             shutil.copy(new / name, out / name)
-    for opener in (SafetensorsCheckpoint.open, lambda p: load_hf_checkpoint(build("llama", 0)[1], p, progress=False)):
+    for opener in (
+        SafetensorsCheckpoint.open,
+        lambda p: load_hf_checkpoint(build("llama", 0)[1], p, options=LoadOptions(progress=False)),
+    ):
         with pytest.raises(CheckpointError, match="model.safetensors.index.json") as info:
             opener(out)
         assert str(out) in str(info.value) and "model-00001-of-00003.safetensors, model-00001-of-00006" in str(

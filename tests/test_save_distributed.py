@@ -24,6 +24,7 @@ from gloo_world import ok, run_world
 from hf_models import build
 
 from loader import load_hf_checkpoint, save_hf_checkpoint
+from loader.options import LoadOptions, Rules, SaveOptions
 
 MOE_SHARD_SIZE = "20KB"
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
@@ -78,10 +79,20 @@ def test_sharded_files_from_a_2d_mesh_equal_a_one_process_save(world, tmp_path):
     _each_rank_writes_its_shards_once(per_rank)
     assert len(per_rank[0]["files"]) > 2
     model = save_worker.NoScaled()
-    load_hf_checkpoint(model, str(root / "layout"), weights_mapping=save_worker.layout_rules(), progress=False)
+    load_hf_checkpoint(
+        model,
+        str(root / "layout"),
+        rules=Rules(weights_mapping=save_worker.layout_rules()),
+        options=LoadOptions(progress=False),
+    )
     one = tmp_path / "one"
-    save_hf_checkpoint(model, one, weights_mapping=save_worker.layout_rules(), source_shapes=str(root / "layout"),
-                       max_shard_size="1KB", progress=False)  # fmt: skip
+    save_hf_checkpoint(
+        model,
+        one,
+        source_shapes=str(root / "layout"),
+        rules=Rules(weights_mapping=save_worker.layout_rules()),
+        options=SaveOptions(max_shard_size="1KB", progress=False),
+    )
     assert folder_bytes(per_rank[0]["out"]) == folder_bytes(one)
 
 

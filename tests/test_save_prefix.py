@@ -19,6 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from loader import load_hf_checkpoint, save_hf_checkpoint
+from loader.options import Rules
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -101,7 +102,7 @@ def test_a_base_checkpoint_loads_into_the_head_model_through_the_prefix_as_from_
     theirs = HeadModel.from_pretrained(tmp_path / "base")
     ours = HeadModel(HeadBaseConfig())
     with caplog.at_level(logging.WARNING, logger="loader"):
-        report = load_hf_checkpoint(ours, tmp_path / "base", strict=False)
+        report = load_hf_checkpoint(ours, tmp_path / "base", rules=Rules(strict=False))
 
     assert sorted(report.missing_keys) == ["linear.bias", "linear.weight", "linear2.bias", "linear2.weight"]
     for key, value in base.state_dict().items():

@@ -20,7 +20,9 @@ from hf_models import build
 from test_save_atomic import NEW, OLD, SHARDS, Worker, left_beside, steps_of, wait_for
 
 from loader import save_hf_checkpoint
-from loader.save import carry, commit
+from loader.options import SaveOptions
+from loader.storage import local_carry as carry
+from loader.storage import local_commit as commit
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -38,7 +40,9 @@ def saved(tmp_path_factory) -> dict[int, dict[str, bytes]]:
     """The checkpoint files (shards, index, configs) a save of each model writes, by seed."""
     root = tmp_path_factory.mktemp("reference")
     for seed in (OLD, NEW):
-        save_hf_checkpoint(build("llama", seed)[1], root / str(seed), max_shard_size=SHARDS[seed], progress=False)
+        save_hf_checkpoint(
+            build("llama", seed)[1], root / str(seed), options=SaveOptions(max_shard_size=SHARDS[seed], progress=False)
+        )
     return {seed: folder_bytes(root / str(seed)) for seed in (OLD, NEW)}
 
 
@@ -56,7 +60,7 @@ def holds(folder: Path, checkpoint: dict[str, bytes]) -> bool:
 def old(tmp_path) -> Path:
     """The old checkpoint with the user's README and tokenizer folder."""
     out = tmp_path / "ckpt" / "out"
-    save_hf_checkpoint(build("llama", OLD)[1], out, max_shard_size=SHARDS[OLD], progress=False)
+    save_hf_checkpoint(build("llama", OLD)[1], out, options=SaveOptions(max_shard_size=SHARDS[OLD], progress=False))
     (out / "README.md").write_text("mine")
     (out / "tokenizer").mkdir()
     (out / "tokenizer" / "vocab.txt").write_text("a b c")
@@ -112,7 +116,7 @@ def test_a_folder_with_a_filesystem_mounted_inside_is_refused_before_anything_is
         monkeypatch.setattr(carry, "MOUNTINFO", str(tmp_path / "no-mount-table"))
     before = folder_bytes(old, [n for n in os.listdir(old) if n != "tokenizer"])
     with pytest.raises(ValueError, match="mount point inside it") as info:
-        save_hf_checkpoint(build("llama", NEW)[1], old, max_shard_size=SHARDS[NEW], progress=False)
+        save_hf_checkpoint(build("llama", NEW)[1], old, options=SaveOptions(max_shard_size=SHARDS[NEW], progress=False))
     assert repr(str(old / "tokenizer" / "data")) in str(info.value)
     assert holds(old, saved[OLD]) and folder_bytes(old, before) == before
     assert mounted(old / "tokenizer" / "data")
@@ -125,7 +129,7 @@ def test_a_folder_that_is_a_mount_point_is_refused(mounts, tmp_path):
     mounts("tmpfs", out)
     (out / "dataset.bin").write_bytes(b"\x02" * 100)
     with pytest.raises(ValueError, match="it is a mount point") as info:
-        save_hf_checkpoint(build("llama", NEW)[1], out, progress=False)
+        save_hf_checkpoint(build("llama", NEW)[1], out, options=SaveOptions(progress=False))
     assert repr(str(out)) in str(info.value)
     assert os.listdir(out) == ["dataset.bin"] and mounted(out)
     assert sorted(os.listdir(tmp_path)) == ["out"]
@@ -156,7 +160,7 @@ def test_a_leftover_old_folder_with_a_mount_inside_is_not_emptied(old, saved, mo
     mounts("tmpfs", leftover / "data")
     (leftover / "data" / "dataset.bin").write_bytes(b"\x04" * 10)
     with caplog.at_level(logging.WARNING, logger="loader"):
-        save_hf_checkpoint(build("llama", NEW)[1], old, max_shard_size=SHARDS[NEW], progress=False)
+        save_hf_checkpoint(build("llama", NEW)[1], old, options=SaveOptions(max_shard_size=SHARDS[NEW], progress=False))
     assert holds(old, saved[NEW])
     assert holds(leftover, saved[OLD]) and (leftover / "data" / "dataset.bin").read_bytes() == b"\x04" * 10
     assert mounted(leftover / "data") and left_beside(old) == ["out.old-commit-abcd1234"]
@@ -166,23 +170,23 @@ def test_a_leftover_old_folder_with_a_mount_inside_is_not_emptied(old, saved, mo
 # ---------------------------------------------------------------------------------------------------
 # files written during the commit
 
-BEFORE_SWAP = {True: ["carry tokenizer", "rescan", "stage", "exchange"], False: ["rescan", "move-aside"]}
+BEFORE_SWAP = {True: ["carry tokenizer", "rescan", "stage", "swap"], False: ["rescan", "move-aside"]}
 
 
 @pytest.mark.parametrize(
-    ("exchange", "at"),
+    ("swap", "at"),
     [(True, s) for s in [*BEFORE_SWAP[True], "take-late"]] + [(False, s) for s in [*BEFORE_SWAP[False], "take-late"]],
 )
-def test_a_file_written_into_the_folder_during_the_commit_is_kept(worker, old, saved, tmp_path, exchange, at):
+def test_a_file_written_into_the_folder_during_the_commit_is_kept(worker, old, saved, tmp_path, swap, at):
     """The save stalls just before commit step ``at``; meanwhile the user adds ``notes.txt`` and
     ``tokenizer/extra.txt``, replaces ``README.md`` (a new file renamed over it), and a process whose working folder
     is the old one adds ``cwd.txt`` there (after the swap that is the old folder, under its ``.old-commit-``
     name). After the save: the new checkpoint, whole, with every one of them as the user left it."""
-    if exchange and commit._exchange() is None:
+    if swap and commit.swapper() is None:
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available here")
     folder = os.open(old, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        pid = worker.start(NEW, old, tmp_path / "c", hook="stall", at=at, exchange=exchange)
+        pid = worker.start(NEW, old, tmp_path / "c", hook="stall", at=at, swap=swap)
         try:
             wait_for(lambda: (tmp_path / "c" / "stalled").exists(), "the save to stall")
             (old / "notes.txt").write_text("written during the commit")
@@ -211,7 +215,7 @@ def test_a_folder_turned_into_a_file_during_the_commit_keeps_the_old_folder(work
     """The user replaces the (already carried) ``tokenizer`` folder by a file while the commit runs: the new
     checkpoint is committed, and the old folder, holding that file, is kept beside it as ``out.kept-*``, which
     the next commit leaves alone too."""
-    pid = worker.start(NEW, old, tmp_path / "c", hook="stall", at="exchange")
+    pid = worker.start(NEW, old, tmp_path / "c", hook="stall", at="swap")
     try:
         wait_for(lambda: (tmp_path / "c" / "stalled").exists(), "the save to stall")
         shutil.rmtree(old / "tokenizer")
@@ -223,7 +227,7 @@ def test_a_folder_turned_into_a_file_during_the_commit_keeps_the_old_folder(work
     (left,) = left_beside(old)
     assert left.startswith("out.kept-") and (old.parent / left / "tokenizer").read_text() == "now a file"
     assert "remove-old" not in steps_of(tmp_path / "c")
-    save_hf_checkpoint(build("llama", OLD)[1], old, max_shard_size=SHARDS[OLD], progress=False)
+    save_hf_checkpoint(build("llama", OLD)[1], old, options=SaveOptions(max_shard_size=SHARDS[OLD], progress=False))
     assert holds(old, saved[OLD]) and left_beside(old) == [left]
 
 
@@ -244,7 +248,7 @@ def test_a_lock_path_that_is_a_symlink_is_not_followed(old, saved, tmp_path, tar
     lock = old.parent / ".out.lock"
     lock.symlink_to(victim)
     with pytest.raises(OSError, match="lock path is a symlink") as info:
-        save_hf_checkpoint(build("llama", NEW)[1], old, max_shard_size=SHARDS[NEW], progress=False)
+        save_hf_checkpoint(build("llama", NEW)[1], old, options=SaveOptions(max_shard_size=SHARDS[NEW], progress=False))
     assert str(lock) in str(info.value)
     assert os.listdir(elsewhere) == ([] if target == "missing" else ["file"])
     if target == "existing":

@@ -26,6 +26,7 @@ from loader import HFLoadPlanner, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileReader
 from loader.execute import STAGING_BYTES, BlockExecutor
 from loader.execute.staging import ALIGN, StagingRing, align
+from loader.options import LoadOptions
 from loader.plan import BlockRead
 from loader.plan.slots import TargetSlot, full_box
 
@@ -280,7 +281,7 @@ def test_meta_model_onto_the_cpu_device(tmp_path):
     save(source, tmp_path)
     with torch.device("meta"):
         _, model = build("qwen3_moe", seed=1)
-    load_hf_checkpoint(model, str(tmp_path), device="cpu", progress=False)
+    load_hf_checkpoint(model, str(tmp_path), device="cpu", options=LoadOptions(progress=False))
     for name, value in clone_state(source).items():
         assert torch.equal(model.state_dict()[name], value), name
 
@@ -320,7 +321,7 @@ def test_staging_bytes_is_a_load_option(tmp_path):
     save(source, tmp_path, dtype=torch.bfloat16)
     _, model = build("qwen3_moe", seed=1)
     with pytest.raises(ValueError, match="staging_bytes"):
-        load_hf_checkpoint(model, str(tmp_path), staging_bytes=0, progress=False)
-    load_hf_checkpoint(model, str(tmp_path), staging_bytes=4096, progress=False)
+        load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(staging_bytes=0, progress=False))
+    load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(staging_bytes=4096, progress=False))
     for name, value in clone_state(source).items():
         assert torch.equal(model.state_dict()[name], value.to(torch.bfloat16).float()), name

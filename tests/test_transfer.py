@@ -14,7 +14,7 @@ from gloo_world import ok, run_world
 from hf_models import build
 
 from loader import load_hf_checkpoint, save_hf_checkpoint, transfer_weights
-from loader.options import Rules
+from loader.options import LoadOptions, Rules, SaveOptions
 from loader.transfer import dest_side, model_parts, plan_transfer, rounds, source_side
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserW
 
 def _oracle(folder: str, rules: list) -> dict[str, torch.Tensor]:
     model = tm.Engine()
-    load_hf_checkpoint(model, folder, weights_mapping=rules, progress=False)
+    load_hf_checkpoint(model, folder, rules=Rules(weights_mapping=rules), options=LoadOptions(progress=False))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -30,7 +30,7 @@ def _oracle(folder: str, rules: list) -> dict[str, torch.Tensor]:
 def source_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("transfer")
     _, model = build("qwen3_moe", 0, tie_word_embeddings=False)
-    save_hf_checkpoint(model, str(root / "ckpt"), progress=False)
+    save_hf_checkpoint(model, str(root / "ckpt"), options=SaveOptions(progress=False))
     return root, model
 
 
@@ -99,9 +99,17 @@ def test_a_rope_permuted_pair(tmp_path):
     torch.manual_seed(0)
     source, dest = Permuted(), Fused()
     report = transfer_weights(source, dest, src_mapping=src_rules, dst_mapping=dst_rules, source_shapes=shapes)
-    save_hf_checkpoint(source, str(tmp_path / "ckpt"), weights_mapping=src_rules, source_shapes=shapes, progress=False)
+    save_hf_checkpoint(
+        source,
+        str(tmp_path / "ckpt"),
+        source_shapes=shapes,
+        rules=Rules(weights_mapping=src_rules),
+        options=SaveOptions(progress=False),
+    )
     oracle = Fused()
-    load_hf_checkpoint(oracle, str(tmp_path / "ckpt"), weights_mapping=dst_rules, progress=False)
+    load_hf_checkpoint(
+        oracle, str(tmp_path / "ckpt"), rules=Rules(weights_mapping=dst_rules), options=LoadOptions(progress=False)
+    )
     assert torch.equal(dest.qkv, oracle.qkv) and not torch.equal(dest.qkv[: tm.H], source.q_rot)
     assert report.transferred == ("qkv",) and report.bytes_received == dest.qkv.numel() * 4
 
@@ -146,7 +154,7 @@ def test_bytes_per_rank_pair_are_what_destinations_need_from_each_source(tmp_pat
             for r in range(8):
                 for g, _ in src[r][name][2]:
                     box_view(t, g).fill_(r)
-    save_hf_checkpoint(source, str(tmp_path / "labels"), progress=False)
+    save_hf_checkpoint(source, str(tmp_path / "labels"), options=SaveOptions(progress=False))
     labels = _oracle(str(tmp_path / "labels"), tm.rules())
     want: dict[tuple[int, int], int] = {}
     for d in range(8):

@@ -10,6 +10,7 @@ import transfer_models as tm
 from torch import nn
 
 from loader import save_hf_checkpoint, transfer_weights
+from loader.options import SaveOptions
 from loader.transfer.agreement import disagreement
 from loader.transfer.memory import Span, first_overlap
 
@@ -94,7 +95,9 @@ def test_zero_element_tensors_transfer_as_save_and_load_do(tmp_path):
     report = transfer_weights(tm.Empty(), dst)
     assert torch.equal(dst.w, tm.Empty().w) and dst.e1.shape == (2, 0) and dst.e2.shape == (2, 0)
     assert report.bytes_received == 3 * 4
-    save_hf_checkpoint(tm.Empty(), str(tmp_path / "ckpt"), progress=False)  # the same tensors save (and load)
+    save_hf_checkpoint(
+        tm.Empty(), str(tmp_path / "ckpt"), options=SaveOptions(progress=False)
+    )  # the same tensors save (and load)
 
 
 def test_disagreement_names_the_tensor_and_every_ranks_view():

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from loader import load_hf_checkpoint, save_hf_checkpoint
+from loader.options import LoadOptions, Rules, SaveOptions, TransferOptions
 from loader.plan import box_view
 from loader.transfer import mesh_parts, simulate_transfer
 
@@ -43,9 +44,11 @@ def _labelled_pairs(tmp_path, src_ranks: int, dst_mesh, dst_placements, offset: 
             for r, parts in enumerate(mesh_parts(source, (src_ranks,), FSDP)):
                 for g, _ in parts[name][2]:
                     box_view(t, g).fill_(r)
-    save_hf_checkpoint(source, str(tmp_path / "labels"), progress=False)
+    save_hf_checkpoint(source, str(tmp_path / "labels"), options=SaveOptions(progress=False))
     labels = tm.Engine()
-    load_hf_checkpoint(labels, str(tmp_path / "labels"), weights_mapping=tm.rules(), progress=False)
+    load_hf_checkpoint(
+        labels, str(tmp_path / "labels"), rules=Rules(weights_mapping=tm.rules()), options=LoadOptions(progress=False)
+    )
     state = labels.state_dict()
     want: dict[tuple[int, int], int] = {}
     for d, parts in enumerate(mesh_parts(labels, dst_mesh, dst_placements)):
@@ -147,11 +150,15 @@ def _rank(rank: int, root: str) -> None:
     world, two = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
     half = init_device_mesh("cpu", (2, 2), mesh_dim_names=("side", "tp"))["tp"]
     out = {}
-    report = transfer_weights(tw.source_model(world), tw.dest_model(two, ep=True), dst_mapping=tm.rules(), timeout=60)
+    report = transfer_weights(
+        tw.source_model(world), tw.dest_model(two, ep=True), dst_mapping=tm.rules(), options=TransferOptions(timeout=60)
+    )
     out["colocated"] = tw.report_dict(report)
     src = tw.source_model(half) if rank < 2 else None
     dst = tw.dest_model(half) if rank >= 2 else None
-    out["disaggregated"] = tw.report_dict(transfer_weights(src, dst, dst_mapping=tm.rules(), timeout=60))
+    out["disaggregated"] = tw.report_dict(
+        transfer_weights(src, dst, dst_mapping=tm.rules(), options=TransferOptions(timeout=60))
+    )
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()

@@ -16,6 +16,8 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
 from loader import HFLoadPlanner, load_hf_checkpoint
+from loader.hooks import PlanHooks
+from loader.options import LoadOptions
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -42,7 +44,7 @@ register_checkpoint_conversion_mapping(
 )
 
 
-class NoTracing(HFLoadPlanner):
+class NoTracing(PlanHooks):
     """Every conversion but a rename is read whole and run for real (the deferred path)."""
 
     def supports_symbolic(self, conversion):
@@ -76,8 +78,10 @@ def test_computing_rules_round_like_from_pretrained_on_both_paths(tmp_path, chec
     write_checkpoint(tmp_path, checkpoint_dtype)
     reference = AddOneLlama.from_pretrained(tmp_path, dtype=model_dtype).state_dict()
     traced, deferred = fresh(model_dtype), fresh(model_dtype)
-    traced_report = load_hf_checkpoint(traced, str(tmp_path), progress=False)
-    deferred_report = load_hf_checkpoint(deferred, str(tmp_path), planner=NoTracing(deferred), progress=False)
+    traced_report = load_hf_checkpoint(traced, str(tmp_path), options=LoadOptions(progress=False))
+    deferred_report = load_hf_checkpoint(
+        deferred, str(tmp_path), planner=HFLoadPlanner(deferred, hooks=NoTracing()), options=LoadOptions(progress=False)
+    )
     norms = [k for k in reference if k.endswith("input_layernorm.weight")]
     assert len(norms) == 2
     assert not any(k in traced_report.deferred for k in norms), traced_report.deferred  # value reads
@@ -95,7 +99,7 @@ def test_the_cast_is_visible_in_the_bits(tmp_path):
     """The case the issue reproduced: bf16 checkpoint, float32 model; rounding ``+ 1`` in bf16 differs."""
     write_checkpoint(tmp_path, torch.bfloat16)
     model = fresh(torch.float32)
-    load_hf_checkpoint(model, str(tmp_path), progress=False)
+    load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:

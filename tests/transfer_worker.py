@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from loader.options import TransferOptions
 from loader.placements import shard_module, slot_for
 from loader.plan import box_view
 
@@ -80,7 +81,9 @@ def describe(e: BaseException) -> dict:
 def _transfer(ctx: dict, src, dst, oracle: str, **kwargs) -> dict:
     from loader import transfer_weights
 
-    report = transfer_weights(src, dst, dst_mapping=kwargs.pop("rules", tm.rules()), timeout=60, **kwargs)
+    report = transfer_weights(
+        src, dst, dst_mapping=kwargs.pop("rules", tm.rules()), options=TransferOptions(timeout=60), **kwargs
+    )
     bad, nbytes = compare(dst, torch.load(ctx[oracle]))
     return {"report": report_dict(report), "mismatch": bad, "shard_bytes": nbytes}
 
@@ -126,7 +129,7 @@ def scenario_shape_mismatch(ctx: dict) -> dict:
     original = exchange.Exchange.run
     exchange.Exchange.run = lambda self, *a, **k: sent.append(1) or original(self, *a, **k)
     try:
-        transfer_weights(source_model(mesh), dst, dst_mapping=tm.rules(), timeout=60)
+        transfer_weights(source_model(mesh), dst, dst_mapping=tm.rules(), options=TransferOptions(timeout=60))
         outcome = {"type": None}
     except BaseException as e:
         outcome = describe(e)
@@ -162,7 +165,9 @@ def scenario_hung(ctx: dict) -> dict:
     exchange.Exchange._round = round_
     t0 = time.monotonic()
     try:
-        transfer_weights(src, dst, dst_mapping=tm.rules(), timeout=4, rollback=True, bucket_bytes=4096)
+        transfer_weights(
+            src, dst, dst_mapping=tm.rules(), options=TransferOptions(timeout=4, rollback=True, bucket_bytes=4096)
+        )
         outcome = {"type": None}
     except BaseException as e:
         outcome = describe(e)
@@ -192,7 +197,9 @@ def scenario_killed(ctx: dict) -> dict:
 
     exchange.Exchange._round = round_
     try:
-        transfer_weights(src, dst, dst_mapping=tm.rules(), timeout=6, rollback=True, bucket_bytes=4096)
+        transfer_weights(
+            src, dst, dst_mapping=tm.rules(), options=TransferOptions(timeout=6, rollback=True, bucket_bytes=4096)
+        )
         outcome = {"type": None}
     except BaseException as e:
         outcome = describe(e)
@@ -243,11 +250,13 @@ def scenario_aliased_destination(ctx: dict) -> dict:
     dst = tm.Pair(values=False)
     if dist.get_rank() == 3:
         dst.b = torch.nn.Parameter(dst.a.data.view(8, 8))
-    refused = _outcome(lambda: transfer_weights(src, dst, dst_mapping=tm.crossed(), timeout=60))
+    refused = _outcome(
+        lambda: transfer_weights(src, dst, dst_mapping=tm.crossed(), options=TransferOptions(timeout=60))
+    )
     flat = torch.full((128,), -1.0)
     buffer = tm.Pair(values=False)
     buffer.a, buffer.b = torch.nn.Parameter(flat[:64].view(8, 8)), torch.nn.Parameter(flat[64:].view(8, 8))
-    transfer_weights(src, buffer, dst_mapping=tm.crossed(), timeout=60)
+    transfer_weights(src, buffer, dst_mapping=tm.crossed(), options=TransferOptions(timeout=60))
     values = tm.Pair()
     crossed = torch.equal(buffer.a, values.b) and torch.equal(buffer.b, values.a)
     return {**refused, "unchanged": _untouched(dst), "flat_crossed": crossed and flat.data_ptr() == buffer.a.data_ptr()}
@@ -268,7 +277,10 @@ def scenario_mixed_source_dtypes(ctx: dict) -> dict:
             local = local.to(torch.bfloat16)
         setattr(src, name, torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)])))
     dst = sharded(tm.Pair(values=False), mesh, fill=-1.0)
-    return {**_outcome(lambda: transfer_weights(src, dst, timeout=60)), "unchanged": _untouched(dst)}
+    return {
+        **_outcome(lambda: transfer_weights(src, dst, options=TransferOptions(timeout=60))),
+        "unchanged": _untouched(dst),
+    }
 
 
 def scenario_absent_rank(ctx: dict) -> dict:
@@ -286,7 +298,7 @@ def scenario_absent_rank(ctx: dict) -> dict:
         while not all(map(os.path.exists, gave_up)) and time.monotonic() < deadline:
             time.sleep(0.05)
     try:
-        outcome = _outcome(lambda: transfer_weights(src, dst, timeout=5))
+        outcome = _outcome(lambda: transfer_weights(src, dst, options=TransferOptions(timeout=5)))
     finally:
         if rank != KILLED:
             open(os.path.join(ctx["out"], f"absent_gave_up_{rank}"), "w").close()
@@ -306,10 +318,10 @@ def scenario_meta_tensors(ctx: dict) -> dict:
     src.a = torch.nn.Parameter(DTensor.from_local(local.to("meta") if rank == 1 else local, mesh, [Shard(0)]))
     src.b = sharded(tm.Pair(), mesh).b
     dst = sharded(tm.Pair(values=False), mesh, fill=-1.0)
-    source = _outcome(lambda: transfer_weights(src, dst, timeout=60))
+    source = _outcome(lambda: transfer_weights(src, dst, options=TransferOptions(timeout=60)))
     unchanged = _untouched(dst)
     meta_dst = tm.Pair(values=False).to("meta") if rank == 3 else tm.Pair(values=False)
-    dest = _outcome(lambda: transfer_weights(sharded(tm.Pair(), mesh), meta_dst, timeout=60))
+    dest = _outcome(lambda: transfer_weights(sharded(tm.Pair(), mesh), meta_dst, options=TransferOptions(timeout=60)))
     return {"source": source, "dest": dest, "unchanged": unchanged and (rank == 3 or _untouched(meta_dst))}
 
 
@@ -318,7 +330,9 @@ def scenario_into_itself_transposed(ctx: dict) -> dict:
     from loader import transfer_weights
 
     model = sharded(tm.Pair(), MESHES["world"])
-    outcome = _outcome(lambda: transfer_weights(model, model, dst_mapping=tm.transposed(), timeout=60))
+    outcome = _outcome(
+        lambda: transfer_weights(model, model, dst_mapping=tm.transposed(), options=TransferOptions(timeout=60))
+    )
     return {**outcome, "unchanged": not compare(model, tm.Pair().state_dict())[0]}
 
 
@@ -330,7 +344,7 @@ def scenario_zero_elements(ctx: dict) -> dict:
 
     src = sharded(tm.Empty(), MESHES["world"])
     dst = sharded(tm.Empty(values=False), MESHES["world"], Replicate(), fill=-1.0)
-    report = transfer_weights(src, dst, timeout=60)
+    report = transfer_weights(src, dst, options=TransferOptions(timeout=60))
     bad, _ = compare(dst, tm.Empty().state_dict())
     return {"report": report_dict(report), "mismatch": bad}
 

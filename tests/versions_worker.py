@@ -15,6 +15,8 @@ import torch
 from gloo_world import worker_main
 from torch import nn
 
+from loader.options import LoadOptions
+
 N = 64
 POSTED = "rank 0: posted the identities"
 
@@ -55,7 +57,7 @@ def _load(url: str, options: dict, *, dcp: bool = False) -> dict:
             reader = SafetensorsReader(url, storage_options=options)
             torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
         else:
-            load_hf_checkpoint(model, url, storage_options=options, progress=False)
+            load_hf_checkpoint(model, url, storage_options=options, options=LoadOptions(progress=False))
         error = ""
     except Exception as e:
         error = f"{type(e).__name__}: {e}"

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointNotFoundError, redact_url
+from ..options import StorageOptions
 from ..storage import LocalStore, Store, is_url, open_store
 from ..storage.untrusted import err, loads_json
 from .header import HeaderFile, TensorInfo, read_header_file
@@ -175,9 +176,7 @@ def _complete_shard_set(root: str, names: Sequence[str]) -> list[str]:
     return [name for _, _, name in found]
 
 
-def _locate(
-    path: str | os.PathLike[str], revision: str | None, storage_options: Mapping[str, object] | None
-) -> tuple[Store, str, str]:
+def _locate(path: str | os.PathLike[str], storage: StorageOptions) -> tuple[Store, str, str]:
     """The store of the checkpoint ``path`` names, the file name in it (``""`` for the folder itself) and that
     file's location. A URL is a file's or a folder's by its path: a presigned file URL's query string
     (``.../model.safetensors?X-Amz-Signature=...``) goes with that file's requests only, a folder URL's with every
@@ -187,13 +186,13 @@ def _locate(
         base, mark, query = text.partition("?")
         head, _, last = base.rstrip("/").rpartition("/")
         if not (last.endswith(".safetensors") or last == INDEX_NAME):
-            store = open_store(base.rstrip("/") + mark + query, storage_options, revision=revision)
+            store = open_store(base.rstrip("/") + mark + query, storage)
             return store, "", ""
-        store = open_store(head, storage_options, revision=revision)
+        store = open_store(head, storage)
         return store, last, store.sign(last, query) if query else store.locate(last)  # type: ignore[attr-defined]
-    if storage_options:
-        raise ValueError(f"storage_options apply to URLs only, not to the local path {text!r}")
-    local = resolve_checkpoint(text, revision=revision)
+    if storage.for_urls_only:
+        raise ValueError(f"storage options (backend, remote) apply to URLs only, not to the local path {text!r}")
+    local = resolve_checkpoint(text, revision=storage.revision)
     if os.path.isdir(local):
         return LocalStore(local), "", ""
     store = LocalStore(os.path.dirname(local))
@@ -247,8 +246,7 @@ class SafetensorsCheckpoint(TableCheckpoint):
         cls,
         path: str | os.PathLike[str],
         *,
-        revision: str | None = None,
-        storage_options: Mapping[str, object] | None = None,
+        storage: StorageOptions | None = None,
         identities: Mapping[str, object] | None = None,
     ) -> SafetensorsCheckpoint:
         """Open a checkpoint, reading and validating only its headers.
@@ -278,7 +276,7 @@ class SafetensorsCheckpoint(TableCheckpoint):
             CheckpointError: A file or the index is malformed, not a regular file, names missing files or
                 keys, escapes the folder, or two files hold the same key; a folder holds shards but no index.
         """
-        store, name, location = _locate(path, revision, storage_options)  # a URL's store is given the revision
+        store, name, location = _locate(path, storage or StorageOptions())  # a URL's store is given the revision
         _pin(store, identities)
         files, wanted, index_path = _checkpoint_files(store, name, location)
         tensors, metadata, found = _tables(store, files, wanted, index_path)

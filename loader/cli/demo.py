@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from loader.options import LoadOptions
 from regiontrace.cli.common import CLIError, HelpFormatter
 
 from .. import SafetensorsCheckpoint, load_hf_checkpoint
@@ -249,7 +250,7 @@ def _reference(kind: str, checkpoint: str, expected: dict, out_path: str, kwargs
         with torch.no_grad():
             for t in model.state_dict().values():
                 t.fill_(float("nan"))
-        load_hf_checkpoint(model, checkpoint, progress=False, **kwargs)
+        load_hf_checkpoint(model, checkpoint, options=LoadOptions(progress=False), **kwargs)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         bad = [k for k, v in expected.items() if k not in state or not torch.equal(state[k], v.to(state[k].dtype))]
         torch.save(state, out_path + ".tmp")

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from loader.options import LoadOptions, SaveOptions
+
 from .. import load_hf_checkpoint, save_hf_checkpoint
 from ..placements import shard_boxes, shard_module
 from .demo_models import build_model, loader_kwargs
@@ -63,7 +65,9 @@ def _save(model: torch.nn.Module, ctx: dict[str, Any]) -> dict[str, Any]:
     if ctx["kind"] != "transformers":
         kwargs["source_shapes"] = ctx["checkpoint"]
     t0 = time.time()
-    report = save_hf_checkpoint(model, ctx["saved"], progress=False, timeout=_seconds_left(ctx), **kwargs)
+    report = save_hf_checkpoint(
+        model, ctx["saved"], options=SaveOptions(progress=False, timeout=_seconds_left(ctx)), **kwargs
+    )
     return {
         "save": {
             "bytes_written": report.bytes_written,
@@ -82,7 +86,9 @@ def _load_and_check(rank: int, ctx: dict[str, Any]) -> tuple[torch.nn.Module, di
     placements = ctx["placements"]
     model = shard_module(build_model(ctx["kind"], ctx["checkpoint"]), mesh, placements)
     t_load = time.time()
-    report = load_hf_checkpoint(model, ctx["checkpoint"], progress=False, **loader_kwargs(ctx["kind"]))
+    report = load_hf_checkpoint(
+        model, ctx["checkpoint"], options=LoadOptions(progress=False), **loader_kwargs(ctx["kind"])
+    )
     load_seconds = time.time() - t_load
     reference = _wait_for_reference(ctx)
     coord = tuple(mesh.get_coordinate())

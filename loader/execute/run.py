@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ..options import LoadOptions
-from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
+from ..plan import BlockRead, DeferredRead, RankPlan, ValueRead
 from ..plan.gcpause import paused_gc
 from ..storage import RangeReader
 from .deferred import run_deferred
 from .pool import in_page_cache, resolve_io_threads
 from .reads import BlockExecutor
+from .rollback import Rollback
 from .staging import StagingRing
 from .values import run_values
 
@@ -61,11 +60,12 @@ def execute_plan(
     reads = plan.reads if reads is None else reads
     deferred = plan.deferred if deferred is None else deferred
     values = plan.values if values is None else values
-    saved = snapshot(plan) if options.rollback else None
+    rollback = Rollback(options.rollback)  # a flow of several ranks passes rollback=False: it owns one
+    rollback.keep(plan)
     bar = _progress_bar(options.progress, plan)
     try:
         threads = resolve_io_threads(options.io_threads)
-        if options.io_threads is None and threads > 1 and not options.direct_io:
+        if options.io_threads is None and threads > 1:  # a direct reader tells no page cache: kept
             reads = reads if isinstance(reads, Sequence) else list(reads)
             # a cold checkpoint is read in one stream: on this machine's disk one stream measured faster than
             # several (docs/benchmarks.md, issue 19); a warm one with the CPU share of threads
@@ -85,22 +85,8 @@ def execute_plan(
                 if bar:
                     bar.update(sum(checkpoint[k].nbytes for k in d.conversion.sources))
     except BaseException:
-        if saved is not None:
-            restore(saved, slots)
+        rollback.undo()
         raise
     finally:
         if bar:
             bar.close()
-
-
-def snapshot(plan: RankPlan) -> dict[str, torch.Tensor]:
-    """A copy of every local tensor ``plan`` writes, for :func:`restore` (rollback)."""
-    names = set(plan.traced) | set(plan.deferred_targets)
-    return {n: plan.slots[n].local.detach().clone() for n in names if plan.slots[n].local is not None}
-
-
-def restore(saved: Mapping[str, torch.Tensor], slots: Mapping[str, TargetSlot]) -> None:
-    """Put back the values :func:`snapshot` took (rollback)."""
-    with torch.no_grad():
-        for name, value in saved.items():
-            slots[name].local.copy_(value)

@@ -4,14 +4,13 @@ each rank writing only the byte ranges its local shards map to.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ import torch
 import regiontrace as rt
 
 from .._torch import root_mesh
+from ..execute import Rollback
 from ..options import Rules, SaveOptions, timeout_seconds
 from ..placements import rank_and_world, slot_for
 from ..report import human_bytes
@@ -90,19 +90,11 @@ def save_hf_checkpoint(
     model: torch.nn.Module,
     path: str,
     *,
-    weights_mapping: Sequence[Any] | None = None,
-    extra_weights_mapping: Sequence[Any] = (),
-    key_mapping: Mapping[str, str] | None = None,
-    max_shard_size: int | str = "5GB",
-    metadata: Mapping[str, str] | None = None,
-    progress: bool | None = None,
-    timeout: float | datetime.timedelta | None = None,
+    rules: Rules | None = None,
+    options: SaveOptions | None = None,
     source_shapes: SourceShapes | str | os.PathLike | None = None,
 ) -> SaveReport:
     """Save ``model`` as a Hugging Face safetensors checkpoint in the original layout, as ``save_pretrained`` does.
-
-    The keyword arguments build a :class:`~loader.options.Rules` and a :class:`~loader.options.SaveOptions`,
-    passed down whole.
 
     Under ``torch.distributed`` every rank calls it with its (DTensor-sharded) model; each writes only the byte
     ranges its local shards map to (a tensor held by several ranks is written by the lowest of them). The
@@ -111,16 +103,10 @@ def save_hf_checkpoint(
     Args:
         model: the model (plain or DTensor tensors, materialised).
         path: the checkpoint folder (created; an existing one gets its weight files and index replaced).
-        weights_mapping, extra_weights_mapping, key_mapping: the rules, as for ``load_hf_checkpoint``; the
-            default for a transformers ``PreTrainedModel`` is transformers' conversion mapping.
-        max_shard_size: most bytes per file, as ``save_pretrained`` splits: a positive int, or a number and a unit
-            (``"5GB"``, ``"1.5MB"``; ``"10GiB"``: KiB, MiB, GiB, TiB are powers of 1024).
-        metadata: safetensors ``__metadata__`` of every file (``{"format": "pt"}`` is added).
-        progress: tqdm progress bar; default on when stderr is a terminal.
-        timeout: in a distributed run, seconds (or a ``timedelta``) each rank waits for the others at each
-            agreement point (end of preparing, of writing, of finishing); None waits without limit (a rank that
-            dies is still detected by its heartbeat); in any run, also the most the commit waits for another
-            save's commit into ``path`` (saves into one path commit one at a time).
+        rules: the rules, as for ``load_hf_checkpoint`` (:class:`~loader.options.Rules`); None: the default (for
+            a transformers ``PreTrainedModel``, transformers' conversion mapping).
+        options: how the save runs and writes (:class:`~loader.options.SaveOptions`: file size, metadata,
+            progress, timeout); None: the defaults.
         source_shapes: the checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint (path or
             ``SafetensorsCheckpoint``) to take keys, shapes and dtypes from: needed when they cannot be found from
             the model and the rules alone (a ``Convert`` rule).
@@ -130,13 +116,13 @@ def save_hf_checkpoint(
 
     Raises:
         ValueError: ``path`` is a URL (saving to object stores is out of scope); the layout cannot be derived, a
-            conversion is not invertible, ``max_shard_size`` is not a size, a tensor's checkpoint key is
+            conversion is not invertible, ``options.max_shard_size`` is not a size, a tensor's checkpoint key is
             ``__metadata__``, a tensor is a contiguous conj / neg view (its memory is not its values), or ranks
             hold a tensor differently (placements, kind, global shape, dtype, mesh): nothing is written.
-        PeerFailure: in a distributed run, another rank hung past ``timeout``, died or left.
+        PeerFailure: in a distributed run, another rank hung past ``options.timeout``, died or left.
         OSError, RuntimeError: a write failed (on any rank, in a distributed run); ``path`` is left as it was
             (no folder, or the old checkpoint, whole).
-        TimeoutError: another save into ``path`` was committing for more than ``timeout``.
+        TimeoutError: another save into ``path`` was committing for more than ``options.timeout``.
     """
     started = time.perf_counter()
     if is_url(path):  # before anything is planned or written, on every rank
@@ -144,34 +130,34 @@ def save_hf_checkpoint(
             f"save_hf_checkpoint: {path!r} is a URL; saving to an object store or the Hub is not supported: save to a "
             "local folder, then upload it (e.g. `aws s3 sync`, `hf upload`)"
         )
-    options = SaveOptions(max_shard_size, {"format": "pt", **(metadata or {})}, progress, timeout)
-    rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
+    options = options if options is not None else SaveOptions()
+    options = replace(options, metadata={"format": "pt", **(options.metadata or {})})
+    rules = rules if rules is not None else Rules()
     rank, world = rank_and_world()
     if world > 1:
         return _save_distributed(model, path, rules, source_shapes, options)
-    mapping, layout, writes = _prepare(model, rules, source_shapes, options, rank)
-    folder = make_temp_folder(path)
-    try:
+    mapping, layout, writes = _prepare(model, rules, source_shapes, options, (rank, world, 0))
+    with Rollback() as rollback:
+        folder = make_temp_folder(path)
+        rollback.add(lambda: remove_folder(folder))
         header = create_files(folder, layout)
         writer = _write(folder, layout, writes, options.progress)
         write_extras(folder, layout, model, _total_parameters(model))
         commit(folder, path, layout, timeout_seconds(options.timeout))
-    except BaseException:
-        remove_folder(folder)
-        raise
     return _report(path, mapping, layout, writer, header, writes, rank, world, started)
 
 
-def plan_rank_writes(mapping: SaveMapping, rank: int, world: int) -> RankWrites:
+def plan_rank_writes(mapping: SaveMapping, rank: int, world: int, lead: int = 0) -> RankWrites:
     """What this rank writes: for every model tensor, its local shard's boxes when this rank is the lowest
-    rank holding that shard (plain tensors: rank 0), each box's inverse blocks.
+    rank holding that shard (plain tensors: ``lead``, the rank 0 of the save's group), each box's inverse blocks;
+    ranks are the world's, ``world`` the group's size.
 
     Raises:
         ValueError: a model tensor this rank writes is on the meta device, or is ``Partial``.
     """
 
     def local_shard(target: str, tensor: torch.Tensor) -> tuple[tuple[tuple[Box, Box], ...], torch.Tensor] | None:
-        if _writer(tensor, rank, world) != rank:
+        if _writer(tensor, rank, world, lead) != rank:
             return None
         slot = slot_for(target, tensor)
         if slot.local is not None and slot.local.device.type == "meta" and slot.boxes:
@@ -211,13 +197,13 @@ def collect_writes(
 
 
 def _prepare(
-    model: torch.nn.Module, rules: Rules, source_shapes: Any, options: SaveOptions, rank: int
+    model: torch.nn.Module, rules: Rules, source_shapes: Any, options: SaveOptions, ranks: tuple[int, int, int]
 ) -> tuple[SaveMapping, SaveLayout, RankWrites]:
+    """``ranks``: this rank (the world's), the group's size and the world's rank of its rank 0."""
     max_shard_size = parse_size(options.max_shard_size)  # a bad one is refused first: nothing planned or created
     mapping = map_for_save(model, rules, source_shapes=source_shapes)
     layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata=options.metadata)
-    _, world = rank_and_world()
-    return mapping, layout, plan_rank_writes(mapping, rank, world)
+    return mapping, layout, plan_rank_writes(mapping, *ranks)
 
 
 def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool | None) -> BlockWriter:
@@ -234,62 +220,46 @@ def _write(folder: str, layout: SaveLayout, writes: RankWrites, progress: bool |
 
 
 def _save_distributed(
-    model: torch.nn.Module, path: str, rules: Rules, source_shapes: Any, options: SaveOptions
+    model: torch.nn.Module, path: str, rules: Rules, source_shapes: Any, options: SaveOptions, group: Any = None
 ) -> SaveReport:
-    """Plan on every rank; rank 0 creates the files; every rank writes its shards; rank 0 commits. Each step
-    ends at an agreement point: a failure or a hang anywhere fails every rank, and rank 0 removes the files."""
-    from ..distributed import LoadSession
+    """Plan on every rank of ``group``; its rank 0 creates the files; every rank writes its shards; rank 0 commits.
+    Each is a stage of the save's session: a failure or a hang anywhere fails every rank, and the save's rollback
+    removes the unfinished folder."""
+    from ..distributed import Session
+    from ..distributed.collectives import global_rank
 
     started = time.perf_counter()
-    rank, world = rank_and_world()
-    folder = header = None
-    with LoadSession(options.timeout) as session:
-        error = None
-        try:
-            mapping, layout, writes = _prepare(model, rules, source_shapes, options, rank)
+    folder = header = writer = None
+    with Session(options.timeout, group) as session, Rollback() as rollback:
+        rank, world, store = session.rank, session.world, session.store
+        with session.stage("preparing"):
+            me, lead = global_rank(group, rank), global_rank(group, 0)
+            mapping, layout, writes = _prepare(model, rules, source_shapes, options, (me, world, lead))
             agreement = RankAgreement(mapping.tensors, layout)
-            agreement.publish(session.store, rank)
+            agreement.publish(store, rank)
             if rank == 0:
                 folder = make_temp_folder(path)
+                remove = rollback.add(lambda: remove_folder(folder))
                 header = create_files(folder, layout)
-                session.store.set("save/folder", folder)
-        except Exception as e:  # agreed below: every rank raises, none hangs
-            error = e
-        _agree(session, error, "preparing", folder)
-        error = writer = None
-        try:
-            if rank != 0:
-                folder = session.store.get("save/folder").decode()
-            if agreement.check(session.store, rank, world):  # else another rank raises: write nothing
+                store.set("save/folder", folder)
+        with session.stage("writing"):
+            folder = folder if rank == 0 else store.get("save/folder").decode()
+            if agreement.check(store, rank, world):  # else another rank raises: write nothing
                 writer = _write(folder, layout, writes, options.progress)
-        except Exception as e:
-            error = e
-        _agree(session, error, "writing", folder if rank == 0 else None)
-        error = None
-        if rank == 0:
-            try:
+        with session.stage("finishing"):
+            if rank == 0:
                 write_extras(folder, layout, model, _total_parameters(model))
                 commit(folder, path, layout, timeout_seconds(options.timeout))
-            except Exception as e:
-                error = e
-                remove_folder(folder)
-        session.agree(error, "finishing")
+                rollback.drop(remove)  # committed: the folder is the checkpoint
     return _report(path, mapping, layout, writer, header or 0, writes, rank, world, started)
 
 
-def _agree(session: Any, error: BaseException | None, stage: str, folder: str | None) -> None:
-    try:
-        session.agree(error, stage)
-    except BaseException:
-        remove_folder(folder)
-        raise
-
-
-def _writer(tensor: torch.Tensor, rank: int, world: int) -> int | None:
-    """The rank that writes ``tensor``'s shard held here: the lowest rank holding the same shard (None: none)."""
+def _writer(tensor: torch.Tensor, rank: int, world: int, lead: int = 0) -> int | None:
+    """The rank that writes ``tensor``'s shard held here: the lowest rank holding the same shard (None: none; a
+    plain tensor: ``lead``)."""
     data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
     if world == 1 or not hasattr(data, "device_mesh"):
-        return 0
+        return lead
     from torch.distributed.tensor import Replicate
 
     mesh = data.device_mesh

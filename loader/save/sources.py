@@ -25,7 +25,7 @@ import regiontrace as rt
 
 from .._torch import storage_key
 from ..options import Rules
-from ..plan.traces import Layout, TraceCache, TracedConversion, Untraced
+from ..plan.traces import StandInCheckpoint, TraceCache, TracedConversion, Untraced
 from ..rules import Conversion, Convert, Rename, dot_natural_key, plan_keys
 from ..rules import hf as hf_rules
 from .filelayout import TensorSpec
@@ -109,7 +109,12 @@ def map_for_save(
     state = model.state_dict(keep_vars=True)
     meta = _saved_state(model, state)
     given = rules if rules is not None else Rules()
-    rules, custom = given.as_kwargs(), given.given
+    rules: dict[str, Any] = {  # plan_keys' keyword arguments
+        "weights_mapping": given.weights_mapping,
+        "extra_weights_mapping": given.extra_weights_mapping,
+        "key_mapping": given.key_mapping,
+    }
+    custom = given.given
     recorded = rules_to_reverse(model, given.weights_mapping, given.extra_weights_mapping, given.key_mapping)
     if recorded is not None:  # a load recorded the rules it applied: reverse exactly those
         rules, custom = recorded, True
@@ -126,9 +131,9 @@ def map_for_save(
         TensorSpec(key, tuple(shape), dtypes[key], storage, nbytes)
         for key, (shape, _, (storage, nbytes)) in originals.items()
     ]
-    layout = Layout({key: (tuple(shape), dtypes[key]) for key, (shape, _, _) in originals.items()})
+    stand_in = StandInCheckpoint({key: (tuple(shape), dtypes[key]) for key, (shape, _, _) in originals.items()})
     cache = cache if cache is not None else TraceCache()
-    conversions = [_invert(conv, layout, state, cache) for conv in keyplan.conversions]
+    conversions = [_invert(conv, stand_in, state, cache) for conv in keyplan.conversions]
     tensors = {t: state[t] for c in keyplan.conversions for t in c.targets}
     return SaveMapping(specs, conversions, tensors, derived_by)
 
@@ -170,11 +175,11 @@ def _storage(t: torch.Tensor) -> tuple[Any, int]:
 
 
 def _from_source_shapes(source_shapes: SourceShapes | str | os.PathLike) -> dict[str, tuple]:
-    from ..checkpoint import SafetensorsCheckpoint
+    from ..checkpoint import Checkpoint, SafetensorsCheckpoint
 
     if isinstance(source_shapes, (str, os.PathLike)):
         source_shapes = SafetensorsCheckpoint.open(os.fspath(source_shapes))
-    if isinstance(source_shapes, SafetensorsCheckpoint):
+    if isinstance(source_shapes, Checkpoint):
         ckpt = source_shapes
         source_shapes = {k: (ckpt[k].shape, ckpt[k].dtype) for k in ckpt.keys()}
     out = {}
@@ -310,9 +315,9 @@ def _source_dtypes(conversions: list[Conversion], originals: dict, state: Mappin
     return dtypes
 
 
-def _invert(conv: Conversion, layout: Layout, state: Mapping, cache: TraceCache) -> SavedConversion:
+def _invert(conv: Conversion, stand_in: StandInCheckpoint, state: Mapping, cache: TraceCache) -> SavedConversion:
     """``conv``'s trace (the load's, by signature) and its inverse, checked against the model's shapes."""
-    traced = cache.trace(conv, layout)
+    traced = cache.trace(conv, stand_in)
     if isinstance(traced, Untraced):
         if traced.untraceable:
             raise ValueError(

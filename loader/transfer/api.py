@@ -20,7 +20,6 @@ The steps, each agreed by every rank before the next through the process group's
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,8 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import LoadSession, peer_errors
-from ..options import DEFAULT_TIMEOUT, Rules, timeout_seconds
+from ..distributed import Session, peer_errors
+from ..execute import Rollback
+from ..options import BUCKET_BYTES, Rules, TransferOptions, timeout_seconds
 from ..plan import TraceCache
 from ..plan.slots import box_view
 from ..rules.conversion import cast_like_transformers
@@ -41,8 +41,7 @@ from .plan import TransferPlan, plan_transfer
 from .schedule import degrees, rank_rounds
 from .sides import as_rules, dest_side, parts_of, source_side
 
-#: default bound on the payload one rank sends (and receives) per round
-BUCKET_BYTES = 64 << 20
+__all__ = ["BUCKET_BYTES", "TransferReport", "transfer_weights"]
 
 Mapping_ = Rules | Sequence[Any] | None
 
@@ -88,10 +87,7 @@ def transfer_weights(
     src_mapping: Mapping_ = None,
     dst_mapping: Mapping_ = None,
     group: dist.ProcessGroup | None = None,
-    bucket_bytes: int = BUCKET_BYTES,
-    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT,
-    rollback: bool = False,
-    progress: bool | Callable[[int, int], None] | None = None,
+    options: TransferOptions | None = None,
     source_shapes: Any = None,
 ) -> TransferReport:
     """Copy the weights of ``src`` into ``dst`` through their checkpoint layout, each rank receiving exactly its
@@ -106,12 +102,8 @@ def transfer_weights(
             otherwise), as for ``save_hf_checkpoint`` and ``load_hf_checkpoint``.
         group: the process group of the exchanges, holding every rank of the world (default: the world; e.g. a
             gloo group for CPU tensors beside a default NCCL one).
-        bucket_bytes: the most payload one rank sends, and receives, per round.
-        timeout: seconds (or a ``timedelta``) to wait for the other ranks at each step: every agreement point of
-            the planning (through the store) and each round's collective; it, not the process group's timeout,
-            bounds every wait (default :data:`~loader.options.DEFAULT_TIMEOUT`, 300 s); None: no limit.
-        rollback: on failure, put back every destination tensor this rank had written.
-        progress: True logs each round on the ``loader`` logger; a callable gets ``(done, total)`` rounds.
+        options: how the transfer moves weights (:class:`~loader.options.TransferOptions`: bucket size, timeout,
+            rollback, progress); None: the defaults.
         source_shapes: the source's checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint
             (path or ``SafetensorsCheckpoint``): needed when ``src_mapping`` has a ``Convert`` rule, whose keys
             cannot be derived from the model (as for ``save_hf_checkpoint``).
@@ -124,19 +116,19 @@ def transfer_weights(
             destination needs that the source lacks, a source conversion that is not a bijection, ranks holding
             a tensor differently, a tensor on the meta device, destination tensors overlapping in memory (each
             other, or a source tensor read).
-        PeerFailure: on every rank, a rank failed, died, hung or never called (past ``timeout``, naming it).
+        PeerFailure: on every rank, a rank failed, died, hung or never called (past ``options.timeout``, naming it).
     """
     t0 = time.perf_counter()
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    seconds = timeout_seconds(timeout)
+    options = options if options is not None else TransferOptions()
+    bucket_bytes, rollback, progress = options.bucket_bytes, options.rollback, options.progress
+    seconds = timeout_seconds(options.timeout)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     src_parts, src_local = parts_of(src)
     dst_parts, dst_local = parts_of(dst)
-    session = LoadSession(seconds) if distributed else None
+    session = Session(seconds, group) if distributed else None
     sharing = Sharing(session)
-    with session or contextlib.nullcontext():
+    with session or contextlib.nullcontext(), Rollback(rollback) as undo:
         mappings = (src_mapping, dst_mapping, source_shapes)
         plan, keyplan = _plan(rank, src, dst, mappings, (src_parts, dst_parts), (src_local, dst_local), sharing)
         schedule = rank_rounds(plan, bucket_bytes, sharing.share("degrees", degrees(plan)))
@@ -150,10 +142,9 @@ def transfer_weights(
         }
         written = {m.target for m in plan.moves if m.dst == rank and not m.key}
         written |= {t for f in plan.fallback if rank in f.ranks for t in f.targets}
-        saved = {t: dst_local[t].clone() for t in written} if rollback else None
-        error: BaseException | None = None
+        undo.keep_tensors({t: dst_local[t] for t in written})  # put back if the transfer fails on any rank
         counts = Counts()
-        try:
+        with session.stage(STAGE) if session is not None else contextlib.nullcontext():
             report = log_progress(rank) if progress is True else (progress or None)
             exchange = Exchange(
                 plan, rank, src_local, dst_local, buffers, group=group, timeout=seconds, every_round=total > 0
@@ -161,20 +152,7 @@ def transfer_weights(
             with peer_errors(STAGE, "exchanging the weights") if distributed else contextlib.nullcontext():
                 counts = exchange.run(schedule, report)
             _run_fallbacks(plan, rank, keyplan, buffers, dst_parts, dst_local)
-        except Exception as e:
-            error = e
-        try:
-            if distributed:
-                session.agree(error, STAGE)
-                sharing.close()
-            elif error is not None:
-                raise error
-        except BaseException:
-            if saved is not None:
-                with torch.no_grad():
-                    for t, value in saved.items():
-                        dst_local[t].copy_(value)
-            raise
+        sharing.close()
     mine = [m for m in plan.moves if m.dst == rank and not m.key]
     return TransferReport(
         bytes_sent=counts.sent,
@@ -215,14 +193,9 @@ def _plan(rank: int, src, dst, mappings, parts, local, sharing: Sharing) -> tupl
         except Exception as e:
             error = e
     dest = _on_one(dsts[0] == rank, lambda: _raise_or(dest_here, error), sharing, "dest", error if dst else None)
-    plan, error = None, None
-    try:
+    with sharing.stage("plan"):
         plan = plan_transfer(source, dest, [h[2] for h in holds], [h[3] for h in holds], rank=rank)
         check_memory(plan, rank, *local)
-    except Exception as e:
-        error = e
-    sharing.agree(error, "plan")
-    assert plan is not None
     return plan, keyplan
 
 

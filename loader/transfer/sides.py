@@ -18,7 +18,7 @@ import torch
 from ..fallbacks import MOVED_WHOLE, log_fallbacks
 from ..options import Rules
 from ..placements import slot_for
-from ..plan import Layout, TraceCache, TracedConversion
+from ..plan import StandInCheckpoint, TraceCache, TracedConversion
 from ..plan.dtypes import kind_cast
 from ..plan.slots import iter_model_tensors
 from ..rules import KeyPlan, plan_keys
@@ -95,7 +95,9 @@ def dest_side(
         model,
         {k: s for k, (s, _) in keys.items()},
         checkpoint_dtypes={k: d for k, (_, d) in keys.items()},
-        **rules.as_kwargs(),
+        weights_mapping=rules.weights_mapping,
+        extra_weights_mapping=rules.extra_weights_mapping,
+        key_mapping=rules.key_mapping,
     )
     state = dict(iter_model_tensors(model))
     loaded = {t for c in keyplan.conversions for t in c.targets}
@@ -106,10 +108,10 @@ def dest_side(
             f"{len(missing)} destination tensor(s) have no checkpoint key in the source's layout: {missing[:8]} "
             "(the source lacks the keys they load from, or the mappings differ)" + keyplan.unmatched_note(keys)
         )
-    cache, layout = cache if cache is not None else TraceCache(), Layout(keys)
+    cache, stand_in = cache if cache is not None else TraceCache(), StandInCheckpoint(keys)
     conversions, untraced = [], []
     for conv in keyplan.conversions:
-        meta = cache.meta(conv, layout)
+        meta = cache.meta(conv, stand_in)
         if meta.error is not None:
             raise meta.error
         for t, out in zip(conv.targets, meta.outputs or ()):
@@ -125,7 +127,7 @@ def dest_side(
                     f"holds {want.dtype}"
                 )
         cast = source_cast(conv.rule, state[conv.targets[0]].dtype)
-        outcome = cache.trace(conv, layout, cast)
+        outcome = cache.trace(conv, stand_in, cast)
         if isinstance(outcome, TracedConversion):
             outputs = dict(outcome.outputs)
             targets = tuple(conv.targets)

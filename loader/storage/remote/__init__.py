@@ -10,26 +10,24 @@ each importing its library only when such a URL is used).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from .backend import Backend, RemoteOptions, Transient
+from ...options import RemoteOptions, StorageOptions
+from .backend import Backend, Transient
 from .reader import RemoteReader
 from .store import RemoteStore
 
 
-def remote_store(url: str, storage_options: Mapping[str, object], revision: str | None = None) -> RemoteStore:
-    """The :class:`RemoteStore` of the folder ``url``: ``storage_options`` split into ours
-    (:class:`RemoteOptions`) and the backend's, the backend picked by the URL's scheme.
+def remote_store(url: str, storage: StorageOptions) -> RemoteStore:
+    """The :class:`RemoteStore` of the folder ``url``, read as ``storage.remote`` says, its backend (picked by the
+    URL's scheme) given ``storage.backend`` and ``storage.revision``.
 
     Raises:
-        ValueError: an option of the wrong type, or unknown to the backend; a revision for a URL not ``hf://``.
+        ValueError: a backend setting unknown to the backend; a revision for a URL not ``hf://``.
         ImportError: the scheme's library is not installed (the ``remote`` extra).
     """
     from .backends import make_backend
 
-    options, rest = RemoteOptions.split(storage_options)
     root = url.rstrip("/")
-    return RemoteStore(root, make_backend(root, rest, revision, options), options)
+    return RemoteStore(root, make_backend(root, storage.backend, storage.revision, storage.remote), storage.remote)
 
 
 __all__ = ["Backend", "RemoteOptions", "RemoteReader", "RemoteStore", "Transient", "remote_store"]

@@ -74,7 +74,7 @@ def make_backend(
 
     Args:
         url: A location (or a folder's) of the backend's scheme.
-        backend_options: ``storage_options`` less ours (:meth:`RemoteOptions.split`).
+        backend_options: :attr:`~loader.options.StorageOptions.backend`.
         revision: An ``hf://`` repo's branch, tag or commit (refused for other URLs).
         options: Timeouts and pool sizes (defaults when ``None``).
 

@@ -2,7 +2,7 @@
 
 Vocabulary: a :class:`Fetcher` runs a :class:`~.requests_plan.Request` of one object against a
 :class:`~.backend.Backend`, now (:meth:`Fetcher.get`, in the calling thread) or in its pool of
-``RemoteOptions.concurrency`` threads (:meth:`Fetcher.submit`); an *attempt* is one backend call, retried after
+``RemoteOptions.requests_in_flight`` threads (:meth:`Fetcher.submit`); an *attempt* is one backend call, retried after
 ``backoff * 2**i`` seconds when it fails :class:`~.backend.Transient`, up to ``retries`` times, then a
 :class:`~loader.errors.CheckpointError` naming the URL and what failed. :meth:`Fetcher.cancel` stops everything
 pending (a failure elsewhere: nothing more is fetched for a load being rolled back).
@@ -129,7 +129,7 @@ class Fetcher:
         The first failure cancels everything pending at once (:meth:`cancel`): the load is stopping."""
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="remote-fetch")
+                self._pool = ThreadPoolExecutor(self.options.requests_in_flight, thread_name_prefix="remote-fetch")
             future = self._pool.submit(self._get_or_stop, location, request, identity)
             self._pending.add(future)
         future.add_done_callback(self._done)

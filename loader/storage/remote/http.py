@@ -228,7 +228,7 @@ class HttpBackend:
     ) -> None:
         self.multi_range = True
         self.recheck_heads, self.warned = True, False  # headers fetched again (.recheck); weak validators said once
-        self.timeout, self.min_rate = options.timeout, options.min_rate
+        self.timeout, self.min_rate = options.request_timeout, options.min_rate
         self.private, self.forward_headers = tuple(headers or {}), forward_headers  # see _Session
         self.headers = {**dict(headers or {}), "Accept-Encoding": "identity"}
         self.verify, self.auth, self.if_match = verify, auth, if_match

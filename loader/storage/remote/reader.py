@@ -1,10 +1,10 @@
 """The remote :class:`~loader.storage.base.RangeReader`: a file's wanted ranges fetched ahead, reads served from them.
 
 :meth:`RemoteReader.will_read` plans a file's requests (:func:`~.requests_plan.plan_requests`) and submits them in
-order while the window allows (:class:`~.pieces.Window`: at most ``window_bytes`` fetched and not yet consumed);
-a read copies its bytes out of the fetched pieces, waiting for them, piece by piece, freeing each piece once its
-wanted bytes were all served and submitting the next fetches as the window empties; bytes no piece holds (no
-:meth:`~RemoteReader.will_read`, a read ahead of the window, bytes served before from a piece since freed) are
+order while the window allows (:class:`~.window.Window`: at most ``window_bytes`` fetched and not yet consumed);
+a read copies its bytes out of the fetched spans, waiting for them, span by span, freeing each span once its
+wanted bytes were all served and submitting the next fetches as the window empties; bytes no span holds (no
+:meth:`~RemoteReader.will_read`, a read ahead of the window, bytes served before from a span since freed) are
 fetched directly (:func:`fetch_direct`). A failure cancels every pending fetch and propagates.
 
 Identity: :meth:`RemoteReader.expect` records the :class:`~loader.storage.ObjectIdentity` every request is made
@@ -26,33 +26,36 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
-from ...errors import redact_url
 from ..base import ObjectIdentity, Runs, Segment, consecutive
+from ..capabilities import multi_range
 from ..untrusted import err
 from .backend import Backend, RemoteOptions
-from .fetch import Fetcher, with_retries
+from .fetch import Fetcher
 from .heads import Heads
-from .pieces import Fetch, Piece, Window
+from .identities import Identities
 from .recheck import HeadChecks
 from .requests_plan import Request, plan_requests
+from .window import Fetch, FetchedSpan, Window
 
 
-def cover(segments: Sequence[Segment], pieces: Sequence[Piece]) -> tuple[list[tuple[Piece, list]], list[Segment]]:
-    """Which piece serves which part of ``segments`` (ascending, disjoint), and the parts no piece holds.
+def cover(
+    segments: Sequence[Segment], spans: Sequence[FetchedSpan]
+) -> tuple[list[tuple[FetchedSpan, list]], list[Segment]]:
+    """Which span serves which part of ``segments`` (ascending, disjoint), and the bytes no span holds.
 
     Returns:
-        ``[(piece, [(lo, hi, destination), ...]), ...]`` in the pieces' order, and the missing segments.
+        ``[(span, [(lo, hi, destination), ...]), ...]`` in the spans' order, and the missing segments.
     """
-    served: list[tuple[Piece, list]] = []
+    served: list[tuple[FetchedSpan, list]] = []
     missing: list[Segment] = []
     k = 0
     for off, view in segments:
         pos, end = off, off + len(view)
-        while k < len(pieces) and pieces[k].end <= pos:
+        while k < len(spans) and spans[k].end <= pos:
             k += 1
         j = k
-        while pos < end and j < len(pieces) and pieces[j].start < end:
-            p = pieces[j]
+        while pos < end and j < len(spans) and spans[j].start < end:
+            p = spans[j]
             if p.start > pos:
                 missing.append((pos, view[pos - off : p.start - off]))
                 pos = p.start
@@ -92,13 +95,13 @@ class RemoteReader:
     ) -> None:
         self.backend, self.options = backend, options
         self._fetcher = Fetcher(backend, options)
-        self._identities: dict[str, ObjectIdentity] = {}
         self._heads = Heads(heads)
-        self._window = Window(options.window_bytes)
-        self._checks = HeadChecks(backend, options.max_ranges)  # headers fetched again (see .recheck)
+        self._identities = Identities(backend, options, self._heads)
+        self._window = Window(options.fetch_ahead_bytes)
+        self._checks = HeadChecks(backend, options.costs.max_ranges)  # headers fetched again (see .recheck)
         self._lock = threading.Lock()
         for location, identity in (identities or {}).items():
-            self.expect(location, identity)
+            self._identities.expect(location, identity)
 
     bytes_read: property = property(lambda self: self._fetcher.bytes_read + self._heads.used - self._checks.bytes)
     gap_bytes: property = property(lambda self: self._fetcher.gap_bytes)
@@ -117,13 +120,8 @@ class RemoteReader:
         self._fetcher.close()
 
     def expect(self, location: str, identity: object | None) -> None:
-        """Require ``location`` to have ``identity`` (an :class:`~loader.storage.ObjectIdentity`; None: ignored)."""
-        if identity is None:
-            return
-        if not isinstance(identity, ObjectIdentity):
-            raise TypeError(f"{redact_url(location)}: a remote object's identity is an ObjectIdentity: {identity!r}")
-        with self._lock:
-            self._identities[location] = identity
+        """Require ``location`` to have ``identity`` (:meth:`.identities.Identities.expect`)."""
+        self._identities.expect(location, identity)
 
     def verify(self, location: str) -> None:
         """Frees what was fetched ahead for ``location`` and not read; checks nothing (see the module) but, where the
@@ -132,7 +130,7 @@ class RemoteReader:
             futures = self._window.drop(location)
         for f in futures:
             f.cancel()
-        self._checks.verify(self._fetcher, location, self._identities.get(location))
+        self._checks.verify(self._fetcher, location, self._identities.known(location))
 
     def verify_all(self) -> None:
         """Nothing to check (see :meth:`verify`)."""
@@ -140,10 +138,10 @@ class RemoteReader:
     def will_read(self, location: str, ranges: Callable[[], Sequence[tuple[int, int]]], *, sparse: bool) -> None:
         """Plan ``location``'s requests for ``ranges()`` and start fetching them in order, within the window
         (``sparse`` changes nothing: nothing is read ahead beyond the ranges anyway)."""
-        identity = self._identity(location)  # known before any fetch is submitted (stat'ed now if not expected)
+        identity = self._identities.of(location)  # known before any fetch is submitted (stat'ed now if not expected)
         wanted = self._heads.clip(location, identity, ranges())  # what a head holds is not fetched again
         requests = plan(self.backend, self.options, wanted)
-        self._checks.plan(location, self._identity(location), requests)
+        self._checks.plan(location, self._identities.of(location), requests)
         with self._lock:
             stale = self._window.plan(location, requests)
             self._window.fill(self._submit)
@@ -177,7 +175,7 @@ class RemoteReader:
     # -- reading -----------------------------------------------------------------------------------------------
 
     def _read(self, location: str, segments: list[Segment]) -> None:
-        identity = self._identity(location)
+        identity = self._identities.of(location)
         lo, hi = segments[0][0], segments[-1][0] + len(segments[-1][1])
         if lo < 0 or hi > identity.size:
             raise err(location, f"bytes [{lo}, {hi}) lie outside the object ({identity.size} bytes)")
@@ -187,19 +185,19 @@ class RemoteReader:
         submit = self._submit
         try:
             with self._lock:
-                pieces = self._window.overlapping(location, lo, hi)
-            served, missing = cover(segments, pieces)
-            for piece, parts in served:
+                spans = self._window.overlapping(location, lo, hi)
+            served, missing = cover(segments, spans)
+            for span, copies in served:
                 with self._lock:
-                    future = self._window.future(piece, parts, submit)
+                    future = self._window.future(span, copies, submit)
                 if future is None:  # not fetched (beyond the window) or freed: fetched directly
-                    missing.extend((a, dst) for a, _, dst in parts)
+                    missing.extend((a, dst) for a, _, dst in copies)
                     continue
-                data = memoryview(self._fetcher.result(future, location)[piece.index])  # slices copy nothing
-                for a, b, dst in parts:
-                    dst[:] = data[a - piece.start : b - piece.start]
+                data = memoryview(self._fetcher.result(future, location)[span.index])  # slices copy nothing
+                for a, b, dst in copies:
+                    dst[:] = data[a - span.start : b - span.start]
                 with self._lock:
-                    self._window.consumed(piece, parts, submit)
+                    self._window.consumed(span, copies, submit)
             if missing:
                 requests = plan(self.backend, self.options, [(a, a + len(v)) for a, v in missing])
                 fetch_direct(self._fetcher, location, identity, requests, sorted(missing, key=lambda s: s[0]))
@@ -209,15 +207,7 @@ class RemoteReader:
 
     def _submit(self, fetch: Fetch) -> Future[list[bytes]]:
         """Submit a planned fetch (called under the lock; its object's identity is known since :meth:`will_read`)."""
-        return self._checks.submit(self._fetcher, fetch.location, fetch.request, self._identities[fetch.location])
-
-    def _identity(self, location: str) -> ObjectIdentity:
-        """The identity requests for ``location`` are made against: expected, else its head's, else stat'ed once."""
-        identity = self._identities.get(location)
-        if identity is None:
-            found = self._heads.identity(location) or stat_identity(self.backend, self.options, location)
-            identity = self._identities.setdefault(location, found)
-        return identity
+        return self._checks.submit(self._fetcher, fetch.location, fetch.request, self._identities.of(fetch.location))
 
     def _fail(self, cause: BaseException | None = None) -> None:
         """Cancel everything pending: a read failed (``cause``, what other waiting reads raise too), or the reader
@@ -229,27 +219,15 @@ class RemoteReader:
             f.cancel()
 
 
-def stat_identity(backend: Backend, options: RemoteOptions, location: str) -> ObjectIdentity:
-    """The object's identity, from one ``stat`` (retried).
-
-    Raises:
-        CheckpointError: it does not exist, or the stat failed.
-    """
-    identity = with_retries(location, "stat", lambda: backend.stat(location), options)
-    if identity is None:
-        raise err(location, "not found (404)")
-    return identity
-
-
 def plan(backend: Backend, options: RemoteOptions, ranges: Sequence[tuple[int, int]]) -> list[Request]:
     """The requests fetching ``ranges`` of one object through ``backend`` (:func:`~.requests_plan.plan_requests`)."""
     return plan_requests(
         ranges,
-        gap_bytes=options.gap_bytes,
-        max_request_bytes=options.max_request_bytes,
-        multi_range=bool(getattr(backend, "multi_range", False)),
-        max_ranges=options.max_ranges,
-        max_overread=options.max_overread,
+        gap_bytes=options.costs.gap_bytes,
+        max_request_bytes=options.costs.max_request_bytes,
+        multi_range=multi_range(backend),
+        max_ranges=options.costs.max_ranges,
+        max_overread=options.costs.max_overread,
     )
 
 
@@ -262,7 +240,7 @@ def fetch_direct(
     if len(requests) == 1:
         _scatter(requests[0], fetcher.get(location, requests[0], identity), segments, starts)
         return
-    window, inflight = fetcher.options.window_bytes, deque()
+    window, inflight = fetcher.options.fetch_ahead_bytes, deque()
     held, i = 0, 0
     while i < len(requests) or inflight:
         while i < len(requests) and (not inflight or held + requests[i].nbytes <= window):
@@ -276,11 +254,11 @@ def fetch_direct(
 
 def _scatter(request: Request, data: list[bytes], segments: list[Segment], starts: list[int]) -> None:
     """Copy each span's bytes into the ``segments`` (ascending by ``starts``) it overlaps."""
-    for span, chunk in zip(request.spans, map(memoryview, data)):
+    for span, got in zip(request.spans, map(memoryview, data)):
         i = max(bisect.bisect_right(starts, span.start) - 1, 0)
         while i < len(segments) and starts[i] < span.end:
             a, dst = segments[i]
             lo, hi = max(a, span.start), min(a + len(dst), span.end)
             if lo < hi:
-                dst[lo - a : hi - a] = chunk[lo - span.start : hi - span.start]
+                dst[lo - a : hi - a] = got[lo - span.start : hi - span.start]
             i += 1

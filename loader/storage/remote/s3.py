@@ -5,7 +5,7 @@ Vocabulary: a location is ``s3://bucket/key``. The client is configured the usua
 backend options with s3fs' names, so that fsspec ``storage_options`` work unchanged: ``endpoint_url``, ``key``,
 ``secret``, ``token``, ``anon`` (unsigned requests), ``profile``, ``region_name``, ``client_kwargs`` (to
 ``boto3.client``), ``config_kwargs`` (to ``botocore.config.Config``). botocore's own retries are off (the fetcher
-retries), its timeouts are :attr:`RemoteOptions.timeout`, its pool holds :attr:`RemoteOptions.concurrency`.
+retries), its timeouts are :attr:`RemoteOptions.request_timeout`, its pool holds :attr:`RemoteOptions.requests_in_flight`.
 
 An object's identity is its ``ETag`` and ``VersionId`` (versioned buckets); every ``get_object`` sends
 ``IfMatch`` with the ETag and, where there is one, ``VersionId`` (so a versioned object replaced mid-load is still
@@ -71,9 +71,9 @@ def make_client(options: RemoteOptions, backend_options: Mapping[str, object]):
     )
     config = {
         "retries": {"total_max_attempts": 1},
-        "connect_timeout": options.timeout,
-        "read_timeout": options.timeout,
-        "max_pool_connections": max(10, options.concurrency),
+        "connect_timeout": options.request_timeout,
+        "read_timeout": options.request_timeout,
+        "max_pool_connections": max(10, options.requests_in_flight),
         **dict(opts.get("config_kwargs") or {}),
     }
     if opts.get("anon"):
