@@ -21,6 +21,7 @@ from ..checkpoint import SafetensorsCheckpoint
 from ..checkpoint.folder import INDEX_NAME
 from ..errors import CheckpointError, redact_url
 from ..storage import ObjectIdentity
+from ..storage.capabilities import RemembersProbes, capability, close_store
 from .session import LoadSession
 
 log = logging.getLogger("loader")
@@ -31,8 +32,8 @@ Opener = Callable[[Mapping[str, ObjectIdentity] | None], SafetensorsCheckpoint]
 def identities_of(checkpoint: SafetensorsCheckpoint) -> dict[str, ObjectIdentity]:
     """The remote identities a checkpoint was opened with: its files' and its index's."""
     out = {f: i for f, i in checkpoint.identities.items() if isinstance(i, ObjectIdentity)}
-    probed = getattr(checkpoint.store, "probed", None)
-    index = probed(checkpoint.store.locate(INDEX_NAME)) if probed is not None else None
+    probes = capability(checkpoint.store, RemembersProbes)
+    index = probes.probed(checkpoint.store.locate(INDEX_NAME)) if probes is not None else None
     if index is not None:
         out[checkpoint.store.locate(INDEX_NAME)] = index
     return out
@@ -113,7 +114,7 @@ def open_agreed(session: LoadSession, opener: Opener, *, remote: bool) -> Safete
     was = "failed to open" if checkpoint is None else f"read {_listed(identities_of(checkpoint), theirs)}"
     log.warning("rank %d: %s; opening again at rank 0's versions", session.rank, was)
     if checkpoint is not None:
-        getattr(checkpoint.store, "close", lambda: None)()  # its connections: the checkpoint is not used
+        close_store(checkpoint.store)  # its connections: the checkpoint is not used
     checkpoint = opener(theirs)
     mine = identities_of(checkpoint)
     differ = differences(mine, theirs)  # the same objects, read bound to rank 0's identities: nothing else

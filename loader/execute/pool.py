@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..storage import RangeReader
+from ..storage.capabilities import ProbesCache, capability
 from .staging import Stage, StagingRing
 
 #: most I/O threads the automatic setting picks (more added little on NVMe in the peers' measurements)
@@ -75,14 +76,14 @@ def in_page_cache(reader: object, checkpoint: Any, reads: Sequence[Any]) -> bool
     :data:`CACHE_PROBES` blocks of the first file read, asked without waiting for the disk. Only that file is asked,
     which the reads open first anyway (a changed file is reported where it would be). True where the reader cannot
     tell (a remote store)."""
-    probe = getattr(reader, "cached", None)
+    probe = capability(reader, ProbesCache)
     if probe is None or not reads:
         return True
     first = checkpoint[reads[0].block.source].file
     infos = ((r, checkpoint[r.block.source]) for r in itertools.islice(reads, 64 * CACHE_PROBES))
     mine = [(r, info) for r, info in infos if info.file == first]
     for r, info in mine[:: max(1, len(mine) // CACHE_PROBES)][:CACHE_PROBES]:
-        if probe(first, info.data_start + r.block.source_span()[0] * info.itemsize) is False:
+        if probe.cached(first, info.data_start + r.block.source_span()[0] * info.itemsize) is False:
             return False
     return True
 

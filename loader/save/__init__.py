@@ -1,8 +1,9 @@
 """Saving a (sharded) model as a Hugging Face checkpoint through the inverse of its traced conversions.
 
 :mod:`.filelayout` (files, headers and offsets from shapes and dtypes alone) ← :mod:`.sources` (the original keys
-and the inverted conversions) ← :mod:`.write` (preallocated files, positional writes; :mod:`.commit`: the atomic
-swap into place under a lock; :mod:`.carry`: the user's files it keeps, and the mounts it refuses) ← :mod:`.api`
+and the inverted conversions) ← :mod:`.write` (preallocated files, positional writes, through the storage's write side:
+:class:`loader.storage.Staging`, whose local driver commits by an atomic swap into place under a lock, keeping the
+user's files and refusing mounts: :mod:`loader.storage.local_commit`) ← :mod:`.api`
 (``save_hf_checkpoint``, one process or every rank of a process group; :mod:`.agreement`: what the ranks
 compare before anyone writes) ← :mod:`.writeplan` (any rank's write plan in one process: ``plan_writes``).
 """

@@ -20,11 +20,12 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import CheckpointError
 from .base import Runs
-from .local import PAGE, FileIdentity, FileReader
+from .local import PAGE, FileReader
+from .local_files import FileIdentity, OpenFiles
 from .untrusted import OPEN_FLAGS, err
 
 log = logging.getLogger("loader")
@@ -143,64 +144,92 @@ class _Scatter:
         self.at = upto
 
 
-class DirectFileReader(FileReader):
-    """A :class:`~.local.FileReader` that reads with ``O_DIRECT`` (see the module): by aligned windows through a
-    bounce buffer per thread, the alignment overread counted in ``gap_bytes``. A file whose filesystem refuses
-    ``O_DIRECT`` is read through the page cache (one log line per reader)."""
+class DirectFileReader:
+    """A local :class:`~.base.RangeReader` that reads with ``O_DIRECT`` (see the module): by aligned windows through
+    a bounce buffer per thread, the alignment overread counted in ``gap_bytes``. A file whose filesystem refuses
+    ``O_DIRECT`` is read through the page cache (one log line per reader), by a :class:`~.local.FileReader` over
+    the same open files, which also keeps the counts.
 
-    read_runs_to = None  # runs are read by aligned windows through the bounce buffer, never scattered into place
-    read_ahead = None  # no page cache to share with the host's other ranks: its reads count for none of them
+    It declares no readahead, scattered runs nor page-cache probes (:mod:`.capabilities`): no page cache to share
+    with the host's other ranks, and runs are read by aligned windows, never scattered into place.
+    """
 
     def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
-        super().__init__(identities)
+        self._files = OpenFiles(identities)
+        self._buffered = FileReader(files=self._files)  # refused files, and the counts
+        self._lock = threading.Lock()
         self._direct: dict[str, tuple[int, int] | None] = {}  # file -> (descriptor, alignment); None: refused
         self._refused: list[int] = []  # descriptors of files refused after opening, closed with the others
         self._local = threading.local()
         self._warned = False
 
+    bytes_read: property = property(lambda self: self._buffered.bytes_read)
+    gap_bytes: property = property(lambda self: self._buffered.gap_bytes)
+    reads: property = property(lambda self: self._buffered.reads)
+
+    def __enter__(self) -> DirectFileReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Close every descriptor, direct and buffered, and drop the bounce buffers (the reader may be reused)."""
         with self._lock:
             fds = [d[0] for d in self._direct.values() if d is not None] + self._refused
             self._direct, self._refused = {}, []
         for fd in fds:
             os.close(fd)
         self._local = threading.local()  # the bounce buffers go with it
-        super().close()
+        self._files.close()
+
+    def expect(self, file: str, identity: FileIdentity | None) -> None:
+        self._files.expect(file, identity)
+
+    def verify(self, file: str) -> None:
+        self._files.verify(file)
+
+    def verify_all(self) -> None:
+        self._files.verify_all()
+
+    def will_read(self, file: str, ranges: Callable[[], Sequence[tuple[int, int]]], *, sparse: bool) -> None:
+        self._buffered.will_read(file, ranges, sparse=sparse)
 
     def pread_into(self, file: str, offset: int, out: memoryview | bytearray) -> None:
         view = memoryview(out).cast("B")
         if not view or not self._counted(file, offset, [view]):
-            super().pread_into(file, offset, out)
+            self._buffered.pread_into(file, offset, out)
 
     def pread_consecutive(self, file: str, offset: int, outs: Sequence[memoryview]) -> None:
         views = [v for v in (memoryview(o).cast("B") for o in outs) if len(v)]
         if not views or not self._counted(file, offset, views):
-            super().pread_consecutive(file, offset, outs)
+            self._buffered.pread_consecutive(file, offset, outs)
 
     def read_spans(
         self, file: str, spans: Sequence[tuple[int, int]], out: memoryview, base: int, *, wanted: int | None = None
     ) -> None:
+        """:meth:`~.local.FileReader.read_spans` with ``O_DIRECT``."""
         view = memoryview(out).cast("B")
         total = calls = discarded = 0
         for i, (a, b) in enumerate(spans):
             done = self._read(file, a, [view[a - base : b - base]])
             if done is None:  # refused: the rest through the page cache
-                super().read_spans(file, spans[i:], out, base, wanted=None if wanted is None else 0)
+                self._buffered.read_spans(file, spans[i:], out, base, wanted=None if wanted is None else 0)
                 break
             calls, discarded, total = calls + done[0], discarded + done[1], total + b - a
         used = total if wanted is None else wanted
-        self._count(used, calls, total - used + discarded)
+        self._buffered.count(used, calls, total - used + discarded)
 
     def read_runs(self, file: str, runs: Runs, out: memoryview, base: int, *, wanted: int) -> None:
         if self._descriptor(file) is None:
-            super().read_runs(file, runs, out, base, wanted=wanted)
+            self._buffered.read_runs(file, runs, out, base, wanted=wanted)
         else:  # no pages queued: they would be read into the page cache
             self.read_spans(file, runs.spans(PAGE), out, base, wanted=wanted)
 
     def _counted(self, file: str, offset: int, views: list[memoryview]) -> bool:
         done = self._read(file, offset, views)
         if done is not None:
-            self._count(sum(len(v) for v in views), done[0], done[1])
+            self._buffered.count(sum(len(v) for v in views), done[0], done[1])
         return done is not None
 
     def _read(self, file: str, offset: int, views: list[memoryview]) -> tuple[int, int] | None:
@@ -222,13 +251,13 @@ class DirectFileReader(FileReader):
             self._refuse(file, e)
             return None
         except CheckpointError:
-            self._checks.check(file, fd)  # a file replaced or rewritten says so first
+            self._files.checks.check(file, fd)  # a file replaced or rewritten says so first
             raise
 
     def _descriptor(self, file: str) -> tuple[int, int] | None:
         if file in self._direct:
             return self._direct[file]
-        fd = self.fd(file)
+        fd = self._files.fd(file)
         with self._lock:
             if file in self._direct:
                 return self._direct[file]

@@ -2,98 +2,39 @@
 
 Every read is a system call on a file descriptor, never a memory map: a file that shrinks underneath the
 load becomes a short read and a :class:`~loader.errors.CheckpointError` naming the file, never a SIGBUS.
-A :class:`FileReader` (the local :class:`~.base.RangeReader`) told a file's :class:`FileIdentity` (recorded when
-its header was read) checks it (:class:`IdentityChecks`) when the file is opened for data and on
-:meth:`FileReader.verify`: a file replaced or rewritten since its header was read is refused instead of loading
-garbage. :class:`LocalStore` is the local :class:`~.base.Store`.
+A :class:`FileReader` (the local :class:`~.base.RangeReader`) reads through its open files
+(:class:`~.local_files.OpenFiles`: each file's :class:`~.local_files.FileIdentity`, recorded when its header was
+read, checked when the file is opened for data and on :meth:`FileReader.verify`): a file replaced or rewritten
+since its header was read is refused instead of loading garbage. :class:`LocalStore` is the local
+:class:`~.base.Store`; it declares direct reads (:meth:`LocalStore.direct_reader`) and a write side
+(:meth:`LocalStore.stage`, :mod:`.local_write`).
+
+Vocabulary: a *span* is a byte range ``[start, end)`` of one file; *runs* are one block's equal-length spans
+(:class:`~.base.Runs`); *readahead* is the kernel reading a file's pages beyond what was asked.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .base import ObjectHead, Runs
+from .base import ObjectHead, RangeReader, Runs
+from .local_files import FileIdentity, IdentityChecks, OpenFiles, open_checked
 from .scatter import read_scattered
 from .untrusted import err, open_regular_file, pread_exact
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from .local_write import LocalStaging
+
 _HAS_PREADV = hasattr(os, "preadv")
 #: buffers per ``preadv`` call (the kernel's limit, IOV_MAX: 1024 on Linux)
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 #: the page size: the unit in which the kernel reads files into its page cache
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """What identifies one file's contents: if any field changes, the file was replaced or rewritten.
-
-    Attributes:
-        device: ``st_dev``.
-        inode: ``st_ino``.
-        size: ``st_size`` in bytes.
-        mtime_ns: ``st_mtime_ns``.
-        ctime_ns: ``st_ctime_ns``: the kernel sets it on every write, rename or ``utime``, and no user-space call
-            can set it back, so a file rewritten in place with its mtime restored (``os.utime``), or replaced by
-            a new file that reuses the inode number, still differs.
-    """
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileIdentity:
-        """The identity of a ``stat``/``fstat`` result."""
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-class IdentityChecks:
-    """The :class:`~.header.FileIdentity` each file must still have, checked against an open descriptor."""
-
-    __slots__ = ("_expected",)
-
-    def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
-        self._expected: dict[str, FileIdentity] = dict(identities or {})
-
-    def expect(self, file: str, identity: FileIdentity) -> None:
-        """Require ``file`` to be ``identity`` from now on."""
-        self._expected[file] = identity
-
-    def check(self, file: str, fd: int) -> None:
-        """Raise :class:`~loader.errors.CheckpointError` when ``fd`` (open on ``file``) is no longer the identity
-        ``file`` is expected to have (a change of inode, size, mtime or ctime); nothing when none is expected."""
-        want = self._expected.get(file)
-        if want is None:
-            return
-        got = FileIdentity.of(os.fstat(fd))
-        if got != want:
-            changed = ", ".join(
-                f"{f.name} {getattr(want, f.name)} -> {getattr(got, f.name)}"
-                for f in dataclasses.fields(want)
-                if getattr(want, f.name) != getattr(got, f.name)
-            )
-            raise err(file, f"file changed underneath since its header was read ({changed})")
-
-
-def open_checked(file: str, checks: IdentityChecks) -> int:
-    """Open ``file`` for reading (a FIFO swapped in cannot block the open) and check its identity."""
-    fd, _ = open_regular_file(file)
-    try:
-        checks.check(file, fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def read_exact(file: str, fd: int, offset: int, view: memoryview, checks: IdentityChecks) -> None:
@@ -159,13 +100,16 @@ def page_cached(fd: int, offset: int) -> bool | None:
 
 
 class FileReader:
-    """Holds open read-only file descriptors and reads exact byte ranges with ``preadv``.
+    """Reads exact byte ranges of local files with ``preadv``, through its open files (thread-safe: ``preadv``
+    has no shared file position). Use as a context manager (or call :meth:`close`) to release the descriptors.
 
-    Thread-safe: descriptors are opened lazily under a lock and ``preadv`` has no shared file position.
-    Use as a context manager (or call :meth:`close`) to release the descriptors.
+    Declares (:mod:`.capabilities`) readahead hints (:meth:`read_ahead`), scattered reads of runs straight into
+    place (:meth:`read_runs_to`) and page-cache probes (:meth:`cached`).
 
     Args:
         identities: ``{file: FileIdentity}`` each file must still have (see :meth:`expect`).
+        files: The open files to read through (shared with a reader composed over this one); default new ones
+            told ``identities``.
 
     Attributes:
         bytes_read: Bytes read from the OS for callers so far (and coalescing over-read: :func:`read_ranges`).
@@ -175,9 +119,8 @@ class FileReader:
         sparse_files: Files advised ``POSIX_FADV_RANDOM`` (:meth:`will_read`).
     """
 
-    def __init__(self, identities: Mapping[str, FileIdentity] | None = None) -> None:
-        self._fds: dict[str, int] = {}
-        self._checks = IdentityChecks(identities)
+    def __init__(self, identities: Mapping[str, FileIdentity] | None = None, *, files: OpenFiles | None = None) -> None:
+        self.files = files if files is not None else OpenFiles(identities)
         self._lock = threading.Lock()
         self._read_ahead: set[str] = set()
         self.sparse_files: set[str] = set()
@@ -193,41 +136,23 @@ class FileReader:
 
     def close(self) -> None:
         """Close every open descriptor (the reader may be reused: files reopen lazily)."""
-        with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        self.files.close()
 
     def expect(self, file: str, identity: FileIdentity | None) -> None:
-        """Require ``file`` to be ``identity`` from now on: checked now if it is open, else when it is opened.
-
-        ``None`` is ignored (nothing is known about the file).
-
-        Raises:
-            CheckpointError: the open file is no longer ``identity``.
-        """
-        if identity is None:
-            return
-        with self._lock:
-            self._checks.expect(file, identity)
-            fd = self._fds.get(file)
-        if fd is not None:
-            self._checks.check(file, fd)
+        """:meth:`~.local_files.OpenFiles.expect`."""
+        self.files.expect(file, identity)
 
     def verify(self, file: str) -> None:
-        """Check that ``file``, if open and expected, is still the identity it was expected to be.
-
-        Raises:
-            CheckpointError: it was replaced, resized or rewritten (a change of inode, size, mtime or ctime).
-        """
-        fd = self._fds.get(file)
-        if fd is not None:
-            self._checks.check(file, fd)
+        """:meth:`~.local_files.OpenFiles.verify`."""
+        self.files.verify(file)
 
     def verify_all(self) -> None:
         """:meth:`verify` every open file."""
-        for file in list(self._fds):
-            self.verify(file)
+        self.files.verify_all()
+
+    def fd(self, file: str) -> int:
+        """:meth:`~.local_files.OpenFiles.fd`."""
+        return self.files.fd(file)
 
     def will_read(self, file: str, ranges: Callable[[], Sequence[tuple[int, int]]], *, sparse: bool) -> None:
         """Hint that ``file`` is about to be read at ``ranges``: when ``sparse`` and not :meth:`read_ahead`, advise
@@ -244,20 +169,6 @@ class FileReader:
         """:func:`page_cached` of ``file`` (opened, and its identity checked, if it was not)."""
         return page_cached(self.fd(file), offset)
 
-    def fd(self, file: str) -> int:
-        """Return an open descriptor for ``file``, opening it (and checking its identity) on first use.
-
-        Raises:
-            CheckpointError: the file is not the identity :meth:`expect` was told.
-        """
-        fd = self._fds.get(file)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(file)
-                if fd is None:
-                    fd = self._fds[file] = open_checked(file, self._checks)
-        return fd
-
     def pread_into(self, file: str, offset: int, out: memoryview | bytearray) -> None:
         """Read exactly ``len(out)`` bytes (a writable, C-contiguous buffer) of ``file`` at ``offset`` into ``out``.
 
@@ -267,8 +178,8 @@ class FileReader:
         view = memoryview(out).cast("B")
         if len(view) == 0:
             return
-        read_exact(file, self.fd(file), offset, view, self._checks)
-        self._count(len(view), 1)
+        read_exact(file, self.fd(file), offset, view, self.files.checks)
+        self.count(len(view), 1)
 
     def pread_consecutive(self, file: str, offset: int, outs: Sequence[memoryview]) -> None:
         """Read consecutive bytes of ``file`` from ``offset`` into the buffers ``outs``, one after another: one
@@ -278,8 +189,8 @@ class FileReader:
             CheckpointError: The file ended before the last buffer was filled, or changed underneath.
         """
         views = [v for v in (memoryview(o).cast("B") for o in outs) if len(v)]
-        calls = read_consecutive(file, self.fd(file), offset, views, self._checks)
-        self._count(sum(len(v) for v in views), calls)
+        calls = read_consecutive(file, self.fd(file), offset, views, self.files.checks)
+        self.count(sum(len(v) for v in views), calls)
 
     def read_spans(
         self, file: str, spans: Sequence[tuple[int, int]], out: memoryview, base: int, *, wanted: int | None = None
@@ -296,10 +207,10 @@ class FileReader:
         fd = self.fd(file)
         total = 0
         for a, b in spans:
-            read_exact(file, fd, a, view[a - base : b - base], self._checks)
+            read_exact(file, fd, a, view[a - base : b - base], self.files.checks)
             total += b - a
         used = total if wanted is None else wanted
-        self._count(used, len(spans), total - used)
+        self.count(used, len(spans), total - used)
 
     def read_runs(self, file: str, runs: Runs, out: memoryview, base: int, *, wanted: int) -> None:
         """Read ``runs`` into ``out`` (the file from ``base`` on) by their page spans (:meth:`Runs.spans`: gaps on pages
@@ -311,9 +222,10 @@ class FileReader:
     def read_runs_to(self, file: str, runs: Runs, to: np.ndarray, spans: list | None = None) -> None:
         """:func:`~.scatter.read_scattered` (``to``: an address per run; ``spans``: ``runs.spans(PAGE)``)."""
         calls, gaps = read_scattered(file, self.fd(file), runs, to, runs.spans(PAGE) if spans is None else spans)
-        self._count(len(to) * runs.length, calls, gaps)
+        self.count(len(to) * runs.length, calls, gaps)
 
-    def _count(self, nbytes: int, reads: int, gap_bytes: int = 0) -> None:
+    def count(self, nbytes: int, reads: int, gap_bytes: int = 0) -> None:
+        """Add a read's figures to the counts."""
         with self._lock:
             self.bytes_read += nbytes
             self.gap_bytes += gap_bytes
@@ -321,7 +233,8 @@ class FileReader:
 
 
 class LocalStore:
-    """A local checkpoint folder (see :class:`~.base.Store`): locations are absolute paths."""
+    """A local checkpoint folder (see :class:`~.base.Store`): locations are absolute paths. Declares direct reads
+    (:meth:`direct_reader`) and a write side (:meth:`stage`) (:mod:`.capabilities`)."""
 
     remote = False
 
@@ -371,3 +284,19 @@ class LocalStore:
 
     def reader(self, identities: Mapping[str, object] | None = None) -> FileReader:
         return FileReader(identities)  # type: ignore[arg-type]
+
+    def direct_reader(self, identities: Mapping[str, object] | None = None) -> RangeReader:
+        """A reader bypassing the page cache (``O_DIRECT``: :class:`~.direct.DirectFileReader`)."""
+        from .direct import DirectFileReader
+
+        return DirectFileReader(identities)  # type: ignore[arg-type]
+
+    def stage(self) -> LocalStaging:
+        """A new staging folder beside the folder, published over it on commit (:class:`~.local_write.LocalStaging`).
+
+        Raises:
+            ValueError: the folder is a file, a mount point or holds one (nothing created).
+        """
+        from .local_write import LocalStaging
+
+        return LocalStaging.beside(self.root)

@@ -21,6 +21,7 @@ import zlib
 from concurrent.futures import Future, InvalidStateError
 
 from ..base import ObjectIdentity
+from ..capabilities import multi_range, rechecks_heads
 from .checks import changed
 from .fetch import Fetcher
 from .requests_plan import Request, Span
@@ -53,7 +54,7 @@ class HeadChecks:
 
     def __init__(self, backend: object, max_ranges: int) -> None:
         self.backend, self.max_ranges = backend, max_ranges
-        self.on = bool(getattr(backend, "recheck_heads", False))
+        self.on = rechecks_heads(backend)
         self.bytes = self.requests = 0
         self._carriers: dict[str, Request] = {}
         self._checked: set[str] = set()
@@ -64,8 +65,7 @@ class HeadChecks:
         if not self.on or not identity.head_bytes:
             return
         last = requests[-1] if requests else None
-        multi_range = bool(getattr(self.backend, "multi_range", False))
-        fits = last is not None and multi_range and len(last.spans) < self.max_ranges
+        fits = last is not None and multi_range(self.backend) and len(last.spans) < self.max_ranges
         with self._lock:
             if fits and last.spans[0].start >= identity.head_bytes:
                 self._carriers[location] = last

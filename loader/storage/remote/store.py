@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 from ...errors import CheckpointNotFoundError, redact_url
 from ..base import ObjectHead, ObjectIdentity
+from ..capabilities import FetchesFirst, PinsVersions, capability
 from ..untrusted import err
 from .backend import Backend, RemoteOptions
 from .checks import AccessRefused
@@ -116,9 +117,9 @@ class RemoteStore:
         to it (``If-Match``, S3's ``VersionId``, the Hub's commit, which then pins the backend's) instead of
         probing what the object is now; a location the object no longer matches fails naming it."""
         self._pinned.update(identities)
-        pin = getattr(self.backend, "pin", None)
-        for identity in identities.values() if pin is not None else ():
-            pin(identity.version)
+        pins = capability(self.backend, PinsVersions)
+        for identity in identities.values() if pins is not None else ():
+            pins.pin(identity.version)
 
     def probed(self, location: str) -> ObjectIdentity | None:
         """The identity ``location`` was probed with so far (``None``: not probed, or not found)."""
@@ -140,17 +141,17 @@ class RemoteStore:
             known = self._heads.get(location)
         if known is not None:
             return known
-        first = getattr(self.backend, "first", None)
+        fetches = capability(self.backend, FetchesFirst)
         pinned = self._pinned.get(location)
         if pinned is not None:
             end = min(nbytes, pinned.size)
             head = ObjectHead(self._get(location, 0, end, pinned) if end else b"", pinned.size, pinned)
-        elif first is None:
+        elif fetches is None:
             identity = self._stat(location)
             head = None if identity is None else ObjectHead(b"", identity.size, identity)
         else:
             what = f"GET bytes [0, {nbytes})"
-            got = with_retries(location, what, lambda: first(location, nbytes), self.options)
+            got = with_retries(location, what, lambda: fetches.first(location, nbytes), self.options)
             head = None if got is None else ObjectHead(got[1], got[0].size, got[0])
         if head is not None:
             with self._lock:

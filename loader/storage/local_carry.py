@@ -1,6 +1,6 @@
-"""The user's files in a checkpoint folder, which a commit keeps and never moves off their filesystem.
+"""The user's files in a local checkpoint folder, which a commit keeps and never moves off their filesystem.
 
-A commit replaces the folder whole (:mod:`.commit`), so what is not the checkpoint's travels with it:
+A commit replaces the folder whole (:mod:`.local_commit`), so what is not the checkpoint's travels with it:
 
 * :func:`check_no_mounts`: a folder that is a mount point, or has one inside, is refused before anything is
   written (the old folder, moved aside and removed, would take the mounted filesystem with it);

@@ -1,18 +1,22 @@
-"""The commit of a save: the finished checkpoint in its staging folder takes the place of ``path`` in one step.
+"""The local driver's commit: a finished staging folder takes the place of the folder ``path`` in one step.
 
-Under a lock (``fcntl.flock`` on ``<parent>/.<name>.lock``, opened without following a symlink, so concurrent saves
-into one path commit one after the other), the files of the old folder that are not part of a checkpoint (a README,
-tokenizer files, …) are carried into the staging folder (hard links, else copies: :mod:`.carry`; a folder with a mount
-point inside is refused), the staging folder is renamed to ``<path>.old-commit-XXXXXXXX`` and the two folders are
-exchanged with one ``renameat2(RENAME_EXCHANGE)``; what appeared in the old folder meanwhile is moved into the new
-one, then the old folder, now under the ``.old-commit-`` name, is removed. Where the exchange is unavailable (not
-Linux, or a filesystem answering ``EINVAL``/``ENOSYS``) the old folder is renamed aside to
+Vocabulary: the *staging* folder holds the new checkpoint, beside ``path``; the *swap* is one
+``renameat2(RENAME_EXCHANGE)`` of two folders (Linux); *aside* is the ``<path>.old-commit-XXXXXXXX`` name the old
+folder ends under; *carried* files are the user's, kept across the commit (:mod:`.local_carry`).
+
+Under a lock (:mod:`.local_lock`: ``fcntl.flock`` on ``<parent>/.<name>.lock``, opened without following a symlink,
+so concurrent saves into one path commit one after the other), the files of the old folder that are not part of a
+checkpoint (a README, tokenizer files, …) are carried into the staging folder (hard links, else copies:
+:mod:`.local_carry`; a folder with a mount point inside is refused), the staging folder is renamed to
+``<path>.old-commit-XXXXXXXX`` and the two folders are swapped; what appeared in the old folder meanwhile is moved
+into the new one, then the old folder, now under the ``.old-commit-`` name, is removed. Where the swap is
+unavailable (not Linux, or a filesystem answering ``EINVAL``/``ENOSYS``) the old folder is renamed aside to
 ``<path>.old-commit-XXXXXXXX`` and the new one renamed in: a kill between the two renames leaves no ``path`` and the
 old checkpoint at the ``.old-commit-`` name, which :func:`recover` (run by the next commit into ``path``, under the
 lock) puts back.
 
-:data:`STEP_HOOK`, when set, is called with each step's name just before the step (tests kill the process or
-raise there).
+:data:`STEP_HOOK`, when set, is called with each step's name just before the step (tests kill the process or raise
+there).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import fcntl
 import logging
 import os
 import platform
@@ -29,21 +32,21 @@ import re
 import shutil
 import stat
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from .carry import Carried, carry_over, check_no_mounts, mounts_at_or_below, take_late
+from .local_carry import Carried, carry_over, check_no_mounts, mounts_at_or_below, take_late
+from .local_lock import locked
 
 log = logging.getLogger("loader")
 
 #: called with each commit step's name just before the step is taken (None: nothing)
 STEP_HOOK: Callable[[str], None] | None = None
-#: False: always the two-rename fallback, as where ``RENAME_EXCHANGE`` is unavailable
-USE_EXCHANGE = True
+#: False: always the two-rename fallback, as where the swap is unavailable
+USE_SWAP = True
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "arm64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
-_exchange_fn: Callable[[str, str], None] | None | bool = False  # False: not looked up yet
+_swap_fn: Callable[[str, str], None] | None | bool = False  # False: not looked up yet
 
 
 def destination(path: str | os.PathLike[str]) -> str:
@@ -64,7 +67,7 @@ def commit_folder(staging: str, path: str, timeout: float | None = None) -> None
             symlink or not a regular file.
     """
     path = destination(path)
-    with _locked(path, timeout):
+    with locked(path, timeout, _step):
         _step("recover")
         recover(path)
         check_no_mounts(path)
@@ -86,7 +89,7 @@ def commit_folder(staging: str, path: str, timeout: float | None = None) -> None
         try:
             _step("rescan")
             carry_over(path, staging, _step, carried)  # what the user wrote meanwhile: there at the swap
-            if not _swap(staging, path, aside):
+            if not _stage_and_swap(staging, path, aside):
                 _fallback(staging, path, aside)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -138,17 +141,17 @@ def _remove_old(folder: str, strict: bool = False) -> bool:
     return True
 
 
-def _swap(staging: str, path: str, aside: str) -> bool:
-    """The new folder to ``aside`` (onto its empty placeholder), then one exchange of ``aside`` and ``path``.
-    False (and ``staging`` as it was) where the exchange is unavailable; on an error ``staging`` is put back."""
-    exchange = _exchange()
-    if exchange is None:
+def _stage_and_swap(staging: str, path: str, aside: str) -> bool:
+    """The new folder to ``aside`` (onto its empty placeholder), then one swap of ``aside`` and ``path``.
+    False (and ``staging`` as it was) where the swap is unavailable; on an error ``staging`` is put back."""
+    swap = swapper()
+    if swap is None:
         return False
     _step("stage")
     os.rename(staging, aside)
     try:
-        _step("exchange")
-        exchange(aside, path)
+        _step("swap")
+        swap(aside, path)
         return True
     except OSError as e:
         os.rename(aside, staging)
@@ -205,18 +208,18 @@ def _finish(path: str, aside: str | None, carried: Carried) -> None:
         log.warning("the checkpoint is saved at %s, but removing the old folder %s failed: %s", path, aside, e)
 
 
-def _exchange() -> Callable[[str, str], None] | None:
-    """``exchange(a, b)``: swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); None where the C
-    library and the kernel offer no way to ask."""
-    global _exchange_fn
-    if not USE_EXCHANGE:
+def swapper() -> Callable[[str, str], None] | None:
+    """``swap(a, b)``: swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); None where the C
+    library and the kernel offer no way to ask (or :data:`USE_SWAP` is off)."""
+    global _swap_fn
+    if not USE_SWAP:
         return None
-    if _exchange_fn is False:
-        _exchange_fn = _find_exchange()
-    return _exchange_fn  # type: ignore[return-value]
+    if _swap_fn is False:
+        _swap_fn = _find_swap()
+    return _swap_fn  # type: ignore[return-value]
 
 
-def _find_exchange() -> Callable[[str, str], None] | None:
+def _find_swap() -> Callable[[str, str], None] | None:
     if platform.system() != "Linux":
         return None
     try:
@@ -228,7 +231,7 @@ def _find_exchange() -> Callable[[str, str], None] | None:
     if renameat2 is None and number is None:
         return None
 
-    def exchange(a: str, b: str) -> None:
+    def swap(a: str, b: str) -> None:
         args = (ctypes.c_int(_AT_FDCWD), os.fsencode(a), ctypes.c_int(_AT_FDCWD), os.fsencode(b))
         flags = ctypes.c_uint(_RENAME_EXCHANGE)
         if renameat2 is not None:
@@ -239,79 +242,4 @@ def _find_exchange() -> Callable[[str, str], None] | None:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code), a, None, b)
 
-    return exchange
-
-
-@contextlib.contextmanager
-def _locked(path: str, timeout: float | None) -> Iterator[None]:
-    """Hold ``<parent>/.<name>.lock`` (``flock``), waiting at most ``timeout`` seconds (None: no limit). The lock
-    file is removed on release; a waiter that wakes on a removed file tries again."""
-    parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    lock_path = os.path.join(parent, f".{name}.lock")
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        _step("lock")
-        fd = _open_lock(lock_path)
-        try:
-            _flock(fd, path, deadline)
-            st = os.fstat(fd)
-            try:
-                same = os.stat(lock_path)
-            except FileNotFoundError:
-                same = None
-            if same is not None and (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
-                break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)  # the holder before us removed the file: lock the new one
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock_path)
-        os.close(fd)
-
-
-def _open_lock(lock_path: str) -> int:
-    """The lock file, created where missing; a symlink is not followed (nor created through), and anything but a
-    regular file is refused."""
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(
-                errno.ELOOP, "cannot lock the commit: the lock path is a symlink (not followed; remove it)", lock_path
-            ) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EEXIST, "cannot lock the commit: the lock path is not a regular file", lock_path)
-    return fd
-
-
-def _flock(fd: int, path: str, deadline: float | None) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
-    except BlockingIOError:
-        pass
-    _step("wait")
-    log.info("another save into %s is committing: waiting for it", path)
-    if deadline is None:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return
-    pause = 0.005
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"cannot commit the checkpoint to {path}: another save into it held its lock "
-                    f"{os.path.join(os.path.dirname(path), '.' + os.path.basename(path) + '.lock')} past the timeout"
-                ) from None
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
+    return swap

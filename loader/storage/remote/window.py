@@ -1,11 +1,13 @@
-"""What a remote reader fetched ahead: the planned fetches of its files, the pieces they hold, and the window.
+"""What a remote reader fetched ahead: the planned fetches of its files, the spans they fetch, and the window.
 
 Vocabulary:
 
 - a *fetch* (:class:`Fetch`): one planned request of one object: *queued*, then *submitted* (its future), then
-  *released* once every one of its pieces' wanted bytes was served (or its object was dropped);
-- a *piece* (:class:`Piece`): one span of a fetch: its bytes once the future is done, and the wanted bytes not
-  served yet (:attr:`Piece.unserved`); a piece with none left is freed;
+  *released* once every one of its spans' wanted bytes was served (or its object was dropped);
+- a *fetched span* (:class:`FetchedSpan`): one byte range ``[start, end)`` a fetch's request asks for: its bytes
+  once the future is done, and the wanted bytes not served yet (:attr:`FetchedSpan.unserved`); a span with none
+  left is freed;
+- a *copy*: ``(lo, hi, destination)``, the bytes ``[lo, hi)`` of a fetched span a read copies out;
 - the *window*: bytes of fetches submitted and not released: a fetch is submitted only while the window stays
   within ``window_bytes`` (or holds nothing: one fetch larger than the window still goes alone).
 
@@ -26,13 +28,13 @@ from .requests_plan import Request, Span
 class Fetch:
     """One planned request of one object (see the module)."""
 
-    __slots__ = ("location", "request", "pieces", "future", "live", "released")
+    __slots__ = ("location", "request", "spans", "future", "live", "released")
 
     def __init__(self, location: str, request: Request) -> None:
         self.location, self.request = location, request
-        self.pieces = [Piece(span, self, i) for i, span in enumerate(request.spans)]
+        self.spans = [FetchedSpan(span, self, i) for i, span in enumerate(request.spans)]
         self.future: Future[list[bytes]] | None = None
-        self.live = len(self.pieces)
+        self.live = len(self.spans)
         self.released = False
 
     @property
@@ -40,8 +42,8 @@ class Fetch:
         return self.future is not None
 
 
-class Piece:
-    """One span of a fetch, with the wanted bytes not served yet (see the module).
+class FetchedSpan:
+    """One byte range of a fetch, with the wanted bytes not served yet (see the module).
 
     Attributes:
         start, end: The span.
@@ -78,14 +80,14 @@ class Piece:
 
 
 class Window:
-    """The planned fetches of a reader's objects, their pieces by object, and the window over them."""
+    """The planned fetches of a reader's objects, their spans by object, and the window over them."""
 
     def __init__(self, window_bytes: int) -> None:
         self.window_bytes = window_bytes
         self.held = 0  # bytes of fetches submitted and not released
         self.peak = 0  # the most bytes ever held
         self._queue: deque[Fetch] = deque()
-        self._pieces: dict[str, list[Piece]] = {}
+        self._spans: dict[str, list[FetchedSpan]] = {}
         self._starts: dict[str, list[int]] = {}
 
     def plan(self, location: str, requests: list[Request]) -> list[Future]:
@@ -93,23 +95,23 @@ class Window:
         (whose futures are returned, to cancel)."""
         dropped = self.drop(location)
         fetches = [Fetch(location, r) for r in requests]
-        pieces = [p for f in fetches for p in f.pieces]
-        if pieces:
-            self._pieces[location], self._starts[location] = pieces, [p.start for p in pieces]
+        spans = [p for f in fetches for p in f.spans]
+        if spans:
+            self._spans[location], self._starts[location] = spans, [p.start for p in spans]
         self._queue.extend(fetches)
         return dropped
 
-    def overlapping(self, location: str, lo: int, hi: int) -> list[Piece]:
-        """The pieces of ``location`` that hold a byte of ``[lo, hi)``, ascending."""
-        pieces = self._pieces.get(location)
-        if not pieces:
+    def overlapping(self, location: str, lo: int, hi: int) -> list[FetchedSpan]:
+        """The spans of ``location`` that hold a byte of ``[lo, hi)``, ascending."""
+        spans = self._spans.get(location)
+        if not spans:
             return []
         starts = self._starts[location]
         i = max(bisect.bisect_right(starts, lo) - 1, 0)
         out = []
-        while i < len(pieces) and pieces[i].start < hi:
-            if pieces[i].end > lo:
-                out.append(pieces[i])
+        while i < len(spans) and spans[i].start < hi:
+            if spans[i].end > lo:
+                out.append(spans[i])
             i += 1
         return out
 
@@ -118,7 +120,7 @@ class Window:
         another way are released unfetched)."""
         while self._queue:
             fetch = self._queue[0]
-            if fetch.released or all(p.freed for p in fetch.pieces):
+            if fetch.released or all(p.freed for p in fetch.spans):
                 self._queue.popleft()
                 fetch.released = True
                 continue
@@ -130,53 +132,55 @@ class Window:
             self.held += nbytes
             self.peak = max(self.peak, self.held)
 
-    def served(self, piece: Piece, lo: int, hi: int) -> None:
-        """``[lo, hi)`` of ``piece`` was served: free the piece once nothing wanted is left in it, and release its
-        fetch once all its pieces are freed."""
-        if piece.freed or not piece.serve(lo, hi) or not piece.freed:
+    def served(self, span: FetchedSpan, lo: int, hi: int) -> None:
+        """``[lo, hi)`` of ``span`` was served: free the span once nothing wanted is left in it, and release its
+        fetch once all its spans are freed."""
+        if span.freed or not span.serve(lo, hi) or not span.freed:
             return
-        fetch = piece.fetch
+        fetch = span.fetch
         fetch.live -= 1
         if fetch.live == 0 and fetch.submitted and not fetch.released:
             self._release(fetch)
 
     def future(
-        self, piece: Piece, parts: list[tuple[int, int, object]], submit: Callable[[Fetch], Future]
+        self, span: FetchedSpan, copies: list[tuple[int, int, object]], submit: Callable[[Fetch], Future]
     ) -> Future | None:
-        """The future holding ``piece`` (its fetch submitted now if the window allows), or ``None`` when it is not
-        fetched (beyond the window) or was released: its ``parts`` (``(lo, hi, ...)``) then count as served (they
+        """The future holding ``span`` (its fetch submitted now if the window allows), or ``None`` when it is not
+        fetched (beyond the window) or was released: its ``copies`` (``(lo, hi, ...)``) then count as served (they
         are fetched directly)."""
-        if not piece.fetch.submitted:
+        if not span.fetch.submitted:
             self.fill(submit)
-        future = piece.fetch.future
+        future = span.fetch.future
         if future is None:
-            for a, b, *_ in parts:
-                self.served(piece, a, b)
+            for a, b, *_ in copies:
+                self.served(span, a, b)
         return future
 
-    def consumed(self, piece: Piece, parts: list[tuple[int, int, object]], submit: Callable[[Fetch], Future]) -> None:
-        """``parts`` of ``piece`` were copied out: mark them served and submit what the window then allows."""
-        for a, b, *_ in parts:
-            self.served(piece, a, b)
+    def consumed(
+        self, span: FetchedSpan, copies: list[tuple[int, int, object]], submit: Callable[[Fetch], Future]
+    ) -> None:
+        """``copies`` of ``span`` were copied out: mark them served and submit what the window then allows."""
+        for a, b, *_ in copies:
+            self.served(span, a, b)
         self.fill(submit)
 
     def drop(self, location: str) -> list[Future]:
         """Forget ``location``'s fetches: release what was held, return the futures still running (to cancel)."""
-        pieces = self._pieces.pop(location, [])
+        spans = self._spans.pop(location, [])
         self._starts.pop(location, None)
         futures = []
-        for fetch in dict.fromkeys(p.fetch for p in pieces):
+        for fetch in dict.fromkeys(p.fetch for p in spans):
             if fetch.submitted and not fetch.released:
                 futures.append(fetch.future)
                 self._release(fetch)
             fetch.released = True
-        if pieces:
+        if spans:
             self._queue = deque(f for f in self._queue if f.location != location)
         return futures
 
     def clear(self) -> list[Future]:
         """Forget every object's fetches (see :meth:`drop`)."""
-        return [f for location in list(self._pieces) for f in self.drop(location)]
+        return [f for location in list(self._spans) for f in self.drop(location)]
 
     def _release(self, fetch: Fetch) -> None:
         fetch.released = True
