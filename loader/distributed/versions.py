@@ -22,7 +22,7 @@ from ..checkpoint.folder import INDEX_NAME
 from ..errors import CheckpointError, redact_url
 from ..storage import ObjectIdentity
 from ..storage.capabilities import RemembersProbes, capability, close_store
-from .session import LoadSession
+from .session import Session
 
 log = logging.getLogger("loader")
 
@@ -71,7 +71,7 @@ def describe(identity: ObjectIdentity | None) -> str:
     return ", ".join(parts)
 
 
-def open_agreed(session: LoadSession, opener: Opener, *, remote: bool) -> SafetensorsCheckpoint:
+def open_agreed(session: Session, opener: Opener, *, remote: bool) -> SafetensorsCheckpoint:
     """The checkpoint ``opener(None)`` opens, at rank 0's version of every file (see the module); collective for
     a ``remote`` checkpoint, ``opener(None)`` alone otherwise.
 

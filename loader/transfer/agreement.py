@@ -1,7 +1,7 @@
 """What the ranks of a transfer share before anything is sent, every wait bounded by the transfer's timeout.
 
 Each step's values go through the process group's store, not a collective (:class:`Sharing`): every rank posts
-its value and meets the others at an agreement point of the transfer's :class:`~loader.distributed.LoadSession`,
+its value and meets the others at an agreement point of the transfer's :class:`~loader.distributed.Session`,
 so that a rank that never calls ``transfer_weights``, hangs or dies fails every other rank after ``timeout``
 seconds, naming it (a collective would wait for the process group's own timeout, 30 minutes by default), and a
 failure on one rank is raised on every rank. The ranks holding one model must hold each of its tensors alike
@@ -10,16 +10,17 @@ failure on one rank is raised on every rank. The ranks holding one model must ho
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..distributed import LoadSession, peer_errors
+from ..distributed import Session, peer_errors
 from ..plan.slots import iter_model_tensors
 from ..save.agreement import tensor_view
 
@@ -38,12 +39,12 @@ class Sharing:
     that repeated transfers do not grow the store.
     """
 
-    def __init__(self, session: LoadSession | None) -> None:
+    def __init__(self, session: Session | None) -> None:
         self.session = session
         self._posted: list[str] = []
 
     def share(self, name: str, value: Any, error: BaseException | None = None) -> list[Any]:
-        """Every rank's ``value`` (index = rank). Collective over the world; ``name`` unique in the transfer.
+        """Every rank's ``value`` (index = rank). Collective over the transfer's group; ``name`` unique in it.
 
         Raises:
             Exception: ``error`` here or on another rank: the lowest failed rank's, on every rank.
@@ -77,6 +78,17 @@ class Sharing:
                 raise error
             return
         self.session.agree(error, STAGE, point=point)
+        self._forget()
+
+    @contextlib.contextmanager
+    def stage(self, point: str) -> Iterator[None]:
+        """Run the block as an agreement point of the transfer's stage: its exception (or another rank's) raised on
+        every rank (:meth:`~loader.distributed.Session.stage`)."""
+        if self.session is None:
+            yield
+            return
+        with self.session.stage(STAGE, point=point):
+            yield
         self._forget()
 
     def close(self) -> None:
