@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -38,9 +38,6 @@ from .report import LoadReport, load_report
 from .rules import KeyPlan, plan_keys
 from .rules.fp8 import dequantized_keyplan
 
-if TYPE_CHECKING:
-    from .reader import SafetensorsReader
-
 __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from_metadata", "plan_model_keys"]
 
 #: the hooks whose answers no plan key sees (``target_slot``'s are keyed: the slots are): a planner overriding one
@@ -48,9 +45,7 @@ __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from
 UNKEYED_HOOKS = ("default_weights_mapping", "map_checkpoint_key", "select_converter", "supports_symbolic")
 
 
-def plan_model_keys(
-    model: torch.nn.Module, checkpoint: Checkpoint, rules: Rules, hooks: PlanHooks
-) -> KeyPlan:
+def plan_model_keys(model: torch.nn.Module, checkpoint: Checkpoint, rules: Rules, hooks: PlanHooks) -> KeyPlan:
     """Which keys of ``checkpoint`` load which tensors of ``model`` (:func:`~loader.rules.plan_keys` with
     ``rules`` and ``hooks``; FP8 checkpoints dequantized)."""
     mapping = rules.weights_mapping if rules.weights_mapping is not None else hooks.default_weights_mapping(model)
@@ -66,6 +61,15 @@ def plan_model_keys(
         select_converter=hooks.select_converter if hooks.overridden("select_converter") else None,
     )
     return dequantized_keyplan(keyplan, checkpoint, model)
+
+
+@runtime_checkable
+class CountingReader(Protocol):
+    """A storage reader that counts what it read in the current ``dcp.load`` (:class:`~loader.SafetensorsReader`)."""
+
+    bytes_read: int
+    requests: int
+    bytes_exchanged: int
 
 
 class HFLoadPlanner(LoadPlanner):
@@ -185,7 +189,7 @@ class HFLoadPlanner(LoadPlanner):
         state = self._state()
         return (state.plan, *state.planned_reads(dcp_plan))
 
-    def finish(self, reader: SafetensorsReader | StorageReader | None = None) -> LoadReport:
+    def finish(self, reader: CountingReader | StorageReader | None = None) -> LoadReport:
         """After ``dcp.load``: record conversions on the model and return this rank's report, with the bytes
         ``reader`` (the load's :class:`~loader.SafetensorsReader`) counted; for another storage reader (or None): the
         bytes of the items it committed.
@@ -196,9 +200,7 @@ class HFLoadPlanner(LoadPlanner):
         state = self._state()
         state.plan.keyplan.record_on_model(self.model)
         rank, world = rank_and_world()
-        from .reader import SafetensorsReader  # the layer above: only its counts are read
-
-        if not isinstance(reader, SafetensorsReader):
+        if not isinstance(reader, CountingReader):
             return load_report(state.plan, state.bytes_read, rank, world)
         return load_report(
             state.plan, reader.bytes_read, rank, world, requests=reader.requests, exchanged=reader.bytes_exchanged

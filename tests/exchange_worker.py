@@ -17,7 +17,7 @@ from dist_worker import check_full, layout_placements, local_numel, moe_placemen
 from gloo_world import worker_main
 
 from loader.hooks import PlanHooks
-from loader.options import LoadOptions, Rules
+from loader.options import EXCHANGE_ROUND_BYTES, LoadOptions, Rules
 from loader.placements import shard_module
 
 TIMEOUT = 20.0  # seconds each rank waits for the others in the failure scenarios
@@ -49,18 +49,10 @@ def _filled(model: torch.nn.Module, value: float = 7.0) -> torch.nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def tensor_per_round() -> Iterator[None]:
-    """Rounds of one tensor each (:data:`~loader.execute.exchanged.ROUND_BYTES`, 1 GiB, set to 1 byte: every file
-    over it, cut at each tensor that holds exchanged bytes): a checkpoint of small shards is exchanged in many
-    rounds, each file in sections. (``load_hf_checkpoint`` passes no ``round_bytes``: the module's default is read.)"""
-    from loader.execute import exchanged
-
-    saved, exchanged.ROUND_BYTES = exchanged.ROUND_BYTES, 1
-    try:
-        yield
-    finally:
-        exchanged.ROUND_BYTES = saved
+#: rounds of one tensor each (``LoadOptions.exchange_round_bytes``, 1 GiB by default, set to 1 byte: every file over
+#: it, cut at each tensor that holds exchanged bytes): a checkpoint of small shards is exchanged in many rounds, each
+#: file in sections
+TENSOR_PER_ROUND = 1
 
 
 @contextlib.contextmanager
@@ -116,7 +108,22 @@ def _failing_load(model, path: str, timeout: float, **kwargs) -> dict:
     from loader import load_hf_checkpoint
 
     try:
-        load_hf_checkpoint(model, path, options=LoadOptions(progress=False, rollback=True, timeout=timeout), **kwargs)
+        exchange = kwargs.pop("exchange_reads", None)
+        round_bytes = kwargs.pop("exchange_round_bytes", EXCHANGE_ROUND_BYTES)
+        rules = Rules(weights_mapping=kwargs.pop("weights_mapping")) if "weights_mapping" in kwargs else None
+        load_hf_checkpoint(
+            model,
+            path,
+            rules=rules,
+            options=LoadOptions(
+                progress=False,
+                rollback=True,
+                timeout=timeout,
+                exchange_reads=exchange,
+                exchange_round_bytes=round_bytes,
+            ),
+            **kwargs,
+        )
     except BaseException as e:
         return _describe(e)
     return {"type": None}
@@ -130,11 +137,8 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, r
     alone = _moe(ctx, mesh_shape)
     load_hf_checkpoint(alone, ctx["moe"], options=LoadOptions(progress=False, exchange_reads=False))
     model = _moe(ctx, mesh_shape)
-    with contextlib.ExitStack() as stack:
-        if rounds:
-            stack.enter_context(tensor_per_round())
-        exchanges = stack.enter_context(counting_exchanges())
-        report = _load(ctx, model, dcp)
+    with counting_exchanges() as exchanges:
+        report = _load(ctx, model, dcp, TENSOR_PER_ROUND if rounds else EXCHANGE_ROUND_BYTES)
     sd = model.state_dict(keep_vars=True)
     return {
         "exchanges": exchanges["exchange"],
@@ -148,16 +152,17 @@ def scenario_moe(ctx: dict, mesh_shape: tuple[int, ...], *, dcp: bool = False, r
     }
 
 
-def _load(ctx: dict, model: torch.nn.Module, dcp: bool):
-    """Load the moe checkpoint into ``model`` with exchanged reads (through ``dcp.load``)."""
+def _load(ctx: dict, model: torch.nn.Module, dcp: bool, round_bytes: int):
+    """Load the moe checkpoint into ``model`` with exchanged reads (through ``dcp.load``), ``round_bytes`` a round."""
     from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     if not dcp:
-        return load_hf_checkpoint(model, ctx["moe"], options=LoadOptions(progress=False, exchange_reads=True))
+        options = LoadOptions(progress=False, exchange_reads=True, exchange_round_bytes=round_bytes)
+        return load_hf_checkpoint(model, ctx["moe"], options=options)
     import torch.distributed.checkpoint as torch_dcp
 
     planner = HFLoadPlanner(model)
-    reader = SafetensorsReader(ctx["moe"], options=LoadOptions(exchange_reads=True))
+    reader = SafetensorsReader(ctx["moe"], options=LoadOptions(exchange_reads=True, exchange_round_bytes=round_bytes))
     torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
     return planner.finish(reader)
 
@@ -210,8 +215,10 @@ def scenario_changed_on_one_rank(ctx: dict) -> dict:
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.01)
     planner = HFLoadPlanner(model, hooks=RewritingPlanner())
-    with tensor_per_round(), counting_exchanges() as rounds:
-        outcome = _failing_load(model, ctx["changing"], TIMEOUT, planner=planner, exchange_reads=True)
+    with counting_exchanges() as rounds:
+        outcome = _failing_load(
+            model, ctx["changing"], TIMEOUT, planner=planner, exchange_reads=True, exchange_round_bytes=TENSOR_PER_ROUND
+        )
     fetched, exchanged = rounds["fetch_shares"], rounds["exchange"]
     return {**outcome, "unchanged": _unchanged(model), "fetched": fetched, "exchanged": exchanged} | {
         "fetched_files": rounds["files"]

@@ -37,7 +37,7 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
     from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     local = _sharded_model(ctx, mesh_shape)
-    load_hf_checkpoint(local, ctx["local"], options=LoadOptions(progress=False), **kwargs)
+    load_hf_checkpoint(local, ctx["local"], options=LoadOptions(progress=False, **kwargs))
     options = None
     if source == "s3_options":
         url, options = ctx["s3_url"], {"endpoint_url": ctx["s3"], **ctx["s3_keys"]}

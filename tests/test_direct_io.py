@@ -87,12 +87,12 @@ def test_a_real_model_loads_bit_identically_with_direct_io(disk, threads, dtype)
     save(source, disk, dtype=dtype)
     _, model = build("qwen3_moe", seed=1)
     kwargs = {"io_threads": threads, "staging_bytes": 4096, "progress": False}
-    report = load_hf_checkpoint(model, str(disk), storage=StorageOptions(direct_io=True), **kwargs)
+    report = load_hf_checkpoint(model, str(disk), storage=StorageOptions(direct_io=True), options=LoadOptions(**kwargs))
     got = clone_state(model)
     for name, value in clone_state(source).items():
         assert torch.equal(got[name].view(torch.uint8), value.to(dtype).to(value.dtype).view(torch.uint8)), name
     _, again = build("qwen3_moe", seed=1)
-    assert load_hf_checkpoint(again, str(disk), **kwargs).bytes_read == report.bytes_read
+    assert load_hf_checkpoint(again, str(disk), options=LoadOptions(**kwargs)).bytes_read == report.bytes_read
 
 
 def test_direct_reads_bypass_the_page_cache(disk):

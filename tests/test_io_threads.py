@@ -34,7 +34,7 @@ from loader.checkpoint import FileReader
 from loader.execute import BlockExecutor, pool
 from loader.execute.pool import MAX_AUTO_THREADS, chunks, copy_threads, resolve_io_threads
 from loader.execute.staging import ALIGN, StagingRing, align
-from loader.options import LoadOptions
+from loader.options import LoadOptions, StorageOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -186,12 +186,13 @@ def test_a_normal_column_shard_load_with_threads_is_bit_exact(tmp_path):
 def test_read_options_are_validated_where_options_are_built(tmp_path, option, bad):
     _, source = build("qwen3_moe", seed=0)
     save(source, tmp_path)
+    make, key = (StorageOptions, "storage") if option == "direct_io" else (LoadOptions, "options")
     with pytest.raises(ValueError, match=option):
-        LoadOptions(**{option: bad})
+        make(**{option: bad})
     with pytest.raises(ValueError, match=option):
-        load_hf_checkpoint(source, str(tmp_path), options=LoadOptions(progress=False), **{option: bad})
+        load_hf_checkpoint(source, str(tmp_path), **{key: make(**{option: bad})})
     with pytest.raises(ValueError, match=option):
-        SafetensorsReader(str(tmp_path), **{option: bad})
+        SafetensorsReader(str(tmp_path), **{key: make(**{option: bad})})
 
 
 def test_the_automatic_setting_shares_the_cpus_among_the_ranks_on_this_host(monkeypatch):

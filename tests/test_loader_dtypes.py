@@ -29,7 +29,7 @@ def load_recording(model: nn.Module, directory, **kwargs):
     """``load_hf_checkpoint`` with every warning recorded: ``(report, [warning messages])``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = load_hf_checkpoint(model, str(directory), options=LoadOptions(progress=False), **kwargs)
+        report = load_hf_checkpoint(model, str(directory), rules=Rules(**kwargs), options=LoadOptions(progress=False))
     return report, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 

@@ -59,7 +59,7 @@ def assert_bit_equal(actual: dict, expected: dict) -> None:
 def test_family_files_equal_save_pretrained(family, dtype, tmp_path):
     auto, model = build(family, dtype=dtype)
     sharded = {"max_shard_size": "40KB"} if dtype == torch.float32 else {}  # bf16: one file
-    report = save_hf_checkpoint(model, tmp_path / "ours", options=SaveOptions(progress=False), **sharded)
+    report = save_hf_checkpoint(model, tmp_path / "ours", options=SaveOptions(progress=False, **sharded))
     model.save_pretrained(tmp_path / "theirs", **sharded)
 
     ours, theirs = folder_bytes(tmp_path / "ours"), folder_bytes(tmp_path / "theirs")
