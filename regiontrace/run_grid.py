@@ -4,7 +4,7 @@ Vocabulary:
 
 - a **run grid** (:class:`RunGrid`) is the runs ``[first + sum(i[k] * step[k]), + length)`` for every index ``i``
   of ``dims = ((n[0], step[0]), …)``, major first, steps positive: what a block reads (in elements, or in bytes
-  once scaled by its itemsize, :meth:`~regiontrace.ReadLayout.grid`);
+  once scaled by its itemsize, :meth:`~regiontrace.executor.ReadLayout.grid`);
 - the **extent** of dim ``k``: the span of one of its sub-grids (one index of dim ``k``, every index inside it);
 - the grid is **nested** when every dim's step reaches past the extent of the dim inside it: its runs are then
   disjoint and in source order, and the **gap** between consecutive sub-grids of dim ``k`` (the last run of one,

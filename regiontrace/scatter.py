@@ -33,7 +33,7 @@ def scatter_blocks(
 ) -> MutableMapping[str, torch.Tensor]:
     """Run blocks backwards: write the box-shaped ``values`` into the source elements each block reads.
 
-    The mirror of :func:`regiontrace.execute_blocks`. Values are cast to each source's dtype on write.
+    The mirror of :func:`regiontrace.executor.execute_blocks`. Values are cast to each source's dtype on write.
 
     Args:
         blocks: blocks compiled for one box of one output.

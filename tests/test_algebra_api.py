@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import regiontrace as rt
 import regiontrace.region as R
+from regiontrace.executor import execute_blocks, source_view
 from regiontrace.testing import assert_converter_exact, boxes, code_tensors, programs
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -95,22 +96,22 @@ def test_execute_blocks_and_materialize():
     real = torch.cat([q_real, k_real])
     box = ((2, 10), (1, 3))
     out = torch.empty(8, 2, dtype=BF16)
-    returned = rt.execute_blocks(fused.remap_blocks(box=box), {"q": q_real, "k": k_real}, out)
+    returned = execute_blocks(fused.remap_blocks(box=box), {"q": q_real, "k": k_real}, out)
     assert returned is out
     assert torch.equal(out, real[2:10, 1:3])
     assert torch.equal(rt.materialize(fused, {"q": q_real, "k": k_real}), real)
     # any strides for `out`
     out_t = torch.empty(2, 8, dtype=BF16).t()
-    rt.execute_blocks(fused.remap_blocks(box=box), {"q": q_real, "k": k_real}, out_t)
+    execute_blocks(fused.remap_blocks(box=box), {"q": q_real, "k": k_real}, out_t)
     assert torch.equal(out_t, real[2:10, 1:3])
 
 
 def test_execute_blocks_errors():
     q = leaf("q", (8, 4))
     with pytest.raises(KeyError, match="q"):
-        rt.execute_blocks(q.remap_blocks(), {}, torch.empty(8, 4))
+        execute_blocks(q.remap_blocks(), {}, torch.empty(8, 4))
     with pytest.raises(ValueError, match="shape"):
-        rt.execute_blocks(q.remap_blocks(), {"q": torch.zeros(4, 8)}, torch.empty(8, 4))
+        execute_blocks(q.remap_blocks(), {"q": torch.zeros(4, 8)}, torch.empty(8, 4))
 
 
 @pytest.mark.parametrize(
@@ -572,7 +573,7 @@ def test_block_source_box_with_size_one_source_dims(shape, fn, expected):
 def _read_flat(block):
     """The flat source indices ``block`` reads, in block index order."""
     codes = torch.arange(math.prod(block.source_shape), dtype=torch.int64).reshape(block.source_shape)
-    return rt.source_view(block, codes).reshape(-1)
+    return source_view(block, codes).reshape(-1)
 
 
 def _box_flat(shape, offsets, lengths):
@@ -607,7 +608,7 @@ def test_source_box_is_exactly_the_elements_read(program, data):
         assert local.source_shape == lengths and local.shape == block.shape
         codes = torch.arange(math.prod(block.source_shape), dtype=torch.int64).reshape(block.source_shape)
         boxed = codes[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))].contiguous()
-        assert torch.equal(rt.source_view(local, boxed), rt.source_view(block, codes))
+        assert torch.equal(source_view(local, boxed), source_view(block, codes))
 
 
 def test_interleaved_qkv_per_kv_head_reads_plain_boxes():
@@ -633,7 +634,7 @@ def test_interleaved_qkv_per_kv_head_reads_plain_boxes():
     for b in blocks.values():
         offsets, lengths, _ = b.source_box()
         box = tensors[b.source][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
-        rt.execute_blocks([b.box_relative()], {b.source: box}, out)
+        execute_blocks([b.box_relative()], {b.source: box}, out)
     assert torch.equal(out, real)
 
 

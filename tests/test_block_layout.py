@@ -12,8 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import regiontrace as rt
-from regiontrace import distinct_read_numel, overlap_clusters, read_layout, source_view, split_block, split_span
 from regiontrace.block_reads import union_numel
+from regiontrace.executor import (
+    distinct_read_numel,
+    overlap_clusters,
+    read_layout,
+    source_view,
+    split_block,
+    split_span,
+)
 from regiontrace.remap_block import source_span
 from regiontrace.testing import boxes, programs
 

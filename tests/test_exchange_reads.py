@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from loader.errors import CheckpointError
 from loader.storage import FileReader
 from loader.storage.held import HeldFile, HeldReader
-from regiontrace import RunGrid
+from regiontrace.executor import RunGrid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

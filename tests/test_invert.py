@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import regiontrace as rt
+from regiontrace.executor import packed_source_runs, scatter_blocks
 from regiontrace.invert import RUN_BUDGET, _lattice, _verify_source
 from regiontrace.testing import code_tensors, programs, random_box, random_tensor
 
@@ -133,7 +134,7 @@ def test_scatter_after_forward_is_the_identity_on_codes(program, seed):
         written = inverse.scatter(values, {n: torch.full_like(c, SENTINEL) for n, c in codes.items()}, box=box)
         packed = {n: torch.full_like(c, SENTINEL).reshape(-1) for n, c in codes.items()}
         for block in inverse.blocks(box=box):
-            runs = rt.packed_source_runs(block, values)
+            runs = packed_source_runs(block, values)
             assert bool((runs.starts[1:] >= runs.starts[:-1] + runs.run_length).all()), "runs overlap or unsorted"
             where = (runs.starts[:, None] + torch.arange(runs.run_length)).reshape(-1)
             packed[block.source][where] = runs.values
@@ -312,7 +313,7 @@ def test_scatter_writes_through_flips_into_the_source():
     assert any(s < 0 for b in blocks for s in b.src_strides)
     real = torch.arange(12.0).reshape(4, 3)
     into = {"w": torch.zeros(4, 3)}
-    rt.scatter_blocks(blocks, real.flip(0, 1)[1:3], into)
+    scatter_blocks(blocks, real.flip(0, 1)[1:3], into)
     assert torch.equal(into["w"][1:3], real[1:3]) and not into["w"][0].any() and not into["w"][3].any()
 
 
@@ -321,10 +322,10 @@ def test_packed_source_runs_of_a_transposed_box():
     out = w.t()  # (6, 4): a box of output rows 2..5 reads source columns 2..5 of every row
     (block,) = out.remap_blocks(((2, 5), (0, 4)))
     real = torch.arange(24.0).reshape(4, 6)
-    runs = rt.packed_source_runs(block, real.t()[2:5])
+    runs = packed_source_runs(block, real.t()[2:5])
     assert runs.starts.tolist() == [2, 8, 14, 20] and runs.run_length == 3
     assert runs.values.tolist() == real[:, 2:5].reshape(-1).tolist()
-    bf16 = rt.packed_source_runs(block, real.t()[2:5].to(F32).to(torch.float64))
+    bf16 = packed_source_runs(block, real.t()[2:5].to(F32).to(torch.float64))
     assert bf16.values.dtype == F32  # packed in the source's dtype
 
 
@@ -421,7 +422,7 @@ def test_argument_errors():
     with pytest.raises(KeyError, match="no values given for output 'o'"):
         inverse.unmaterialize({})
     with pytest.raises(ValueError, match="broadcasts"):
-        rt.packed_source_runs(leaf("b", (1, 2)).expand(3, 2).remap_blocks()[0], torch.zeros(3, 2))
+        packed_source_runs(leaf("b", (1, 2)).expand(3, 2).remap_blocks()[0], torch.zeros(3, 2))
 
 
 def test_unmaterialize_function_and_empty_sources():

@@ -25,7 +25,7 @@ from loader.storage import ObjectIdentity, RangeReader
 from loader.storage.remote import RemoteOptions, RemoteReader, RemoteStore, Transient, remote_store
 from loader.storage.remote.reader import plan as plan_for
 from loader.storage.remote.requests_plan import MAX_OVERREAD, join_limit, merge_ranges, plan_requests
-from regiontrace import RunGrid
+from regiontrace.executor import RunGrid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_block_layout import strided_blocks
 
 import regiontrace as rt
-from regiontrace import RunGrid, read_layout
+from regiontrace.executor import RunGrid, contiguous_strides, read_layout
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -71,7 +71,7 @@ def box_blocks(draw) -> rt.RemapBlock:
     """A box of a C-contiguous tensor, read with steps and its dims in any order (a shard, a strided shard)."""
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.lists(st.integers(1, 40), min_size=ndim, max_size=ndim)))
-    strides = rt.contiguous_strides(shape)
+    strides = contiguous_strides(shape)
     offset, dims, steps, sizes = 0, [], [], []
     for d in range(ndim):
         step = draw(st.sampled_from([1, 1, 1, 2, 3]))

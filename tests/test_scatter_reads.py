@@ -16,8 +16,6 @@ from torch import nn
 
 from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.execute import BlockExecutor
-from loader.hooks import PlanHooks
-from loader.options import LoadOptions
 from loader.planner import HFLoadPlanner
 from loader.storage import PAGE, FileReader
 from loader.storage.scatter import SCATTER, scatter_pays
@@ -100,14 +98,14 @@ def test_a_column_shard_loads_exactly_either_way(tmp_path, cols, run):
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
     model = Cols(48, run)
 
-    class Shard(PlanHooks):
+    class Shard(HFLoadPlanner):
         def target_slot(self, name, tensor):
             from loader.plan import TargetSlot
 
             box = ((0, 48), (run, 2 * run))
             return TargetSlot(name, (48, cols), tensor.dtype, tensor.data, ((box, ((0, 48), (0, run))),))
 
-    planner = HFLoadPlanner(model, hooks=Shard())
+    planner = Shard(model)
     checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
     plan = planner.build_plan(checkpoint)
     with FileReader() as reader:
@@ -121,7 +119,5 @@ def test_a_column_shard_loads_exactly_either_way(tmp_path, cols, run):
     assert calls >= len(spans)
     with torch.no_grad():
         model.w.zero_()
-    load_hf_checkpoint(
-        model, str(tmp_path), planner=HFLoadPlanner(model, hooks=Shard()), options=LoadOptions(progress=False)
-    )
+    load_hf_checkpoint(model, str(tmp_path), planner=Shard(model), progress=False)
     assert torch.equal(model.w.data, full[:, run : 2 * run])

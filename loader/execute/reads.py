@@ -7,7 +7,7 @@ A buffer mirrors a stretch of the file: blocks read together (a batch) are read 
 relative to the batch's first byte, one call per run of touching byte ranges (bytes that several blocks need
 are read once), and each block's values are a strided view of the buffer. A block of many runs (a column
 shard) whose bytes no other block reads is read one call per page span (a stretch of runs whose gaps hold no
-page the runs do not touch; its runs in closed form, :class:`regiontrace.RunGrid`): either scattered, each run
+page the runs do not touch; its runs in closed form, :class:`regiontrace.executor.RunGrid`): either scattered, each run
 straight into its destination row and each gap into a sink, or, where the cost model of
 :mod:`loader.storage.scatter` says copying beats the kernel's cost per iovec (short runs), as its byte span into
 a buffer and out in one strided copy. The ring copies each view into its destination: a plain strided copy
@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 import regiontrace as rt
-from regiontrace import ReadLayout, dest_view, read_layout, split_span
+from regiontrace.executor import ReadLayout, dest_view, overlap_clusters, read_layout, split_span
 
 from ..checkpoint import SafetensorsCheckpoint, TensorInfo, coalesce_ranges
 from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, whole_boxes
 from ..storage import RangeReader
-from ..storage.capabilities import ScattersRuns, has
 from .pool import ReadPool, acquire, copy_threads, resolve_io_threads, submit_consecutive, submit_staged, torch_threads
 from .routes import DIRECT, SCATTER, SPAN, Route, route_for
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
@@ -128,7 +127,7 @@ def _sorted_by_start(items: list[tuple[BlockRead, TensorInfo]]) -> list[tuple[in
 
 def _alone(spans: list[tuple[int, int]]) -> list[bool]:
     """For byte spans sorted by start: whether each one overlaps no other."""
-    clusters = rt.overlap_clusters(spans)
+    clusters = overlap_clusters(spans)
     sizes = [0] * (clusters[-1] + 1 if clusters else 0)
     for c in clusters:
         sizes[c] += 1
@@ -282,7 +281,7 @@ class BlockExecutor:
         self.reader.will_read(file, lambda: _byte_ranges(items), sparse=wanted < SPARSE_FRACTION * size)
         consecutive = functools.partial(submit_consecutive, self.pool, self.reader, self.progress)
         cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(consecutive, file)
-        scatter, tensors = has(self.reader, ScattersRuns), {}
+        scatter, tensors = getattr(self.reader, "read_runs_to", None) is not None, {}
         for (r, info), alone in zip(items, _alone(spans)):
             local = self.slots[r.target].local
             host = self.ring.link_for(local) is None

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import regiontrace as rt
-from regiontrace import ReadLayout, dest_view, read_layout
+from regiontrace.executor import ReadLayout, RunGrid, dest_view, read_layout
 
 from ..checkpoint import TensorInfo
 from ..plan import BlockRead
@@ -156,7 +156,7 @@ def _direct_target(block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout)
 
 
 def _scatter_rows(
-    block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout, grid: rt.RunGrid
+    block: rt.RemapBlock, dest: torch.Tensor, layout: ReadLayout, grid: RunGrid
 ) -> tuple[tuple[int, int], ...] | None:
     """The destination dims ``(size, byte stride)`` that enumerate ``block``'s runs in file order, when the runs can
     be read straight there — same dtype, no cast, flip or broadcast, each run contiguous in a host destination,

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from regiontrace import copy_cast
+from regiontrace.executor import copy_cast
 
 #: default number of staging buffers (double-buffered: read into one while the other is copied)
 BUFFERS = 2

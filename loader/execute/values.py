@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from regiontrace import ValueInput, evaluate_into, fill_inputs
+from regiontrace.executor import ValueInput, evaluate_into, fill_inputs
 
 from ..checkpoint import SafetensorsCheckpoint
 from ..plan import BlockRead, TargetSlot, ValueRead, full_box

@@ -19,7 +19,7 @@ import torch
 import regiontrace as rt
 from regiontrace.executor import distinct_read_numel, input_regions
 
-from ..checkpoint import Checkpoint, check_encodings
+from ..checkpoint import SafetensorsCheckpoint
 from ..rules import Conversion, KeyPlan
 from ..rules.conversion import MetaRun, cast_like_transformers, source_cast
 from .dtypes import check_float8, kind_cast
@@ -78,7 +78,7 @@ class RankPlan:
             (see :func:`~loader.plan.dtypes.kind_cast`).
     """
 
-    checkpoint: Checkpoint
+    checkpoint: SafetensorsCheckpoint
     slots: Mapping[str, TargetSlot]
     keyplan: KeyPlan
     conversions: tuple[Conversion, ...]
@@ -121,7 +121,7 @@ class RankPlan:
         """``len(block_reads())``, without listing them."""
         return len(self.reads) + sum(len(v.program.blocks) for v in self.values)
 
-    def rebound(self, slots: Mapping[str, TargetSlot], checkpoint: Checkpoint) -> RankPlan:
+    def rebound(self, slots: Mapping[str, TargetSlot], checkpoint: SafetensorsCheckpoint) -> RankPlan:
         """This plan writing into ``slots`` (the same names, shapes, boxes and dtypes: their tensors are written
         instead) and reading ``checkpoint`` (the same tensor table); what was counted is kept."""
         plan = replace(self, slots=slots, checkpoint=checkpoint)
@@ -131,7 +131,7 @@ class RankPlan:
         return plan
 
 
-def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: Checkpoint) -> int:
+def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckpoint) -> int:
     """Bytes of the union of source elements the blocks read (overlapping reads are read once)."""
     by_source: dict[str, rt.RemapBlock | list[rt.RemapBlock]] = {}  # a list only for a source read several times
     for b in blocks:
@@ -150,14 +150,15 @@ def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: Checkpoint) -> in
 
 def plan_rank(
     keyplan: KeyPlan,
-    checkpoint: Checkpoint,
+    checkpoint: SafetensorsCheckpoint,
     slots: Mapping[str, TargetSlot],
     *,
     strict: bool = True,
     supports_symbolic: Callable[[Conversion], bool] = lambda conv: True,
     cache: TraceCache | None = None,
     check_devices: bool = True,
-    value_bytes: int | None = VALUE_BYTES,
+    values: bool = True,
+    value_bytes: int = VALUE_BYTES,
 ) -> RankPlan:
     """Plan this rank's part of a load.
 
@@ -169,9 +170,8 @@ def plan_rank(
         supports_symbolic: hook; False sends a conversion to a deferred read.
         cache: trace cache shared across plans (e.g. simulated ranks).
         check_devices: refuse targets still on the meta device.
-        value_bytes: conversions that end in pointwise ops compile into value reads, each holding at most this
-            many bytes of inputs at once (larger boxes are split); None: no value reads, such conversions are
-            deferred (a reader that copies plain boxes only: ``build_plan(values=False)``).
+        values: compile conversions that end in pointwise ops into value reads; False defers them.
+        value_bytes: the most bytes of inputs one value read holds at once (larger boxes are split).
 
     Returns:
         The rank's plan. Nothing has been read or written.
@@ -179,12 +179,10 @@ def plan_rank(
     Raises:
         ValueError: a shape mismatch, an unknown target, a meta-device target, or (strict) missing tensors;
             the message names the tensor.
-        CheckpointError: float8 codes would load as values (see :func:`check_float8`); a source's element
-            encoding is not one the loader reads (:func:`~loader.checkpoint.check_encodings`).
+        CheckpointError: float8 codes would load as values (see :func:`check_float8`).
         Exception: what a conversion raised on meta tensors (it cannot run on these checkpoint tensors).
     """
     cache = cache or TraceCache()
-    check_encodings(checkpoint[k] for conv in keyplan.conversions for k in conv.sources)  # before any byte is read
     check_float8(keyplan, checkpoint, slots)
     outcomes: list[Traced | Untraced] = []
     reads: list[BlockRead] = []
@@ -197,12 +195,12 @@ def plan_rank(
             outcome = cache.trace(conv, checkpoint, source_cast(conv.rule, slots[conv.targets[0]].dtype))
         else:
             outcome = Untraced(REJECTED_BY_HOOK)
-        if isinstance(outcome, Traced) and value_bytes is None and not outcome.is_index_map:
+        if isinstance(outcome, Traced) and not values and not outcome.is_index_map:
             outcome = Untraced("values computed by pointwise ops are read whole here (values=False)")
         outcomes.append(outcome)
         if isinstance(outcome, Traced):
             reads += _compiled(conv, outcome, slots)
-            value_reads += _compiled_values(conv, outcome, slots, value_bytes or VALUE_BYTES)
+            value_reads += _compiled_values(conv, outcome, slots, value_bytes)
         else:
             owned = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
             deferred.append(DeferredRead(conv, outcome.reason, owned))

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from regiontrace import copy_cast, dest_view, source_view
+from regiontrace.executor import copy_cast, dest_view, source_view
 
-from ..distributed.collectives import all_to_all_tensor, pick_device
+from ..distributed.exchange_reads import all_to_all_bytes
 from ..plan.slots import box_view
 from .plan import Move, TransferPlan
 
@@ -128,7 +128,7 @@ class Exchange:
                 self._pack(m, send, at + off)
             at += size
             self.counts.messages += bool(ms)
-        all_to_all_tensor(
+        all_to_all_bytes(
             recv,
             send,
             [n for _, n in recv_layouts],
@@ -144,7 +144,10 @@ class Exchange:
 
     def _device(self) -> torch.device:
         """Where the round's buffers live: the local tensors' GPU under NCCL (untested here), else the CPU."""
-        return pick_device(self.group, [*self.sources.values(), *self.targets.values()])
+        if dist.get_backend(self.group) != "nccl":
+            return torch.device("cpu")
+        tensors = [*self.sources.values(), *self.targets.values()]
+        return next((t.device for t in tensors if t is not None and t.device.type == "cuda"), torch.device("cpu"))
 
     # -- strided copies -----------------------------------------------------------------------------
 

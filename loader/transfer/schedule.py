@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import regiontrace as rt
+from regiontrace.executor import split_block
 
 from .plan import Move, TransferPlan
 
 
 def split_move(move: Move, max_numel: int) -> list[Move]:
-    """``move`` cut (:func:`regiontrace.split_block`, outermost source dim first) into moves reading at most
+    """``move`` cut (:func:`regiontrace.executor.split_block`, outermost source dim first) into moves reading at most
     ``max_numel`` elements each (at least one)."""
-    parts = rt.split_block(move.block, max_numel)
+    parts = split_block(move.block, max_numel)
     return [Move(move.src, move.dst, move.target, move.local, b, move.key) for b in parts]
 
 
