@@ -6,11 +6,11 @@ Vocabulary (as :mod:`.exchange_plan`: *wanted*, *shared extent*, *share*, *parce
 
 Every rank publishes the byte ranges its reads want (:meth:`~.peers.Peers.all_gather_bytes`) and computes the same
 plan. Then, round by round (whole files, or a file over the budget in sections cut at tensor starts: at most
-:data:`ROUND_BYTES` held per rank), each rank fetches its shares through its reader (a few long requests instead of
-one per row), the ranks agree that every fetch succeeded (a failed, hung or dead rank fails every rank), exchange
-the parcels (:func:`~.exchange.exchange`), and each rank executes the reads of the tensors in the round's sections
-through a :class:`~loader.storage.held.HeldReader` serving its parcels from memory. Wanted ranges outside shared
-extents are left to the caller, read as always through the same reader.
+:attr:`~loader.options.LoadOptions.exchange_round_bytes` held per rank), each rank fetches its shares through its
+reader (a few long requests instead of one per row), the ranks agree that every fetch succeeded (a failed, hung or
+dead rank fails every rank), exchange the parcels (:func:`~.exchange.exchange`), and each rank executes the reads
+of the tensors in the round's sections through a :class:`~loader.storage.held.HeldReader` serving its parcels from
+memory. Wanted ranges outside shared extents are left to the caller, read as always through the same reader.
 
 Bytes fetched per rank are about its slot's bytes (each share as long as what its holder wants in the extent);
 requests are a few per share; bytes between ranks are each rank's slot minus what it fetched itself.
@@ -39,10 +39,6 @@ from .exchange import exchange
 from .exchange_plan import FilePlan, Ranges, as_ranges, plan_files, rounds
 from .peers import Peers
 from .run import execute_plan
-
-ROUND_BYTES = 1 << 30
-"""Most bytes a rank holds for one round (its shares and the parcels it receives), unless one tensor holds more (a
-round of its own)."""
 
 
 def wanted_ranges(checkpoint: Checkpoint, reads: Sequence[BlockRead]) -> dict[str, Ranges]:
@@ -147,7 +143,6 @@ def exchanged_reads(
     reads: Sequence[BlockRead],
     options: LoadOptions,
     peers: Peers,
-    round_bytes: int | None = None,
 ) -> tuple[list[BlockRead], int]:
     """Execute the reads of the files with shared extents, round by round (see the module). Collective.
 
@@ -155,9 +150,10 @@ def exchanged_reads(
         plan: this rank's plan.
         reader: the open reader (shares are fetched through it; held bytes served in front of it).
         reads: this rank's block reads (of ``plan``).
-        options: how to execute the reads (``rollback`` is the caller's: off here).
+        options: how to execute the reads (``rollback`` is the caller's: off here); ``exchange_round_bytes``: the
+            most bytes a rank holds for one round (its shares and the parcels it receives), unless one tensor holds
+            more (a round of its own).
         peers: the group.
-        round_bytes: the budget of a round (None: :data:`ROUND_BYTES`).
 
     Returns:
         The reads left (files without shared extents: the caller executes them), and the bytes received from
@@ -177,8 +173,7 @@ def exchanged_reads(
         by_file.setdefault(info.file, []).append((info.data_start, r))
     error: BaseException | None = None
     received = 0
-    budget = ROUND_BYTES if round_bytes is None else round_bytes
-    for k, sections in enumerate(rounds(plans, peers.world, budget, spans)):
+    for k, sections in enumerate(rounds(plans, peers.world, options.exchange_round_bytes, spans)):
         round_plans = {s.file: plans[s.file].section(s.lo, s.hi) for s in sections}  # one section of a file a round
         files = list(round_plans)
         fetched: dict[str, np.ndarray] = {}

@@ -81,9 +81,7 @@ def post(checkpoint: Checkpoint, reads: Sequence[BlockRead]) -> Post:
         identity = identities.get(info.file)
         if getattr(identity, "inode", None) is None:  # a remote object, or an unknown identity: not shared here
             continue
-        lo, hi = r.block.source_span()
-        start = info.data_start
-        spans.setdefault(info.file, []).append((start + lo * info.itemsize, start + hi * info.itemsize))
+        spans.setdefault(info.file, []).append(info.byte_span(*r.block.source_span()))
     files = {}
     for f, s in spans.items():
         i = identities[f]
