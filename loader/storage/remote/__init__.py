@@ -2,10 +2,11 @@
 ranged requests.
 
 The protocol-independent half: :mod:`.requests_plan` (which requests fetch a file's wanted ranges: the cost
-model), :mod:`.fetch` (running them: concurrency, retries, accounting), :mod:`.pieces` and :mod:`.reader` (the
-:class:`RemoteReader`: fetched ahead within a window, reads served from the pieces), :mod:`.store` (the
-:class:`RemoteStore`). The protocols' half: :mod:`.backend` (the contract) and :mod:`.backends` (one per scheme,
-each importing its library only when such a URL is used).
+model), :mod:`.fetch` (running them: concurrency, retries, accounting), :mod:`.window` and :mod:`.reader` (the
+:class:`RemoteReader`: fetched ahead within a window, reads served from the fetched spans; :mod:`.identities`:
+the identity each request is bound to), :mod:`.store` (the :class:`RemoteStore`). The protocols' half:
+:mod:`.backend` (the contract) and :mod:`.backends` (one per scheme, each importing its library only when such a
+URL is used).
 """
 
 from __future__ import annotations
