@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from regiontrace.executor import copy_cast, dest_view, source_view
 
-from .checkpoint import SafetensorsCheckpoint, TensorInfo
+from .checkpoint import Checkpoint, SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead
 from .plan.slots import TargetSlot, box_view
@@ -46,7 +46,7 @@ class CheckpointRoot:
     path: str
 
 
-def checkpoint_metadata(checkpoint: SafetensorsCheckpoint) -> Metadata:
+def checkpoint_metadata(checkpoint: Checkpoint) -> Metadata:
     """DCP metadata of ``checkpoint``: one chunk per tensor; ``storage_data`` holds each tensor's
     :class:`~loader.checkpoint.TensorInfo`, each file's :class:`~loader.checkpoint.FileIdentity` (checked by the
     reads) and the :class:`CheckpointRoot`."""

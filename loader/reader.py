@@ -30,7 +30,7 @@ from torch.futures import Future
 import regiontrace as rt
 from regiontrace.executor import contiguous_strides
 
-from .checkpoint import SafetensorsCheckpoint
+from .checkpoint import Checkpoint, SafetensorsCheckpoint
 from .dcpload import checkpoint_from_metadata, checkpoint_metadata, holds_headers
 from .distributed import LoadSession
 from .distributed.versions import open_agreed
@@ -119,7 +119,7 @@ class SafetensorsReader(StorageReader):
             direct_io=direct_io,
             exchange_reads=exchange_reads,
         )
-        self.checkpoint: SafetensorsCheckpoint | None = None
+        self.checkpoint: Checkpoint | None = None
         self._metadata: Metadata | None = None
         self.bytes_read = 0
 

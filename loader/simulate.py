@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._torch import root_mesh
-from .checkpoint import SafetensorsCheckpoint
+from .checkpoint import Checkpoint, SafetensorsCheckpoint
 from .placements import is_dtensor, shard_boxes
 from .plan import RankPlan
 from .plan.slots import TargetSlot, full_box, iter_model_tensors
@@ -121,7 +121,7 @@ def _on_root(name: str, placements: tuple, mesh: Any, root: Any) -> tuple:
 
 def simulate_plans(
     model: torch.nn.Module,
-    checkpoint: str | SafetensorsCheckpoint,
+    checkpoint: str | Checkpoint,
     *,
     mesh_shape: Sequence[int] | None = None,
     placements: Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]] | None = None,
@@ -154,7 +154,7 @@ def simulate_plans(
 
 def simulate_load(
     model: torch.nn.Module,
-    checkpoint: str | SafetensorsCheckpoint,
+    checkpoint: str | Checkpoint,
     *,
     mesh_shape: Sequence[int] | None = None,
     placements: Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]] | None = None,

@@ -149,10 +149,10 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor data (every chunk's)."""
-        if self.split:
-            return sum(c.numel for c in self.split) * self.dtype.itemsize
-        return self.data_end - self.data_start  # type: ignore[operator]
+        """Bytes of tensor data (every chunk's; a tensor without a place: its elements')."""
+        if self.data_start is None or self.data_end is None:
+            return math.prod(self.shape) * self.dtype.itemsize
+        return self.data_end - self.data_start
 
     def byte_at(self, element: int) -> int:
         """The absolute byte offset of flat element ``element`` (one chunk: C order from ``data_start``)."""

@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import Checkpoint, SafetensorsCheckpoint
 from ..checkpoint.folder import INDEX_NAME
 from ..errors import CheckpointError, redact_url
 from ..storage import ObjectIdentity
@@ -29,7 +29,7 @@ log = logging.getLogger("loader")
 Opener = Callable[[Mapping[str, ObjectIdentity] | None], SafetensorsCheckpoint]
 
 
-def identities_of(checkpoint: SafetensorsCheckpoint) -> dict[str, ObjectIdentity]:
+def identities_of(checkpoint: Checkpoint) -> dict[str, ObjectIdentity]:
     """The remote identities a checkpoint was opened with: its files' and its index's."""
     out = {f: i for f, i in checkpoint.identities.items() if isinstance(i, ObjectIdentity)}
     probes = capability(checkpoint.store, RemembersProbes)

@@ -30,7 +30,7 @@ import torch
 import regiontrace as rt
 from regiontrace.executor import ReadLayout, dest_view, overlap_clusters, read_layout, split_span
 
-from ..checkpoint import SafetensorsCheckpoint, TensorInfo, coalesce_ranges
+from ..checkpoint import Checkpoint, TensorInfo, coalesce_ranges
 from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, whole_boxes
@@ -217,7 +217,7 @@ class BlockExecutor:
 
     def __init__(
         self,
-        checkpoint: SafetensorsCheckpoint,
+        checkpoint: Checkpoint,
         slots: Mapping[str, TargetSlot],
         reader: RangeReader,
         *,
@@ -246,7 +246,7 @@ class BlockExecutor:
             CheckpointError: a file is short, or changed since its header was read (checked when it is
                 opened and after its last read), naming the file.
         """
-        identities = getattr(self.checkpoint, "identities", None) or {}
+        identities = self.checkpoint.identities
         by_file: dict[str, list[tuple[BlockRead, TensorInfo]]] = {}
         targets, hint = set(), 0
         for r in reads:
@@ -275,7 +275,7 @@ class BlockExecutor:
     def _run_file(self, file: str, items: list[tuple[BlockRead, TensorInfo]]) -> None:
         spans = _sorted_by_start(items)
         wanted = sum(r.block.read_numel * info.itemsize for r, info in items)
-        identity = (getattr(self.checkpoint, "identities", None) or {}).get(file)
+        identity = self.checkpoint.identities.get(file)
         size = identity.size if identity is not None else os.path.getsize(file)
         # sparse: readahead would read what other ranks need
         self.reader.will_read(file, lambda: _byte_ranges(items), sparse=wanted < SPARSE_FRACTION * size)

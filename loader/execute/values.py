@@ -15,7 +15,7 @@ import torch
 
 from regiontrace.executor import ValueInput, evaluate_into, fill_inputs
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import Checkpoint
 from ..plan import BlockRead, TargetSlot, ValueRead, full_box
 from ..plan.slots import box_view
 from ..storage import RangeReader
@@ -25,7 +25,7 @@ from .staging import StagingRing
 
 def run_values(
     values: Iterable[ValueRead],
-    checkpoint: SafetensorsCheckpoint,
+    checkpoint: Checkpoint,
     slots: Mapping[str, TargetSlot],
     reader: RangeReader,
     *,

@@ -17,15 +17,15 @@ from .rank import (
     unique_read_bytes,
 )
 from .slots import Box, TargetSlot, box_view, full_box, iter_model_tensors, model_slots, plain_slot
-from .traces import Layout, TraceCache, Traced, TracedConversion, Untraced
+from .traces import StandInCheckpoint, TraceCache, Traced, TracedConversion, Untraced
 
 __all__ = [
     "BlockRead",
     "Box",
     "DeferredRead",
     "RankPlan",
+    "StandInCheckpoint",
     "TargetSlot",
-    "Layout",
     "TraceCache",
     "Traced",
     "TracedConversion",

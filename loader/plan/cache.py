@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import Checkpoint
 from ..checkpoint.config import quantization_config
 from ..options import Rules
 from ..rules.fp8 import FLOAT8
@@ -120,7 +120,7 @@ def model_state(
 
 
 def plan_key(
-    checkpoint: SafetensorsCheckpoint,
+    checkpoint: Checkpoint,
     slots: Mapping[str, TargetSlot],
     ties: tuple[int, ...],
     rules: Rules,
@@ -147,7 +147,7 @@ def _rules_key(rules: Rules) -> tuple:
     return mapping, tuple(map(id, rules.extra_weights_mapping)), renames
 
 
-def _fp8_key(checkpoint: SafetensorsCheckpoint, model: torch.nn.Module) -> str | None:
+def _fp8_key(checkpoint: Checkpoint, model: torch.nn.Module) -> str | None:
     """The quantization schemes an FP8 checkpoint is dequantized by (None for any other checkpoint)."""
     if FLOAT8.isdisjoint(map(_DTYPE, checkpoint.tensors.values())):
         return None
@@ -177,7 +177,7 @@ class PlanCache:
         self.hits = self.misses = 0
 
     def get(
-        self, model: torch.nn.Module, key: PlanKey, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot]
+        self, model: torch.nn.Module, key: PlanKey, checkpoint: Checkpoint, slots: Mapping[str, TargetSlot]
     ) -> RankPlan | None:
         """The plan kept under ``key``, bound to ``slots`` and ``checkpoint``; None when there is none, or when the
         checkpoint's tensor table differs from the one it was planned against."""
@@ -207,7 +207,7 @@ class PlanCache:
         self,
         model: torch.nn.Module,
         slot_for: Callable[[str, torch.Tensor], TargetSlot],
-        checkpoint: SafetensorsCheckpoint,
+        checkpoint: Checkpoint,
         rules: Rules,
         settings: tuple[Hashable, ...],
         make: Callable[[dict[str, TargetSlot]], RankPlan],

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import Checkpoint
 from ..errors import CheckpointError
 from ..rules import KeyPlan
 from ..rules.fp8 import FLOAT8, SCALE_SUFFIX, scale_names, weight_of_scale
@@ -30,7 +30,7 @@ def kind_cast(name: str, produced: torch.dtype, model: torch.dtype) -> tuple[str
     return (name, produced, model) if value_kind(produced) != value_kind(model) else None
 
 
-def check_float8(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, slots: Mapping[str, TargetSlot]) -> None:
+def check_float8(keyplan: KeyPlan, checkpoint: Checkpoint, slots: Mapping[str, TargetSlot]) -> None:
     """Refuse, before anything is read, a plan that would load FP8 codes as values.
 
     A float8 checkpoint tensor may load into float8 model tensors only (codes unchanged), unless its conversion

@@ -19,7 +19,7 @@ import torch
 import regiontrace as rt
 from regiontrace.executor import distinct_read_numel, input_regions
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import Checkpoint, check_encodings
 from ..rules import Conversion, KeyPlan
 from ..rules.conversion import MetaRun, cast_like_transformers, source_cast
 from .dtypes import check_float8, kind_cast
@@ -78,7 +78,7 @@ class RankPlan:
             (see :func:`~loader.plan.dtypes.kind_cast`).
     """
 
-    checkpoint: SafetensorsCheckpoint
+    checkpoint: Checkpoint
     slots: Mapping[str, TargetSlot]
     keyplan: KeyPlan
     conversions: tuple[Conversion, ...]
@@ -121,7 +121,7 @@ class RankPlan:
         """``len(block_reads())``, without listing them."""
         return len(self.reads) + sum(len(v.program.blocks) for v in self.values)
 
-    def rebound(self, slots: Mapping[str, TargetSlot], checkpoint: SafetensorsCheckpoint) -> RankPlan:
+    def rebound(self, slots: Mapping[str, TargetSlot], checkpoint: Checkpoint) -> RankPlan:
         """This plan writing into ``slots`` (the same names, shapes, boxes and dtypes: their tensors are written
         instead) and reading ``checkpoint`` (the same tensor table); what was counted is kept."""
         plan = replace(self, slots=slots, checkpoint=checkpoint)
@@ -131,7 +131,7 @@ class RankPlan:
         return plan
 
 
-def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckpoint) -> int:
+def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: Checkpoint) -> int:
     """Bytes of the union of source elements the blocks read (overlapping reads are read once)."""
     by_source: dict[str, rt.RemapBlock | list[rt.RemapBlock]] = {}  # a list only for a source read several times
     for b in blocks:
@@ -150,7 +150,7 @@ def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: SafetensorsCheckp
 
 def plan_rank(
     keyplan: KeyPlan,
-    checkpoint: SafetensorsCheckpoint,
+    checkpoint: Checkpoint,
     slots: Mapping[str, TargetSlot],
     *,
     strict: bool = True,
@@ -179,10 +179,12 @@ def plan_rank(
     Raises:
         ValueError: a shape mismatch, an unknown target, a meta-device target, or (strict) missing tensors;
             the message names the tensor.
-        CheckpointError: float8 codes would load as values (see :func:`check_float8`).
+        CheckpointError: float8 codes would load as values (see :func:`check_float8`); a source's element
+            encoding is not one the loader reads (:func:`~loader.checkpoint.check_encodings`).
         Exception: what a conversion raised on meta tensors (it cannot run on these checkpoint tensors).
     """
     cache = cache or TraceCache()
+    check_encodings(checkpoint[k] for conv in keyplan.conversions for k in conv.sources)  # before any byte is read
     check_float8(keyplan, checkpoint, slots)
     outcomes: list[Traced | Untraced] = []
     reads: list[BlockRead] = []

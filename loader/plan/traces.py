@@ -15,6 +15,12 @@ in the dtype ``from_pretrained`` (and the deferred path) rounds in.
 One trace serves load, save and transfer: :class:`TracedConversion` also carries, lazily, the trace's inverse
 (:func:`regiontrace.invert`, the save's scatter back into the checkpoint) and its blocks compiled per box both
 ways, all shared by every conversion of its signature (:meth:`TraceCache.signature`).
+
+A source stored as several chunks (:mod:`loader.checkpoint.chunks`) is traced as those chunks put together: its
+leaf is the ``torch.cat`` of one leaf per chunk (``#i.j``: chunk ``j`` of source ``i``), cut one dim at a time,
+so the blocks compiled for a box read each chunk within its own bounds, and the chunk grid is part of the
+signature. Chunks that no such cuts separate (a pinwheel tiling) make the conversion :class:`Untraced`: it is read
+whole, assembled from its chunks.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 import regiontrace as rt
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import Checkpoint, TableCheckpoint, TensorInfo, chunk_source
 from ..rules import Conversion
 from ..rules.conversion import MetaRun, cast_like_transformers, meta_tensors, run_on_meta
 from .slots import Box
@@ -126,18 +132,12 @@ class Untraced:
     untraceable: bool = False
 
 
-@dataclass(frozen=True)
-class _Info:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-class Layout:
-    """A checkpoint layout without a checkpoint, as :class:`TraceCache` reads one (``tensors[key].shape/.dtype``):
-    the save's and the transfer's stand-in for the checkpoint."""
+class StandInCheckpoint(TableCheckpoint):
+    """A checkpoint of keys, shapes and dtypes without bytes (no files, no store): the save's and the transfer's
+    stand-in for the checkpoint their conversions are traced on (a :class:`~loader.checkpoint.Checkpoint`)."""
 
     def __init__(self, keys: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-        self.tensors = {k: _Info(tuple(s), d) for k, (s, d) in keys.items()}
+        super().__init__({k: TensorInfo(k, None, d, tuple(s), None, None) for k, (s, d) in keys.items()}, ())
 
 
 class TraceCache:
@@ -150,58 +150,67 @@ class TraceCache:
 
     def __init__(self) -> None:
         self._traces: dict[int, _Shared | Untraced] = {}
-        self._keys: dict[tuple[int, int], tuple[Conversion, SafetensorsCheckpoint, int, MetaRun]] = {}
+        self._keys: dict[tuple[int, int], tuple[Conversion, Checkpoint, int, MetaRun, _Grids]] = {}
         self._interned: dict[Hashable, int] = {}
         self._reruns: dict[int, MetaRun] = {}
         self.hits = 0
         self.misses = 0
 
-    def meta(self, conv: Conversion, checkpoint: SafetensorsCheckpoint | Layout) -> MetaRun:
+    def meta(self, conv: Conversion, checkpoint: Checkpoint) -> MetaRun:
         """``conv``'s meta run on ``checkpoint``'s shapes and dtypes (its own, when it was made on those)."""
         return self._key(conv, checkpoint)[1]
 
-    def signature(self, conv: Conversion, checkpoint: SafetensorsCheckpoint | Layout) -> int:
+    def signature(self, conv: Conversion, checkpoint: Checkpoint) -> int:
         """The key of ``conv``'s signature on ``checkpoint``: equal for conversions of one rule and feed
-        (:attr:`~loader.rules.Conversion.signature`) whose sources have the same shapes and dtypes there."""
+        (:attr:`~loader.rules.Conversion.signature`) whose sources have the same shapes, dtypes and chunk grids
+        there."""
         return self._key(conv, checkpoint)[0]
 
     def trace(
-        self, conv: Conversion, checkpoint: SafetensorsCheckpoint | Layout, cast: torch.dtype | None = None
+        self, conv: Conversion, checkpoint: Checkpoint, cast: torch.dtype | None = None
     ) -> TracedConversion | Untraced:
-        """Trace ``conv`` on canonical leaves, once per signature.
+        """Trace ``conv`` on canonical leaves (a source stored as several chunks: its chunks', see the module),
+        once per signature.
 
         Args:
-            checkpoint: the checkpoint, or a :class:`Layout` (its keys' shapes and dtypes).
+            checkpoint: the checkpoint (a :class:`StandInCheckpoint`: keys' shapes and dtypes alone).
             cast: the dtype the conversion's floating-point sources are cast to before it runs
                 (:func:`~loader.rules.conversion.source_cast`); None: they are not.
 
         Raises:
             the exception ``conv`` raised on meta tensors (a broken conversion fails planning).
         """
-        key, meta = self._key(conv, checkpoint)
+        key, meta, grids = self._entry(conv, checkpoint)
         if meta.error is not None:
             raise meta.error
-        cached = self._traced(key, conv, meta, None)
+        cached = self._traced(key, conv, meta, None, grids)
         if cast is not None and isinstance(cached, _Shared) and not all(t.is_index_map for t in cached.outputs):
             if any(d.is_floating_point and d != cast for d in meta.dtypes):
                 key = self._intern((key, "cast", cast))
-                cached = self._traced(key, conv, meta, cast)
+                cached = self._traced(key, conv, meta, cast, grids)
         if isinstance(cached, Untraced):
             return cached
         return TracedConversion(dict(zip(conv.targets, cached.outputs)), key, cached)
 
-    def _traced(self, key: int, conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> _Shared | Untraced:
+    def _traced(
+        self, key: int, conv: Conversion, meta: MetaRun, cast: torch.dtype | None, grids: _Grids
+    ) -> _Shared | Untraced:
         cached = self._traces.get(key)
         if cached is None:
             self.misses += 1
-            cached = self._traces[key] = _trace(conv, meta, cast)
+            cached = self._traces[key] = _trace(conv, meta, cast, grids)
         else:
             self.hits += 1
         return cached
 
-    def _key(self, conv: Conversion, checkpoint: SafetensorsCheckpoint | Layout) -> tuple[int, MetaRun]:
-        """A small int standing for ``conv``'s signature on ``checkpoint`` (equal signatures, equal ints), and its
-        meta run: the rule's signature with the sources' shapes and dtypes on ``checkpoint``.
+    def _key(self, conv: Conversion, checkpoint: Checkpoint) -> tuple[int, MetaRun]:
+        key, meta, _ = self._entry(conv, checkpoint)
+        return key, meta
+
+    def _entry(self, conv: Conversion, checkpoint: Checkpoint) -> tuple[int, MetaRun, _Grids]:
+        """A small int standing for ``conv``'s signature on ``checkpoint`` (equal signatures, equal ints), its
+        meta run, and its sources' chunk grids: the rule's signature with the sources' shapes, dtypes and chunk
+        grids on ``checkpoint``.
 
         Memoised per (conversion, checkpoint) object: simulated ranks share both, and an expert merge's
         signature holds hundreds of source shapes, too costly to compare and hash per rank. The entry keeps both
@@ -209,8 +218,8 @@ class TraceCache:
         """
         entry = self._keys.get((id(conv), id(checkpoint)))
         if entry is not None and entry[0] is conv and entry[1] is checkpoint:
-            return entry[2], entry[3]
-        infos = [checkpoint.tensors[k] for k in conv.sources]
+            return entry[2], entry[3], entry[4]
+        infos = [checkpoint[k] for k in conv.sources]
         shapes, dtypes = tuple(i.shape for i in infos), tuple(i.dtype for i in infos)
         meta = conv.meta
         if meta is not None and conv.signature is not None and meta.shapes == shapes and meta.dtypes == dtypes:
@@ -220,11 +229,19 @@ class TraceCache:
             meta = self._reruns.get(key)
             if meta is None:
                 meta = self._reruns[key] = run_on_meta(conv, shapes, dtypes)
-        self._keys[(id(conv), id(checkpoint))] = (conv, checkpoint, key, meta)  # type: ignore[assignment]
-        return key, meta
+        grids: _Grids = None
+        if any(i.split for i in infos):
+            grids = tuple(tuple(c.box for c in i.split) if i.split else None for i in infos)
+            key = self._intern((key, "chunks", grids))
+        self._keys[(id(conv), id(checkpoint))] = (conv, checkpoint, key, meta, grids)
+        return key, meta, grids
 
     def _intern(self, signature: Hashable) -> int:
         return self._interned.setdefault(signature, len(self._interned))
+
+
+#: each source's chunk boxes (None: stored in one chunk), or None when no source is stored in several
+_Grids = tuple[tuple[Box, ...] | None, ...] | None
 
 
 class _Unique:
@@ -236,13 +253,24 @@ class _Unique:
         self.obj = obj
 
 
-def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> _Shared | Untraced:
-    """Run ``conv`` on RegionTensor leaves (cast to ``cast`` first when given), check it against its meta run;
-    its outputs in target order, or the reason it does not trace."""
-    leaves = {
-        k: rt.RegionTensor.leaf(f"#{i}", shape, dtype)
-        for i, (k, shape, dtype) in enumerate(zip(conv.sources, meta.shapes, meta.dtypes))
-    }
+def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None, grids: _Grids = None) -> _Shared | Untraced:
+    """Run ``conv`` on RegionTensor leaves (a chunked source's: its chunks put together; cast to ``cast`` first
+    when given), check it against its meta run; its outputs in target order, or the reason it does not trace."""
+    leaves, stored = {}, []
+    for i, (k, shape, dtype) in enumerate(zip(conv.sources, meta.shapes, meta.dtypes)):
+        grid = grids[i] if grids is not None else None
+        if grid is None or 0 in shape:  # an empty source is never read
+            leaves[k] = rt.RegionTensor.leaf(f"#{i}", shape, dtype)
+            stored.append(leaves[k])
+            continue
+        chunks = [
+            (box, rt.RegionTensor.leaf(f"#{i}.{j}", [b - a for a, b in box], dtype)) for j, box in enumerate(grid)
+        ]
+        stored += [leaf for _, leaf in chunks]
+        assembled = _assembled(tuple((0, n) for n in shape), chunks)
+        if assembled is None:
+            return Untraced(f"source {k!r} is stored as chunks that no cuts along one dim at a time separate")
+        leaves[k] = assembled
     try:
         if cast is None:
             out, expected = conv.run(dict(leaves)), _meta_outputs(conv, meta)
@@ -260,7 +288,29 @@ def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None) -> _Shared
     for name, t in out.items():
         if not isinstance(t, rt.RegionTensor):
             return Untraced(f"output {name!r} is not derived from the checkpoint tensors")
-    return _Shared(tuple(out[t] for t in conv.targets), tuple(leaves.values()))
+    return _Shared(tuple(out[t] for t in conv.targets), tuple(stored))
+
+
+def _assembled(box: Box, chunks: list[tuple[Box, rt.RegionTensor]]) -> rt.RegionTensor | None:
+    """The chunks tiling ``box`` put together by ``torch.cat``, cut one dim at a time (a guillotine cut: a plane
+    that crosses no chunk); None when no such cut separates them."""
+    chunks = [(b, leaf) for b, leaf in chunks if all(hi > lo for lo, hi in b)]
+    if len(chunks) == 1:
+        return chunks[0][1]
+    for d, (lo, hi) in enumerate(box):
+        cuts = sorted({b[d][0] for b, _ in chunks} - {lo})
+        cuts = [c for c in cuts if all(not (b[d][0] < c < b[d][1]) for b, _ in chunks)]
+        if not cuts:
+            continue
+        parts, bounds = [], [lo, *cuts, hi]
+        for a, z in zip(bounds, bounds[1:]):
+            sub = tuple((a, z) if e == d else span for e, span in enumerate(box))
+            part = _assembled(sub, [(b, leaf) for b, leaf in chunks if a <= b[d][0] < z])
+            if part is None:
+                return None
+            parts.append(part)
+        return torch.cat(parts, dim=d)
+    return None
 
 
 def _meta_outputs(conv: Conversion, meta: MetaRun) -> dict[str, torch.Tensor]:
@@ -275,7 +325,8 @@ def _rename(block: rt.RemapBlock, names: tuple[str, ...]) -> rt.RemapBlock:
     """``block``, compiled for canonical leaf ``#i``, reading ``names[i]`` instead (built field by field: once per
     block of every load, and ``dataclasses.replace`` costs several times more)."""
     b = block
-    source = names[int(b.source[1:])]
+    index, dot, chunk = b.source[1:].partition(".")
+    source = names[int(index)] if not dot else chunk_source(names[int(index)], int(chunk))
     return rt.RemapBlock(
         source,
         b.shape,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import SafetensorsCheckpoint, config_location, quantization_config
+from ..checkpoint import Checkpoint, config_location, quantization_config
 from ..errors import CheckpointError
 from .conversion import Conversion, cast_like_transformers
 from .keyplan import KeyPlan
@@ -144,7 +144,7 @@ def quant_block_scheme(quantization_config: Mapping[str, Any] | None, where: str
 
 def dequantize_fp8(
     conversions: list[Conversion],
-    checkpoint: SafetensorsCheckpoint,
+    checkpoint: Checkpoint,
     model_dtypes: Mapping[str, torch.dtype],
     scheme: QuantBlockScheme,
 ) -> tuple[list[Conversion], list[str]]:
@@ -183,7 +183,7 @@ def dequantize_fp8(
     return out, consumed
 
 
-def dequantized_keyplan(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, model: torch.nn.Module) -> KeyPlan:
+def dequantized_keyplan(keyplan: KeyPlan, checkpoint: Checkpoint, model: torch.nn.Module) -> KeyPlan:
     """``keyplan`` with FP8 dequantization wherever a quantized weight loads into a tensor that is not FP8.
 
     The scheme is read from the ``quantization_config`` of the checkpoint's ``config.json``, else of the model's
@@ -210,7 +210,7 @@ def dequantized_keyplan(keyplan: KeyPlan, checkpoint: SafetensorsCheckpoint, mod
 
 
 def _quant_block_of(
-    checkpoint: SafetensorsCheckpoint, key: str, scale_key: str, scheme: QuantBlockScheme
+    checkpoint: Checkpoint, key: str, scale_key: str, scheme: QuantBlockScheme
 ) -> tuple[int, int]:
     """The quant block of one quantized weight, checked against its scale grid."""
     w, s = checkpoint[key], checkpoint[scale_key]
