@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -29,6 +28,7 @@ from regiontrace.executor import copy_cast, dest_view, source_view
 
 from .checkpoint import Checkpoint, SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred
+from .options import StorageOptions
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead
 from .plan.slots import TargetSlot, box_view
 from .storage import FileIdentity, ObjectIdentity, is_url, open_store
@@ -101,7 +101,8 @@ class _ValueItem:
 @dataclass
 class DcpLoad:
     """The state of one ``dcp.load``: the plan, what each ``ReadItem`` stands for, the deferred conversions'
-    sources read so far, and the bytes read. ``boxes_only``: the storage reader reads plain boxes only (its plan
+    sources read so far, and the bytes of the items committed (what a storage reader that counts nothing
+itself read: torch's). ``boxes_only``: the storage reader reads plain boxes only (its plan
     then holds no value reads: they are deferred)."""
 
     plan: RankPlan
@@ -109,8 +110,6 @@ class DcpLoad:
     items: dict[str, _BlockItem | _SourceItem | _ValueItem] = field(default_factory=dict)
     pending: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     bytes_read: int = 0
-    requests: int = 0
-    bytes_exchanged: int = 0
 
     def local_plan(self) -> LoadPlan:
         """The ``LoadPlan`` of this rank: one ``ReadItem`` per block read, one per input block of a value read, one
@@ -280,12 +279,10 @@ def _box_shaped(view: torch.Tensor, box: tuple) -> torch.Tensor | None:
     return view if tuple(view.shape) == tuple(lengths) else None
 
 
-def checkpoint_from_metadata(
-    metadata: Metadata | None, storage_options: Mapping[str, Any] | None = None
-) -> SafetensorsCheckpoint:
+def checkpoint_from_metadata(metadata: Metadata | None, storage: StorageOptions | None = None) -> SafetensorsCheckpoint:
     """Checkpoint headers from DCP metadata: ours (SafetensorsReader: with each file's identity as its header was
     read, which the reads check) or torch's HF reader's. A URL root is read through its store, opened with
-    ``storage_options``."""
+    ``storage`` (:class:`~loader.options.StorageOptions`)."""
     if metadata is None:
         raise ValueError("no checkpoint metadata")
     infos, identities = {}, {}
@@ -296,7 +293,7 @@ def checkpoint_from_metadata(
             identities[index.fqn] = info
     if infos:
         root = _root(metadata)
-        store = open_store(root, storage_options) if is_url(root) else None
+        store = open_store(root, storage) if is_url(root) else None
         checkpoint = SafetensorsCheckpoint.from_infos(infos, root=root, store=store)
         checkpoint.identities.update(identities)
         return checkpoint

@@ -389,29 +389,113 @@ def test_torch_private_names_only_in_the_compatibility_modules():
 
 # -- signatures ------------------------------------------------------------------------------------------------------
 
-MAX_POSITIONAL = 8  # more settings than this travel as one value (loader.options: Rules, LoadOptions, SaveOptions)
+MAX_PARAMETERS = (
+    8  # more settings than this travel as one value (loader.options: Rules, LoadOptions, StorageOptions...)
+)
+
+#: records the library builds and returns (reports, figures, plans, blocks): their fields are what a call found, not
+#: settings a caller passes; exempt from MAX_PARAMETERS (docs/design.md, "Options")
+RETURNED_RECORDS = {
+    "regiontrace.remap_block.RemapBlock",  # a compiled block: built by the tracer, read by the executor
+    "regiontrace.remap_block.ReadLayout",  # a block's read layout, derived from a RemapBlock
+    "loader.cli.geometry.PlanView",  # what the CLI draws, built from a plan
+    "loader.plan.rank.RankPlan",  # a rank's plan, returned by HFLoadPlanner.build_plan
+    "loader.report.LoadReport",  # returned by load_hf_checkpoint
+    "loader.rules.conversion.Conversion",  # one conversion of a key plan, built by plan_keys
+    "loader.rules.keyplan.KeyPlan",  # returned by plan_keys
+    "loader.save.api.SaveReport",  # returned by save_hf_checkpoint
+    "loader.simulate.RankFigures",  # returned by simulate_load
+    "loader.transfer.simulate.TransferFigures",  # returned by simulate_transfer
+}
+
+#: signatures not yet moved to values (each still to take a value: plan_writes a Rules and SaveOptions,
+#: simulate_transfer its two sides as values, plan_model a figure request, make_conversion a signature record);
+#: listed so that nothing else grows past the bound meanwhile, to be emptied
+NOT_YET_VALUES = {
+    "loader.cli.plan_cmd.plan_model",
+    "loader.rules.hf.make_conversion",
+    "loader.save.writeplan.plan_writes",
+    "loader.transfer.simulate.simulate_transfer",
+}
 
 
 def _public_functions(tree: ast.Module):
-    """The public functions of a module and the public methods of its public classes."""
+    """The public functions of a module, the public methods of its public classes and their ``__init__``."""
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _private(node.name):
             yield node.name, node
         elif isinstance(node, ast.ClassDef) and not _private(node.name):
             for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _private(item.name):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                    not _private(item.name) or item.name == "__init__"
+                ):
                     yield f"{node.name}.{item.name}", item
 
 
-def test_no_public_function_takes_more_than_eight_positional_parameters():
-    """A public function or method of the loader takes at most 8 parameters that are not keyword-only (``self``
-    and ``cls`` not counted): options travel as one value, keyword-only arguments are a public API's own."""
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """Every parameter of ``fn``: positional-only, positional, keyword-only, ``*args``, ``**kwargs`` (not ``self``,
+    ``cls``)."""
+    a = fn.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+    names += [f"*{a.vararg.arg}"] if a.vararg else []
+    return names + ([f"**{a.kwarg.arg}"] if a.kwarg else [])
+
+
+def _init_fields(node: ast.ClassDef) -> list[str] | None:
+    """A dataclass's (or NamedTuple's) ``__init__`` fields (not ``ClassVar``s, not ``field(init=False)``); None for
+    another class."""
+    record = any("dataclass" in ast.unparse(d) for d in node.decorator_list) or any(
+        ast.unparse(b).endswith("NamedTuple") for b in node.bases
+    )
+    if not record:
+        return None
+    return [
+        s.target.id
+        for s in node.body
+        if isinstance(s, ast.AnnAssign)
+        and isinstance(s.target, ast.Name)
+        and "ClassVar" not in ast.unparse(s.annotation)
+        and not (s.value is not None and "init=False" in ast.unparse(s.value))
+    ]
+
+
+def _too_many_parameters(name: str, tree: ast.Module) -> list[str]:
+    bad = []
+    for qualname, fn in _public_functions(tree):
+        params = _parameters(fn)
+        exempt = f"{name}.{qualname.split('.')[0]}" in RETURNED_RECORDS or f"{name}.{qualname}" in NOT_YET_VALUES
+        if len(params) > MAX_PARAMETERS and not exempt:
+            bad.append(f"{name}.{qualname}: {len(params)} ({', '.join(params)})")
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and not _private(node.name):
+            fields = _init_fields(node)
+            if fields is not None and len(fields) > MAX_PARAMETERS and f"{name}.{node.name}" not in RETURNED_RECORDS:
+                bad.append(f"{name}.{node.name} (fields): {len(fields)} ({', '.join(fields)})")
+    return bad
+
+
+def test_the_parameter_count_sees_every_kind():
+    """The count takes keyword-only parameters, ``*args`` and ``**kwargs`` (not ``self``), and a dataclass's fields."""
+    code = (
+        "def f(a, /, b, *c, d, e=1, **f): ...\n"
+        "class C:\n    def __init__(self, a, *, b, c, d, e, f, g, h, **i): ...\n"
+        "@dataclass\nclass D:\n" + "".join(f"    x{i}: int = 0\n" for i in range(9))
+    )
+    tree = ast.parse(code)
+    assert [(q, len(_parameters(fn))) for q, fn in _public_functions(tree)] == [("f", 6), ("C.__init__", 9)]
+    assert _too_many_parameters("m", tree) == [
+        "m.C.__init__: 9 (a, b, c, d, e, f, g, h, **i)",
+        "m.D (fields): 9 (x0, x1, x2, x3, x4, x5, x6, x7, x8)",
+    ]
+
+
+def test_no_public_function_or_class_takes_more_than_eight_parameters():
+    """A public function, method or class (its ``__init__``; a dataclass's fields) of the loader and the algebra
+    takes at most 8 parameters of all kinds: settings travel as one value (:mod:`loader.options`); only the records
+    the library returns (:data:`RETURNED_RECORDS`) have more fields."""
     bad = []
     for name, path in project_modules().items():
-        if not name.startswith("loader") or any(_private(part) for part in name.split(".")):
+        if any(_private(part) for part in name.split(".")):
             continue
-        for qualname, fn in _public_functions(ast.parse(path.read_text())):
-            params = [a.arg for a in fn.args.posonlyargs + fn.args.args if a.arg not in ("self", "cls")]
-            if len(params) > MAX_POSITIONAL:
-                bad.append(f"{name}.{qualname}: {len(params)} ({', '.join(params)})")
+        bad += _too_many_parameters(name, ast.parse(path.read_text()))
     assert not bad, "\n".join(bad)

@@ -25,6 +25,7 @@ from torch import nn
 from loader import CheckpointError, HFLoadPlanner, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import FileIdentity, FileReader
 from loader.execute import STRIDED_RUNS, read_layout
+from loader.hooks import PlanHooks
 from loader.options import LoadOptions
 from loader.plan.slots import TargetSlot
 from regiontrace.executor import RunGrid
@@ -77,15 +78,8 @@ def expected_state(net_before: dict[str, torch.Tensor], tensors: dict[str, torch
     return out
 
 
-class ColumnShardPlanner(HFLoadPlanner):
-    """This rank owns columns ``[C0, C1)`` of ``col`` and ``col2`` (a TP column shard: one short run per row).
-
-    ``after_plan(checkpoint, plan)`` runs after the headers were read and the plan built, before any data read.
-    """
-
-    def __init__(self, model: nn.Module, after_plan=None) -> None:
-        super().__init__(model)
-        self.after_plan = after_plan
+class ColumnShard(PlanHooks):
+    """This rank owns columns ``[C0, C1)`` of ``col`` and ``col2`` (a TP column shard: one short run per row)."""
 
     def target_slot(self, name: str, tensor: torch.Tensor) -> TargetSlot:
         if name not in ("col", "col2"):
@@ -93,6 +87,15 @@ class ColumnShardPlanner(HFLoadPlanner):
         rows = tensor.shape[0]
         boxes = ((((0, rows), (C0, C1)), ((0, rows), (0, C1 - C0))),)  # one (global box, local box) pair
         return TargetSlot(name, tuple(tensor.shape), tensor.dtype, tensor.data[:, C0:C1], boxes)
+
+
+class ColumnShardPlanner(HFLoadPlanner):
+    """A planner with :class:`ColumnShard`'s hooks; ``after_plan(checkpoint, plan)`` runs after the headers were read
+    and the plan built, before any data read."""
+
+    def __init__(self, model: nn.Module, after_plan=None) -> None:
+        super().__init__(model, hooks=ColumnShard())
+        self.after_plan = after_plan
 
     def build_plan(self, checkpoint, *args, **kwargs):
         plan = super().build_plan(checkpoint, *args, **kwargs)
@@ -181,7 +184,12 @@ def _load(root: Path, tamper, *, rollback: bool) -> None:
     before = state(net)
     error = None
     try:
-        load_hf_checkpoint(net, str(root), planner=ColumnShardPlanner(net, tamper), rollback=rollback, progress=False)
+        load_hf_checkpoint(
+            net,
+            str(root),
+            planner=ColumnShardPlanner(net, tamper),
+            options=LoadOptions(rollback=rollback, progress=False),
+        )
     except CheckpointError as e:
         error = e
     _finish(root, before, net, error)
@@ -421,7 +429,7 @@ def test_truncation_racing_the_reads_never_kills_the_process(tmp_path):
             net = Net({RACE_ROWS})
             before = state(net)
             try:
-                load_hf_checkpoint(net, str(root), planner=ColumnShardPlanner(net), progress=False)
+                load_hf_checkpoint(net, str(root), planner=ColumnShardPlanner(net), options=LoadOptions(progress=False))
             except CheckpointError as e:
                 assert e.path == str(root / SECOND), e
                 outcomes["error"] += 1

@@ -16,6 +16,8 @@ from torch import nn
 
 from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.execute import BlockExecutor
+from loader.hooks import PlanHooks
+from loader.options import LoadOptions
 from loader.planner import HFLoadPlanner
 from loader.storage import PAGE, FileReader
 from loader.storage.scatter import SCATTER, scatter_pays
@@ -98,14 +100,14 @@ def test_a_column_shard_loads_exactly_either_way(tmp_path, cols, run):
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
     model = Cols(48, run)
 
-    class Shard(HFLoadPlanner):
+    class Shard(PlanHooks):
         def target_slot(self, name, tensor):
             from loader.plan import TargetSlot
 
             box = ((0, 48), (run, 2 * run))
             return TargetSlot(name, (48, cols), tensor.dtype, tensor.data, ((box, ((0, 48), (0, run))),))
 
-    planner = Shard(model)
+    planner = HFLoadPlanner(model, hooks=Shard())
     checkpoint = SafetensorsCheckpoint.open(str(tmp_path))
     plan = planner.build_plan(checkpoint)
     with FileReader() as reader:
@@ -119,5 +121,7 @@ def test_a_column_shard_loads_exactly_either_way(tmp_path, cols, run):
     assert calls >= len(spans)
     with torch.no_grad():
         model.w.zero_()
-    load_hf_checkpoint(model, str(tmp_path), planner=Shard(model), progress=False)
+    load_hf_checkpoint(
+        model, str(tmp_path), planner=HFLoadPlanner(model, hooks=Shard()), options=LoadOptions(progress=False)
+    )
     assert torch.equal(model.w.data, full[:, run : 2 * run])

@@ -3,7 +3,7 @@
 :mod:`.staging` (``StagingRing``: reused host buffers, pinned and double-buffered for GPU targets), :mod:`.pool`
 (I/O threads) and :mod:`.routes` (how each block is read, kept by its plan) ← :mod:`.reads` (``BlockExecutor``) ←
 :mod:`.values` (value reads: pointwise ops over box-shaped inputs) and :mod:`.deferred` (run-for-real conversions)
-← :mod:`.run` (``execute_plan``: all three, with progress and rollback).
+← :mod:`.run` (``execute_plan``: all three, with progress and rollback: :mod:`.rollback`).
 """
 
 from regiontrace.executor import ReadLayout, read_layout, split_block, split_span
@@ -11,7 +11,8 @@ from regiontrace.executor import ReadLayout, read_layout, split_block, split_spa
 from .deferred import apply_deferred, run_deferred
 from .reads import SPARSE_FRACTION, STAGING_BYTES, BlockExecutor
 from .routes import STRIDED_RUNS
-from .run import execute_plan, restore, snapshot
+from .rollback import Rollback
+from .run import execute_plan
 from .staging import StagingRing
 from .values import run_values
 
@@ -21,14 +22,13 @@ __all__ = [
     "STRIDED_RUNS",
     "BlockExecutor",
     "ReadLayout",
+    "Rollback",
     "StagingRing",
     "apply_deferred",
     "execute_plan",
     "read_layout",
-    "restore",
     "run_deferred",
     "run_values",
-    "snapshot",
     "split_block",
     "split_span",
 ]

@@ -35,6 +35,7 @@ from ..options import STAGING_BYTES
 from ..plan import BlockRead
 from ..plan.slots import TargetSlot, whole_boxes
 from ..storage import RangeReader
+from ..storage.capabilities import ScattersRuns, has
 from .pool import ReadPool, acquire, copy_threads, resolve_io_threads, submit_consecutive, submit_staged, torch_threads
 from .routes import DIRECT, SCATTER, SPAN, Route, route_for
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
@@ -281,7 +282,7 @@ class BlockExecutor:
         self.reader.will_read(file, lambda: _byte_ranges(items), sparse=wanted < SPARSE_FRACTION * size)
         consecutive = functools.partial(submit_consecutive, self.pool, self.reader, self.progress)
         cap, batch, direct_reads = self.staging_bytes, _Batch(), _DirectReads(consecutive, file)
-        scatter, tensors = getattr(self.reader, "read_runs_to", None) is not None, {}
+        scatter, tensors = has(self.reader, ScattersRuns), {}
         for (r, info), alone in zip(items, _alone(spans)):
             local = self.slots[r.target].local
             host = self.ring.link_for(local) is None

@@ -157,8 +157,7 @@ def plan_rank(
     supports_symbolic: Callable[[Conversion], bool] = lambda conv: True,
     cache: TraceCache | None = None,
     check_devices: bool = True,
-    values: bool = True,
-    value_bytes: int = VALUE_BYTES,
+    value_bytes: int | None = VALUE_BYTES,
 ) -> RankPlan:
     """Plan this rank's part of a load.
 
@@ -170,8 +169,9 @@ def plan_rank(
         supports_symbolic: hook; False sends a conversion to a deferred read.
         cache: trace cache shared across plans (e.g. simulated ranks).
         check_devices: refuse targets still on the meta device.
-        values: compile conversions that end in pointwise ops into value reads; False defers them.
-        value_bytes: the most bytes of inputs one value read holds at once (larger boxes are split).
+        value_bytes: conversions that end in pointwise ops compile into value reads, each holding at most this
+            many bytes of inputs at once (larger boxes are split); None: no value reads, such conversions are
+            deferred (a reader that copies plain boxes only: ``build_plan(values=False)``).
 
     Returns:
         The rank's plan. Nothing has been read or written.
@@ -197,12 +197,12 @@ def plan_rank(
             outcome = cache.trace(conv, checkpoint, source_cast(conv.rule, slots[conv.targets[0]].dtype))
         else:
             outcome = Untraced(REJECTED_BY_HOOK)
-        if isinstance(outcome, Traced) and not values and not outcome.is_index_map:
+        if isinstance(outcome, Traced) and value_bytes is None and not outcome.is_index_map:
             outcome = Untraced("values computed by pointwise ops are read whole here (values=False)")
         outcomes.append(outcome)
         if isinstance(outcome, Traced):
             reads += _compiled(conv, outcome, slots)
-            value_reads += _compiled_values(conv, outcome, slots, value_bytes)
+            value_reads += _compiled_values(conv, outcome, slots, value_bytes or VALUE_BYTES)
         else:
             owned = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
             deferred.append(DeferredRead(conv, outcome.reason, owned))

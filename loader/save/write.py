@@ -1,7 +1,9 @@
-"""Writing a :class:`~loader.save.filelayout.SaveLayout`: preallocated files, headers, positional writes of the byte
-ranges a rank's shards map to, and the commit that makes the checkpoint appear (:mod:`.commit`).
+"""Writing a :class:`~loader.save.filelayout.SaveLayout` through the storage's write side
+(:class:`~loader.storage.Staging`): preallocated files, headers, positional writes of the byte ranges a rank's
+shards map to, and the commit that makes the checkpoint appear (the local driver's:
+:mod:`loader.storage.local_commit`). No file is touched here but through the storage.
 
-A block is written with one ``os.pwrite`` per run of contiguous file bytes: straight from the model tensor's
+A block is written with one positioned write per run of contiguous file bytes: straight from the model tensor's
 memory when the block reads a contiguous source range in order (a rename, a whole expert of a fused tensor, a
 row shard), else from a staging copy in source order (:func:`regiontrace.executor.packed_source_runs`), at most
 ``staging_bytes`` at a time (a block is cut along its outer dims to fit).
@@ -9,10 +11,6 @@ row shard), else from a staging copy in source order (:func:`regiontrace.executo
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 
 import numpy as np
@@ -21,8 +19,7 @@ import torch
 import regiontrace as rt
 from regiontrace.executor import PackedRuns, dest_view, packed_source_runs, split_block
 
-from .carry import check_no_mounts
-from .commit import commit_folder, destination
+from ..storage import ObjectWriter, open_staging, stage
 from .filelayout import SaveLayout, TensorPlace
 
 #: Most bytes of packed values one block chunk stages before it is written.
@@ -30,47 +27,27 @@ STAGING_BYTES = 64 << 20
 
 
 def make_temp_folder(path: str) -> str:
-    """A new empty folder ``<path>.tmp-XXXXXXXX`` next to ``path`` (same filesystem, so a rename commits it),
-    with the permissions ``os.makedirs`` would give; ``path`` a file, a mount point or holding one is refused
-    (``ValueError``) first."""
-    path = destination(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"cannot save to {path!r}: it is a file, not a folder")
-    check_no_mounts(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    folder = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    return folder
+    """A new empty staging folder ``<path>.tmp-XXXXXXXX`` next to ``path`` (:func:`loader.storage.stage`); ``path``
+    a file, a mount point or holding one is refused (``ValueError``) first."""
+    return stage(path).location
 
 
 def create_files(folder: str, layout: SaveLayout) -> int:
     """Create every file of ``layout`` in ``folder`` at its full size (blocks reserved where the filesystem
     allows) with its header written; returns the header bytes written."""
-    written = 0
+    staging = open_staging(folder)
     for f in layout.files:
-        fd = os.open(os.path.join(folder, f.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            os.ftruncate(fd, f.size)
-            if f.size > len(f.header) and hasattr(os, "posix_fallocate"):
-                with contextlib.suppress(OSError):  # not supported here (EOPNOTSUPP, EINVAL): stays sparse
-                    os.posix_fallocate(fd, len(f.header), f.size - len(f.header))
-            _pwrite_all(fd, memoryview(f.header), 0)
-            written += len(f.header)
-        finally:
-            os.close(fd)
-    return written
+        staging.create(f.name, f.size, f.header)
+    return sum(len(f.header) for f in layout.files)
 
 
 def write_extras(folder: str, layout: SaveLayout, model: torch.nn.Module, total_parameters: int | None) -> None:
     """The index (several files only), ``config.json`` and ``generation_config.json`` as ``save_pretrained``
     writes them (the config records the model's dtype and class, on a copy: the model's config is untouched)."""
     text = layout.index_json(total_parameters)
+    staging = open_staging(folder)
     if text is not None:
-        with open(os.path.join(folder, layout.index_name), "w", encoding="utf-8") as f:
-            f.write(text)
+        staging.put(layout.index_name, text.encode("utf-8"))
     from ..rules import hf as hf_rules
 
     if not hf_rules.is_pretrained_model(model):
@@ -80,22 +57,23 @@ def write_extras(folder: str, layout: SaveLayout, model: torch.nn.Module, total_
     config = copy.deepcopy(model.config)
     config.dtype = str(model.dtype).split(".")[1]
     config.architectures = [model.__class__.__name__.removeprefix("FSDP")]
-    config.save_pretrained(folder)
+    config.save_pretrained(staging.folder)
     if model.can_generate():
-        model.generation_config.save_pretrained(folder)
+        model.generation_config.save_pretrained(staging.folder)
 
 
 def commit(folder: str, path: str, layout: SaveLayout, timeout: float | None = None) -> None:
-    """Make the checkpoint in ``folder`` appear at ``path`` in one step (:func:`loader.save.commit.commit_folder`:
-    under a lock, an existing folder's non-checkpoint files carried over, then one atomic exchange of the two
-    folders); ``timeout``: most seconds to wait for another save's commit into ``path``."""
-    commit_folder(folder, path, timeout)
+    """Make the checkpoint in ``folder`` appear at ``path`` in one step (the staging area's commit, locally
+    :func:`loader.storage.local_commit.commit_folder`: under a lock, an existing folder's non-checkpoint files
+    carried over, then one atomic swap of the two folders); ``timeout``: most seconds to wait for another save's
+    commit into ``path``."""
+    open_staging(folder, path).commit(timeout)
 
 
 def remove_folder(folder: str | None) -> None:
     """Remove an unfinished save's folder (best effort: a failed save is already being raised)."""
     if folder:
-        shutil.rmtree(folder, ignore_errors=True)
+        open_staging(folder).abort()
 
 
 class BlockWriter:
@@ -122,7 +100,8 @@ class BlockWriter:
         self.bytes_written = 0
         self.writes = 0
         self.files: set[str] = set()
-        self._fds: dict[str, int] = {}
+        self._staging = open_staging(folder) if folder is not None else None
+        self._writers: dict[str, ObjectWriter] = {}
 
     def __enter__(self) -> BlockWriter:
         return self
@@ -131,9 +110,9 @@ class BlockWriter:
         self.close()
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        writers, self._writers = self._writers, {}
+        for w in writers.values():
+            w.close()
 
     def write_block(self, block: rt.RemapBlock, values: torch.Tensor) -> None:
         """Write the source elements ``block`` maps ``values`` (the box's values) to."""
@@ -165,22 +144,16 @@ class BlockWriter:
         offset = place.start + element * place.itemsize
         if offset < place.start or offset + nbytes > place.start + place.nbytes:
             raise RuntimeError(f"write of {nbytes} bytes at {offset} lies outside tensor {place.key!r}")
-        if self.folder is not None:
-            fd = self._fds.get(place.file)
-            if fd is None:
-                fd = self._fds[place.file] = os.open(os.path.join(self.folder, place.file), os.O_WRONLY)
-            _pwrite_all(fd, _as_bytes(data) if isinstance(data, torch.Tensor) else data, offset)
+        if self._staging is not None:
+            writer = self._writers.get(place.file)
+            if writer is None:
+                writer = self._writers[place.file] = self._staging.open(place.file)
+            writer.pwrite(offset, _as_bytes(data) if isinstance(data, torch.Tensor) else data)
         self.bytes_written += nbytes
         self.writes += 1
         self.files.add(place.file)
         if self.on_write is not None:
             self.on_write(nbytes)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:

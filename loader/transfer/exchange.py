@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from regiontrace.executor import copy_cast, dest_view, source_view
 
-from ..distributed.exchange_reads import all_to_all_bytes
+from ..distributed.collectives import all_to_all_tensor, pick_device
 from ..plan.slots import box_view
 from .plan import Move, TransferPlan
 
@@ -128,7 +128,7 @@ class Exchange:
                 self._pack(m, send, at + off)
             at += size
             self.counts.messages += bool(ms)
-        all_to_all_bytes(
+        all_to_all_tensor(
             recv,
             send,
             [n for _, n in recv_layouts],
@@ -144,10 +144,7 @@ class Exchange:
 
     def _device(self) -> torch.device:
         """Where the round's buffers live: the local tensors' GPU under NCCL (untested here), else the CPU."""
-        if dist.get_backend(self.group) != "nccl":
-            return torch.device("cpu")
-        tensors = [*self.sources.values(), *self.targets.values()]
-        return next((t.device for t in tensors if t is not None and t.device.type == "cuda"), torch.device("cpu"))
+        return pick_device(self.group, [*self.sources.values(), *self.targets.values()])
 
     # -- strided copies -----------------------------------------------------------------------------
 
