@@ -142,6 +142,7 @@ def child(method: str, path: str, tensors: int, experts: int, per_expert: int, p
         assert len(rep.loaded_keys) == tensors and not rep.missing_keys and not rep.unexpected_keys, rep
     elif method == "call":
         from loader import load_hf_checkpoint
+        from loader.options import LoadOptions
 
         t = time.perf_counter()
         rep = load_hf_checkpoint(model, path, options=LoadOptions(progress=False))
