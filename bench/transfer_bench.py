@@ -279,26 +279,41 @@ def rank_main(rank: int, spec: dict) -> None:
 
 
 def simulate_bench_pair():
-    from loader.transfer import simulate_transfer
+    from loader.transfer import TransferMeshes, simulate_transfer
 
     dst = engine_model()
     return simulate_transfer(
-        hf_model(), dst, dst_mapping=rules(), src_mesh_shape=(WORLD,), src_placements=fsdp,
-        dst_mesh_shape=(WORLD,), dst_placements=tp_placements(dst), colocated=True,
-    )  # fmt: skip
+        hf_model(),
+        dst,
+        dst_mapping=rules(),
+        meshes=TransferMeshes(
+            src_mesh_shape=(WORLD,),
+            src_placements=fsdp,
+            dst_mesh_shape=(WORLD,),
+            dst_placements=tp_placements(dst),
+            colocated=True,
+        ),
+    )
 
 
 def simulate_deepseek(layers: int) -> dict:
     import plan_scale
 
-    from loader.transfer import dest_side, plan_transfer, simulate_transfer, source_side
+    from loader.transfer import TransferMeshes, dest_side, plan_transfer, simulate_transfer, source_side
     from loader.transfer.simulate import mesh_parts
 
     model = plan_scale.build_model(layers)
     f = simulate_transfer(
-        model, model, src_mesh_shape=(64,), src_placements=fsdp, dst_mesh_shape=plan_scale.MESH,
-        dst_placements=plan_scale.placements_for(model), timed_ranks=(0, 64),
-    )  # fmt: skip
+        model,
+        model,
+        timed_ranks=(0, 64),
+        meshes=TransferMeshes(
+            src_mesh_shape=(64,),
+            src_placements=fsdp,
+            dst_mesh_shape=plan_scale.MESH,
+            dst_placements=plan_scale.placements_for(model),
+        ),
+    )
     # one rank's plan again, twice (best of 3): what each rank of a transfer computes
     src = mesh_parts(model, (64,), fsdp) + [{}] * 64
     dst_parts = [{}] * 64 + mesh_parts(model, plan_scale.MESH, plan_scale.placements_for(model))

@@ -17,6 +17,7 @@ import torch
 
 from ._torch import root_mesh
 from .checkpoint import Checkpoint, SafetensorsCheckpoint
+from .options import Rules
 from .placements import is_dtensor, shard_boxes
 from .plan import RankPlan
 from .plan.slots import TargetSlot, full_box, iter_model_tensors
@@ -127,7 +128,7 @@ def simulate_plans(
     placements: Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]] | None = None,
     ranks: Sequence[int] | None = None,
     planner: HFLoadPlanner | None = None,
-    **planner_kwargs: Any,
+    rules: Rules | None = None,
 ) -> Iterator[tuple[int, tuple[int, ...], RankPlan]]:
     """Plan ranks of a mesh without loading anything: ``(rank, mesh coordinate, plan)`` per rank, lazily.
 
@@ -139,7 +140,7 @@ def simulate_plans(
     mesh_shape = tuple(mesh_shape or found_mesh or (1,))
     if placements is None:
         placements = found
-    planner = planner or HFLoadPlanner(model, **planner_kwargs)
+    planner = planner or HFLoadPlanner(model, rules=rules)
     tensors = dict(iter_model_tensors(model))
     for rank in ranks if ranks is not None else range(math.prod(mesh_shape)):
         coord = coordinate_of(rank, mesh_shape)
@@ -160,7 +161,7 @@ def simulate_load(
     placements: Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]] | None = None,
     ranks: Sequence[int] | None = None,
     planner: HFLoadPlanner | None = None,
-    **planner_kwargs: Any,
+    rules: Rules | None = None,
 ) -> list[RankFigures]:
     """Plan ranks of a mesh without loading anything.
 
@@ -171,7 +172,8 @@ def simulate_load(
         placements: per model tensor name, placements over the mesh (a mapping or a function of name and
             shape); names absent are replicated. Default: the model's DTensor placements.
         ranks: ranks to simulate (default: all).
-        planner: a configured :class:`HFLoadPlanner` (default: one built from ``planner_kwargs``).
+        planner: a configured :class:`HFLoadPlanner` (default: one of ``rules``).
+        rules: the :class:`~loader.options.Rules` of the default planner.
 
     Returns:
         One :class:`RankFigures` per simulated rank.
@@ -186,7 +188,7 @@ def simulate_load(
             placements=placements,
             ranks=ranks,
             planner=planner,
-            **planner_kwargs,
+            rules=rules,
         )
     ]
 

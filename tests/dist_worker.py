@@ -221,7 +221,7 @@ def scenario_simulation(ctx: dict, mesh_shape) -> dict:
 
     mesh = init_device_mesh("cpu", mesh_shape)
     model = shard_module(dm.Layout(), mesh, layout_placements(mesh_shape))
-    figures = simulate_load(model, ctx["layout_path"], weights_mapping=dm.RULES)
+    figures = simulate_load(model, ctx["layout_path"], rules=Rules(weights_mapping=dm.RULES))
     report = load_hf_checkpoint(
         model, ctx["layout_path"], rules=Rules(weights_mapping=dm.RULES), options=LoadOptions(progress=False)
     )

@@ -551,12 +551,12 @@ def test_builtin_demo_model_loads_exactly(tmp_path):
     import torch
 
     from loader import load_hf_checkpoint
-    from loader.cli.demo_models import build_model, loader_kwargs, write_checkpoint
+    from loader.cli.demo_models import build_model, load_rules, write_checkpoint
 
     expected = write_checkpoint("builtin", str(tmp_path / "ckpt"))
     model = build_model("builtin", str(tmp_path / "ckpt")).to_empty(device="cpu")
     report = load_hf_checkpoint(
-        model, str(tmp_path / "ckpt"), options=LoadOptions(progress=False), **loader_kwargs("builtin")
+        model, str(tmp_path / "ckpt"), rules=load_rules("builtin"), options=LoadOptions(progress=False)
     )
     state = model.state_dict()
     assert set(state) == set(expected) and not report.deferred
@@ -567,16 +567,16 @@ def test_write_plan_is_the_saves_own_and_prints_a_table(tmp_path):
     """`loader.save.plan_writes` (what `plan --save` prints) for a mesh, in one process: every checkpoint byte
     by one rank, replicas by the lowest holder; a 1-rank plan is what the real one-process save does."""
     from loader import save_hf_checkpoint
-    from loader.cli.demo_models import build_model, loader_kwargs, write_checkpoint
+    from loader.cli.demo_models import build_model, load_rules, write_checkpoint
     from loader.cli.save_plan import write_plan, write_plan_text
     from loader.placements import plan_placements
 
     ckpt = str(tmp_path / "ckpt")
     write_checkpoint("builtin", ckpt)
     model = build_model("builtin", ckpt)
-    kwargs = dict(loader_kwargs("builtin"), source_shapes=ckpt)
+    rules = load_rules("builtin")
     placements, _ = plan_placements(model, (2, 2), experts="ep")
-    figures = write_plan(model, (2, 2), placements, range(4), kwargs)
+    figures = write_plan(model, (2, 2), placements, range(4), rules, ckpt)
     total = sum(f.bytes_written for f in figures)
     assert all(f.bytes_written == f.shard_bytes for f in figures)
     assert figures[3].shard_bytes < figures[3].local_bytes  # it holds replicas rank 0 writes
@@ -584,8 +584,10 @@ def test_write_plan_is_the_saves_own_and_prints_a_table(tmp_path):
     assert "written/shard" in text and text.count(" 1.00 ") == 4
 
     real = build_model("builtin", ckpt).to_empty(device="cpu")
-    (single,) = write_plan(real, (1,), {}, [0], kwargs)
-    report = save_hf_checkpoint(real, str(tmp_path / "saved"), options=SaveOptions(progress=False), **kwargs)
+    (single,) = write_plan(real, (1,), {}, [0], rules, ckpt)
+    report = save_hf_checkpoint(
+        real, str(tmp_path / "saved"), rules=rules, options=SaveOptions(progress=False), source_shapes=ckpt
+    )
     assert (report.bytes_written, report.writes) == (single.bytes_written, single.writes)
     assert report.bytes_written == total
 

@@ -487,7 +487,7 @@ def test_file_truncated_after_planning_deferred_rollback(folder):
     net = tiny()
     before = snapshot(net)
     rules = [Convert("^steps", "steps", lambda s: s.cumsum(0))]  # untraceable: read whole, run for real
-    planner = Sabotage(net, victim, keep, extra_weights_mapping=rules)
+    planner = Sabotage(net, victim, keep, rules=Rules(extra_weights_mapping=rules))
     with pytest.raises(CheckpointError, match="changed underneath"):
         load_hf_checkpoint(net, folder, planner=planner, options=LoadOptions(rollback=True, progress=False))
     assert [d.conversion.targets for d in planner.plans[-1].deferred] == [("steps",)]

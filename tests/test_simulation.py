@@ -22,7 +22,9 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from loader import HFLoadPlanner, SafetensorsCheckpoint
+from loader.options import Rules
 from loader.checkpoint import FileReader, TensorInfo
+from loader.cli.model_configs import TINY_QWEN3_MOE, hf_config, seeded_model
 from loader.execute import BlockExecutor, run_deferred
 from loader.placements import shard_boxes
 from loader.plan.slots import TargetSlot
@@ -66,23 +68,11 @@ def layout_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe",
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=8,
-        num_experts=EXPERTS,
-        num_experts_per_tok=2,
-        vocab_size=72,
-        tie_word_embeddings=False,
+    pytest.importorskip("transformers")
+    cfg = hf_config(
+        "qwen3_moe", TINY_QWEN3_MOE, num_attention_heads=8, num_key_value_heads=8, num_experts=EXPERTS, vocab_size=72
     )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model = seeded_model(cfg, seed=0)
     path = str(tmp_path_factory.mktemp("sim") / "moe")
     model.save_pretrained(path)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
@@ -171,7 +161,7 @@ def test_layout_64_ranks(fake_mesh, layout_ckpt):
     path, tensors = layout_ckpt
     model = layout_on_meta(fake_mesh)
     checkpoint = SafetensorsCheckpoint.open(path)
-    planner = RecordingPlanner(model, weights_mapping=dm.RULES)
+    planner = RecordingPlanner(model, rules=Rules(weights_mapping=dm.RULES))
     figures = simulate_load(model, checkpoint, planner=planner)
 
     assert len(figures) == WORLD == len(planner.recorded)
@@ -214,7 +204,7 @@ def test_layout_simulated_plans_load_the_right_values(fake_mesh, layout_ckpt):
     model = layout_on_meta(fake_mesh)
     checkpoint = SafetensorsCheckpoint.open(path)
     expected = dm.expected_state(tensors)
-    planner = RecordingPlanner(model, weights_mapping=dm.RULES)
+    planner = RecordingPlanner(model, rules=Rules(weights_mapping=dm.RULES))
     ranks = [0, 9, 27, 38, 63]
     simulate_load(model, checkpoint, planner=planner, ranks=ranks)
     with FileReader() as reader:
@@ -418,8 +408,8 @@ def test_header_only_checkpoint_layout(fake_mesh, layout_ckpt):
     header_only = _header_only(entries)
     assert not os.path.exists(header_only.files[0])
     model = layout_on_meta(fake_mesh)
-    from_headers = simulate_load(model, header_only, weights_mapping=dm.RULES)
-    from_file = simulate_load(model, path, weights_mapping=dm.RULES)
+    from_headers = simulate_load(model, header_only, rules=Rules(weights_mapping=dm.RULES))
+    from_file = simulate_load(model, path, rules=Rules(weights_mapping=dm.RULES))
     assert from_headers == from_file
 
 

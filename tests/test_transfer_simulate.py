@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from loader import load_hf_checkpoint, save_hf_checkpoint
 from loader.options import LoadOptions, Rules, SaveOptions, TransferOptions
 from loader.plan import box_view
-from loader.transfer import mesh_parts, simulate_transfer
+from loader.transfer import TransferMeshes, mesh_parts, simulate_transfer
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 
@@ -73,9 +73,17 @@ def test_fsdp_to_tp_bytes_per_rank_pair_are_what_each_destination_needs(tmp_path
     """FSDP over 2 ranks → TP over 2 (disaggregated: ranks 2-3; colocated: ranks 0-1), on meta models."""
     source, dest = _meta_pair()
     figures = simulate_transfer(
-        source, dest, dst_mapping=tm.rules(), src_mesh_shape=(2,), src_placements=FSDP,
-        dst_mesh_shape=(2,), dst_placements=tm.tp_placements(dest), colocated=colocated,
-    )  # fmt: skip
+        source,
+        dest,
+        dst_mapping=tm.rules(),
+        meshes=TransferMeshes(
+            src_mesh_shape=(2,),
+            src_placements=FSDP,
+            dst_mesh_shape=(2,),
+            dst_placements=tm.tp_placements(dest),
+            colocated=colocated,
+        ),
+    )
     offset = 0 if colocated else 2
     assert figures.world == 2 + offset and figures.dst_ranks == (offset, offset + 1)
     assert dict(figures.pairs) == _labelled_pairs(tmp_path, 2, (2,), tm.tp_placements(tm.Engine()), offset)
@@ -94,9 +102,13 @@ def test_fsdp_to_ep_tp_with_strided_shard(tmp_path):
     """FSDP over 4 ranks → EP x TP on a 2 x 2 mesh (gate_up ``_StridedShard``), colocated."""
     source, dest = _meta_pair()
     figures = simulate_transfer(
-        source, dest, dst_mapping=tm.rules(), src_mesh_shape=(4,), src_placements=FSDP,
-        dst_mesh_shape=(2, 2), dst_placements=_ep_tp(dest), colocated=True,
-    )  # fmt: skip
+        source,
+        dest,
+        dst_mapping=tm.rules(),
+        meshes=TransferMeshes(
+            src_mesh_shape=(4,), src_placements=FSDP, dst_mesh_shape=(2, 2), dst_placements=_ep_tp(dest), colocated=True
+        ),
+    )
     assert dict(figures.pairs) == _labelled_pairs(tmp_path, 4, (2, 2), _ep_tp(tm.Engine()), 0)
     assert all(r.received_ratio == 1.0 for r in figures.ranks)
 
@@ -108,7 +120,7 @@ def test_the_same_as_a_transfer_in_one_process():
     _, source = build("qwen3_moe", 0, tie_word_embeddings=False)
     dest = tm.Engine()
     report = transfer_weights(source, dest, dst_mapping=tm.rules())
-    figures = simulate_transfer(source, dest, dst_mapping=tm.rules(), colocated=True)
+    figures = simulate_transfer(source, dest, dst_mapping=tm.rules(), meshes=TransferMeshes(colocated=True))
     assert figures.ranks[0].received == report.bytes_received and figures.ranks[0].sent == report.bytes_sent
     assert figures.transferred == len(report.transferred)
 
@@ -123,7 +135,11 @@ def test_a_deepseek_v3_pair_plans_on_meta_without_data():
     assert all(t.is_meta for t in model.state_dict().values())
     placements = plan_scale.placements_for(model)
     figures = simulate_transfer(
-        model, model, src_mesh_shape=(16,), src_placements=FSDP, dst_mesh_shape=(4, 4), dst_placements=placements
+        model,
+        model,
+        meshes=TransferMeshes(
+            src_mesh_shape=(16,), src_placements=FSDP, dst_mesh_shape=(4, 4), dst_placements=placements
+        ),
     )
     dst = [figures.ranks[r] for r in figures.dst_ranks]
     assert figures.world == 32 and all(r.received == r.dst_shard_bytes > 0 for r in dst)
@@ -176,13 +192,21 @@ def test_the_same_bytes_per_rank_as_transfer_weights_on_four_gloo_ranks(tmp_path
     reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
     source, dest = _meta_pair()
     colocated = simulate_transfer(
-        source, dest, dst_mapping=tm.rules(), src_mesh_shape=(4,), src_placements=FSDP,
-        dst_mesh_shape=(2, 2), dst_placements=_ep_tp(dest), colocated=True,
-    )  # fmt: skip
+        source,
+        dest,
+        dst_mapping=tm.rules(),
+        meshes=TransferMeshes(
+            src_mesh_shape=(4,), src_placements=FSDP, dst_mesh_shape=(2, 2), dst_placements=_ep_tp(dest), colocated=True
+        ),
+    )
     disaggregated = simulate_transfer(
-        source, dest, dst_mapping=tm.rules(), src_mesh_shape=(2,), src_placements=FSDP,
-        dst_mesh_shape=(2,), dst_placements=tm.tp_placements(dest),
-    )  # fmt: skip
+        source,
+        dest,
+        dst_mapping=tm.rules(),
+        meshes=TransferMeshes(
+            src_mesh_shape=(2,), src_placements=FSDP, dst_mesh_shape=(2,), dst_placements=tm.tp_placements(dest)
+        ),
+    )
     for name, figures in (("colocated", colocated), ("disaggregated", disaggregated)):
         for r, sim in enumerate(figures.ranks):
             real = reports[r][name]

@@ -26,16 +26,16 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from loader.options import LoadOptions
 from regiontrace.cli.common import CLIError, HelpFormatter
 
 from .. import SafetensorsCheckpoint, load_hf_checkpoint
+from ..options import LoadOptions, Rules
 from ..placements import placement_text, plan_placements
 from .common import LOAD_COLUMNS, have_transformers, human_bytes, parse_mesh, table
-from .demo_models import build_model, loader_kwargs, write_checkpoint
+from .demo_models import build_model, load_rules, write_checkpoint
 from .demo_process import Stages, remove_tree, run_in_child
 from .demo_rank import run_rank
-from .plan_cmd import plan_model
+from .plan_cmd import PlanOutputs, plan_model
 from .save_plan import compare_checkpoints, save_table, write_plan
 
 HELP = "load an embedded tiny MoE checkpoint on N gloo ranks, check every shard, save it back, draw the plan"
@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], stages: Stages, 
     try:
         procs = mp.start_processes(run_rank, args=(ctx,), nprocs=world, join=False, start_method=START_METHOD)
         stages.enter("loading the reference")
-        ref_ok, ref_msg = _reference(kind, checkpoint, expected, ctx["reference"], loader_kwargs(kind))
+        ref_ok, ref_msg = _reference(kind, checkpoint, expected, ctx["reference"], load_rules(kind))
         stages.enter("simulating the plan")
         svg = os.path.join(out, "plan.svg")
         sim = plan_model(
@@ -172,13 +172,12 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], stages: Stages, 
             mesh_shape,
             ranks=list(range(world)),
             placements=placements,
-            svg=svg,
-            title="regiontrace demo: load plan",
-            model_type=_model_type(kind),
-            planner_kwargs=loader_kwargs(kind),
+            rules=load_rules(kind),
+            outputs=PlanOutputs(svg=svg, title="regiontrace demo: load plan", model_type=_model_type(kind)),
         )
         stages.enter("planning the save")
-        writes = write_plan(meta_model, mesh_shape, placements, range(world), _save_kwargs(kind, checkpoint))
+        source_shapes = checkpoint if kind != "transformers" else None  # the built-in model's Convert rules need them
+        writes = write_plan(meta_model, mesh_shape, placements, range(world), load_rules(kind), source_shapes)
         stages.enter("waiting for the ranks")
         _join(procs)
     finally:
@@ -202,14 +201,6 @@ def _run(args: argparse.Namespace, mesh_shape: tuple[int, ...], stages: Stages, 
     compared = compare_checkpoints(checkpoint, saved, skip) if os.path.isdir(saved) else None
     kept = "" if args.out else "  (a temporary folder, kept: --keep)" if args.keep else None
     return _report(results, sim["figures"], writes, compared, ref_ok, ref_msg, svg, out, kept, time.time() - t0)
-
-
-def _save_kwargs(kind: str, checkpoint: str) -> dict:
-    """The save's rules: the load's; the built-in model's ``Convert`` rules need the checkpoint's shapes."""
-    kwargs = loader_kwargs(kind)
-    if kind != "transformers":
-        kwargs["source_shapes"] = checkpoint
-    return kwargs
 
 
 START_METHOD = "forkserver"
@@ -243,14 +234,14 @@ def _model_type(kind: str) -> str:
     return "qwen3_moe (tiny, save_pretrained)" if kind == "transformers" else "built-in tiny MoE"
 
 
-def _reference(kind: str, checkpoint: str, expected: dict, out_path: str, kwargs: dict) -> tuple[bool, str]:
+def _reference(kind: str, checkpoint: str, expected: dict, out_path: str, rules: Rules | None) -> tuple[bool, str]:
     """Single-process load into a plain model; checked against the saved model; written for the ranks."""
     try:
         model = build_model(kind, checkpoint).to_empty(device="cpu")
         with torch.no_grad():
             for t in model.state_dict().values():
                 t.fill_(float("nan"))
-        load_hf_checkpoint(model, checkpoint, options=LoadOptions(progress=False), **kwargs)
+        load_hf_checkpoint(model, checkpoint, rules=rules, options=LoadOptions(progress=False))
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         bad = [k for k, v in expected.items() if k not in state or not torch.equal(state[k], v.to(state[k].dtype))]
         torch.save(state, out_path + ".tmp")

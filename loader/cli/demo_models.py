@@ -1,8 +1,9 @@
 """The demo's checkpoint: a tiny MoE model saved in the original Hugging Face layout (per-expert tensors,
 separate gate and up projections).
 
-With transformers installed it is a real ``qwen3_moe`` model written by ``save_pretrained`` (loading it goes
-through transformers' own conversion mapping); without it, :class:`TinyMoE` and its :data:`RULES`.
+With transformers installed it is a real ``qwen3_moe`` model (:data:`~loader.cli.model_configs.TINY_QWEN3_MOE`)
+written by ``save_pretrained`` (loading it goes through transformers' own conversion mapping); without it,
+:class:`TinyMoE` and its :data:`RULES`.
 """
 
 from __future__ import annotations
@@ -15,23 +16,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from ..options import Rules
 from ..rules import Convert, Rename
 from .common import quiet_transformers
+from .model_configs import TINY_QWEN3_MOE, hf_config
 from .models import build_meta_model, read_config
-
-QWEN3_MOE = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=96,
-    tie_word_embeddings=False,
-)
 
 # ---------------------------------------------------------------------------------------------------
 # the built-in model (no transformers)
@@ -180,10 +169,10 @@ def write_checkpoint(kind: str, path: str, seed: int = 0) -> dict[str, torch.Ten
     """
     if kind == "builtin":
         return builtin_expected(_builtin_checkpoint(path, seed))
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    config = AutoConfig.for_model("qwen3_moe", **QWEN3_MOE)
+    config = hf_config("qwen3_moe", TINY_QWEN3_MOE)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # distinct values everywhere (init leaves norms all ones)
@@ -203,6 +192,6 @@ def build_model(kind: str, path: str) -> nn.Module:
     return build_meta_model(read_config(path, None, None), dtype=torch.bfloat16)
 
 
-def loader_kwargs(kind: str) -> dict[str, Any]:
-    """The ``load_hf_checkpoint`` keyword arguments for the checkpoint of ``kind``."""
-    return {"weights_mapping": rules()} if kind == "builtin" else {}
+def load_rules(kind: str) -> Rules | None:
+    """The :class:`~loader.options.Rules` of a load (and a save) of the checkpoint of ``kind`` (None: the default)."""
+    return Rules(weights_mapping=rules()) if kind == "builtin" else None

@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from loader.options import LoadOptions, SaveOptions
-
 from .. import load_hf_checkpoint, save_hf_checkpoint
+from ..options import LoadOptions, SaveOptions
 from ..placements import shard_boxes, shard_module
-from .demo_models import build_model, loader_kwargs
+from .demo_models import build_model, load_rules
 
 
 def run_rank(rank: int, ctx: dict[str, Any]) -> None:
@@ -61,12 +60,11 @@ def run_rank(rank: int, ctx: dict[str, Any]) -> None:
 def _save(model: torch.nn.Module, ctx: dict[str, Any]) -> dict[str, Any]:
     """Save the sharded model back into ``ctx["saved"]`` (the rules of the load; a ``Convert`` needs the
     checkpoint's keys and shapes)."""
-    kwargs = loader_kwargs(ctx["kind"])
-    if ctx["kind"] != "transformers":
-        kwargs["source_shapes"] = ctx["checkpoint"]
+    source_shapes = ctx["checkpoint"] if ctx["kind"] != "transformers" else None
     t0 = time.time()
+    options = SaveOptions(progress=False, timeout=_seconds_left(ctx))
     report = save_hf_checkpoint(
-        model, ctx["saved"], options=SaveOptions(progress=False, timeout=_seconds_left(ctx)), **kwargs
+        model, ctx["saved"], rules=load_rules(ctx["kind"]), options=options, source_shapes=source_shapes
     )
     return {
         "save": {
@@ -87,7 +85,7 @@ def _load_and_check(rank: int, ctx: dict[str, Any]) -> tuple[torch.nn.Module, di
     model = shard_module(build_model(ctx["kind"], ctx["checkpoint"]), mesh, placements)
     t_load = time.time()
     report = load_hf_checkpoint(
-        model, ctx["checkpoint"], options=LoadOptions(progress=False), **loader_kwargs(ctx["kind"])
+        model, ctx["checkpoint"], rules=load_rules(ctx["kind"]), options=LoadOptions(progress=False)
     )
     load_seconds = time.time() - t_load
     reference = _wait_for_reference(ctx)

@@ -10,7 +10,7 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from regiontrace.cli.common import CLIError
@@ -18,6 +18,7 @@ from regiontrace.cli.common import CLIError
 from .. import HFLoadPlanner, SafetensorsCheckpoint
 from ..checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from ..errors import CheckpointNotFoundError, redact_url
+from ..options import Rules, StorageOptions
 from ..placements import placement_text, plan_placements
 from ..simulate import coordinate_of, rank_figures, simulate_plans
 from ..storage import is_url
@@ -132,12 +133,13 @@ def run(args: argparse.Namespace) -> int:
     if not have_transformers():
         raise CLIError("`plan` builds the model with transformers: pip install 'transformers>=5'")
     quiet_transformers()
-    options = _storage_options(args.storage_option)
+    backend = _backend_settings(args.storage_option)
     if is_url(checkpoint):
-        opened = SafetensorsCheckpoint.open(checkpoint, revision=args.revision, storage_options=options or None)
+        storage = StorageOptions(revision=args.revision, backend=backend)
+        opened = SafetensorsCheckpoint.open(checkpoint, storage=storage)
         config = read_config(opened.store, args.config, args.model_type)
     else:
-        if options:
+        if backend:
             raise CLIError("--storage-option is for URLs, not the local path " + checkpoint)
         opened, config = checkpoint, read_config(checkpoint, args.config, args.model_type)
     model = build_meta_model(config)
@@ -148,15 +150,14 @@ def run(args: argparse.Namespace) -> int:
         mesh_shape,
         ranks=_ranks(args, mesh_shape),
         experts=args.experts,
-        svg=args.svg,
-        tensors=args.tensor,
-        title=f"Load plan: {_base_name(args.checkpoint)}",
-        model_type=config.model_type,
-        save=args.save,
-        transfer=args.transfer,
-        colocated=args.colocated,
-        transfer_svg=args.transfer_svg,
-        transfer_to=dest,
+        outputs=PlanOutputs(
+            svg=args.svg,
+            tensors=args.tensor,
+            title=f"Load plan: {_base_name(args.checkpoint)}",
+            model_type=config.model_type,
+            save=args.save,
+            transfer=TransferRequest(args.transfer, args.colocated, args.transfer_svg, dest) if args.transfer else None,
+        ),
     )
     if args.json:
         print(json.dumps(result["json"], indent=2))
@@ -169,8 +170,9 @@ def _base_name(path: str) -> str:
     return path.rstrip("/").rpartition("/")[2] if is_url(path) else os.path.basename(os.path.abspath(path))
 
 
-def _storage_options(items: Sequence[str]) -> dict[str, Any]:
-    """``--storage-option KEY=VALUE`` items as a dict (VALUE parsed as JSON when it is JSON)."""
+def _backend_settings(items: Sequence[str]) -> dict[str, Any]:
+    """``--storage-option KEY=VALUE`` items as a URL backend's settings (:attr:`~loader.options.StorageOptions.backend`;
+    VALUE parsed as JSON when it is JSON)."""
     out: dict[str, Any] = {}
     for item in items:
         key, eq, value = item.partition("=")
@@ -210,30 +212,64 @@ def _ranks(args: argparse.Namespace, mesh_shape: Sequence[int]) -> list[int]:
     return sorted(set(args.rank))
 
 
+@dataclass(frozen=True)
+class TransferRequest:
+    """A transfer plan ``plan_model`` adds: into the model's sharding (or ``into``) from ``Shard(0)`` over
+    ``sources`` ranks.
+
+    Attributes:
+        sources: the number of source (FSDP) ranks.
+        colocated: the source ranks are the destination's own (else ranks after them).
+        svg: where to write its picture (None: none).
+        into: the destination, if not the model itself (``--transfer-to``).
+    """
+
+    sources: int
+    colocated: bool = False
+    svg: str | None = None
+    into: Destination | None = None
+
+
+@dataclass(frozen=True)
+class PlanOutputs:
+    """What ``plan_model`` shows besides the load plan's table.
+
+    Attributes:
+        svg: where to write the load plan's picture (None: none). tensors: the model tensors it draws (patterns;
+            None: a choice of them). title: its title. model_type: the model type shown in the text and picture.
+        save: also the write plan of saving the model back (with the load's rules).
+        transfer: also a transfer plan (:class:`TransferRequest`; None: none).
+    """
+
+    svg: str | None = None
+    tensors: Sequence[str] | None = None
+    title: str = "Load plan"
+    model_type: str = ""
+    save: bool = False
+    transfer: TransferRequest | None = None
+
+
 def plan_model(
     model: Any,
     checkpoint_path: str | SafetensorsCheckpoint,
     mesh_shape: Sequence[int],
     *,
     ranks: Sequence[int],
-    experts: str | None = None,
     placements: dict | None = None,
-    svg: str | None = None,
-    tensors: Sequence[str] | None = None,
-    title: str = "Load plan",
-    model_type: str = "",
-    planner_kwargs: dict | None = None,
-    save: bool = False,
-    save_kwargs: dict | None = None,
-    transfer: int | None = None,
-    colocated: bool = False,
-    transfer_svg: str | None = None,
-    transfer_to: Destination | None = None,
+    experts: str | None = None,
+    rules: Rules | None = None,
+    outputs: PlanOutputs = PlanOutputs(),
 ) -> dict[str, Any]:
-    """Simulate the load of ``model`` (placements from its TP plan unless given); text, JSON and picture.
-    ``save``: also the write plan of saving it back (``save_kwargs``: the save's rules, as ``plan_writes``'s).
-    ``transfer``: also the transfer into it from ``Shard(0)`` over that many ranks (``colocated``: same ranks;
-    ``transfer_svg``: its picture; ``transfer_to``: into this destination, not the model itself)."""
+    """Simulate the load of ``model`` with ``rules`` (placements from its TP plan, ``experts`` as ``plan_placements``
+    takes them, unless given); text, JSON and, as ``outputs`` asks, pictures, the save's write plan and a transfer
+    plan."""
+    svg, tensors, title, model_type, save = (
+        outputs.svg,
+        outputs.tensors,
+        outputs.title,
+        outputs.model_type,
+        outputs.save,
+    )
     checkpoint = (
         checkpoint_path
         if isinstance(checkpoint_path, SafetensorsCheckpoint)
@@ -242,16 +278,16 @@ def plan_model(
     why: dict[str, str] = {}
     if placements is None:
         placements, why = plan_placements(model, mesh_shape, experts=experts)
-    planner = HFLoadPlanner(model, **(planner_kwargs or {}))
+    planner = HFLoadPlanner(model, rules=rules)
     figures, plan = [], None
     for rank, coord, plan in simulate_plans(
         model, checkpoint, mesh_shape=mesh_shape, placements=placements, ranks=ranks, planner=planner
     ):
         figures.append(rank_figures(plan, rank, coord))
     deferred = {", ".join(d.conversion.targets): d.reason for d in plan.deferred} if plan else {}
-    rules: dict[str, tuple[str, str]] = {}
+    sharding: dict[str, tuple[str, str]] = {}
     for name, pl in placements.items():
-        rules.setdefault(generic_name(name), (placement_text(pl), why.get(name, "")))
+        sharding.setdefault(generic_name(name), (placement_text(pl), why.get(name, "")))
     mesh_text = "x".join(map(str, mesh_shape))
     data_bytes = checkpoint.total_bytes
     shown = checkpoint.root if isinstance(checkpoint_path, SafetensorsCheckpoint) else checkpoint_path  # a URL's
@@ -276,7 +312,7 @@ def plan_model(
         for f in figures
     ]
     text = [head, "", "sharding (all other tensors replicated):"]
-    text += [f"  {name}  {pl}" + (f"  <- {style}" if style else "") for name, (pl, style) in sorted(rules.items())]
+    text += [f"  {name}  {pl}" + (f"  <- {style}" if style else "") for name, (pl, style) in sorted(sharding.items())]
     text += [
         "",
         table(
@@ -298,18 +334,21 @@ def plan_model(
         "deferred": deferred,
     }
     if save:
-        writes = write_plan(model, mesh_shape, placements, ranks, save_kwargs)
+        writes = write_plan(model, mesh_shape, placements, ranks, rules)
         text += ["", write_plan_text(writes)]
         out_json["save"] = write_plan_json(writes)
-    if transfer:
-        moved = transfer_plan(model, mesh_shape, placements, transfer, colocated=colocated, dest=transfer_to)
-        into = "this sharding" if transfer_to is None else f"{transfer_to.name} (--transfer-to)"
+    if outputs.transfer is not None:
+        request = outputs.transfer
+        moved = transfer_plan(
+            model, mesh_shape, placements, request.sources, colocated=request.colocated, dest=request.into
+        )
+        into = "this sharding" if request.into is None else f"{request.into.name} (--transfer-to)"
         text += ["", transfer_plan_text(moved, into)]
         out_json["transfer"] = transfer_plan_json(moved)
-        if transfer_svg:
-            with open(transfer_svg, "w") as f:
+        if request.svg:
+            with open(request.svg, "w") as f:
                 f.write(transfer_svg_text(moved, f"Transfer plan: {title.removeprefix('Load plan: ')}"))
-            text += [f"wrote {transfer_svg}"]
+            text += [f"wrote {request.svg}"]
     if svg:
         model_tensors = dict(model.state_dict(keep_vars=True))
         chosen = geometry.select_tensors(list(model_tensors), tensors)

@@ -9,16 +9,28 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from ..options import Rules
 from ..save import WriteFigures, plan_writes
 from .common import human_bytes, table
 
 
 def write_plan(
-    model: Any, mesh_shape: Sequence[int], placements: dict, ranks: Sequence[int], save_kwargs: dict | None = None
+    model: Any,
+    mesh_shape: Sequence[int],
+    placements: dict,
+    ranks: Sequence[int],
+    rules: Rules | None = None,
+    source_shapes: Any = None,
 ) -> list[WriteFigures]:
-    """Every listed rank's write plan for ``save_hf_checkpoint`` of ``model`` sharded by ``placements``."""
+    """Every listed rank's write plan for ``save_hf_checkpoint`` of ``model`` sharded by ``placements``, with
+    ``rules`` and ``source_shapes`` (as the save's)."""
     return plan_writes(
-        model, mesh_shape=tuple(mesh_shape), placements=placements, ranks=list(ranks), **(save_kwargs or {})
+        model,
+        mesh_shape=tuple(mesh_shape),
+        placements=placements,
+        ranks=list(ranks),
+        rules=rules,
+        source_shapes=source_shapes,
     )
 
 

@@ -14,7 +14,7 @@ import torch
 from regiontrace.cli.common import CLIError, load_function
 
 from ..placements import plan_placements
-from ..transfer import TransferFigures, simulate_transfer
+from ..transfer import TransferFigures, TransferMeshes, simulate_transfer
 from ..transfer.simulate import PlacementsArg
 from .common import human_bytes, table
 
@@ -81,11 +81,13 @@ def transfer_plan(
         model,
         dst_model,
         dst_mapping=rules,
-        src_mesh_shape=(src_ranks,),
-        src_placements=lambda name, shape: [Shard(0)],
-        dst_mesh_shape=tuple(mesh_shape),
-        dst_placements=dst_placements,
-        colocated=colocated,
+        meshes=TransferMeshes(
+            src_mesh_shape=(src_ranks,),
+            src_placements=lambda name, shape: [Shard(0)],
+            dst_mesh_shape=tuple(mesh_shape),
+            dst_placements=dst_placements,
+            colocated=colocated,
+        ),
     )
 
 

@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from copy import deepcopy
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -140,13 +140,19 @@ def run_converter(template: Any, first_target: str, groups, tensors: Mapping[str
     return {name: value[0] if isinstance(value, list) else value for name, value in zip(names, out.values())}
 
 
+class GroupSources(NamedTuple):
+    """The checkpoint sources of one group: their keys, shapes and dtypes (in the same order)."""
+
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+
 def make_conversion(
     template: Any,
     first_target: str,
     groups: tuple[tuple[str, tuple[str, ...]], ...],
-    sources: tuple[str, ...],
-    shapes: tuple[tuple[int, ...], ...],
-    dtypes: tuple[torch.dtype, ...],
+    group_sources: GroupSources,
     *,
     state: Mapping[str, Any],
     model: Any,
@@ -161,6 +167,7 @@ def make_conversion(
     the layer name with its numbers blanked, and the shapes of the model tensors its target patterns name
     (``Split``, ``Transpose(check_dims=True)``).
     """
+    sources, shapes, dtypes = group_sources
     tp = template.target_patterns
     context = (
         _NUMBERS.sub("#", first_target),

@@ -204,8 +204,9 @@ def _make_conversion(group: KeyGroup, specs: _Specs, state, model, runs: dict) -
             raise duplicate_error(keys[0], keys[1], group.name)
     frozen_groups = tuple((p, tuple(keys)) for p, keys in group.patterns.items())
     if rule.hf:
+        group_sources = hf.GroupSources(sources, shapes, dtypes)
         return hf.make_conversion(
-            rule.impl, group.name, frozen_groups, sources, shapes, dtypes, state=state, model=model, runs=runs
+            rule.impl, group.name, frozen_groups, group_sources, state=state, model=model, runs=runs
         )
     return _make_convert_conversion(
         rule.orig, rule.impl._patterns, group.name, frozen_groups, sources, shapes, dtypes, runs

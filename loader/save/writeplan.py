@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..options import Rules
+from ..options import Rules, SaveOptions
 from ..placements import shard_boxes
 from .api import Box, collect_writes, writer_coordinate
 from .filelayout import SaveLayout, plan_layout
@@ -57,10 +57,8 @@ def plan_writes(
     mesh_shape: Sequence[int] | None = None,
     placements: Placements | None = None,
     ranks: Sequence[int] | None = None,
-    max_shard_size: int | str = "5GB",
-    weights_mapping: Sequence[Any] | None = None,
-    extra_weights_mapping: Sequence[Any] = (),
-    key_mapping: Mapping[str, str] | None = None,
+    rules: Rules | None = None,
+    options: SaveOptions | None = None,
     source_shapes: SourceShapes | str | None = None,
 ) -> list[WriteFigures]:
     """The write plan of ranks of a mesh, as ``save_hf_checkpoint`` would run it on each (nothing is written).
@@ -71,8 +69,7 @@ def plan_writes(
         placements: per model tensor name, placements over the mesh (a mapping or a function of name and
             shape); names absent are replicated. Default: the model's DTensor placements.
         ranks: ranks to plan (default: all).
-        max_shard_size, weights_mapping, extra_weights_mapping, key_mapping, source_shapes: as for
-            ``save_hf_checkpoint``.
+        rules, options, source_shapes: as for ``save_hf_checkpoint`` (of the options, ``max_shard_size``).
 
     Returns:
         One :class:`WriteFigures` per rank.
@@ -85,8 +82,8 @@ def plan_writes(
     found_mesh, found = model_placements(model)
     mesh_shape = tuple(mesh_shape or found_mesh or (1,))
     placements = found if placements is None else placements
-    rules = Rules(weights_mapping, tuple(extra_weights_mapping), key_mapping)
     mapping = map_for_save(model, rules, source_shapes=source_shapes)
+    max_shard_size = (options or SaveOptions()).max_shard_size
     layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata={"format": "pt"})
     out = []
     for rank in ranks if ranks is not None else range(math.prod(mesh_shape)):

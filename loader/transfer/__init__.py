@@ -25,7 +25,7 @@ from .plan import (
 )
 from .schedule import rounds
 from .sides import as_rules, dest_side, model_parts, source_side
-from .simulate import RankTransfer, TransferFigures, mesh_parts, simulate_transfer
+from .simulate import RankTransfer, TransferFigures, TransferMeshes, mesh_parts, simulate_transfer
 
 __all__ = [
     "BUCKET_BYTES",
@@ -49,6 +49,7 @@ __all__ = [
     "source_side",
     "RankTransfer",
     "TransferFigures",
+    "TransferMeshes",
     "mesh_parts",
     "simulate_transfer",
 ]

@@ -129,6 +129,25 @@ def parts_bytes(parts: Parts) -> int:
     )
 
 
+@dataclass(frozen=True)
+class TransferMeshes:
+    """The two sides of a simulated transfer: each one's mesh and placements, and where the destination's ranks are.
+
+    Attributes:
+        src_mesh_shape, src_placements: the source's mesh and placements, as ``mesh_shape`` and ``placements`` of
+            :func:`loader.simulate.simulate_load` (None: the model's DTensors'; none: one rank); e.g. FSDP over 64
+            ranks: ``(64,)`` and ``lambda name, shape: [Shard(0)]``.
+        dst_mesh_shape, dst_placements: the destination's.
+        colocated: the destination's mesh on world ranks ``0 …`` like the source's (default: after them).
+    """
+
+    src_mesh_shape: Sequence[int] | None = None
+    src_placements: PlacementsArg = None
+    dst_mesh_shape: Sequence[int] | None = None
+    dst_placements: PlacementsArg = None
+    colocated: bool = False
+
+
 def simulate_transfer(
     src: torch.nn.Module,
     dst: torch.nn.Module,
@@ -136,11 +155,7 @@ def simulate_transfer(
     src_mapping: Any = None,
     dst_mapping: Any = None,
     source_shapes: Any = None,
-    src_mesh_shape: Sequence[int] | None = None,
-    src_placements: PlacementsArg = None,
-    dst_mesh_shape: Sequence[int] | None = None,
-    dst_placements: PlacementsArg = None,
-    colocated: bool = False,
+    meshes: TransferMeshes | None = None,
     timed_ranks: Sequence[int] | None = None,
 ) -> TransferFigures:
     """Plan a transfer of ``src`` into ``dst`` for every rank of two meshes, without data or processes.
@@ -148,11 +163,9 @@ def simulate_transfer(
     Args:
         src, dst: the two models, on any device (meta included), plain or DTensor-sharded.
         src_mapping, dst_mapping, source_shapes: as for :func:`~loader.transfer.transfer_weights`.
-        src_mesh_shape, src_placements: the source's mesh and placements, as ``mesh_shape`` and ``placements``
-            of :func:`loader.simulate.simulate_load` (default: the model's DTensors'; none: one rank);
-            e.g. FSDP over 64 ranks: ``(64,)`` and ``lambda name, shape: [Shard(0)]``.
-        dst_mesh_shape, dst_placements: the destination's.
-        colocated: the destination's mesh on world ranks ``0 …`` like the source's (default: after them).
+        meshes: the two sides' meshes and placements, and where the destination's ranks are
+            (:class:`TransferMeshes`); None: each model's DTensors' (none: one rank), the destination after the
+            source.
         timed_ranks: world ranks whose own plans are timed (default: the first source rank and the first
             destination rank).
 
@@ -163,9 +176,10 @@ def simulate_transfer(
         ValueError: as ``transfer_weights`` before anything is sent (shapes, dtypes, keys, a source conversion
             that is not a bijection).
     """
-    src_parts = mesh_parts(src, src_mesh_shape, src_placements)
-    dst_parts = mesh_parts(dst, dst_mesh_shape, dst_placements)
-    offset = 0 if colocated else len(src_parts)
+    meshes = meshes if meshes is not None else TransferMeshes()
+    src_parts = mesh_parts(src, meshes.src_mesh_shape, meshes.src_placements)
+    dst_parts = mesh_parts(dst, meshes.dst_mesh_shape, meshes.dst_placements)
+    offset = 0 if meshes.colocated else len(src_parts)
     world = max(len(src_parts), offset + len(dst_parts))
     src_world = [src_parts[r] if r < len(src_parts) else {} for r in range(world)]
     dst_world = [dst_parts[r - offset] if 0 <= r - offset < len(dst_parts) else {} for r in range(world)]
