@@ -600,3 +600,114 @@ def test_the_save_touches_files_only_through_the_storage():
     (:mod:`loader.storage.local_write`, :mod:`~loader.storage.local_commit`) makes them."""
     bad = {p.name: found for p in sorted(SAVE_PACKAGE.glob("*.py")) for found in [file_calls(p.read_text())] if found}
     assert not bad, bad
+
+
+# ---------------------------------------------------------------------------------------------------
+# storage capabilities are declared and checked in one module; the save writes through the storage
+
+CAPABILITIES_MODULE = "loader.storage.capabilities"
+
+
+def capability_names() -> frozenset[str]:
+    """The attribute names of every declared storage capability (its methods and flags)."""
+    from loader.storage import capabilities
+
+    return frozenset().union(*(capabilities.members(kind) for kind in capabilities.CAPABILITIES))
+
+
+def capability_probes(source: str, names: frozenset[str]) -> list[tuple[int, str]]:
+    """``(line, name)`` of every ``getattr(x, "name", ...)`` / ``hasattr(x, "name")`` whose name is a capability's."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2):
+            continue
+        arg = node.args[1]
+        if node.func.id in ("getattr", "hasattr") and isinstance(arg, ast.Constant) and arg.value in names:
+            found.append((node.lineno, arg.value))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("code", "probes"),
+    [
+        ('if getattr(reader, "read_ahead", None) is not None: pass', [(1, "read_ahead")]),
+        ('scatter = hasattr(r, "read_runs_to")', [(1, "read_runs_to")]),
+        ('x = 1\nflag = bool(getattr(store, "remote", False))', [(2, "remote")]),
+        (
+            'getattr(backend, "multi_range", False) or getattr(store, "probed", None)',
+            [(1, "multi_range"), (1, "probed")],
+        ),
+        ('bounce = getattr(self._local, "bounce", None)', []),  # not a capability
+        ("has(reader, ReadsAhead)", []),
+    ],
+)
+def test_the_capability_check_sees_probes(code, probes):
+    assert capability_probes(code, capability_names()) == probes
+
+
+def test_storage_capabilities_are_probed_only_where_they_are_declared():
+    """No module but :mod:`loader.storage.capabilities` asks a storage object with ``getattr``/``hasattr`` whether
+    it can do something a capability declares (``read_ahead``, ``read_runs_to``, ``cached``, ``remote``, ...):
+    they ask the capabilities module (``capability(reader, ReadsAhead)``)."""
+    names = capability_names()
+    assert {"read_ahead", "read_runs_to", "cached", "remote", "probed", "direct_reader", "stage"} <= names
+    bad = {
+        name: found
+        for name, path in project_modules().items()
+        if name.startswith("loader.") and name != CAPABILITIES_MODULE
+        for found in [capability_probes(path.read_text(), names)]
+        if found
+    }
+    assert not bad, bad
+
+
+#: the file system calls the save leaves to the storage's write side (``os.``, ``tempfile.``, ``shutil.``, ``open``)
+FILE_CALLS = {
+    "os": {"open", "write", "pwrite", "pwritev", "rename", "renames", "replace", "fsync", "fdatasync", "unlink",
+           "remove", "rmdir", "removedirs", "mkdir", "makedirs", "link", "symlink", "ftruncate", "truncate",
+           "posix_fallocate", "close", "chmod", "umask", "listdir", "scandir", "stat", "lstat", "fstat", "utime"},
+    "os.path": {"exists", "lexists", "isdir", "isfile", "islink", "getsize", "realpath"},
+    "tempfile": None,  # any
+    "shutil": None,
+}  # fmt: skip
+SAVE_PACKAGE = ROOT / "loader" / "save"
+
+
+def file_calls(source: str) -> list[tuple[int, str]]:
+    """``(line, call)`` of every file system call: ``os.X``, ``os.path.X``, ``tempfile.X``, ``shutil.X`` of
+    :data:`FILE_CALLS`, and the builtin ``open``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        chain = _chain(node.func)
+        if chain == ["open"]:
+            found.append((node.lineno, "open"))
+        elif chain and len(chain) >= 2:
+            module, attr = ".".join(chain[:-1]), chain[-1]
+            if module in FILE_CALLS and (FILE_CALLS[module] is None or attr in FILE_CALLS[module]):
+                found.append((node.lineno, ".".join(chain)))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("code", "calls"),
+    [
+        ("fd = os.open(p, os.O_WRONLY)\nos.pwrite(fd, b'x', 0)", [(1, "os.open"), (2, "os.pwrite")]),
+        ("os.rename(a, b); shutil.rmtree(a)", [(1, "os.rename"), (1, "shutil.rmtree")]),
+        ("d = tempfile.mkdtemp()\nif os.path.exists(d): pass", [(1, "tempfile.mkdtemp"), (2, "os.path.exists")]),
+        ("with open(p, 'w') as f: f.write(t)", [(1, "open")]),
+        ("staging.create(name, size, head); writer.pwrite(0, data)", []),
+        ("os.fspath(p)", []),  # no file touched
+    ],
+)
+def test_the_file_call_check_sees_them(code, calls):
+    assert file_calls(code) == calls
+
+
+def test_the_save_touches_files_only_through_the_storage():
+    """``loader/save/`` makes no file system call (``os``, ``os.path``, ``tempfile``, ``shutil``, ``open``): it
+    writes through the storage's write side (:class:`loader.storage.Staging`), whose local driver
+    (:mod:`loader.storage.local_write`, :mod:`~loader.storage.local_commit`) makes them."""
+    bad = {p.name: found for p in sorted(SAVE_PACKAGE.glob("*.py")) for found in [file_calls(p.read_text())] if found}
+    assert not bad, bad

@@ -15,8 +15,9 @@ from ..options import StorageOptions
 from .base import ObjectHead, ObjectIdentity, RangeReader, Runs, Store
 from .capabilities import ReadsDirect, Stages, capability
 from .direct import DirectFileReader
-from .local import IOV_MAX, PAGE, FileReader, LocalStore
+from .local import IOV_MAX, PAGE, FileReader
 from .local_files import FileIdentity
+from .local_store import LocalStore
 from .writing import ObjectWriter, Staging
 
 #: ``scheme://``: a URL (one letter is a Windows drive, not a scheme)

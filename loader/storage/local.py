@@ -5,9 +5,8 @@ load becomes a short read and a :class:`~loader.errors.CheckpointError` naming t
 A :class:`FileReader` (the local :class:`~.base.RangeReader`) reads through its open files
 (:class:`~.local_files.OpenFiles`: each file's :class:`~.local_files.FileIdentity`, recorded when its header was
 read, checked when the file is opened for data and on :meth:`FileReader.verify`): a file replaced or rewritten
-since its header was read is refused instead of loading garbage. :class:`LocalStore` is the local
-:class:`~.base.Store`; it declares direct reads (:meth:`LocalStore.direct_reader`) and a write side
-(:meth:`LocalStore.stage`, :mod:`.local_write`).
+since its header was read is refused instead of loading garbage. The local :class:`~.base.Store` is
+:class:`~.local_store.LocalStore`.
 
 Vocabulary: a *span* is a byte range ``[start, end)`` of one file; *runs* are one block's equal-length spans
 (:class:`~.base.Runs`); *readahead* is the kernel reading a file's pages beyond what was asked.
@@ -20,15 +19,13 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .base import ObjectHead, RangeReader, Runs
-from .local_files import FileIdentity, IdentityChecks, OpenFiles, open_checked
+from .base import Runs
+from .local_files import FileIdentity, IdentityChecks, OpenFiles
 from .scatter import read_scattered
-from .untrusted import err, open_regular_file, pread_exact
+from .untrusted import err
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from .local_write import LocalStaging
 
 _HAS_PREADV = hasattr(os, "preadv")
 #: buffers per ``preadv`` call (the kernel's limit, IOV_MAX: 1024 on Linux)
@@ -230,73 +227,3 @@ class FileReader:
             self.bytes_read += nbytes
             self.gap_bytes += gap_bytes
             self.reads += reads
-
-
-class LocalStore:
-    """A local checkpoint folder (see :class:`~.base.Store`): locations are absolute paths. Declares direct reads
-    (:meth:`direct_reader`) and a write side (:meth:`stage`) (:mod:`.capabilities`)."""
-
-    remote = False
-
-    def __init__(self, root: str) -> None:
-        self.root = os.path.abspath(root)
-
-    def __repr__(self) -> str:
-        return f"LocalStore({self.root!r})"
-
-    def locate(self, name: str) -> str:
-        return os.path.join(self.root, name)
-
-    def exists(self, location: str) -> bool:
-        return os.path.lexists(location)
-
-    def list_names(self) -> list[str] | None:
-        try:
-            return os.listdir(self.root)
-        except OSError as e:
-            raise err(self.root, f"cannot list the folder: {e.strerror or e}") from e
-
-    def head(self, location: str, nbytes: int) -> ObjectHead:
-        fd, st = open_regular_file(location)
-        try:
-            if hasattr(os, "posix_fadvise"):  # a header read must not pull the data after it into the page cache
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            data = pread_exact(fd, location, min(nbytes, st.st_size), 0)
-        finally:
-            os.close(fd)
-        return ObjectHead(data, st.st_size, FileIdentity.of(st))
-
-    def read_range(self, location: str, start: int, end: int, identity: object) -> bytes:
-        fd = open_checked(location, IdentityChecks({location: identity} if identity is not None else None))
-        try:
-            return pread_exact(fd, location, end - start, start)
-        finally:
-            os.close(fd)
-
-    def read_small(self, location: str, limit: int, what: str) -> bytes:
-        fd, st = open_regular_file(location)
-        try:
-            if st.st_size > limit:
-                raise err(location, f"{what} is {st.st_size} bytes, over the {limit}-byte limit")
-            return pread_exact(fd, location, st.st_size, 0)
-        finally:
-            os.close(fd)
-
-    def reader(self, identities: Mapping[str, object] | None = None) -> FileReader:
-        return FileReader(identities)  # type: ignore[arg-type]
-
-    def direct_reader(self, identities: Mapping[str, object] | None = None) -> RangeReader:
-        """A reader bypassing the page cache (``O_DIRECT``: :class:`~.direct.DirectFileReader`)."""
-        from .direct import DirectFileReader
-
-        return DirectFileReader(identities)  # type: ignore[arg-type]
-
-    def stage(self) -> LocalStaging:
-        """A new staging folder beside the folder, published over it on commit (:class:`~.local_write.LocalStaging`).
-
-        Raises:
-            ValueError: the folder is a file, a mount point or holds one (nothing created).
-        """
-        from .local_write import LocalStaging
-
-        return LocalStaging.beside(self.root)
