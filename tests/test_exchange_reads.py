@@ -41,29 +41,29 @@ def file(tmp_path_factory) -> tuple[str, bytes]:
 
 
 class Held:
-    """Held pieces of a file, holding other bytes than the file's (each inverted), so a test tells them apart;
-    :meth:`expected` is what a read of ``[a, b)`` must give: each byte from memory where a piece holds it, else the
-    file's. Piece ``i`` lies in buffer ``which[i]`` (default: alternately the first and the second), the pieces of a
-    buffer in reverse order with gaps between them, as a rank's received and fetched pieces are not."""
+    """Held spans of a file, holding other bytes than the file's (each inverted), so a test tells them apart;
+    :meth:`expected` is what a read of ``[a, b)`` must give: each byte from memory where a span holds it, else the
+    file's. Span ``i`` lies in buffer ``which[i]`` (default: alternately the first and the second), the spans of a
+    buffer in reverse order with gaps between them, as a rank's received and fetched spans are not."""
 
-    def __init__(self, data: bytes, pieces: list[tuple[int, int]], which: list[int] | None = None) -> None:
-        self.data, self.pieces = data, pieces
-        self.which = [i % 2 for i in range(len(pieces))] if which is None else which
+    def __init__(self, data: bytes, spans: list[tuple[int, int]], which: list[int] | None = None) -> None:
+        self.data, self.spans = data, spans
+        self.which = [i % 2 for i in range(len(spans))] if which is None else which
         self.mask = np.zeros(len(data), dtype=bool)
-        for a, b in pieces:
+        for a, b in spans:
             self.mask[a:b] = True
         self.memory = np.where(self.mask, np.frombuffer(data, np.uint8) ^ 0xFF, np.frombuffer(data, np.uint8))
 
     def file(self) -> HeldFile:
-        offsets, parts = [0] * len(self.pieces), [[np.full(5, 7, np.uint8)], [np.full(3, 7, np.uint8)]]
-        for i in reversed(range(len(self.pieces))):
-            a, b = self.pieces[i]
+        offsets, parts = [0] * len(self.spans), [[np.full(5, 7, np.uint8)], [np.full(3, 7, np.uint8)]]
+        for i in reversed(range(len(self.spans))):
+            a, b = self.spans[i]
             offsets[i] = sum(len(p) for p in parts[self.which[i]])
             parts[self.which[i]] += [self.memory[a:b], np.full(i % 3, 7, np.uint8)]
         as_array = lambda xs: np.array(xs, dtype=np.int64).reshape(-1)
         return HeldFile(
-            as_array([a for a, _ in self.pieces]),
-            as_array([b for _, b in self.pieces]),
+            as_array([a for a, _ in self.spans]),
+            as_array([b for _, b in self.spans]),
             as_array(self.which),
             as_array(offsets),
             tuple(np.concatenate(p) for p in parts),
@@ -76,7 +76,7 @@ class Held:
         return int(self.mask[a:b].sum())
 
     def not_held(self, a: int, b: int) -> list[tuple[int, int]]:
-        """The maximal parts of ``[a, b)`` no piece holds, ascending (a plain reference of ``missing``)."""
+        """The maximal parts of ``[a, b)`` no span holds, ascending (a plain reference of ``missing``)."""
         out: list[tuple[int, int]] = []
         for x in range(a, b):
             if not self.mask[x]:
@@ -88,8 +88,8 @@ class Held:
 
 
 @st.composite
-def held_pieces(draw) -> list[tuple[int, int]]:
-    """Ascending, disjoint pieces, some touching (as a rank's pieces cut at chunk bounds are)."""
+def held_spans(draw) -> list[tuple[int, int]]:
+    """Ascending, disjoint spans, some touching (as a rank's parcels cut at share bounds are)."""
     out, at = [], draw(st.integers(0, 300))
     for _ in range(draw(st.integers(0, 8))):
         n = draw(st.integers(1, 400))
@@ -105,10 +105,10 @@ HELD = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 @HELD
-@given(held_pieces(), st.lists(reads, min_size=1, max_size=4))
-def test_each_byte_read_comes_from_memory_where_held_else_from_the_file(file, pieces, ranges):
+@given(held_spans(), st.lists(reads, min_size=1, max_size=4))
+def test_each_byte_read_comes_from_memory_where_held_else_from_the_file(file, spans, ranges):
     path, data = file
-    held = Held(data, pieces)
+    held = Held(data, spans)
     with FileReader() as inner:
         reader = HeldReader(inner, {path: held.file()})
         for a, b in ranges:
@@ -122,10 +122,10 @@ def test_each_byte_read_comes_from_memory_where_held_else_from_the_file(file, pi
 
 
 @HELD
-@given(held_pieces(), reads, st.lists(st.integers(0, 300), min_size=1, max_size=5))
-def test_consecutive_buffers_each_byte_from_where_it_is(file, pieces, start, sizes):
+@given(held_spans(), reads, st.lists(st.integers(0, 300), min_size=1, max_size=5))
+def test_consecutive_buffers_each_byte_from_where_it_is(file, spans, start, sizes):
     path, data = file
-    held = Held(data, pieces)
+    held = Held(data, spans)
     a = start[0]
     sizes = [min(n, SIZE - a - sum(sizes[:k])) for k, n in enumerate(sizes)]
     sizes = [max(n, 0) for n in sizes]
@@ -139,10 +139,10 @@ def test_consecutive_buffers_each_byte_from_where_it_is(file, pieces, start, siz
 
 
 @HELD
-@given(held_pieces(), st.integers(0, 2000), st.integers(1, 40), st.integers(1, 12), st.integers(0, 100))
-def test_runs_each_byte_from_where_it_is(file, pieces, first, length, count, gap):
+@given(held_spans(), st.integers(0, 2000), st.integers(1, 40), st.integers(1, 12), st.integers(0, 100))
+def test_runs_each_byte_from_where_it_is(file, spans, first, length, count, gap):
     path, data = file
-    held = Held(data, pieces)
+    held = Held(data, spans)
     grid = RunGrid(first, length, ((count, length + gap),))
     runs = [(int(s), int(s) + length) for s in grid.starts()]
     with FileReader() as inner:
@@ -155,38 +155,38 @@ def test_runs_each_byte_from_where_it_is(file, pieces, first, length, count, gap
 
 
 @st.composite
-def runs_and_pieces(draw) -> tuple[RunGrid, list[tuple[int, int]], list[int]]:
-    """A column shard's runs (one per row) and pieces around them, each run drawn: inside a piece (the run itself
-    or more, up to the gaps' middles), across two touching pieces, partly held (at either end), or not held; each
-    piece in either buffer."""
+def runs_and_spans(draw) -> tuple[RunGrid, list[tuple[int, int]], list[int]]:
+    """A column shard's runs (one per row) and spans around them, each run drawn: inside a span (the run itself
+    or more, up to the gaps' middles), across two touching spans, partly held (at either end), or not held; each
+    span in either buffer."""
     length, gap = draw(st.integers(1, 64)), draw(st.integers(0, 40))
     count = draw(st.integers(1, 40))
     first = draw(st.integers(0, SIZE - count * (length + gap) - 1))
     grid = RunGrid(first, length, ((count, length + gap),))
-    pieces: list[tuple[int, int]] = []
+    spans: list[tuple[int, int]] = []
     for s in grid.starts().tolist():
         kind = draw(st.sampled_from(["inside", "inside", "wider", "across", "head", "tail", "none"]))
         cut = draw(st.integers(1, length - 1)) if length > 1 else 0
         if kind == "inside" or (kind != "none" and not cut):
-            pieces.append((s, s + length))
+            spans.append((s, s + length))
         elif kind == "wider":
-            pieces.append((s - min(gap // 2, s - (pieces[-1][1] if pieces else 0)), s + length + gap // 2))
+            spans.append((s - min(gap // 2, s - (spans[-1][1] if spans else 0)), s + length + gap // 2))
         elif kind == "across":
-            pieces += [(s, s + cut), (s + cut, s + length)]
+            spans += [(s, s + cut), (s + cut, s + length)]
         elif kind == "head":
-            pieces.append((s, s + cut))
+            spans.append((s, s + cut))
         elif kind == "tail":
-            pieces.append((s + cut, s + length))
-    which = [draw(st.integers(0, 1)) for _ in pieces]
-    return grid, pieces, which
+            spans.append((s + cut, s + length))
+    which = [draw(st.integers(0, 1)) for _ in spans]
+    return grid, spans, which
 
 
 @HELD
-@given(runs_and_pieces())
-def test_runs_inside_pieces_copied_at_once_and_the_others_byte_by_byte_agree_with_a_plain_reading(file, drawn):
+@given(runs_and_spans())
+def test_runs_inside_spans_copied_at_once_and_the_others_byte_by_byte_agree_with_a_plain_reading(file, drawn):
     path, data = file
-    grid, pieces, which = drawn
-    held = Held(data, pieces, which)
+    grid, spans, which = drawn
+    held = Held(data, spans, which)
     runs = [(s, s + grid.length) for s in grid.starts().tolist()]
     with FileReader() as inner:
         reader = HeldReader(inner, {path: held.file()})
@@ -201,16 +201,16 @@ def test_runs_inside_pieces_copied_at_once_and_the_others_byte_by_byte_agree_wit
 
 @HELD
 @given(
-    st.one_of(held_pieces().map(lambda p: (p, [i % 2 for i in range(len(p))])), runs_and_pieces().map(lambda d: d[1:])),
+    st.one_of(held_spans().map(lambda p: (p, [i % 2 for i in range(len(p))])), runs_and_spans().map(lambda d: d[1:])),
     st.lists(st.one_of(reads, st.integers(0, 20).map(lambda k: (k, -1))), max_size=12),
 )
 def test_will_read_hints_exactly_the_bytes_not_held_in_order(file, drawn, wanted):
-    """Ranges inside one piece dropped at once, the others cut around held bytes: as a plain reading of the mask.
-    ``(k, -1)`` stands for the ``k``-th piece itself (or a byte inside it)."""
+    """Ranges inside one span dropped at once, the others cut around held bytes: as a plain reading of the mask.
+    ``(k, -1)`` stands for the ``k``-th span itself (or a byte inside it)."""
     path, data = file
-    pieces, which = drawn
-    held = Held(data, pieces, which)
-    ranges = [r if r[1] >= 0 else pieces[r[0]] if r[0] < len(pieces) else (r[0], r[0]) for r in wanted]
+    spans, which = drawn
+    held = Held(data, spans, which)
+    ranges = [r if r[1] >= 0 else spans[r[0]] if r[0] < len(spans) else (r[0], r[0]) for r in wanted]
     with HintedFileReader() as inner:
         HeldReader(inner, {path: held.file()}).will_read(path, lambda: ranges, sparse=True)
         assert inner.hints == [(path, [m for a, b in ranges for m in held.not_held(a, b)])]
