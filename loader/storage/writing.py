@@ -17,9 +17,10 @@ last), and the save above it stays as it is.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
+@runtime_checkable
 class ObjectWriter(Protocol):
     """Positioned writes into one staged object (thread-safe: no shared file position)."""
 
@@ -36,6 +37,7 @@ class ObjectWriter(Protocol):
         ...
 
 
+@runtime_checkable
 class Staging(Protocol):
     """A folder's new objects, published over it by one :meth:`commit` (see the module).
 
