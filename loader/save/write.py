@@ -22,7 +22,7 @@ from regiontrace.executor import PackedRuns, dest_view, packed_source_runs, spli
 from ..storage import ObjectWriter, open_staging, stage
 from .filelayout import SaveLayout, TensorPlace
 
-#: Most bytes of packed values one block chunk stages before it is written.
+#: Most bytes of packed values one cut of a block stages before it is written.
 STAGING_BYTES = 64 << 20
 
 
@@ -119,13 +119,13 @@ class BlockWriter:
         place = self.layout.tensors[block.source]
         if block.numel == 0:
             return
-        for chunk in split_block(block, max(1, self.staging_bytes // place.itemsize)):  # no broadcast: reads = writes
-            direct = _direct_view(chunk, values)
-            if direct is not None:  # the model's own memory (a device tensor: one staged copy of the chunk)
+        for cut in split_block(block, max(1, self.staging_bytes // place.itemsize)):  # no broadcast: reads = writes
+            direct = _direct_view(cut, values)
+            if direct is not None:  # the model's own memory (a device tensor: one staged copy of the cut)
                 offset, view = direct
                 self._write(place, offset, view.numel() * place.itemsize, view)
             else:
-                self._write_runs(place, packed_source_runs(chunk, values))
+                self._write_runs(place, packed_source_runs(cut, values))
 
     def _write_runs(self, place: TensorPlace, runs: PackedRuns) -> None:
         data = _as_bytes(runs.values) if self.folder is not None else None

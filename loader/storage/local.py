@@ -45,9 +45,9 @@ def read_exact(file: str, fd: int, offset: int, view: memoryview, checks: Identi
         if _HAS_PREADV:  # reads straight into ``view``, no intermediate bytes object
             n = os.preadv(fd, [view[pos:]], offset + pos)
         else:  # pragma: no cover - platforms without preadv
-            chunk = os.pread(fd, size - pos, offset + pos)
-            n = len(chunk)
-            view[pos : pos + n] = chunk
+            got = os.pread(fd, size - pos, offset + pos)
+            n = len(got)
+            view[pos : pos + n] = got
         if n == 0:
             checks.check(file, fd)
             msg = f"unexpected end of file reading bytes [{offset}, {offset + size}) (got {pos})"
@@ -60,13 +60,13 @@ def read_consecutive(file: str, fd: int, offset: int, views: Sequence[memoryview
     :data:`IOV_MAX` buffers, then buffer by buffer where a call read short. Returns the number of read calls."""
     pos, calls = offset, 0
     for i in range(0, len(views), IOV_MAX):
-        chunk = views[i : i + IOV_MAX]
-        size = sum(len(v) for v in chunk)
-        n = os.preadv(fd, chunk, pos) if _HAS_PREADV else 0
+        batch = views[i : i + IOV_MAX]
+        size = sum(len(v) for v in batch)
+        n = os.preadv(fd, batch, pos) if _HAS_PREADV else 0
         calls += 1
         if n < size:  # a short read (or no preadv): the rest buffer by buffer, exactly
             at = pos
-            for v in chunk:
+            for v in batch:
                 if n >= len(v):
                     n -= len(v)
                 else:

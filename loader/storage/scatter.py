@@ -8,7 +8,7 @@ own address and each gap to the sink, overwritten again and again, and nothing i
 are built with numpy and handed to libc's ``preadv`` through ctypes (which releases the GIL): no Python object per
 run.
 
-Which is faster depends on the run length: the kernel spends about :data:`SEGMENT_SECONDS` on every piece of a
+Which is faster depends on the run length: the kernel spends about :data:`SEGMENT_SECONDS` on every fragment of a
 page an iovec ends in, and the span read spends :data:`COPY_BYTES_PER_SECOND` on copying the runs out.
 :func:`scatter_pays` compares the two for a block; :func:`calibrate` measures both constants on this machine.
 """
@@ -29,7 +29,7 @@ from .untrusted import err
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: iovecs per ``preadv`` call (the kernel's limit, IOV_MAX: 1024 on Linux)
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
-#: seconds the kernel spends on each extra piece of a page an iovec boundary makes (:func:`calibrate` on a 2-CPU AMD
+#: seconds the kernel spends on each extra fragment of a page an iovec boundary makes (:func:`calibrate` on a 2-CPU AMD
 #: EPYC VM: 28-40 ns; 1 MiB read in 1024 iovecs of 1 KiB against one)
 SEGMENT_SECONDS = 30e-9
 #: bytes per second of the strided copy out of a warm staging buffer into the destination, one torch thread
@@ -57,10 +57,10 @@ SCATTER = _PREADV is not None
 
 def scatter_pays(runs: int, spans: int, span_bytes: int, wanted: int) -> bool:
     """Whether reading ``runs`` runs (``wanted`` bytes, merged into ``spans`` page spans of ``span_bytes`` in all)
-    scattered beats the span read: the pieces of pages the iovecs cut (``2 * runs - spans`` iovecs over
+    scattered beats the span read: the fragments of pages the iovecs cut (``2 * runs - spans`` iovecs over
     ``span_bytes / PAGE`` pages) against copying ``wanted`` bytes out of staging."""
-    pieces = max(0, 2 * runs - spans - span_bytes // PAGE)
-    return SCATTER and pieces * SEGMENT_SECONDS < wanted / COPY_BYTES_PER_SECOND
+    fragments = max(0, 2 * runs - spans - span_bytes // PAGE)
+    return SCATTER and fragments * SEGMENT_SECONDS < wanted / COPY_BYTES_PER_SECOND
 
 
 def read_scattered(
@@ -150,8 +150,8 @@ def calibrate(file: str, seconds: float = 0.5) -> tuple[float, float]:
     staging, dest = torch.empty(1024 * 2048, dtype=torch.uint8), torch.empty(1024, 512, dtype=torch.uint8)
     rows = torch.as_strided(staging, (1024, 512), (2048, 1))
     t_copy = _best(lambda: dest.copy_(rows), seconds / 3)
-    pieces = max(1, n - (1 << 20) // PAGE)
-    return max(0.0, t_many - t_one) / pieces, dest.numel() / t_copy
+    fragments = max(1, n - (1 << 20) // PAGE)
+    return max(0.0, t_many - t_one) / fragments, dest.numel() / t_copy
 
 
 def _best(fn, seconds: float) -> float:

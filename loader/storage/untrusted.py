@@ -82,15 +82,15 @@ def pread_exact(fd: int, path: str, size: int, offset: int) -> bytes:
     Raises:
         CheckpointError: the file ends first.
     """
-    chunks: list[bytes] = []
+    reads: list[bytes] = []
     got = 0
     while got < size:
-        chunk = os.pread(fd, size - got, offset + got)
-        if not chunk:
+        data = os.pread(fd, size - got, offset + got)
+        if not data:
             raise err(path, f"truncated: expected {size} bytes at offset {offset}, got {got}")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        reads.append(data)
+        got += len(data)
+    return b"".join(reads)
 
 
 def read_json_file(path: str, limit: int, what: str) -> object:

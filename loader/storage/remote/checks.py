@@ -18,7 +18,7 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 #: statuses a retry may cure
 TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: bytes asked of the connection at once while a body streams in (:func:`read_within`)
-READ_CHUNK = 1 << 20
+READ_BYTES = 1 << 20
 
 
 def range_header(ranges: Iterable[tuple[int, int]]) -> str:
@@ -118,12 +118,12 @@ def assemble(
 def read_within(read1: Callable[[int], bytes], deadline: float, bound: Callable[[], str]) -> bytes:
     """A body read as it arrives (``read1(n)``: the bytes there, up to ``n``; ``b""`` at its end) until its end,
     or until ``time.monotonic()`` passes ``deadline``: then a :class:`Transient` saying ``bound()``."""
-    chunks = []
+    reads = []
     while True:
         if time.monotonic() > deadline:
-            got = sum(map(len, chunks))
+            got = sum(map(len, reads))
             raise Transient(f"too slow: {got} bytes received when the request's time was up ({bound()})")
-        chunk = read1(READ_CHUNK)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+        data = read1(READ_BYTES)
+        if not data:
+            return b"".join(reads)
+        reads.append(data)
