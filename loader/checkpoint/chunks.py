@@ -24,6 +24,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -162,6 +163,18 @@ class TensorInfo:
         """The absolute byte span ``[start, end)`` of flat elements ``[lo, hi)`` (one chunk)."""
         item, start = self.dtype.itemsize, self.data_start
         return start + lo * item, start + hi * item  # type: ignore[operator]
+
+    def run_grid(self, layout: Any) -> Any:
+        """The byte runs of ``layout`` (a :class:`~regiontrace.ReadLayout` of a block reading this one-chunk source)
+        in its file: ``layout.grid(itemsize, data_start)``."""
+        return layout.grid(self.dtype.itemsize, self.data_start)
+
+    def spans(self) -> tuple[tuple[str, int, int], ...]:
+        """``(location, start, end)``: the byte span of each chunk."""
+        if not self.split:
+            return ((self.file, self.data_start, self.data_end),)  # type: ignore[return-value]
+        item = self.dtype.itemsize
+        return tuple((c.location, c.offset, c.offset + c.numel * item) for c in self.split)
 
     def elements_in(self, nbytes: int) -> int:
         """How many whole elements ``nbytes`` bytes hold (at least 1)."""

@@ -47,7 +47,7 @@ def wanted_ranges(checkpoint: Checkpoint, reads: Sequence[BlockRead]) -> dict[st
     by_tensor: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for r in reads:
         info = checkpoint[r.block.source]
-        grid = read_layout(r.block).grid(info.itemsize, info.data_start)
+        grid = info.run_grid(read_layout(r.block))
         by_tensor.setdefault((info.file, info.data_start), []).extend(grid.touching())
     by_file: dict[str, list[Ranges]] = {}
     for (f, _), ranges in sorted(by_tensor.items()):
@@ -61,9 +61,9 @@ def tensor_spans(checkpoint: Checkpoint, files: set[str]) -> dict[str, Ranges]:
     for key in checkpoint:
         info = checkpoint[key]
         if info.split:  # stored as several chunks: a span each
-            for c in info.split:
-                if c.location in files and c.numel:
-                    spans.setdefault(c.location, []).append((c.offset, c.offset + c.numel * info.itemsize))
+            for location, start, end in info.spans():
+                if location in files and end > start:
+                    spans.setdefault(location, []).append((start, end))
         elif info.file in files and info.nbytes:
             spans.setdefault(info.file, []).append((info.data_start, info.data_start + info.nbytes))
     return {f: np.array(sorted(s), dtype=np.int64).reshape(-1, 2) for f, s in spans.items()}

@@ -83,7 +83,7 @@ def in_page_cache(reader: object, checkpoint: Any, reads: Sequence[Any]) -> bool
     infos = ((r, checkpoint[r.block.source]) for r in itertools.islice(reads, 64 * CACHE_PROBES))
     mine = [(r, info) for r, info in infos if info.file == first]
     for r, info in mine[:: max(1, len(mine) // CACHE_PROBES)][:CACHE_PROBES]:
-        if probe.cached(first, info.data_start + r.block.source_span()[0] * info.itemsize) is False:
+        if probe.cached(first, info.byte_at(r.block.source_span()[0])) is False:
             return False
     return True
 

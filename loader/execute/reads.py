@@ -46,7 +46,7 @@ SPARSE_FRACTION = 0.5
 
 def _scattered(executor: BlockExecutor, file: str, route: Route, dest: torch.Tensor, info: TensorInfo) -> None:
     """Read a ``SCATTER`` route's runs straight into ``dest`` (its view), the gaps into a sink, on a pool thread."""
-    grid = route.layout.grid(info.itemsize, info.data_start)
+    grid = info.run_grid(route.layout)
     read = functools.partial(executor.reader.read_runs_to, file, grid, route.targets(dest))
     executor.pool.submit(read, functools.partial(executor.progress, grid.count * grid.length), staged=False)
 
@@ -57,7 +57,7 @@ def _spanned(
     """Read a ``SPAN`` route's block of many short runs by its byte span (gaps on pages it touches anyway), one call per
     stretch of runs, and copy it out in one strided copy (``dest``: the route's view)."""
     if route.parts:  # too sparse to copy its span to a device, too large to pack beside it: parts that fit both
-        for block in split_span(r.block, max(1, executor.staging_bytes * 3 // 4 // info.itemsize)):
+        for block in split_span(r.block, info.elements_in(executor.staging_bytes * 3 // 4)):
             part = BlockRead(r.target, r.local_box, block)
             executor._spanned_part(file, part, info, dest_view(block, dest), read_layout(block))
         return
@@ -114,7 +114,7 @@ def _byte_spans(items: list[tuple[BlockRead, TensorInfo]]) -> list[tuple[int, in
     spans = []
     for r, info in items:
         lo, hi = r.block.source_span()
-        spans.append((info.data_start + lo * info.itemsize, info.data_start + hi * info.itemsize))
+        spans.append(info.byte_span(lo, hi))
     return spans
 
 
@@ -140,7 +140,7 @@ def _byte_ranges(items: list[tuple[BlockRead, TensorInfo]]) -> list[tuple[int, i
     these ahead)."""
     out = []
     for r, info in items:
-        out.extend(read_layout(r.block).grid(info.itemsize, info.data_start).touching())
+        out.extend(info.run_grid(read_layout(r.block)).touching())
     return out
 
 
@@ -253,7 +253,7 @@ class BlockExecutor:
         for r in reads:
             info = self.checkpoint[r.block.source]
             targets.add(r.target)
-            for block in split_span(r.block, max(1, self.staging_bytes // info.itemsize)):
+            for block in split_span(r.block, info.elements_in(self.staging_bytes)):
                 part = r if block is r.block else BlockRead(r.target, r.local_box, block)  # most blocks fit whole
                 by_file.setdefault(info.file, []).append((part, info))
                 if hint < self.staging_bytes:
@@ -293,7 +293,7 @@ class BlockExecutor:
             layout, item = route.layout, info.itemsize
             if route.kind == DIRECT:  # into a contiguous tensor: a slice of its bytes, no view built
                 view = _bytes_view(route.dest(local)) if route.at is None else _bytes_of(tensors, r.target, local)
-                direct_reads.add(info.data_start + layout.base * item, view[route.at or 0 :][: layout.run * item])
+                direct_reads.add(info.byte_at(layout.base), view[route.at or 0 :][: layout.run * item])
                 continue
             dest = route.dest(local)  # no view built by narrowing
             if route.kind == SCATTER:
@@ -302,7 +302,7 @@ class BlockExecutor:
                 _spanned(self, file, r, info, dest, route)
             else:
                 span, want = (layout.end - layout.base) * item, layout.count * layout.run * item
-                start = info.data_start + layout.base * item
+                start = info.byte_at(layout.base)
                 pack = _pack_bytes(r.block, span, want, cap - align(span))
                 if batch.items and (batch.need(start, start + span, pack) > cap or (start - batch.base) % item):
                     self._staged(file, batch)  # full, or the block's values would not be aligned for its dtype
@@ -317,7 +317,7 @@ class BlockExecutor:
         span, wanted = (layout.end - layout.base) * item, layout.count * layout.run * item
         pack = _pack_bytes(r.block, span, wanted, self.staging_bytes - align(span))
         stage = acquire(self.pool, self.ring, align(span) + align(pack))
-        runs = layout.grid(item, info.data_start)  # the runs in closed form: page spans without listing them
+        runs = info.run_grid(layout)  # the runs in closed form: page spans without listing them
         read = functools.partial(self.reader.read_runs, file, runs, stage.bytes[:span], runs.first, wanted=wanted)
         deliver = functools.partial(self._deliver, stage, r, info, out, layout, 0, align(span) if pack else None)
         submit_staged(self.pool, self.ring, stage, read, deliver, functools.partial(self.progress, wanted), [out])
@@ -327,7 +327,7 @@ class BlockExecutor:
         stage = acquire(self.pool, self.ring, batch.need(batch.base, batch.end, 0))
         ranges = []
         for _, info, _, layout, _, _ in batch.items:
-            ranges.extend(layout.grid(info.itemsize, info.data_start).touching())
+            ranges.extend(info.run_grid(layout).touching())
 
         def read() -> None:
             for a, b, _ in coalesce_ranges(ranges, max_gap=0, max_overread=1.0):

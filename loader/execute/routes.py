@@ -120,7 +120,7 @@ def decide(
         if direct is not None:
             at = (direct.data_ptr() - local.data_ptr()) if local.is_contiguous() else None
             return Route(DIRECT, layout, _geometry(direct), at=at)
-        rows = _scatter_rows(r.block, dest, layout, layout.grid(info.itemsize, info.data_start)) if scatter else None
+        rows = _scatter_rows(r.block, dest, layout, info.run_grid(layout)) if scatter else None
         if rows is not None:
             return Route(SCATTER, layout, _geometry(dest_view(r.block, dest)), rows)
     span, wanted = (layout.end - layout.base) * info.itemsize, layout.count * layout.run * info.itemsize
