@@ -1,13 +1,14 @@
-"""What the bench scripts share: the Qwen3-MoE shape of the load benchmarks, a checkpoint folder's files, the
-whole-file ``preadv`` the read floors are made of, and the accounting of cold loads (dropping files from the page
-cache, the physical bytes a process read, the pages resident) and of peak memory."""
+"""What the bench scripts share: the models they build (the Qwen3-MoE of the load benchmarks, DeepSeek-V3), a
+checkpoint folder's files, the whole-file ``preadv`` the read floors are made of, and the accounting of cold loads
+(dropping files from the page cache, the physical bytes a process read, the pages resident) and of peak memory."""
 
 from __future__ import annotations
 
 import json
 import os
 
-#: the Qwen3-MoE of bench/load_bench.py and bench/tp_bench.py (transformers ``Qwen3MoeConfig`` keywords)
+#: the Qwen3-MoE of bench/load_bench.py, bench/tp_bench.py, bench/transfer_bench.py and bench/remote_bench.py
+#: (transformers ``Qwen3MoeConfig`` keywords; the tests' tiny one is loader/cli/model_configs.py's)
 QWEN3_MOE = dict(
     hidden_size=1024,
     num_hidden_layers=4,
@@ -22,6 +23,31 @@ QWEN3_MOE = dict(
     tie_word_embeddings=False,
     decoder_sparse_step=1,
     mlp_only_layers=[],
+)
+
+
+#: DeepSeek-V3's own sizes (transformers ``DeepseekV3Config`` keywords), built on the meta device by
+#: bench/plan_scale.py
+DEEPSEEK_V3 = dict(
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    hidden_size=7168,
+    moe_intermediate_size=2048,
+    intermediate_size=18432,
+    vocab_size=129280,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    tie_word_embeddings=False,
 )
 
 

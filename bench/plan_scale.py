@@ -42,27 +42,8 @@ import sys
 import time
 from types import SimpleNamespace
 
-DEEPSEEK_V3 = dict(
-    num_hidden_layers=61,
-    first_k_dense_replace=3,
-    n_routed_experts=256,
-    n_shared_experts=1,
-    hidden_size=7168,
-    moe_intermediate_size=2048,
-    intermediate_size=18432,
-    vocab_size=129280,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    num_attention_heads=128,
-    num_key_value_heads=128,
-    num_experts_per_tok=8,
-    n_group=8,
-    topk_group=4,
-    tie_word_embeddings=False,
-)
+from common import DEEPSEEK_V3
+
 MESH = (8, 8)  # (ep, tp)
 SHARD_BYTES = 5 * 10**9
 GIB = 1 << 30

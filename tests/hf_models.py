@@ -23,6 +23,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from loader.cli.model_configs import TINY_QWEN3_MOE
+
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
@@ -45,9 +47,9 @@ FAMILIES = {
             shared_expert_intermediate_size=32,
         ),
     ),
-    "qwen3_moe": (
+    "qwen3_moe": (  # the tiny Qwen3-MoE with TEXT's key/value heads and vocabulary, smaller experts
         AutoModelForCausalLM, "qwen3_moe",
-        dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8),
+        dict(TINY_QWEN3_MOE, num_key_value_heads=2, vocab_size=64, moe_intermediate_size=16),
     ),
     "deepseek_v3": (
         AutoModelForCausalLM, "deepseek_v3",

@@ -20,13 +20,13 @@ import dist_worker
 from fake_hub import add_snapshot
 from gloo_world import WORLD, ok, run_world
 
+from loader.cli.model_configs import TINY_QWEN3_MOE, hf_config, seeded_model
+
 pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import transformers
-
     root = tmp_path_factory.mktemp("dist")
     ctx = {"store": str(root / "store"), "out": str(root)}
     ctx["layout_path"] = str(root / "layout.safetensors")
@@ -36,22 +36,7 @@ def results(tmp_path_factory):
     with open(ctx["layout_path"], "rb") as f:  # the same checkpoint as a Hub repo id in a fake cache
         add_snapshot(root / "hub", "org/layout", "c" * 40, {"model.safetensors": f.read()}, refs=("main",))
     ctx["hub_cache"] = str(root / "hub")
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe",
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=70,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model = seeded_model(hf_config("qwen3_moe", TINY_QWEN3_MOE, vocab_size=70), seed=0)
     ctx["moe_path"] = str(root / "moe")
     model.save_pretrained(ctx["moe_path"])
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, root / "moe_ref.pt")
