@@ -139,6 +139,11 @@ class TensorInfo:
         return (Chunk(tuple((0, n) for n in self.shape), self.file, self.data_start),)  # type: ignore[arg-type]
 
     @property
+    def location(self) -> str | None:
+        """The file errors name: ``file``, or the first chunk's location (None: a tensor without bytes)."""
+        return self.split[0].location if self.split else self.file
+
+    @property
     def itemsize(self) -> int:
         """Bytes per element."""
         return self.dtype.itemsize
@@ -196,9 +201,8 @@ def check_encodings(infos: Iterable[TensorInfo]) -> None:
     """
     for info in infos:
         if info.encoding not in ENCODINGS:
-            where = info.file if info.file is not None else info.chunks[0].location
             raise err(
-                where,
+                info.location,  # type: ignore[arg-type]
                 f"element encoding {info.encoding!r} is not one the loader reads (known: {sorted(ENCODINGS)}); a "
                 "packed format needs a value program that decodes it",
                 info.key,

@@ -57,13 +57,15 @@ def check_float8(keyplan: KeyPlan, checkpoint: Checkpoint, slots: Mapping[str, T
                 slot = slots.get(t)
                 if slot is not None and slot.dtype not in FLOAT8:
                     raise _fp8_error(
-                        info.file, key, f"would load into {t!r} ({slot.dtype}) as the values of its {info.dtype} codes"
+                        info.location,
+                        key,
+                        f"would load into {t!r} ({slot.dtype}) as the values of its {info.dtype} codes",
                     )
     for key in checkpoint.keys():
         weight = weight_of_scale(key)
         if weight in loaded and key not in loaded and checkpoint[weight].dtype in FLOAT8:
             raise _fp8_error(
-                checkpoint[weight].file,
+                checkpoint[weight].location,
                 weight,
                 f"is stored with block scales {key!r}, which no model tensor loads: its codes would load as values",
             )
