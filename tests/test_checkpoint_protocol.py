@@ -26,8 +26,9 @@ from loader.checkpoint import (
     read_tensor,
 )
 from loader.errors import CheckpointError
+from loader.execute import execute_plan
 from loader.options import LoadOptions, Rules
-from loader.plan import StandInCheckpoint, TraceCache, Untraced
+from loader.plan import StandInCheckpoint, TargetSlot, TraceCache, Untraced, plan_rank
 from loader.rules import Convert, plan_keys
 from loader.storage import LocalStore
 from regiontrace.executor import execute_blocks
@@ -173,6 +174,31 @@ def test_conversions_over_a_split_key(split):
     assert set(report.traced) == {"t", "s", "v"} and report.deferred == ()
 
 
+@pytest.mark.parametrize(
+    "cuts",
+    [
+        [((0, 3), (0, 8)), ((3, 5), (0, 8)), ((5, 6), (0, 8))],  # row slots, the first across the chunk rows
+        [((0, 6), (0, 4)), ((0, 6), (4, 8))],  # column slots, across the column chunks
+        [((1, 4), (2, 7))],  # one slot holding a window of all three chunks
+    ],
+)
+def test_slots_across_chunk_bounds_read_their_boxes(split, cuts):
+    """Each rank's slot (a box of ``w``, as a sharded model holds it) is read from the chunks it crosses, bit for
+    bit, reading only the bytes of its box."""
+    ckpt, full = split
+    keyplan = plan_keys(Net(), {k: ckpt[k].shape for k in ckpt})
+    for box in cuts:
+        local = torch.full([b - a for a, b in box], float("nan"))
+        slots = {"w": TargetSlot("w", (6, 8), torch.float32, local, ((box, tuple((0, b - a) for a, b in box)),))}
+        slots |= {k: TargetSlot(k, tuple(full[k].shape), torch.float32, None, ()) for k in ("b", "p")}
+        plan = plan_rank(keyplan, ckpt, slots, check_devices=False)
+        assert {chunk_source("w", j) for j in range(3)} >= {r.block.source for r in plan.reads}
+        with ckpt.reader() as reader:
+            execute_plan(plan, reader, LoadOptions(progress=False))
+            assert local.numel() * 4 <= reader.bytes_read <= ckpt["w"].nbytes  # its box's chunks only
+        assert torch.equal(local, _narrowed(full["w"], box))
+
+
 def test_unknown_encoding_is_refused_by_name_before_any_read(split):
     ckpt, _ = split
     info = ckpt["b"]
@@ -190,10 +216,21 @@ def test_unknown_encoding_is_refused_by_name_before_any_read(split):
 # ------------------------------------------------------------------------------------- chunk grids x boxes
 
 
-class Square(nn.Module):
-    def __init__(self, shape: tuple[int, int]) -> None:
+class Target(nn.Module):
+    def __init__(self, shape: tuple[int, ...]) -> None:
         super().__init__()
-        self.out = nn.Parameter(torch.zeros(shape[1], shape[0]))
+        self.out = nn.Parameter(torch.zeros(shape))
+
+
+#: index maps a conversion may apply to the chunked key (each crosses chunk bounds its own way)
+OPS = {
+    "identity": lambda k: k,
+    "transpose": lambda k: k.t(),
+    "flatten": lambda k: k.reshape(-1),
+    "flip": lambda k: k.flip(1),
+    "every other row": lambda k: k[::2],
+    "halves swapped": lambda k: torch.cat([k[k.shape[0] // 2 :], k[: k.shape[0] // 2]]),
+}
 
 
 def _grid(cuts: list[list[int]], shape: tuple[int, ...]) -> list[Box]:
@@ -205,36 +242,57 @@ def _grid(cuts: list[list[int]], shape: tuple[int, ...]) -> list[Box]:
     return boxes
 
 
-@settings(max_examples=60, deadline=None)
+@st.composite
+def guillotine(draw, box: Box, depth: int = 3) -> list[Box]:
+    """A random tiling of ``box`` by cuts along one dim at a time (each part cut again, its own way)."""
+    splittable = [d for d, (a, b) in enumerate(box) if b - a > 1]
+    if depth == 0 or not splittable or not draw(st.booleans()):
+        return [box]
+    d = draw(st.sampled_from(splittable))
+    a, b = box[d]
+    cut = draw(st.integers(a + 1, b - 1))
+    halves = [tuple((lo, hi) if e == d else span for e, span in enumerate(box)) for lo, hi in ((a, cut), (cut, b))]
+    return [part for half in halves for part in draw(guillotine(half, depth - 1))]
+
+
+@settings(max_examples=80, deadline=None)
 @given(
-    rows=st.integers(1, 7),
-    cols=st.integers(1, 7),
-    cuts=st.lists(st.lists(st.integers(1, 6), max_size=3), min_size=2, max_size=2),
-    box=st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(1, 7), st.integers(1, 7)),
-    flip=st.booleans(),
+    shape=st.tuples(st.integers(1, 7), st.integers(1, 7)),
+    tiling=st.data(),
+    op=st.sampled_from(sorted(OPS)),
+    corner=st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)),
+    reverse=st.booleans(),
 )
-def test_chunk_grids_compile_to_reads_that_reproduce_the_tensor(rows, cols, cuts, box, flip):
-    shape = (rows, cols)
-    full = torch.arange(rows * cols, dtype=torch.float32).view(shape)
-    boxes = _grid(cuts, shape)
-    if flip:  # the grid's boxes in another order: chunk indices need not follow the index space
+def test_chunk_tilings_compile_to_reads_that_reproduce_the_tensor(shape, tiling, op, corner, reverse):
+    """Any guillotine tiling (a grid, or parts cut again) x an index map x a random box of its output: the blocks
+    read only chunk sources, each within its chunk, and reproduce the box of the conversion of the whole tensor."""
+    full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    whole = tuple((0, n) for n in shape)
+    if tiling.draw(st.booleans()):
+        cuts = tiling.draw(st.lists(st.lists(st.integers(1, 6), max_size=3), min_size=2, max_size=2))
+        boxes = _grid(cuts, shape)
+    else:
+        boxes = tiling.draw(guillotine(whole))
+    if reverse:  # chunk indices need not follow the index space
         boxes = boxes[::-1]
     chunks = [Chunk(b, f"/nowhere/{j}.safetensors", 0) for j, b in enumerate(boxes)]
     info = TensorInfo.of_chunks("k", torch.float32, shape, chunks)
     ckpt = TableCheckpoint({"k": info})
-    keyplan = plan_keys(Square(shape), {"k": shape}, weights_mapping=[Convert("k", "out", lambda k: k.t())])
+    expected = OPS[op](full)
+    keyplan = plan_keys(Target(tuple(expected.shape)), {"k": shape}, weights_mapping=[Convert("k", "out", OPS[op])])
     (conv,) = keyplan.conversions
     traced = TraceCache().trace(conv, ckpt)
-    assert not isinstance(traced, Untraced)
-    r0, c0 = min(box[0], cols - 1), min(box[1], rows - 1)
-    out_box = ((r0, min(cols, r0 + box[2])), (c0, min(rows, c0 + box[3])))
-    sources = {chunk_source("k", j): _narrowed(full, b).contiguous() for j, b in enumerate(boxes)} if info.split else {}
-    sources.setdefault("k", full)
+    assert not isinstance(traced, Untraced), traced
+    lo = [min(int(c * n), n - 1) for c, n in zip(corner[:2], expected.shape)]
+    out_box = tuple((a, a + max(1, int(c * (n - a)))) for a, c, n in zip(lo, corner[2:], expected.shape))
+    sources = {chunk_source("k", j): _narrowed(full, b).contiguous() for j, b in enumerate(boxes)}
+    if not info.split:
+        sources = {"k": full}
     blocks = traced.blocks(0, out_box, conv.sources)
-    assert all(b.source in sources for b in blocks)
-    if info.split:
-        assert all(b.source != "k" for b in blocks)  # every read is within one chunk
+    assert {b.source for b in blocks} <= set(sources)
+    for b in blocks:  # each block reads inside its source (its chunk)
+        lo_, hi_ = b.source_span()
+        assert 0 <= lo_ <= hi_ <= sources[b.source].numel()
     out = torch.full([hi - lo for lo, hi in out_box], float("nan"))
     execute_blocks(blocks, sources, out)
-    assert torch.equal(out, _narrowed(full.t(), out_box))
-    assert math.prod(out.shape) == sum(b.numel for b in blocks)
+    assert torch.equal(out, _narrowed(expected, out_box))
