@@ -1,5 +1,5 @@
 """The plan as a value: ``build_plan`` returns everything a load executes and reports, each conversion's
-outcome is a typed ``Traced | Untraced``, and each conversion runs on meta once per signature (the trace
+outcome is a typed ``TracedConversion | Untraced``, and each conversion runs on meta once per signature (the trace
 reuses that run). Also: the rules' shortcuts (joined searches, string sort keys) are exact.
 """
 
@@ -20,7 +20,7 @@ from loader import Convert, HFLoadPlanner, Rename, SafetensorsCheckpoint, load_h
 from loader.checkpoint import FileReader
 from loader.execute import execute_plan
 from loader.options import LoadOptions, Rules
-from loader.plan import RankPlan, Traced, Untraced
+from loader.plan import RankPlan, TracedConversion, Untraced
 from loader.report import load_report
 from loader.rules import dot_natural_key, plan_keys
 from loader.rules.conversion import natural_order
@@ -125,7 +125,7 @@ def test_outcomes_are_typed_values(folder):
     assert isinstance(plan, RankPlan) and len(plan.outcomes) == len(plan.conversions)
     for conv, outcome in zip(plan.conversions, plan.outcomes):
         if conv.targets[0].endswith("experts"):
-            assert isinstance(outcome, Traced) and set(outcome.outputs) == set(conv.targets)
+            assert isinstance(outcome, TracedConversion) and set(outcome.outputs) == set(conv.targets)
             assert outcome.outputs[conv.targets[0]].shape == (EXPERTS, 4, 6)
         else:
             assert isinstance(outcome, Untraced) and "aten.sum" in outcome.reason
@@ -172,7 +172,8 @@ def test_rules_planned_from_shapes_alone_are_rerun_on_the_checkpoint_dtypes(fold
     assert {c.meta.dtypes[0] for c in keyplan.conversions} == {torch.bfloat16}
     plan = plan_rank(keyplan, checkpoint, model_slots(net))
     assert stack.calls["meta"] == 2  # once on bf16 (the rules), once on the checkpoint's float32 (the plan)
-    assert {t.dtype for o in plan.outcomes if isinstance(o, Traced) for t in o.outputs.values()} == {torch.float32}
+    dtypes = {t.dtype for o in plan.outcomes if isinstance(o, TracedConversion) for t in o.outputs.values()}
+    assert dtypes == {torch.float32}
 
 
 # ----------------------------------------------------------------------------------------------- exact shortcuts
@@ -313,5 +314,5 @@ def test_a_load_then_a_save_of_the_same_model_share_one_trace_per_signature(fold
     saved = map_for_save(model, Rules(weights_mapping=mapping), source_shapes=checkpoint, cache=planner.cache)
     assert planner.cache.misses == len(signatures)  # the save inverted the load's trace: nothing traced again
     assert {s.signature for s in saved.conversions} == signatures
-    loaded = [o for o in plan.outcomes if isinstance(o, Traced)]
+    loaded = [o for o in plan.outcomes if isinstance(o, TracedConversion)]
     assert all(s.traced._shared is loaded[0]._shared for s in saved.conversions)

@@ -17,7 +17,7 @@ from .rank import (
     unique_read_bytes,
 )
 from .slots import Box, TargetSlot, box_view, full_box, iter_model_tensors, model_slots, plain_slot
-from .traces import StandInCheckpoint, TraceCache, Traced, TracedConversion, Untraced
+from .traces import StandInCheckpoint, TraceCache, TracedConversion, Untraced
 
 __all__ = [
     "BlockRead",
@@ -27,7 +27,6 @@ __all__ = [
     "StandInCheckpoint",
     "TargetSlot",
     "TraceCache",
-    "Traced",
     "TracedConversion",
     "Untraced",
     "ValueRead",

@@ -1,7 +1,7 @@
 """Planning a load on one rank: trace each conversion, compile RemapBlocks for the boxes the rank owns.
 
 Phases: rules (``plan_keys``, given) → check (each conversion's meta run against the model: names, shapes,
-value kinds) → trace (once per signature, cached; the outcome is :class:`Traced` or :class:`Untraced`) →
+value kinds) → trace (once per signature, cached; the outcome is :class:`TracedConversion` or :class:`Untraced`) →
 compile (blocks per owned box) → validate (meta-device targets, strictness). Everything is checked before any
 byte is read. An untraced conversion — it raises :class:`~regiontrace.Untraceable` or
 :class:`~regiontrace.TraceMismatch`, or a hook rejects it — becomes a :class:`DeferredRead`.
@@ -25,7 +25,7 @@ from ..rules.conversion import MetaRun, cast_like_transformers, source_cast
 from .dtypes import check_float8, kind_cast
 from .gcpause import paused_gc
 from .slots import Box, TargetSlot
-from .traces import TraceCache, Traced, Untraced
+from .traces import TraceCache, TracedConversion, Untraced
 
 #: the most bytes a value read's inputs hold at once (a larger box is split)
 VALUE_BYTES = 64 << 20
@@ -68,7 +68,7 @@ class RankPlan:
         checkpoint: the checkpoint headers planned against.
         slots: the model tensors as this rank sees them, by name.
         keyplan: which checkpoint keys feed which model tensors (:func:`loader.rules.plan_keys`).
-        conversions: ``keyplan.conversions``; outcomes: each one's :class:`Traced` or :class:`Untraced`.
+        conversions: ``keyplan.conversions``; outcomes: each one's :class:`TracedConversion` or :class:`Untraced`.
         reads: the region reads; values: the value reads (boxes of targets computed by pointwise ops, e.g. FP8
             dequantization); deferred: the deferred conversions (``boxes`` empty when this rank owns nothing of
             their targets).
@@ -82,7 +82,7 @@ class RankPlan:
     slots: Mapping[str, TargetSlot]
     keyplan: KeyPlan
     conversions: tuple[Conversion, ...]
-    outcomes: tuple[Traced | Untraced, ...]
+    outcomes: tuple[TracedConversion | Untraced, ...]
     reads: tuple[BlockRead, ...]
     values: tuple[ValueRead, ...]
     deferred: tuple[DeferredRead, ...]
@@ -186,7 +186,7 @@ def plan_rank(
     cache = cache or TraceCache()
     check_encodings(checkpoint[k] for conv in keyplan.conversions for k in conv.sources)  # before any byte is read
     check_float8(keyplan, checkpoint, slots)
-    outcomes: list[Traced | Untraced] = []
+    outcomes: list[TracedConversion | Untraced] = []
     reads: list[BlockRead] = []
     value_reads: list[ValueRead] = []
     deferred: list[DeferredRead] = []
@@ -197,10 +197,10 @@ def plan_rank(
             outcome = cache.trace(conv, checkpoint, source_cast(conv.rule, slots[conv.targets[0]].dtype))
         else:
             outcome = Untraced(REJECTED_BY_HOOK)
-        if isinstance(outcome, Traced) and value_bytes is None and not outcome.is_index_map:
+        if isinstance(outcome, TracedConversion) and value_bytes is None and not outcome.is_index_map:
             outcome = Untraced("values computed by pointwise ops are read whole here (values=False)")
         outcomes.append(outcome)
-        if isinstance(outcome, Traced):
+        if isinstance(outcome, TracedConversion):
             reads += _compiled(conv, outcome, slots)
             value_reads += _compiled_values(conv, outcome, slots, value_bytes or VALUE_BYTES)
         else:
@@ -234,7 +234,7 @@ def plan_rank(
         loaded_keys=tuple(sorted(loaded | aliases)),
         missing_keys=missing,
         unexpected_keys=tuple(k for k in keyplan.unexpected_keys if k not in ignored_unexpected),
-        traced=tuple(t for c, o in zip(conversions, outcomes) if isinstance(o, Traced) for t in c.targets),
+        traced=tuple(t for c, o in zip(conversions, outcomes) if isinstance(o, TracedConversion) for t in c.targets),
         deferred_targets=tuple(t for d in deferred for t in d.conversion.targets),
         casts=tuple(casts),
     )
@@ -268,7 +268,7 @@ def _checked_outputs(
     return casts
 
 
-def _compiled(conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot]) -> list[BlockRead]:
+def _compiled(conv: Conversion, traced: TracedConversion, slots: Mapping[str, TargetSlot]) -> list[BlockRead]:
     """The region reads of a traced conversion: its blocks for every box this rank owns of its targets."""
     reads = []
     for i, t in enumerate(conv.targets):
@@ -282,7 +282,7 @@ def _compiled(conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot])
 
 
 def _compiled_values(
-    conv: Conversion, traced: Traced, slots: Mapping[str, TargetSlot], value_bytes: int
+    conv: Conversion, traced: TracedConversion, slots: Mapping[str, TargetSlot], value_bytes: int
 ) -> list[ValueRead]:
     """The value reads of a traced conversion: a program per owned box of its computed targets, boxes split so
     that a program's inputs hold at most ``value_bytes``."""

@@ -4,8 +4,8 @@ structure, and the blocks compiled for a box are cached with it.
 A conversion is traced by running it once on RegionTensors (canonical leaves ``#0, #1, …`` standing for its
 sources) and checking the result against its meta run (:attr:`~loader.rules.Conversion.meta`, made by the
 rules for its signature): each conversion runs on meta once per signature, and the trace reuses that run.
-The outcome is :class:`Traced` (its outputs: index maps, or values computed from index maps by pointwise ops)
-or :class:`Untraced` (why not).
+The outcome is :class:`TracedConversion` (its outputs: index maps, or values computed from index maps by pointwise
+ops) or :class:`Untraced` (why not).
 
 A transformers rule's ops receive their sources cast to the model tensor's dtype
 (:func:`~loader.rules.conversion.source_cast`). For an index map the cast commutes with every movement op, so it is
@@ -112,10 +112,6 @@ class TracedConversion:
         if blocks is None:
             blocks = cache[key] = self.invert().blocks(str(target_index), box)
         return tuple(_rename(b, names) for b in blocks)
-
-
-#: the name the load has always used
-Traced = TracedConversion
 
 
 @dataclass(frozen=True)
