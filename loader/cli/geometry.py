@@ -219,7 +219,7 @@ def collect(
 
     Args:
         planner: an ``HFLoadPlanner`` for the model (its key plan is reused).
-        checkpoint: the ``SafetensorsCheckpoint``.
+        checkpoint: the checkpoint (a :class:`~loader.checkpoint.Checkpoint`).
         tensors: model tensors by name (any device).
         mesh_shape, placements: as ``loader.simulate.simulate_load``.
         ranks: the ranks drawn.

@@ -16,6 +16,7 @@ from typing import Any
 from regiontrace.cli.common import CLIError
 
 from .. import HFLoadPlanner, SafetensorsCheckpoint
+from ..checkpoint import Checkpoint
 from ..checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from ..errors import CheckpointNotFoundError, redact_url
 from ..options import Rules, StorageOptions
@@ -251,7 +252,7 @@ class PlanOutputs:
 
 def plan_model(
     model: Any,
-    checkpoint_path: str | SafetensorsCheckpoint,
+    checkpoint_path: str | Checkpoint,
     mesh_shape: Sequence[int],
     *,
     ranks: Sequence[int],
@@ -271,9 +272,7 @@ def plan_model(
         outputs.save,
     )
     checkpoint = (
-        checkpoint_path
-        if isinstance(checkpoint_path, SafetensorsCheckpoint)
-        else SafetensorsCheckpoint.open(checkpoint_path)
+        checkpoint_path if isinstance(checkpoint_path, Checkpoint) else SafetensorsCheckpoint.open(checkpoint_path)
     )
     why: dict[str, str] = {}
     if placements is None:
@@ -290,7 +289,7 @@ def plan_model(
         sharding.setdefault(generic_name(name), (placement_text(pl), why.get(name, "")))
     mesh_text = "x".join(map(str, mesh_shape))
     data_bytes = checkpoint.total_bytes
-    shown = checkpoint.root if isinstance(checkpoint_path, SafetensorsCheckpoint) else checkpoint_path  # a URL's
+    shown = checkpoint.root if isinstance(checkpoint_path, Checkpoint) else checkpoint_path  # a URL's
     shown = redact_url(str(shown))
     head = (
         f"{shown}: {len(checkpoint)} checkpoint tensors, {human_bytes(data_bytes)}"

@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 
-from ..checkpoint import Checkpoint, SafetensorsCheckpoint
+from ..checkpoint import Checkpoint
 from ..checkpoint.folder import INDEX_NAME
 from ..errors import CheckpointError, redact_url
 from ..storage import ObjectIdentity
@@ -26,7 +26,7 @@ from .session import Session
 
 log = logging.getLogger("loader")
 
-Opener = Callable[[Mapping[str, ObjectIdentity] | None], SafetensorsCheckpoint]
+Opener = Callable[[Mapping[str, ObjectIdentity] | None], Checkpoint]
 
 
 def identities_of(checkpoint: Checkpoint) -> dict[str, ObjectIdentity]:
@@ -71,7 +71,7 @@ def describe(identity: ObjectIdentity | None) -> str:
     return ", ".join(parts)
 
 
-def open_agreed(session: Session, opener: Opener, *, remote: bool) -> SafetensorsCheckpoint:
+def open_agreed(session: Session, opener: Opener, *, remote: bool) -> Checkpoint:
     """The checkpoint ``opener(None)`` opens, at rank 0's version of every file (see the module); collective for
     a ``remote`` checkpoint, ``opener(None)`` alone otherwise.
 

@@ -107,9 +107,9 @@ def save_hf_checkpoint(
             a transformers ``PreTrainedModel``, transformers' conversion mapping).
         options: how the save runs and writes (:class:`~loader.options.SaveOptions`: file size, metadata,
             progress, timeout); None: the defaults.
-        source_shapes: the checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint (path or
-            ``SafetensorsCheckpoint``) to take keys, shapes and dtypes from: needed when they cannot be found from
-            the model and the rules alone (a ``Convert`` rule).
+        source_shapes: the checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint (a path or
+            a :class:`~loader.checkpoint.Checkpoint`) to take keys, shapes and dtypes from: needed when they cannot
+            be found from the model and the rules alone (a ``Convert`` rule).
 
     Returns:
         A :class:`SaveReport` for this rank.

@@ -95,8 +95,9 @@ def map_for_save(
         rules: the :class:`~loader.options.Rules`, as for ``load_hf_checkpoint`` (None: the defaults); for a model
             a load recorded its rules on, only those of them the load applied (none given: all it applied).
         source_shapes: the checkpoint keys to save, with their shapes (or ``(shape, dtype)``; without a dtype, the
-            dtype of the model tensors they convert to), or a checkpoint (path or ``SafetensorsCheckpoint``) whose
-            keys, shapes and dtypes to use. Needed when a ``Convert`` rule is used.
+            dtype of the model tensors they convert to), or a checkpoint (a path or a
+            :class:`~loader.checkpoint.Checkpoint`) whose keys, shapes and dtypes to use. Needed when a ``Convert``
+            rule is used.
         cache: the traces by signature to use (e.g. a load's, or a transfer's other side); None: a new one.
 
     Raises:

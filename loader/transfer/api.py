@@ -105,8 +105,8 @@ def transfer_weights(
         options: how the transfer moves weights (:class:`~loader.options.TransferOptions`: bucket size, timeout,
             rollback, progress); None: the defaults.
         source_shapes: the source's checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint
-            (path or ``SafetensorsCheckpoint``): needed when ``src_mapping`` has a ``Convert`` rule, whose keys
-            cannot be derived from the model (as for ``save_hf_checkpoint``).
+            (a path or a :class:`~loader.checkpoint.Checkpoint`): needed when ``src_mapping`` has a ``Convert``
+            rule, whose keys cannot be derived from the model (as for ``save_hf_checkpoint``).
 
     Returns:
         This rank's :class:`TransferReport`.
