@@ -19,10 +19,10 @@ every later load, and read from the disk in smaller requests); read with readahe
 read that the host's ranks do not need (bench/folio_probe.py, docs/loading.md "The page cache's folios").
 
 A file is read with readahead on a rank when at least two of its mates read it (same key) and their coverages
-together hold at least ``fraction`` of it (:func:`files_to_read_ahead`). The distributed load gathers the posts
-(:mod:`loader.load`): each rank's host and whether it reads local files, and aside, compressed, its files, which
-only its mates fetch. A post that does not unpack to such files is a :class:`PostError` naming the rank that
-posted it and what is wrong with it.
+together hold at least ``fraction`` of it (:func:`files_to_read_ahead`; :func:`read_ahead_shared` tells the
+reader). The distributed load gathers every rank's post (:mod:`loader.load`: its host and its files, compressed).
+A post that does not unpack to such files is a :class:`PostError` naming the rank that posted it and what is wrong
+with it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ import numpy as np
 
 from ..checkpoint import Checkpoint
 from ..plan import BlockRead
+from ..storage import RangeReader
+from ..storage.capabilities import ReadsAhead, capability
+from .reads import SPARSE_FRACTION
 
 #: bytes of a coverage granule (a 5 GB file is 4 800 of them: 600 bytes of bits, less once compressed)
 GRANULE = 1 << 20
@@ -175,3 +178,25 @@ def files_to_read_ahead(files: Sequence[Mapping[str, Any]], index: int, fraction
         if union.sum() >= fraction * n:
             out.add(path)
     return out
+
+
+def read_ahead_shared(posts: Sequence[Mapping[str, Any]], reader: RangeReader, rank: int) -> int:
+    """Tell ``reader`` to read with readahead the local files ``rank``'s mates read most of together; how many of
+    its files that is (0: it reads no local file, or ``reader`` keeps no readahead).
+
+    Args:
+        posts: every rank's post (index = rank): its ``host``, and its ``files`` as :func:`pack` made them, or None.
+        reader: this rank's reader.
+        rank: this rank.
+
+    Raises:
+        PostError: a mate's files do not unpack (raised on that host's ranks only: the caller agrees it).
+    """
+    ahead = capability(reader, ReadsAhead)
+    if posts[rank]["files"] is None or ahead is None:
+        return 0
+    ranks = mates(posts, rank)
+    together = [unpack(posts[r]["files"], r) for r in ranks]
+    files = files_to_read_ahead(together, ranks.index(rank), SPARSE_FRACTION)
+    ahead.read_ahead(files)
+    return len(files)
