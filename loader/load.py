@@ -30,7 +30,7 @@ from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from .distributed import Session, broadcast_owned, owned_subset
 from .distributed.verdicts import check_same
 from .distributed.versions import open_agreed
-from .execute import SPARSE_FRACTION, Rollback, execute_plan, host_shared
+from .execute import Rollback, execute_plan, host_shared
 from .execute.exchanged import exchanged_reads
 from .options import LoadOptions, StorageOptions
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead, describe
@@ -96,9 +96,10 @@ def read_on_every_rank(
     alone = replace(options, rollback=False)  # undone by the flow, once every rank agreed
     with session.stage("reading"):
         exchange = exchanging(options, plan, session)
+        posts = _gather_posts(plan, reader, reads, session, exchange)  # exchange: the same on every rank past here
         # before the exchanged reads' own points: a post only this host's ranks found bad is agreed by every rank
         with session.stage("reading", point="posts") if exchange else contextlib.nullcontext():
-            shared = _agree_on_reads(plan, reader, reads, session, exchange)
+            shared = _read_ahead(posts, reader, session)
         if shared:
             what = "file(s) read with readahead (this host's ranks read most of them)"
             log.info("rank %d: %d %s", session.rank, shared, what)
@@ -109,15 +110,18 @@ def read_on_every_rank(
     return received
 
 
-def _agree_on_reads(
+def _gather_posts(
     plan: RankPlan, reader: RangeReader, reads: Sequence[BlockRead], session: Session, exchange: bool
-) -> int:
-    """One gather of every rank's reading settings: ``exchange`` must be the same everywhere (a collective path:
-    every rank or none), and the local files this host's ranks read most of together are read with readahead
-    (:mod:`~loader.execute.host_shared`). Returns how many of this rank's files that is. Collective."""
+) -> list[dict]:
+    """One gather of every rank's reading settings (index = rank): ``exchange`` must be the same everywhere (a
+    collective path: every rank or none), and its host and local files (:mod:`~loader.execute.host_shared`).
+    Collective.
+
+    Raises:
+        ValueError: the ranks disagree on ``exchange`` (on every rank).
+    """
     mine: dict = {"host": "", "files": {}}
-    ahead = capability(reader, ReadsAhead)
-    if ahead is not None and not session.solo:
+    if capability(reader, ReadsAhead) is not None and not session.solo:
         try:
             mine = host_shared.post(plan.checkpoint, reads)
         except Exception:  # only a hint: this rank then reads as it would alone (and never leaves the others waiting)
@@ -126,13 +130,17 @@ def _agree_on_reads(
     post = json.dumps({"exchange": str(exchange), "host": mine["host"], "files": packed}).encode()
     posts = [json.loads(p) for p in session.gather(post, doing="gathering every rank's reading settings")]
     check_same("exchange_reads", [p["exchange"] for p in posts])
-    if packed is None:  # no local file (or a solo session)
-        return 0
-    mates = host_shared.mates(posts, session.rank)
-    together = [host_shared.unpack(posts[r]["files"], r) for r in mates]
-    files = host_shared.files_to_read_ahead(together, mates.index(session.rank), SPARSE_FRACTION)
-    ahead.read_ahead(files)  # type: ignore[union-attr]
-    return len(files)
+    return posts
+
+
+def _read_ahead(posts: list[dict], reader: RangeReader, session: Session) -> int:
+    """Read with readahead the local files this host's ranks read most of together; how many of this rank's files
+    that is.
+
+    Raises:
+        PostError: a mate's post does not unpack (on this host's ranks).
+    """
+    return host_shared.read_ahead_shared(posts, reader, session.rank)  # none in a solo session: no files posted
 
 
 def exchanging(options: LoadOptions, plan: RankPlan, session: Session) -> bool:
