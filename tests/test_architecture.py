@@ -711,3 +711,69 @@ def test_the_save_touches_files_only_through_the_storage():
     (:mod:`loader.storage.local_write`, :mod:`~loader.storage.local_commit`) makes them."""
     bad = {p.name: found for p in sorted(SAVE_PACKAGE.glob("*.py")) for found in [file_calls(p.read_text())] if found}
     assert not bad, bad
+
+
+# -- the collectives of a distributed flow -----------------------------------------------------------------------------
+
+COLLECTIVES_MODULE = ROOT / "loader" / "distributed" / "collectives.py"
+
+#: ``torch.distributed`` calls that move data between ranks: made only by the collectives module
+COLLECTIVE_CALLS = {
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "recv",
+    "reduce",
+    "scatter",
+    "scatter_object_list",
+    "send",
+}
+
+
+def collective_uses(source: str) -> list[tuple[int, str]]:
+    """Each ``dist.<collective>(...)`` / ``torch.distributed.<collective>(...)`` call in ``source`` and each
+    ``"nccl"`` literal (a device choice by backend), as ``(line, what)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVE_CALLS:
+            base = node.func.value
+            name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+            if name in ("dist", "distributed"):
+                found.append((node.lineno, node.func.attr))
+        elif isinstance(node, ast.Constant) and node.value == "nccl":
+            found.append((node.lineno, "nccl"))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("code", "uses"),
+    [
+        ("dist.all_gather_object(out, mine)", [(1, "all_gather_object")]),
+        ("torch.distributed.broadcast(t, src=0)", [(1, "broadcast")]),
+        ("if dist.get_backend() == 'nccl': pass", [(1, "nccl")]),
+        ("session.gather(data); peers.all_to_all_bytes(sends, sizes)", []),
+    ],
+)
+def test_the_collective_check_sees_them(code, uses):
+    assert collective_uses(code) == uses
+
+
+def test_collectives_and_the_device_choice_live_in_one_module():
+    """Every rank-to-rank data movement of the loader goes through :mod:`loader.distributed.collectives` (one gather
+    channel, each collective over a ``group`` with a timeout), which alone chooses the device by backend."""
+    bad = {
+        str(p.relative_to(ROOT)): found
+        for p in sorted((ROOT / "loader").rglob("*.py"))
+        if p != COLLECTIVES_MODULE
+        for found in [collective_uses(p.read_text())]
+        if found
+    }
+    assert not bad, bad
