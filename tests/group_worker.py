@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dist_worker import check_full, layout_placements  # noqa: E402
-from gloo_world import worker_main  # noqa: E402
+from dist_worker import check_full, layout_placements
+from gloo_world import worker_main
 
 PAIRS = ((0, 1), (2, 3))
 
