@@ -202,7 +202,8 @@ def test_slots_across_chunk_bounds_read_their_boxes(split, cuts):
 def test_unknown_encoding_is_refused_by_name_before_any_read(split):
     ckpt, _ = split
     info = ckpt["b"]
-    packed = TensorInfo(info.key, info.file, info.dtype, info.shape, info.data_start, info.data_end, "int4-packed")
+    packed = TensorInfo.of_chunks(info.key, info.dtype, info.shape, info.chunks, encoding="int4-packed")
+    assert packed.encoding == "int4-packed" and packed.file == info.file
     odd = TableCheckpoint({**ckpt.tensors, "b": packed}, identities=ckpt.identities, store=ckpt.store)
     net = Net()
     with pytest.raises(CheckpointError) as e:

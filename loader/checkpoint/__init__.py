@@ -5,7 +5,7 @@ byte-range reads (:mod:`.files`), safetensors checkpoints (one file or a sharded
 repo ids resolved to cached snapshots (:mod:`.hub`)."""
 
 from ..storage import FileIdentity, FileReader
-from .chunks import ENCODINGS, PLAIN, Chunk, TensorInfo, check_encodings, chunk_source
+from .chunks import ENCODINGS, PLAIN, Chunk, StoredTensorInfo, TensorInfo, check_encodings, chunk_source
 from .config import config_location, quantization_config
 from .files import coalesce_ranges, read_ranges, read_tensor
 from .folder import INDEX_NAME, MAX_INDEX_BYTES, SINGLE_NAME, SafetensorsCheckpoint
@@ -36,6 +36,7 @@ __all__ = [
     "FileReader",
     "HeaderFile",
     "SafetensorsCheckpoint",
+    "StoredTensorInfo",
     "TensorInfo",
     "coalesce_ranges",
     "config_location",

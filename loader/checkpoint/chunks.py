@@ -24,7 +24,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -80,10 +80,10 @@ def parse_chunk_source(name: str) -> tuple[str, int] | None:
 class TensorInfo:
     """Where one checkpoint tensor lives: its dtype, shape, encoding and chunks.
 
-    A tensor stored in one chunk (every safetensors tensor) keeps that chunk's place in ``file``,
-    ``data_start`` and ``data_end``; one stored in several (:meth:`of_chunks`) lists them in ``split``, and
-    then ``file``, ``data_start`` and ``data_end`` are None: it is read through its chunks' sources
-    (:meth:`chunk_info`).
+    A tensor stored in one chunk in the plain encoding (every safetensors tensor) is a :class:`TensorInfo` and keeps
+    that chunk's place in ``file``, ``data_start`` and ``data_end``; one stored in several chunks, or in an encoding
+    of its own, is a :class:`StoredTensorInfo` (:meth:`of_chunks`), which lists its chunks in ``split`` (``file``,
+    ``data_start`` and ``data_end`` then None: it is read through its chunks' sources, :meth:`chunk_info`).
 
     Attributes:
         key: Tensor name in the checkpoint.
@@ -102,14 +102,16 @@ class TensorInfo:
     shape: tuple[int, ...]
     data_start: int | None
     data_end: int | None
-    encoding: str = PLAIN
-    split: tuple[Chunk, ...] = ()
+    # fields of a StoredTensorInfo only: a header's thousands of plain one-chunk infos are built without them
+    encoding: ClassVar[str] = PLAIN
+    split: ClassVar[tuple[Chunk, ...]] = ()
 
     @classmethod
     def of_chunks(
         cls, key: str, dtype: torch.dtype, shape: tuple[int, ...], chunks: Iterable[Chunk], encoding: str = PLAIN
     ) -> TensorInfo:
-        """A tensor stored as ``chunks``, which must tile its index space (one chunk: a plain info).
+        """A tensor stored as ``chunks``, which must tile its index space: a :class:`TensorInfo` for one chunk of
+        the whole shape in the plain encoding, else a :class:`StoredTensorInfo`.
 
         Raises:
             CheckpointError: a chunk lies outside the shape, two overlap, or they leave elements uncovered.
@@ -128,8 +130,10 @@ class TensorInfo:
             raise err(where, f"chunks cover {covered} of the {math.prod(shape)} elements of shape {shape}", key)
         if len(chunks) == 1 and chunks[0].box == tuple((0, n) for n in shape):
             c, nbytes = chunks[0], math.prod(shape) * dtype.itemsize
-            return cls(key, c.location, dtype, shape, c.offset, c.offset + nbytes, encoding)
-        return cls(key, None, dtype, shape, None, None, encoding, chunks)
+            if encoding == PLAIN:
+                return TensorInfo(key, c.location, dtype, shape, c.offset, c.offset + nbytes)
+            return StoredTensorInfo(key, c.location, dtype, shape, c.offset, c.offset + nbytes, encoding)
+        return StoredTensorInfo(key, None, dtype, shape, None, None, encoding, chunks)
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
@@ -190,7 +194,17 @@ class TensorInfo:
         c = self.chunks[index]
         name = chunk_source(self.key, index) if self.split else self.key
         end = c.offset + c.numel * self.dtype.itemsize
-        return TensorInfo(name, c.location, self.dtype, c.shape, c.offset, end, self.encoding)
+        if self.encoding == PLAIN:
+            return TensorInfo(name, c.location, self.dtype, c.shape, c.offset, end)
+        return StoredTensorInfo(name, c.location, self.dtype, c.shape, c.offset, end, self.encoding)
+
+
+@dataclass(frozen=True)
+class StoredTensorInfo(TensorInfo):
+    """A :class:`TensorInfo` stored as several chunks (``split``), or in an encoding other than :data:`PLAIN`."""
+
+    encoding: str = PLAIN
+    split: tuple[Chunk, ...] = ()
 
 
 def check_encodings(infos: Iterable[TensorInfo]) -> None:

@@ -215,7 +215,7 @@ class TraceCache:
         entry = self._keys.get((id(conv), id(checkpoint)))
         if entry is not None and entry[0] is conv and entry[1] is checkpoint:
             return entry[2], entry[3], entry[4]
-        infos = [checkpoint[k] for k in conv.sources]
+        infos = [checkpoint.tensors[k] for k in conv.sources]
         shapes, dtypes = tuple(i.shape for i in infos), tuple(i.dtype for i in infos)
         meta = conv.meta
         if meta is not None and conv.signature is not None and meta.shapes == shapes and meta.dtypes == dtypes:
