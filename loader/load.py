@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .checkpoint import SafetensorsCheckpoint
+from .checkpoint import Checkpoint, SafetensorsCheckpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from .distributed import Session, broadcast_owned, owned_subset
 from .distributed.verdicts import check_same
@@ -164,7 +164,8 @@ def load_distributed(
     """Plan on every rank, agree on the outcome, then read each rank's own byte ranges.
 
     Args:
-        path: checkpoint file, folder, Hugging Face repo id or URL.
+        path: checkpoint file, folder, Hugging Face repo id or URL, or a :class:`~loader.checkpoint.Checkpoint`
+            (each rank's own).
         options: how the load runs and reads (see :func:`read_on_every_rank`); ``timeout``: seconds each rank waits for
             the others at the end of planning and of reading.
         storage: where and how the checkpoint's bytes are reached (:class:`~loader.options.StorageOptions`).
@@ -184,9 +185,12 @@ def load_distributed(
     started = time.perf_counter()
     storage = storage if storage is not None else StorageOptions()
     with Session(options.timeout, group) as session, Rollback(options.rollback) as rollback:
-        _resolve_on_rank_zero_first(session, path, storage.revision)
+        checkpoint = path if isinstance(path, Checkpoint) else None  # a checkpoint object: each rank's own, opened
+        if checkpoint is None:
+            _resolve_on_rank_zero_first(session, path, storage.revision)
         with session.stage("planning"):  # when it fails anywhere, no model is touched
-            checkpoint = open_agreed(session, opener(path, storage), remote=is_url(path))
+            if checkpoint is None:
+                checkpoint = open_agreed(session, opener(path, storage), remote=is_url(path))
             plan = planner.build_plan(checkpoint, check_devices=allocate is None)
             plan = allocate(plan) if allocate is not None else plan
         rank, world = session.rank, session.world

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ class SplitFiles(TableCheckpoint):
         headers = {name: read_header_file(store.locate(name), store) for name in names}
         tensors = {}
         for key, boxes in parts.items():
-            infos = [(headers[name].tensors[key], box) for name, box in boxes]
+            infos = [(headers[name].tensors[key], tuple(map(tuple, box))) for name, box in boxes]  # boxes from JSON
             chunks = [Chunk(box, info.file, info.data_start) for info, box in infos]
             tensors[key] = TensorInfo.of_chunks(key, infos[0][0].dtype, shapes[key], chunks)
         identities = {store.locate(name): h.identity for name, h in headers.items()}
@@ -197,6 +198,31 @@ def test_slots_across_chunk_bounds_read_their_boxes(split, cuts):
             execute_plan(plan, reader, LoadOptions(progress=False))
             assert local.numel() * 4 <= reader.bytes_read <= ckpt["w"].nbytes  # its box's chunks only
         assert torch.equal(local, _narrowed(full["w"], box))
+
+
+@pytest.mark.dist
+def test_a_sharded_model_loads_split_keys_on_every_rank(tmp_path):
+    """A 4-rank gloo world: row-sharded ``w`` and column-sharded ``v`` (their slots cross the chunks' bounds) and a
+    replicated pinwheel ``p`` load from the split checkpoint equal to the whole tensors."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import chunks_worker
+    from gloo_world import WORLD, ok, run_world
+
+    g = torch.Generator().manual_seed(1)
+    full = {k: torch.randn(6, 8, generator=g) for k in ("w", "v")} | {"p": torch.randn(3, 3, generator=g)}
+    parts = {"w": W_PARTS, "v": W_PARTS, "p": [(f"p{j}.safetensors", box) for j, box in enumerate(PINWHEEL)]}
+    folder = tmp_path / "split"
+    folder.mkdir()
+    write_split(str(folder), full, parts)
+    torch.save(full, tmp_path / "ref.pt")
+    shapes = {k: list(t.shape) for k, t in full.items()}
+    ctx = {"store": str(tmp_path / "store"), "out": str(tmp_path), "folder": str(folder), "parts": parts}
+    ctx |= {"shapes": shapes, "ref": str(tmp_path / "ref.pt")}
+    results = run_world(chunks_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
+    for r, res in enumerate(ok(results, "split_keys")):
+        assert res["bad"] == [], f"rank {r}: {res['bad']}"
+        assert res["deferred"] == ("p",)
+        assert 0 < res["bytes_read"] <= sum(t.numel() * 4 for t in full.values())
 
 
 def test_unknown_encoding_is_refused_by_name_before_any_read(split):
