@@ -21,9 +21,9 @@ experts, ``Shard(0)``), then per round, layout and server, run the methods one a
 (the order of the methods turns by one each round):
 
 * ``ours``: ``load_hf_checkpoint(model, URL)`` (each rank fetches its byte ranges: loader/storage/remote);
-* ``ours_bounded``: the same with ``storage_options={"max_overread": BOUND}`` (``--bound``, default 0.01): the
+* ``ours_bounded``: the same with ``RequestCosts(max_overread=BOUND)`` (``--bound``, default 0.01): the
   over-read bounded tighter than the default 0.05 (for egress billed per byte);
-* ``ours_overread``: the same with ``storage_options={"max_overread": OVERREAD}`` (``--overread``, default 3.0): the
+* ``ours_overread``: the same with ``RequestCosts(max_overread=OVERREAD)`` (``--overread``, default 3.0): the
   cost model may read gaps through up to that fraction of the bytes wanted — a column shard's in a few requests;
 * ``download``: every file to a local folder, then ``load_hf_checkpoint`` from there (bench/remote_peers.py);
 * ``runai``: runai-model-streamer streams every tensor whole from ``s3://``, each rank cuts its shard (vLLM-style;
@@ -50,7 +50,7 @@ import tempfile
 import time
 from datetime import timedelta
 
-from loader.options import LoadOptions
+from loader.options import LoadOptions, RemoteOptions, RequestCosts, StorageOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
@@ -58,7 +58,7 @@ WORLD = 4
 MIB = 1 << 20
 BUCKET = "bench"
 METHODS = ("ours", "ours_bounded", "ours_own_runs", "ours_overread", "download", "runai")
-#: the user agent a rank's requests carry (HTTP: a header in storage_options; S3: botocore's app id, from the
+#: the user agent a rank's requests carry (HTTP: a header in StorageOptions.backend; S3: botocore's app id, from the
 #: environment), so that ranks loading the same URL are told apart in the server's log
 AGENT = re.compile(r"regiontrace-bench-rank(\d+)")
 SERVERS = ("http", "s3")
@@ -98,11 +98,12 @@ def generate(out: str, layers: int) -> str:
 def load_ours(model, url: str, options: dict | None = None, exchange: bool | None = None) -> dict:
     from loader import load_hf_checkpoint
 
-    options = dict(options or {})
+    backend = {}
     if url.startswith("http"):  # this rank's requests told apart in the log (S3: AWS_SDK_UA_APP_ID)
-        options["headers"] = {"User-Agent": f"regiontrace-bench-rank{dist_rank()}"}
+        backend["headers"] = {"User-Agent": f"regiontrace-bench-rank{dist_rank()}"}
+    storage = StorageOptions(backend=backend, remote=RemoteOptions(costs=RequestCosts(**(options or {}))))
     report = load_hf_checkpoint(
-        model, url, storage_options=options or None, options=LoadOptions(progress=False, exchange_reads=exchange)
+        model, url, options=LoadOptions(progress=False, exchange_reads=exchange), storage=storage
     )
     return {"bytes_read": report.bytes_read, "requests": report.requests, "exchanged": report.bytes_exchanged}
 
@@ -114,8 +115,8 @@ def dist_rank() -> int:
 
 
 def ours_options(method: str, spec: dict) -> dict:
-    """The storage options of an ``ours`` method: none for ``ours``, ``max_overread`` for ``ours_bounded`` and
-    ``ours_overread``."""
+    """The request costs (:class:`~loader.options.RequestCosts` fields) of an ``ours`` method: none for ``ours``,
+    ``max_overread`` for ``ours_bounded`` and ``ours_overread``."""
     bound = {"ours_bounded": spec.get("bound"), "ours_overread": spec.get("overread")}.get(method)
     return {} if bound is None else {"max_overread": bound}
 
@@ -130,7 +131,6 @@ def planned(model, folder: str, multi_range: bool, options: dict) -> dict:
     """The requests and bytes ours would fetch for this rank's shards (the plan's byte runs through the remote
     store's request planner with ``options``; headers, index and config left out), without fetching."""
     from loader import HFLoadPlanner, SafetensorsCheckpoint
-    from loader.storage.remote import RemoteOptions
     from loader.storage.remote.requests_plan import plan_requests
 
     checkpoint = SafetensorsCheckpoint.open(folder)
@@ -140,7 +140,7 @@ def planned(model, folder: str, multi_range: bool, options: dict) -> dict:
         for a, n in r.block.source_runs():
             start = info.data_start + a * info.itemsize
             by_file.setdefault(info.file, []).append((start, start + n * info.itemsize))
-    o = RemoteOptions(**options)
+    o = RequestCosts(**options)
     requests = [
         q
         for ranges in by_file.values()

@@ -10,7 +10,7 @@ import torch
 from dist_worker import check_full, local_numel, moe_placements
 from gloo_world import worker_main
 
-from loader.options import LoadOptions
+from loader.options import LoadOptions, RemoteOptions, RequestCosts, StorageOptions
 from loader.placements import shard_module
 
 WIRE_BOUND = 0.01  # the max_overread of the bounded wire scenario (tests/test_remote_load.py holds the log to it)
@@ -38,9 +38,9 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
 
     local = _sharded_model(ctx, mesh_shape)
     load_hf_checkpoint(local, ctx["local"], options=LoadOptions(progress=False, **kwargs))
-    options = None
+    storage = None
     if source == "s3_options":
-        url, options = ctx["s3_url"], {"endpoint_url": ctx["s3"], **ctx["s3_keys"]}
+        url, storage = ctx["s3_url"], StorageOptions(backend={"endpoint_url": ctx["s3"], **ctx["s3_keys"]})
     elif source == "s3_env":
         url = ctx["s3_url"]
         os.environ.update(ctx["s3_env"])
@@ -54,13 +54,11 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
             import torch.distributed.checkpoint as torch_dcp
 
             planner = HFLoadPlanner(model)
-            reader = SafetensorsReader(url, storage_options=options, **kwargs)
+            reader = SafetensorsReader(url, options=LoadOptions(**kwargs), storage=storage)
             torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
             report = planner.finish(reader)
         else:
-            report = load_hf_checkpoint(
-                model, url, storage_options=options, options=LoadOptions(progress=False), **kwargs
-            )
+            report = load_hf_checkpoint(model, url, options=LoadOptions(progress=False, **kwargs), storage=storage)
     finally:
         for key in ctx["s3_env"] if source == "s3_env" else ():
             os.environ.pop(key, None)
@@ -78,10 +76,10 @@ def scenario_remote(ctx: dict, source: str, mesh_shape: tuple[int, ...], *, dcp:
     }
 
 
-def scenario_wire(ctx: dict, name: str, **options) -> dict:
+def scenario_wire(ctx: dict, name: str, costs: RequestCosts | None = None) -> dict:
     """The wire checkpoint (hidden 64, head_dim 128, 8 experts of 2048, 4 MB shards) TP on 4 ranks from nginx with
-    exchanged reads and ``options``, this rank's requests told apart in the server's log by their User-Agent: equal to
-    the local load; what the test holds the log against."""
+    exchanged reads and request ``costs``, this rank's requests told apart in the server's log by their User-Agent:
+    equal to the local load; what the test holds the log against."""
     import torch.distributed as dist
 
     from loader import load_hf_checkpoint
@@ -90,8 +88,9 @@ def scenario_wire(ctx: dict, name: str, **options) -> dict:
     load_hf_checkpoint(local, ctx["wire_local"], options=LoadOptions(progress=False))
     model = _sharded_model(ctx, (4,), ctx["wire_local"])
     agent = f"regiontrace-{name}-rank{dist.get_rank()}"
-    options = {**options, "headers": {"User-Agent": agent}}
-    report = load_hf_checkpoint(model, ctx["wire_url"], storage_options=options, options=LoadOptions(progress=False))
+    remote = RemoteOptions(costs=costs or RequestCosts())
+    storage = StorageOptions(backend={"headers": {"User-Agent": agent}}, remote=remote)
+    report = load_hf_checkpoint(model, ctx["wire_url"], options=LoadOptions(progress=False), storage=storage)
     want, got = _local_shards(local), _local_shards(model)
     sd = model.state_dict(keep_vars=True)
     return {
@@ -112,7 +111,7 @@ SCENARIOS = [
     ("s3_dcp_2x2", lambda ctx: scenario_remote(ctx, "s3_options", (2, 2), dcp=True)),
     ("s3_broadcast_2x2", lambda ctx: scenario_remote(ctx, "s3_options", (2, 2), broadcast_replicated_tensors=True)),
     ("wire_tp4", lambda ctx: scenario_wire(ctx, "wire_tp4")),
-    ("wire_tp4_bounded", lambda ctx: scenario_wire(ctx, "wire_tp4_bounded", max_overread=WIRE_BOUND)),
+    ("wire_tp4_bounded", lambda ctx: scenario_wire(ctx, "wire_tp4_bounded", RequestCosts(max_overread=WIRE_BOUND))),
 ]
 
 

@@ -27,7 +27,7 @@ pytest.importorskip("boto3")
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 NAME = "model.safetensors"
-FAST = RemoteOptions(timeout=1.0)
+FAST = RemoteOptions(request_timeout=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_http_stat_and_ranges(web, data):
 
 
 def test_http_many_ranges_in_one_request(web, data):
-    backend = make_backend(web, {}, options=RemoteOptions(concurrency=2))
+    backend = make_backend(web, {}, options=RemoteOptions(requests_in_flight=2))
     identity = backend.stat(f"{web}/{NAME}")
     ranges = [(i * 300, i * 300 + 17) for i in range(200)]
     before = len(web.requests(f"/{NAME}"))
@@ -130,7 +130,7 @@ def test_http_changed_object_and_missing(web, data):
 
 
 def test_http_options_are_checked(web):
-    with pytest.raises(ValueError, match="unknown storage_options.*'tokn'"):
+    with pytest.raises(ValueError, match="unknown backend settings.*'tokn'"):
         make_backend(web, {"tokn": "x"})
     with pytest.raises(ValueError, match="auth"):
         make_backend(web, {"auth": "user:password"})
@@ -235,7 +235,7 @@ def test_fault_changed_etag_without_if_match(faults):
 @pytest.mark.parametrize("mode", ["hang", "reset"])
 def test_fault_hang_and_reset_are_transient(faults, mode):
     url, control = faults
-    backend = make_backend(url, {}, options=RemoteOptions(timeout=0.5))
+    backend = make_backend(url, {}, options=RemoteOptions(request_timeout=0.5))
     identity = backend.stat(url)
     control.set("/" + NAME, **{mode: True})
     with pytest.raises(Transient):
@@ -283,7 +283,7 @@ def test_s3_changed_etag_and_refused(s3, data, monkeypatch):
         backend.get(location, [(0, 8)], ObjectIdentity(identity.size, '"other"'))
     with pytest.raises(CheckpointError, match="changed"):
         backend.get(location, [(0, 8)], ObjectIdentity(identity.size + 1, identity.etag))
-    with pytest.raises(ValueError, match="unknown storage_options for s3://"):
+    with pytest.raises(ValueError, match="unknown backend settings for s3://"):
         make_backend("s3://ckpt", {"secret_key": "x"})
 
 

@@ -21,8 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader.errors import CheckpointError, CheckpointNotFoundError
+from loader.options import RemoteOptions, RequestCosts, StorageOptions
 from loader.storage import ObjectIdentity, RangeReader
-from loader.storage.remote import RemoteOptions, RemoteReader, RemoteStore, Transient, remote_store
+from loader.storage.remote import RemoteReader, RemoteStore, Transient, remote_store
 from loader.storage.remote.reader import plan as plan_for
 from loader.storage.remote.requests_plan import MAX_OVERREAD, join_limit, merge_ranges, plan_requests
 from regiontrace.executor import RunGrid
@@ -97,9 +98,11 @@ def blob(tmp_path):
     return f"{URL}/model.safetensors", data, str(tmp_path)
 
 
-def _reader(folder: str, multi_range: bool = False, **options) -> tuple[RemoteReader, FileBackend]:
+def _reader(
+    folder: str, multi_range: bool = False, costs: RequestCosts | None = None, **remote
+) -> tuple[RemoteReader, FileBackend]:
     backend = FileBackend(folder, multi_range=multi_range)
-    opts = RemoteOptions(**{"backoff": 0.0, **options})
+    opts = RemoteOptions(**{"backoff": 0.0, **remote}, costs=costs or RequestCosts())
     return RemoteReader(backend, opts), backend
 
 
@@ -162,7 +165,7 @@ def test_merge_ranges_merges_overlapping_and_touching_and_refuses_bad_ones():
 def test_a_column_shard_reads_no_gap_with_the_defaults(rows, row_bytes, shard_bytes):
     """A row-parallel shard (a quarter, an eighth of each row): its gaps are under ``gap_bytes`` yet not read:
     bytes fetched = bytes wanted; 64 rows a request over multi-range HTTP, a request per row on S3."""
-    o = RemoteOptions()
+    o = RequestCosts()
     ranges = _column_shard(rows, row_bytes, shard_bytes)
     assert row_bytes - shard_bytes < o.gap_bytes  # a fixed gap threshold would read every gap
     for multi, count in ((True, -(-rows // o.max_ranges)), (False, rows)):
@@ -174,7 +177,7 @@ def test_a_column_shard_reads_no_gap_with_the_defaults(rows, row_bytes, shard_by
 
 
 def test_small_gaps_are_read_through_and_huge_ranges_split():
-    o = RemoteOptions()
+    o = RequestCosts()
     kw = {"gap_bytes": o.gap_bytes, "max_request_bytes": o.max_request_bytes, "multi_range": False, "max_ranges": 64}
     tensors = [(i * ((1 << 20) + 8), i * ((1 << 20) + 8) + (1 << 20)) for i in range(32)]  # 8 bytes between
     plan = plan_requests(tensors, **kw)
@@ -194,7 +197,7 @@ def test_remote_reader_is_a_range_reader(blob):
 @pytest.mark.parametrize("multi", [False, True])
 def test_planned_reads_are_served_from_the_pieces_exactly(blob, multi):
     location, data, folder = blob
-    reader, backend = _reader(folder, multi, max_ranges=4, max_request_bytes=64 << 10)
+    reader, backend = _reader(folder, multi, costs=RequestCosts(max_ranges=4, max_request_bytes=64 << 10))
     ranges = _column_shard(128, 16 << 10, 2 << 10) + [(3 << 20, (3 << 20) + 300_000)]
     with reader:
         reader.will_read(location, lambda: ranges, sparse=True)
@@ -213,7 +216,9 @@ def test_planned_reads_are_served_from_the_pieces_exactly(blob, multi):
 def test_out_of_order_overlapping_and_unplanned_reads(blob):
     location, data, folder = blob
     rng = random.Random(1)
-    reader, backend = _reader(folder, True, max_ranges=8, max_request_bytes=32 << 10, window_bytes=256 << 10)
+    reader, backend = _reader(
+        folder, True, costs=RequestCosts(max_ranges=8, max_request_bytes=32 << 10), fetch_ahead_bytes=256 << 10
+    )
     ranges = [(a, a + rng.randrange(1, 5000)) for a in sorted(rng.sample(range(0, 4 << 20, 8192), 300))]
     reads = ranges + [(a + 10, b + 3000) for a, b in ranges[::7]] + [(0, 100), (len(data) - 50, len(data))]
     rng.shuffle(reads)
@@ -228,7 +233,7 @@ def test_out_of_order_overlapping_and_unplanned_reads(blob):
 
 def test_consecutive_reads_and_runs_across_pieces(blob):
     location, data, folder = blob
-    reader, backend = _reader(folder, max_request_bytes=10_000)
+    reader, backend = _reader(folder, costs=RequestCosts(max_request_bytes=10_000))
     with reader:
         reader.will_read(location, lambda: [(1000, 101_000)], sparse=False)
         outs = [bytearray(n) for n in (1, 9_999, 0, 50_000, 40_000)]
@@ -275,7 +280,9 @@ def test_verify_frees_what_was_fetched_ahead_and_not_read(blob):
 def test_the_window_bounds_the_bytes_fetched_ahead(blob):
     location, data, folder = blob
     window = 100_000
-    reader, backend = _reader(folder, max_request_bytes=30_000, window_bytes=window, concurrency=4)
+    reader, backend = _reader(
+        folder, costs=RequestCosts(max_request_bytes=30_000), fetch_ahead_bytes=window, requests_in_flight=4
+    )
     ranges = [(a, a + 20_000) for a in range(0, 4 << 20, 40_000)]
     with reader:
         reader.will_read(location, lambda: ranges, sparse=True)
@@ -290,7 +297,7 @@ def test_the_window_bounds_the_bytes_fetched_ahead(blob):
 
 def test_a_read_past_the_window_is_fetched_directly_and_not_again(blob):
     location, data, folder = blob
-    reader, backend = _reader(folder, window_bytes=50_000)
+    reader, backend = _reader(folder, fetch_ahead_bytes=50_000)
     ranges = [(a, a + 40_000) for a in range(0, 1_000_000, 100_000)]
     with reader:
         reader.will_read(location, lambda: ranges, sparse=False)
@@ -327,7 +334,7 @@ def test_retries_exhausted_name_the_url_and_what_failed(blob):
 
 def test_a_failure_cancels_the_pending_fetches(blob):
     location, data, folder = blob
-    reader, backend = _reader(folder, concurrency=2, max_request_bytes=10_000)
+    reader, backend = _reader(folder, costs=RequestCosts(max_request_bytes=10_000), requests_in_flight=2)
     backend.fail_at, backend.gate = {0}, threading.Event()
     ranges = [(a, a + 10_000) for a in range(0, 400_000, 20_000)]
     with reader:
@@ -362,7 +369,7 @@ def test_an_object_replaced_mid_read_is_refused(blob):
 
 def test_reads_from_several_threads(blob):
     location, data, folder = blob
-    reader, _ = _reader(folder, True, max_request_bytes=64 << 10, window_bytes=1 << 20)
+    reader, _ = _reader(folder, True, costs=RequestCosts(max_request_bytes=64 << 10), fetch_ahead_bytes=1 << 20)
     ranges = _column_shard(400, 10_000, 3000)
     errors = []
 
@@ -463,10 +470,10 @@ def test_a_column_shard_over_nginx_in_multi_range_requests(served):
     pytest.importorskip("requests")
     folder, data = served
     for url in servers.serve(servers.nginx(folder)):
-        store = remote_store(url, {})
+        store = remote_store(url, StorageOptions())
         reader = _read_column_shard(store, data)
         assert reader.bytes_read == ROWS * SHARD_BYTES and reader.gap_bytes == 0  # no gap fetched
-        assert reader.reads == ROWS // RemoteOptions().max_ranges  # 64 rows a request
+        assert reader.reads == ROWS // RequestCosts().max_ranges  # 64 rows a request
         gets = [r for r in url.requests("/model.safetensors") if r.method == "GET"]
         assert len(gets) == reader.reads + 1 and sum(r.status == 206 for r in gets) == len(gets)  # + the head
 
@@ -476,11 +483,14 @@ def test_a_column_shard_over_s3_a_request_per_row(served):
     folder, data = served
     for endpoint in servers.serve(servers.s3_server()):
         url = servers.put_folder(endpoint, "ckpt", "tiny", folder)
-        store = remote_store(url, {"endpoint_url": endpoint, "key": "testing", "secret": "testing"})
+        store = remote_store(
+            url, StorageOptions(backend={"endpoint_url": endpoint, "key": "testing", "secret": "testing"})
+        )
         reader = _read_column_shard(store, data)
         assert reader.bytes_read == ROWS * SHARD_BYTES and reader.reads == ROWS
         # requests dearer than bytes: the user lets the cost model read the gaps through, in a few large requests
-        options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "max_overread": 4.0}
+        backend = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        options = StorageOptions(backend=backend, remote=RemoteOptions(costs=RequestCosts(max_overread=4.0)))
         reader = _read_column_shard(remote_store(url, options), data)
         assert reader.reads <= 2 and reader.bytes_read - reader.gap_bytes == ROWS * SHARD_BYTES
         assert reader.bytes_read < (ROWS + 1) * ROW_BYTES
@@ -488,16 +498,13 @@ def test_a_column_shard_over_s3_a_request_per_row(served):
 
 def test_max_overread_is_validated():
     with pytest.raises(ValueError, match="max_overread"):
-        RemoteOptions.split({"max_overread": -1.0})
-    assert RemoteOptions.split({"max_overread": 0, "endpoint_url": "x"}) == (
-        RemoteOptions(max_overread=0),
-        {"endpoint_url": "x"},
-    )
+        RequestCosts(max_overread=-1.0)
+    assert RequestCosts(max_overread=0).max_overread == 0
 
 
 def test_a_server_error_is_retried_by_the_reader(faults, served):
     url, control = faults
-    store = remote_store(url, {"backoff": 0.0})
+    store = remote_store(url, StorageOptions(remote=RemoteOptions(backoff=0.0)))
     location = store.locate("model.safetensors")
     control.set("/model.safetensors", fail_then_ok=2)
     reader = _read_column_shard(store, served[1])  # the head's first GET fails twice, then all is well
@@ -513,7 +520,7 @@ def test_a_server_error_is_retried_by_the_reader(faults, served):
 @pytest.mark.parametrize(("mode", "match"), [("hang", "failed after 2 attempts"), ("truncate", "failed after 2")])
 def test_a_server_that_hangs_or_truncates_fails_after_the_retries(faults, mode, match):
     url, control = faults
-    store = remote_store(url, {"timeout": 0.5, "retries": 1, "backoff": 0.0})
+    store = remote_store(url, StorageOptions(remote=RemoteOptions(request_timeout=0.5, retries=1, backoff=0.0)))
     location = store.locate("model.safetensors")
     identity = store.head(location, 8).identity
     control.set("/model.safetensors", **{mode: True})
@@ -525,7 +532,7 @@ def test_a_server_that_hangs_or_truncates_fails_after_the_retries(faults, mode, 
 
 def test_a_server_that_ignores_range_is_refused_at_once(faults):
     url, control = faults
-    store = remote_store(url, {"backoff": 0.0})
+    store = remote_store(url, StorageOptions(remote=RemoteOptions(backoff=0.0)))
     location = store.locate("model.safetensors")
     identity = store.head(location, 8).identity
     control.set("/model.safetensors", ignore_range=True)
@@ -538,7 +545,9 @@ def test_an_object_replaced_mid_load_stops_the_load(faults, served):
     """Replaced after 5 answers: the reads fail with a CheckpointError naming the URL, and what was pending is
     cancelled (the server sees few requests after the change)."""
     url, control = faults
-    store = remote_store(url, {"backoff": 0.0, "concurrency": 2, "max_ranges": 1})
+    store = remote_store(
+        url, StorageOptions(remote=RemoteOptions(backoff=0.0, requests_in_flight=2, costs=RequestCosts(max_ranges=1)))
+    )
     location = store.locate("model.safetensors")
     identity = store.head(location, 8).identity
     control.set("/model.safetensors", change_etag_after=5)
@@ -567,7 +576,10 @@ def test_first_bytes_tell_size_and_identity_without_a_head_request(tmp_path):
     for web in servers.serve(servers.nginx(tmp_path)):
         for endpoint in servers.serve(servers.s3_server()):
             s3 = servers.put_folder(endpoint, "first", "x", tmp_path)
-            for store in (remote_store(web, {}), remote_store(s3, {"endpoint_url": endpoint, **keys})):
+            for store in (
+                remote_store(web, StorageOptions()),
+                remote_store(s3, StorageOptions(backend={"endpoint_url": endpoint, **keys})),
+            ):
                 assert store.exists(store.locate("f.bin")) and store.exists(store.locate("empty.bin"))
                 assert not store.exists(store.locate("missing.bin"))
                 head = store.head(store.locate("f.bin"), 100)

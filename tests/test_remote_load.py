@@ -1,5 +1,5 @@
 """Loading from URLs end to end (issue 18): every family of tests/hf_models.py over nginx (``http://``), moto's S3
-(``s3://``, through ``storage_options`` and through the environment) and nginx laid out like the Hub (``hf://``
+(``s3://``, through ``StorageOptions.backend`` and through the environment) and nginx laid out like the Hub (``hf://``
 with ``HF_ENDPOINT``) loads bit-identical to the local load; each fault of the fault server gives a
 ``CheckpointError`` naming the URL with the model untouched (``rollback=True``), a 500 then success loads; the dcp
 path (``HFLoadPlanner`` + ``SafetensorsReader(url)``) and ``regiontrace plan <url>`` work. Servers are per module."""
@@ -12,6 +12,7 @@ import io
 import json
 import os
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,8 +26,7 @@ from hf_models import FAMILIES, build, clone_state, save
 from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 from loader.checkpoint.header import REMOTE_HEAD_BYTES
 from loader.errors import CheckpointError
-from loader.options import LoadOptions, StorageOptions
-from loader.storage.remote import RemoteOptions
+from loader.options import LoadOptions, RemoteOptions, RequestCosts, StorageOptions
 
 pytest.importorskip("requests")
 pytest.importorskip("boto3")
@@ -36,7 +36,7 @@ COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 BUCKET = "ckpts"
 SHARDED = "llama_sharded"  # llama saved in 20 KB shards: an index and several files
 #: quick failures for the fault tests: one retry, short backoff and timeout
-FAST = {"retries": 1, "backoff": 0.01, "timeout": 1.0}
+FAST = StorageOptions(remote=RemoteOptions(retries=1, backoff=0.01, request_timeout=1.0))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def faults_server(folders):
 
 @pytest.fixture
 def remote(web, hub, s3, monkeypatch):
-    """``remote(scheme, name)`` -> ``(url, storage_options)``, the environment set for the scheme (within the
+    """``remote(scheme, name)`` -> ``(url, backend settings)``, the environment set for the scheme (within the
     test): ``http``, ``s3_options`` (endpoint and keys as options, none in the environment), ``s3_env``
     (``AWS_ENDPOINT_URL_S3`` and the keys from the environment), ``hf`` (``HF_ENDPOINT``)."""
     for key in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -136,7 +136,9 @@ def test_family_loads_bit_identical_to_the_local_load(family, folders, remote, w
         url, options = remote(scheme, family)
         fresh = copy.deepcopy(template)
         logged = len(web.requests())
-        report = load_hf_checkpoint(fresh, url, storage_options=options or None, options=LoadOptions(progress=False))
+        report = load_hf_checkpoint(
+            fresh, url, options=LoadOptions(progress=False), storage=StorageOptions(backend=options or {})
+        )
         assert_bit_equal(fresh.state_dict(), local.state_dict())
         what = (scheme, report)
         assert (report.loaded_keys, report.traced, report.deferred) == (
@@ -160,7 +162,8 @@ def test_partial_load_fetches_only_its_ranges(folders, remote, web):
     _, local = build("llama", seed=1, num_hidden_layers=1)
     load_hf_checkpoint(local, folders["llama"], options=LoadOptions(progress=False))
     logged = len(web.requests())
-    report = load_hf_checkpoint(model, url, storage_options={"latency": 1e-9}, options=LoadOptions(progress=False))
+    storage = StorageOptions(remote=RemoteOptions(costs=RequestCosts(latency=1e-9)))
+    report = load_hf_checkpoint(model, url, options=LoadOptions(progress=False), storage=storage)
     assert_bit_equal(model.state_dict(), local.state_dict())
     assert report.bytes_read == report.planned_bytes < object_bytes(folders["llama"])
     gets = [r for r in web.requests()[logged:] if r.method == "GET"]
@@ -220,7 +223,7 @@ def test_fault_is_a_checkpoint_error_naming_the_url_and_the_model_is_untouched(f
     url, control, path, model, before = faulty
     control.set(path, **mode)
     with pytest.raises(CheckpointError, match=match) as raised:
-        load_hf_checkpoint(model, url, storage_options=FAST, options=LoadOptions(rollback=True, progress=False))
+        load_hf_checkpoint(model, url, options=LoadOptions(rollback=True, progress=False), storage=FAST)
     assert path in str(raised.value), raised.value
     assert_bit_equal(model.state_dict(), before)
 
@@ -237,7 +240,7 @@ def test_object_replaced_mid_load_rolls_back(faulty, folders):
     control.clear()
     control.set(path, change_etag_after=skip)
     with pytest.raises(CheckpointError, match="changed") as raised:
-        load_hf_checkpoint(model, url, storage_options=FAST, options=LoadOptions(rollback=True, progress=False))
+        load_hf_checkpoint(model, url, options=LoadOptions(rollback=True, progress=False), storage=FAST)
     assert path in str(raised.value)
     assert_bit_equal(model.state_dict(), before)
 
@@ -247,7 +250,8 @@ def test_500_then_success_loads(faulty, folders):
     _, local = build("llama", seed=1)
     load_hf_checkpoint(local, folders[SHARDED], options=LoadOptions(progress=False))
     control.set(path, fail_then_ok=2)
-    load_hf_checkpoint(model, url, storage_options={**FAST, "retries": 3}, options=LoadOptions(progress=False))
+    storage = replace(FAST, remote=replace(FAST.remote, retries=3))
+    load_hf_checkpoint(model, url, options=LoadOptions(progress=False), storage=storage)
     assert_bit_equal(model.state_dict(), local.state_dict())
     assert [r.status for r in control.log() if r.path == path][:2] == [500, 500]
 
@@ -264,7 +268,7 @@ def test_dcp_load_through_safetensors_reader(scheme, folders, remote):
     model = copy.deepcopy(local)
     load_hf_checkpoint(local, folders["qwen3_moe"], options=LoadOptions(progress=False))
     planner = HFLoadPlanner(model)
-    reader = SafetensorsReader(url, storage_options=options or None)
+    reader = SafetensorsReader(url, storage=StorageOptions(backend=options or {}))
     dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
     report = planner.finish(reader)
     assert_bit_equal(model.state_dict(), local.state_dict())
@@ -346,8 +350,8 @@ def test_one_rank_fetches_each_byte_once_and_no_head_request(wire_folder, web):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(wire_folder))
-    options = {"headers": {"User-Agent": "regiontrace-wire-one"}}
-    report = load_hf_checkpoint(model, f"{web}/{WIRE}", storage_options=options, options=LoadOptions(progress=False))
+    storage = StorageOptions(backend={"headers": {"User-Agent": "regiontrace-wire-one"}})
+    report = load_hf_checkpoint(model, f"{web}/{WIRE}", options=LoadOptions(progress=False), storage=storage)
     sent = [r for r in web.requests() if r.agent == "regiontrace-wire-one"]
     assert sent and not [r for r in sent if r.method != "GET"], sent
     assert not any(data_fetched_twice(wire_folder, sent).values())
@@ -362,7 +366,7 @@ def test_hub_files_are_probed_without_head_requests(remote, hub):
     url, options = remote("hf", SHARDED)
     logged = len(hub.requests())
     _, model = build("llama", seed=1)
-    load_hf_checkpoint(model, url, storage_options=options, options=LoadOptions(progress=False))
+    load_hf_checkpoint(model, url, options=LoadOptions(progress=False), storage=StorageOptions(backend=options or {}))
     sent = hub.requests()[logged:]
     assert len(sent) > 6 and all(r.method == "GET" for r in sent), sent  # the index and 6 shards at least
 
@@ -378,7 +382,7 @@ def test_bytes_on_the_wire_per_rank_are_its_shard_and_the_headers(world, wire_fo
     from remote_worker import WIRE_BOUND
 
     results, logged = world
-    bound = WIRE_BOUND if "bounded" in name else RemoteOptions().max_overread
+    bound = WIRE_BOUND if "bounded" in name else RequestCosts().max_overread
     for rank, res in enumerate(ok(results, name)):
         assert res["unequal_shards"] == [], (rank, res)
         sent = [r for r in logged if r.agent == res["agent"]]

@@ -25,8 +25,7 @@ from safetensors.torch import save_file
 
 from loader import CheckpointError, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.checkpoint import quantization_config
-from loader.options import Rules
-from loader.storage.remote import RemoteOptions, remote_store
+from loader.options import RemoteOptions, RequestCosts, Rules, StorageOptions
 from loader.storage.remote.backend import Transient
 from loader.storage.remote.backends import make_backend
 from loader.storage.remote.fetch import with_retries
@@ -38,7 +37,7 @@ PRESIGNED = (
     "?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=s3cr3t-credential&X-Amz-Date=20250101T000000Z"
     "&X-Amz-Expires=3600&X-Amz-Security-Token=s3cr3t-token&X-Amz-Signature=s3cr3t-signature&sig=s3cr3t-sig"
 )
-FAST = {"retries": 1, "backoff": 0.0, "timeout": 10.0}
+FAST = StorageOptions(remote=RemoteOptions(retries=1, backoff=0.0, request_timeout=10.0))
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -112,7 +111,7 @@ def test_credentials_and_signatures_never_reach_an_error_or_a_log(web, faults, k
     target = f"/{INDEX}" if fault == "bad_index" else f"/{NAME}"
     url = url + target + (PRESIGNED if kind == "presigned" else "")
     with pytest.raises(CheckpointError) as info:
-        SafetensorsCheckpoint.open(url, storage_options=FAST)
+        SafetensorsCheckpoint.open(url, storage=FAST)
     assert_no_secret(info.value, caplog)
     assert target.lstrip("/") in str(info.value) and target.lstrip("/") in info.value.path  # still names the file
     if kind == "presigned":
@@ -136,14 +135,18 @@ def test_a_redirect_to_another_host_drops_the_callers_headers(two_fault_servers)
     first_control.set(f"/redirect/{NAME}", redirect=second)  # another port: another host to requests
     second_control.set(f"/redirect/{NAME}", refuse_header="X-Secret")  # a 403 if the header reached it
     headers = {"headers": {"X-Secret": "s3cr3t-token"}}
-    checkpoint = SafetensorsCheckpoint.open(f"{first}/redirect/{NAME}", storage_options=headers)
+    checkpoint = SafetensorsCheckpoint.open(f"{first}/redirect/{NAME}", storage=StorageOptions(backend=headers))
     assert sorted(checkpoint) == sorted(tensors())
     statuses = [{r.status for r in c.log() if r.path == f"/redirect/{NAME}"} for c in (first_control, second_control)]
     assert statuses == [{302}, {206}]
     with pytest.raises(CheckpointError, match="access refused"):  # allowed: the header goes along, and is refused
-        SafetensorsCheckpoint.open(f"{first}/redirect/{NAME}", storage_options={**headers, "forward_headers": True})
+        SafetensorsCheckpoint.open(
+            f"{first}/redirect/{NAME}", storage=StorageOptions(backend={**headers, "forward_headers": True})
+        )
     with pytest.raises(ValueError, match="forward_headers"):
-        SafetensorsCheckpoint.open(f"{first}/redirect/{NAME}", storage_options={"forward_headers": "yes"})
+        SafetensorsCheckpoint.open(
+            f"{first}/redirect/{NAME}", storage=StorageOptions(backend={"forward_headers": "yes"})
+        )
 
 
 BAD_NAMES = [
@@ -270,20 +273,30 @@ def test_a_trickling_server_fails_the_request_naming_the_bound(faults):
     ``min_rate=2000`` the whole request (5 s + 8.5 KB / 2000 B/s): the load fails naming ``min_rate``."""
     url, control = faults
     control.set(f"/small/{NAME}", trickle=20)
-    options = {"timeout": 5.0, "min_rate": 2000.0, "retries": 0}
+    options = StorageOptions(remote=RemoteOptions(request_timeout=5.0, min_rate=2000.0, retries=0))
     with pytest.raises(CheckpointError, match="too slow.*min_rate 2000 B/s") as info:
-        SafetensorsCheckpoint.open(f"{url}/small/{NAME}", storage_options=options)
+        SafetensorsCheckpoint.open(f"{url}/small/{NAME}", storage=options)
     assert f"small/{NAME}" in str(info.value) and "failed after 1 attempt" in str(info.value)
     assert isinstance(info.value.__cause__, Transient)  # retried where retries are left
 
 
-@pytest.mark.parametrize("option", ["timeout", "backoff", "latency", "min_rate", "bandwidth", "max_overread"])
+@pytest.mark.parametrize(
+    "value_type, option",
+    [
+        (RemoteOptions, "request_timeout"),
+        (RemoteOptions, "backoff"),
+        (RequestCosts, "latency"),
+        (RemoteOptions, "min_rate"),
+        (RequestCosts, "bandwidth"),
+        (RequestCosts, "max_overread"),
+    ],
+)
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e300])
-def test_options_out_of_range_are_a_value_error_naming_them(option, value):
-    if value == 1e300 and option not in ("timeout", "backoff", "latency"):
+def test_options_out_of_range_are_a_value_error_naming_them(value_type, option, value):
+    if value == 1e300 and option not in ("request_timeout", "backoff", "latency"):
         value = float("-inf")
-    with pytest.raises(ValueError, match=f"storage_options\\['{option}'\\]"):
-        remote_store("http://127.0.0.1:1/x", {option: value})
+    with pytest.raises(ValueError, match=f"{value_type.__name__}.{option}"):
+        value_type(**{option: value})
 
 
 def test_many_retries_with_a_long_backoff_do_not_overflow():
@@ -316,7 +329,7 @@ def test_a_multi_range_answer_coalesced_or_reordered_is_accepted(root, faults, h
     url, control = faults
     data = (root / "ckpt" / NAME).read_bytes()
     control.set(f"/ckpt/{NAME}", coalesce=how)
-    backend = make_backend(url, {}, options=RemoteOptions(timeout=10.0))
+    backend = make_backend(url, {}, options=RemoteOptions(request_timeout=10.0))
     location = f"{url}/ckpt/{NAME}"
     got = backend.get(location, COALESCED_RANGES, backend.stat(location))
     assert got == [data[a:b] for a, b in COALESCED_RANGES] and backend.multi_range
@@ -330,7 +343,7 @@ def test_a_multi_range_answer_coalesced_or_reordered_is_accepted(root, faults, h
 def test_a_multi_range_answer_missing_a_range_or_sending_another_is_refused(faults, how, match):
     url, control = faults
     control.set(f"/ckpt/{NAME}", coalesce=how)
-    backend = make_backend(url, {}, options=RemoteOptions(timeout=10.0))
+    backend = make_backend(url, {}, options=RemoteOptions(request_timeout=10.0))
     location = f"{url}/ckpt/{NAME}"
     with pytest.raises(CheckpointError, match=match) as info:
         backend.get(location, COALESCED_RANGES, backend.stat(location))

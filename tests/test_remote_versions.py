@@ -23,14 +23,14 @@ import servers
 
 from loader import CheckpointError, HFLoadPlanner, SafetensorsCheckpoint, load_hf_checkpoint
 from loader.execute import execute_plan
-from loader.options import LoadOptions
+from loader.options import LoadOptions, RemoteOptions, StorageOptions
 
 pytest.importorskip("requests")
 pytest.importorskip("boto3")
 
 COMMIT_A = "a" * 40
 COMMIT_B = "b" * 40
-FAST = {"retries": 1, "backoff": 0.01, "timeout": 5.0}
+FAST = StorageOptions(remote=RemoteOptions(retries=1, backoff=0.01, request_timeout=5.0))
 N = 64  # 64 x 64 float32 tensors: 16 KiB each, beyond what a header's first request holds
 
 
@@ -118,7 +118,7 @@ def replaced_from_first_data_read(url: str, control, path: str, validator: str, 
     a clean load first); returns how many responses come before that read."""
     control.set(path, validator=validator)
     load_hf_checkpoint(
-        Pair(), f"{url}{path}", storage_options=FAST, options=LoadOptions(progress=False)
+        Pair(), f"{url}{path}", storage=FAST, options=LoadOptions(progress=False)
     )  # a clean load: the requests
     skip = data_requests_from(control, path)
     control.clear()
@@ -136,7 +136,7 @@ def test_a_hub_branch_moving_during_the_open_reads_every_file_at_the_first_commi
     index = "/hub/org/pair/resolve/main/model.safetensors.index.json"
     control.set(index, relink_after=[1, "hub/org/pair/main", COMMIT_B])
     model = Pair()
-    load_hf_checkpoint(model, "hf://org/pair", storage_options=FAST, options=LoadOptions(progress=False))
+    load_hf_checkpoint(model, "hf://org/pair", storage=FAST, options=LoadOptions(progress=False))
     assert equal(model, values["A"])
     paths = [r.path for r in control.log()]
     assert [p for p in paths if "/resolve/main/" in p] == [index], paths
@@ -177,9 +177,7 @@ def test_an_object_replaced_mid_load_under_a_weak_validator_is_caught_by_its_hea
     caplog.set_level(logging.WARNING, logger="loader")
     secret = url.replace("http://", "http://user:hunter2@")
     with pytest.raises(CheckpointError, match="header") as raised:
-        load_hf_checkpoint(
-            model, f"{secret}{path}", storage_options=FAST, options=LoadOptions(progress=False, rollback=True)
-        )
+        load_hf_checkpoint(model, f"{secret}{path}", storage=FAST, options=LoadOptions(progress=False, rollback=True))
     assert path in str(raised.value)
     assert equal(model, {k: torch.zeros(N, N) for k in ("a", "b")})
     warned = [r.getMessage() for r in caplog.records if "no strong validator" in r.getMessage()]
@@ -197,7 +195,7 @@ def test_a_last_modified_alone_is_sent_as_if_range(fault):
     path = "/plain/v1/model.safetensors"
     skip = replaced_from_first_data_read(url, control, path, "dated", "plain/v2/model.safetensors")
     with pytest.raises(CheckpointError, match="If-Range") as raised:
-        load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, options=LoadOptions(progress=False))
+        load_hf_checkpoint(Pair(), f"{url}{path}", storage=FAST, options=LoadOptions(progress=False))
     assert path in str(raised.value) and "changed" in str(raised.value)
     assert all(r.status == 200 for r in control.log()[skip:] if r.method == "GET"), control.log()
 
@@ -209,7 +207,7 @@ def test_an_object_that_grows_mid_load_is_caught_by_its_size(fault):
     path = "/plain/v1/model.safetensors"
     replaced_from_first_data_read(url, control, path, "none", "plain/v3.safetensors")
     with pytest.raises(CheckpointError, match="bytes now") as raised:
-        load_hf_checkpoint(Pair(), f"{url}{path}", storage_options=FAST, options=LoadOptions(progress=False))
+        load_hf_checkpoint(Pair(), f"{url}{path}", storage=FAST, options=LoadOptions(progress=False))
     assert path in str(raised.value)
 
 

@@ -15,7 +15,7 @@ import torch
 from gloo_world import worker_main
 from torch import nn
 
-from loader.options import LoadOptions
+from loader.options import LoadOptions, RemoteOptions, StorageOptions
 
 N = 64
 POSTED = "rank 0: posted the identities"
@@ -43,21 +43,21 @@ class _Posted(logging.Handler):
 
 
 def _load(url: str, options: dict, *, dcp: bool = False) -> dict:
-    """Load ``url`` into a :class:`Pair` (``dcp``: through ``dcp.load`` with ``HFLoadPlanner`` and
-    ``SafetensorsReader``): ``{"values": the model's, "error": the message or ""}``."""
+    """Load ``url`` into a :class:`Pair` with the backend settings ``options`` (``dcp``: through ``dcp.load`` with
+    ``HFLoadPlanner`` and ``SafetensorsReader``): ``{"values": the model's, "error": the message or ""}``."""
     import torch.distributed.checkpoint as torch_dcp
 
     from loader import HFLoadPlanner, SafetensorsReader, load_hf_checkpoint
 
     model = Pair()
-    options = {"retries": 1, "backoff": 0.01, **options}
+    storage = StorageOptions(backend=options, remote=RemoteOptions(retries=1, backoff=0.01))
     try:
         if dcp:
             planner = HFLoadPlanner(model)
-            reader = SafetensorsReader(url, storage_options=options)
+            reader = SafetensorsReader(url, storage=storage)
             torch_dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner)
         else:
-            load_hf_checkpoint(model, url, storage_options=options, options=LoadOptions(progress=False))
+            load_hf_checkpoint(model, url, options=LoadOptions(progress=False), storage=storage)
         error = ""
     except Exception as e:
         error = f"{type(e).__name__}: {e}"

@@ -51,19 +51,19 @@ def http_options(url: str, backend_options: Mapping[str, object]) -> dict[str, o
     unknown = sorted(set(backend_options) - set(HTTP_OPTIONS))
     if unknown:
         known = ", ".join(HTTP_OPTIONS)
-        raise ValueError(f"unknown storage_options for {redact_url(url)}: {unknown}; known: {known} (and ours)")
+        raise ValueError(f"unknown backend settings for {redact_url(url)}: {unknown}; known: {known}")
     opts = dict(backend_options)
     if not isinstance(opts.get("headers", {}), Mapping):
-        raise ValueError("storage_options['headers'] must be a dict of header names to values")
+        raise ValueError("StorageOptions.backend['headers'] must be a dict of header names to values")
     if not isinstance(opts.get("verify", True), (bool, str)):
-        raise ValueError("storage_options['verify'] must be a bool or a CA bundle's path")
+        raise ValueError("StorageOptions.backend['verify'] must be a bool or a CA bundle's path")
     auth = opts.get("auth")
     if auth is not None and not (isinstance(auth, (tuple, list)) and len(auth) == 2):
-        raise ValueError("storage_options['auth'] must be a (user, password) pair")
+        raise ValueError("StorageOptions.backend['auth'] must be a (user, password) pair")
     if auth is not None:
         opts["auth"] = tuple(auth)
     if not isinstance(opts.get("forward_headers", False), bool):
-        raise ValueError("storage_options['forward_headers'] must be a bool")
+        raise ValueError("StorageOptions.backend['forward_headers'] must be a bool")
     return opts
 
 

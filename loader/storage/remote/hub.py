@@ -123,7 +123,7 @@ class HubBackend:
         opts = dict(backend_options or {})
         unknown = sorted(set(opts) - set(OPTIONS))
         if unknown:
-            raise ValueError(f"unknown storage_options for hf:// {unknown}; known: {', '.join(OPTIONS)} (and ours)")
+            raise ValueError(f"unknown backend settings for hf:// {unknown}; known: {', '.join(OPTIONS)}")
         self.revision = None if revision is None else check_revision("hf://", revision)
         self.endpoint = str(opts.get("endpoint") or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
         headers = build_hf_headers(token=opts.get("token"), headers=dict(opts.get("headers") or {}))

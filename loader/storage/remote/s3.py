@@ -2,10 +2,11 @@
 
 Vocabulary: a location is ``s3://bucket/key``. The client is configured the usual way (botocore reads
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, the credentials chain, ``AWS_REGION`` / the config file), and by
-backend options with s3fs' names, so that fsspec ``storage_options`` work unchanged: ``endpoint_url``, ``key``,
-``secret``, ``token``, ``anon`` (unsigned requests), ``profile``, ``region_name``, ``client_kwargs`` (to
-``boto3.client``), ``config_kwargs`` (to ``botocore.config.Config``). botocore's own retries are off (the fetcher
-retries), its timeouts are :attr:`RemoteOptions.request_timeout`, its pool holds :attr:`RemoteOptions.requests_in_flight`.
+backend settings with s3fs' names, so that fsspec ``storage_options`` work unchanged (as
+``StorageOptions.backend``): ``endpoint_url``, ``key``, ``secret``, ``token``, ``anon`` (unsigned requests),
+``profile``, ``region_name``, ``client_kwargs`` (to ``boto3.client``), ``config_kwargs`` (to
+``botocore.config.Config``). botocore's own retries are off (the fetcher retries), its timeouts are
+:attr:`RemoteOptions.request_timeout`, its pool holds :attr:`RemoteOptions.requests_in_flight`.
 
 An object's identity is its ``ETag`` and ``VersionId`` (versioned buckets); every ``get_object`` sends
 ``IfMatch`` with the ETag and, where there is one, ``VersionId`` (so a versioned object replaced mid-load is still
@@ -61,7 +62,7 @@ def make_client(options: RemoteOptions, backend_options: Mapping[str, object]):
     """
     unknown = sorted(set(backend_options) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"unknown storage_options for s3:// {unknown}; known: {', '.join(OPTIONS)} (and ours)")
+        raise ValueError(f"unknown backend settings for s3:// {unknown}; known: {', '.join(OPTIONS)}")
     opts = dict(backend_options)
     session = boto3.session.Session(
         aws_access_key_id=opts.get("key"),
