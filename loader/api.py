@@ -26,7 +26,7 @@ log = logging.getLogger("loader")
 # 200 000 tensors, as the counters fell where each phase's pause ended); reference counting frees as usual
 def load_hf_checkpoint(
     model: torch.nn.Module,
-    path: str,
+    path: str | Checkpoint,
     *,
     rules: Rules | None = None,
     options: LoadOptions | None = None,
@@ -43,7 +43,8 @@ def load_hf_checkpoint(
         path: a ``.safetensors`` file, a folder with ``model.safetensors`` or shards + index.json, a
             Hugging Face repo id (``"org/name"``, resolved through the local hub cache), or the URL of a file or
             folder in an object store or on the Hub (``s3://``, ``https://``, ``hf://org/name``): each rank then
-            fetches only its byte ranges (docs/remote.md).
+            fetches only its byte ranges (docs/remote.md); or a checkpoint of any format, opened
+            (:class:`~loader.checkpoint.Checkpoint`; each rank its own).
         rules: which checkpoint keys become which tensors, and ``strict`` (:class:`~loader.options.Rules`);
             None: the default rules, strict.
         options: how the load runs and reads (:class:`~loader.options.LoadOptions`: rollback, progress, timeout,
