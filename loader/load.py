@@ -140,7 +140,9 @@ def _read_ahead(posts: list[dict], reader: RangeReader, session: Session) -> int
     Raises:
         PostError: a mate's post does not unpack (on this host's ranks).
     """
-    return host_shared.read_ahead_shared(posts, reader, session.rank)  # none in a solo session: no files posted
+    if session.solo:  # torch's fake process group: no mates, and its gather holds this rank's post alone
+        return 0
+    return host_shared.read_ahead_shared(posts, reader, session.rank)
 
 
 def exchanging(options: LoadOptions, plan: RankPlan, session: Session) -> bool:
