@@ -1,7 +1,7 @@
 """loader: Hugging Face safetensors checkpoints into (sharded) PyTorch models through traced conversions."""
 
 from .api import load_hf_checkpoint
-from .checkpoint import SafetensorsCheckpoint
+from .checkpoint import Checkpoint, SafetensorsCheckpoint
 from .errors import CheckpointError, PeerFailure
 from .hooks import PlanHooks
 from .options import LoadOptions, RemoteOptions, RequestCosts, Rules, SaveOptions, StorageOptions, TransferOptions
@@ -14,6 +14,7 @@ from .simulate import RankFigures, simulate_load
 from .transfer import TransferReport, transfer_weights
 
 __all__ = [
+    "Checkpoint",
     "CheckpointError",
     "Convert",
     "HFLoadPlanner",
