@@ -298,14 +298,14 @@ def _assembled(box: Box, chunks: list[tuple[Box, rt.RegionTensor]]) -> rt.Region
         cuts = [c for c in cuts if all(not (b[d][0] < c < b[d][1]) for b, _ in chunks)]
         if not cuts:
             continue
-        parts, bounds = [], [lo, *cuts, hi]
+        slabs, bounds = [], [lo, *cuts, hi]
         for a, z in zip(bounds, bounds[1:]):
             sub = tuple((a, z) if e == d else span for e, span in enumerate(box))
-            part = _assembled(sub, [(b, leaf) for b, leaf in chunks if a <= b[d][0] < z])
-            if part is None:
+            slab = _assembled(sub, [(b, leaf) for b, leaf in chunks if a <= b[d][0] < z])
+            if slab is None:
                 return None
-            parts.append(part)
-        return torch.cat(parts, dim=d)
+            slabs.append(slab)
+        return torch.cat(slabs, dim=d)
     return None
 
 
