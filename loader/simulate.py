@@ -20,13 +20,16 @@ from .checkpoint import Checkpoint, SafetensorsCheckpoint
 from .options import Rules
 from .placements import is_dtensor, shard_boxes
 from .plan import RankPlan
-from .plan.slots import TargetSlot, full_box, iter_model_tensors
+from .plan.slots import Box, TargetSlot, full_box, iter_model_tensors
 from .planner import HFLoadPlanner
 from .rules import Conversion
 from .rules.fp8 import weight_of_scale
 
 #: the endings of the scale names :func:`~loader.rules.fp8.weight_of_scale` knows (a cheap test before it)
 _SCALE_ENDINGS = ("_scale_inv", ".scale", ".qscale_weight")
+
+#: what a rank holds of one tensor: ``(global box, local box)`` pairs (:func:`~loader.placements.shard_boxes`)
+Boxes = tuple[tuple[Box, Box], ...]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,48 @@ class RankFigures:
     traced: int
     deferred: int
     deferred_conversions: int
+
+
+#: per model tensor name, placements over a mesh: a mapping (names absent are replicated) or a function of
+#: (name, global shape)
+PlacementsArg = Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]]
+
+
+@dataclass(frozen=True)
+class MeshPlacements:
+    """A mesh and the placements of a model's tensors over it: what each of its ranks holds, without processes.
+
+    The one derivation the simulators share (loads, saves, transfers, the ``plan`` command): see
+    :func:`mesh_placements`.
+    """
+
+    mesh_shape: tuple[int, ...]
+    placements: PlacementsArg
+
+    @property
+    def world(self) -> int:
+        """The number of ranks of the mesh."""
+        return math.prod(self.mesh_shape)
+
+    def of(self, name: str, shape: tuple[int, ...]) -> Sequence[Any] | None:
+        """The placements of model tensor ``name`` of global ``shape`` (None or empty: replicated)."""
+        return self.placements(name, shape) if callable(self.placements) else self.placements.get(name)
+
+    def boxes(self, shape: tuple[int, ...], coordinate: Sequence[int], placements: Sequence[Any] | None) -> Boxes:
+        """``(global box, local box)`` pairs that ``coordinate`` holds of a tensor of ``shape`` placed so (the whole
+        tensor when ``placements`` is None or empty)."""
+        if placements:
+            return shard_boxes(shape, self.mesh_shape, coordinate, placements)
+        return ((full_box(shape), full_box(shape)),)
+
+
+def mesh_placements(
+    model: torch.nn.Module, mesh_shape: Sequence[int] | None = None, placements: PlacementsArg | None = None
+) -> MeshPlacements:
+    """The mesh and placements a simulation of ``model`` uses: those given, else its DTensors' (root mesh and
+    placements, :func:`model_placements`), else one rank holding everything."""
+    found_mesh, found = model_placements(model)
+    return MeshPlacements(tuple(mesh_shape or found_mesh or (1,)), found if placements is None else placements)
 
 
 def coordinate_of(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -136,20 +181,15 @@ def simulate_plans(
     """
     if isinstance(checkpoint, str):
         checkpoint = SafetensorsCheckpoint.open(checkpoint)
-    found_mesh, found = model_placements(model)
-    mesh_shape = tuple(mesh_shape or found_mesh or (1,))
-    if placements is None:
-        placements = found
+    mesh = mesh_placements(model, mesh_shape, placements)
     planner = planner or HFLoadPlanner(model, rules=rules)
     tensors = dict(iter_model_tensors(model))
-    for rank in ranks if ranks is not None else range(math.prod(mesh_shape)):
-        coord = coordinate_of(rank, mesh_shape)
+    for rank in ranks if ranks is not None else range(mesh.world):
+        coord = coordinate_of(rank, mesh.mesh_shape)
         slots = {}
         for name, t in tensors.items():
             shape = tuple(t.shape)
-            pl = placements(name, shape) if callable(placements) else placements.get(name)
-            boxes = shard_boxes(shape, mesh_shape, coord, pl) if pl else ((full_box(shape), full_box(shape)),)
-            slots[name] = TargetSlot(name, shape, t.dtype, None, boxes)
+            slots[name] = TargetSlot(name, shape, t.dtype, None, mesh.boxes(shape, coord, mesh.of(name, shape)))
         yield rank, coord, planner.build_plan(checkpoint, slots, check_devices=False)
 
 

@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..placements import shard_boxes
 from ..plan import unique_read_bytes
-from ..plan.slots import TargetSlot, full_box
+from ..plan.slots import TargetSlot
 from ..rules import dot_natural_key
-from ..simulate import coordinate_of
+from ..simulate import MeshPlacements, coordinate_of
 
 Rect = tuple[int, int, int, int]  # rows [r0, r1), cols [c0, c1) of the 2-D view
 
@@ -227,6 +226,7 @@ def collect(
         placement_text: formats a placement list.
     """
     chosen = set(selected)
+    mesh = MeshPlacements(tuple(mesh_shape), placements)
     views: dict[str, TensorView] = {}
     per_source: dict[tuple[str, str], SourceView] = {}
     for rank in ranks:
@@ -234,11 +234,11 @@ def collect(
         slots = {}
         for name, t in tensors.items():
             shape = tuple(t.shape)
-            pl = placements(name, shape) if callable(placements) else placements.get(name)
+            pl = mesh.of(name, shape)
             if name not in chosen:
                 slots[name] = TargetSlot(name, shape, t.dtype, None, ())
                 continue
-            boxes = shard_boxes(shape, mesh_shape, coord, pl) if pl else ((full_box(shape), full_box(shape)),)
+            boxes = mesh.boxes(shape, coord, pl)
             slots[name] = TargetSlot(name, shape, t.dtype, None, boxes)
             if name not in views:
                 views[name] = TensorView(

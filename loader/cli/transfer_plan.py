@@ -14,8 +14,8 @@ import torch
 from regiontrace.cli.common import CLIError, load_function
 
 from ..placements import plan_placements
+from ..simulate import PlacementsArg
 from ..transfer import TransferFigures, TransferMeshes, simulate_transfer
-from ..transfer.simulate import PlacementsArg
 from .common import human_bytes, table
 
 #: the pair matrix is printed up to this many source and destination ranks (else a summary)
@@ -35,7 +35,7 @@ class Destination:
 
     model: torch.nn.Module
     rules: Any = None
-    placements: PlacementsArg = None
+    placements: PlacementsArg | None = None
 
     @property
     def name(self) -> str:

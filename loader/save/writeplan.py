@@ -12,16 +12,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..options import Rules, SaveOptions
-from ..placements import shard_boxes
 from .api import Box, collect_writes, writer_coordinate
 from .filelayout import SaveLayout, plan_layout
 from .sources import SaveMapping, SourceShapes, map_for_save
 from .write import BlockWriter
+
+if TYPE_CHECKING:
+    from ..simulate import MeshPlacements
 
 Placements = Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]]
 
@@ -77,26 +79,23 @@ def plan_writes(
     Raises:
         ValueError: the layout cannot be derived or a conversion is not invertible (as the save would).
     """
-    from ..simulate import coordinate_of, model_placements
+    from ..simulate import coordinate_of, mesh_placements
 
-    found_mesh, found = model_placements(model)
-    mesh_shape = tuple(mesh_shape or found_mesh or (1,))
-    placements = found if placements is None else placements
+    mesh = mesh_placements(model, mesh_shape, placements)
     mapping = map_for_save(model, rules, source_shapes=source_shapes)
     max_shard_size = (options or SaveOptions()).max_shard_size
     layout = plan_layout(mapping.specs, max_shard_size=max_shard_size, metadata={"format": "pt"})
     out = []
-    for rank in ranks if ranks is not None else range(math.prod(mesh_shape)):
-        coord = coordinate_of(rank, mesh_shape)
-        out.append(_rank_figures(mapping, layout, mesh_shape, placements, rank, coord))
+    for rank in ranks if ranks is not None else range(mesh.world):
+        coord = coordinate_of(rank, mesh.mesh_shape)
+        out.append(_rank_figures(mapping, layout, mesh, rank, coord))
     return out
 
 
 def _rank_figures(
     mapping: SaveMapping,
     layout: SaveLayout,
-    mesh_shape: tuple[int, ...],
-    placements: Placements,
+    mesh: MeshPlacements,
     rank: int,
     coord: tuple[int, ...],
 ) -> WriteFigures:
@@ -106,13 +105,9 @@ def _rank_figures(
     def local_shard(name: str, tensor: torch.Tensor) -> tuple[tuple[tuple[Box, Box], ...], torch.Tensor] | None:
         nonlocal local_bytes, shard_bytes
         shape = tuple(tensor.shape)
-        pl = tuple(placements(name, shape) if callable(placements) else placements.get(name) or ())
-        if pl:
-            boxes = shard_boxes(shape, mesh_shape, coord, pl)
-            writer = writer_coordinate(pl, coord)
-        else:
-            full = tuple((0, n) for n in shape)
-            boxes, writer = ((full, full),), tuple(0 for _ in coord)
+        pl = tuple(mesh.of(name, shape) or ())
+        boxes = mesh.boxes(shape, coord, pl)
+        writer = writer_coordinate(pl, coord) if pl else tuple(0 for _ in coord)
         numel = sum(math.prod(b - a for a, b in g) for g, _ in boxes)
         local_bytes += numel * itemsize[name]
         if writer != coord:

@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..placements import shard_boxes
 from ..plan import TraceCache
-from ..plan.slots import full_box, iter_model_tensors
-from ..simulate import coordinate_of, model_placements
+from ..plan.slots import iter_model_tensors
+from ..simulate import PlacementsArg, coordinate_of, mesh_placements
 from .plan import Part, Parts, TransferPlan, plan_transfer
 from .sides import as_rules, dest_side, source_side
-
-#: per model tensor name, placements over a mesh: a mapping, or a function of (name, global shape)
-PlacementsArg = Mapping[str, Sequence[Any]] | Callable[[str, tuple[int, ...]], Sequence[Any]] | None
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,7 @@ class TransferFigures:
 
 
 def mesh_parts(
-    model: torch.nn.Module, mesh_shape: Sequence[int] | None = None, placements: PlacementsArg = None
+    model: torch.nn.Module, mesh_shape: Sequence[int] | None = None, placements: PlacementsArg | None = None
 ) -> list[Parts]:
     """What each rank of a mesh holds of ``model`` (any device, meta included), index = rank in the mesh.
 
@@ -105,19 +101,14 @@ def mesh_parts(
         placements: per tensor name, placements over the mesh (default: the model's DTensor placements);
             names absent are replicated.
     """
-    found_mesh, found = model_placements(model)
-    mesh_shape = tuple(mesh_shape or found_mesh or (1,))
-    if placements is None:
-        placements = found
+    mesh = mesh_placements(model, mesh_shape, placements)
     tensors = [(name, tuple(t.shape), t.dtype) for name, t in iter_model_tensors(model)]
     out = []
-    for rank in range(math.prod(mesh_shape)):
-        coord = coordinate_of(rank, mesh_shape)
+    for rank in range(mesh.world):
+        coord = coordinate_of(rank, mesh.mesh_shape)
         parts: dict[str, Part] = {}
         for name, shape, dtype in tensors:
-            pl = placements(name, shape) if callable(placements) else placements.get(name)
-            boxes = shard_boxes(shape, mesh_shape, coord, pl) if pl else ((full_box(shape),) * 2,)
-            parts[name] = (shape, dtype, boxes)
+            parts[name] = (shape, dtype, mesh.boxes(shape, coord, mesh.of(name, shape)))
         out.append(parts)
     return out
 
@@ -142,9 +133,9 @@ class TransferMeshes:
     """
 
     src_mesh_shape: Sequence[int] | None = None
-    src_placements: PlacementsArg = None
+    src_placements: PlacementsArg | None = None
     dst_mesh_shape: Sequence[int] | None = None
-    dst_placements: PlacementsArg = None
+    dst_placements: PlacementsArg | None = None
     colocated: bool = False
 
 
