@@ -1,6 +1,7 @@
-"""One rank of the 4-rank gloo world of tests/test_distributed_groups.py: ranks {0, 1} and {2, 3} each load their own
-checkpoint on their own process group (``group=``) at the same time; a flow of one group involves no rank of the
-other (a collective or agreement over the world would mismatch the two loads, or wait for ranks that never come)."""
+"""One rank of the 4-rank gloo world of tests/test_distributed_groups.py: ranks {0, 1} and {2, 3} each run their own
+flow (a load of their own checkpoint, a save of their own model) on their own process group (``group=``) at the same
+time; a flow of one group involves no rank of the other (a collective or agreement over the world would mismatch
+the two flows, or wait for ranks that never come)."""
 
 from __future__ import annotations
 
@@ -63,9 +64,32 @@ def scenario_one_group_fails(ctx: dict) -> dict:
     return {"raised": None, "bad": check_full(model, torch.load(ctx["refs"][pair[0] // 2]))}
 
 
+def scenario_groups_save(ctx: dict) -> dict:
+    """Each pair saves its own model (a ``Shard(0)`` weight, a plain bias) on its group into its own folder: the
+    files hold the model's values; the plain tensor is written by the group's rank 0."""
+    from safetensors.torch import load_file
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from loader import save_hf_checkpoint
+    from loader.options import SaveOptions
+
+    pair, group, mesh = _my_pair()
+    torch.manual_seed(pair[0])  # the same model on both ranks of a pair, another in each pair
+    model = nn.Linear(8, 6)
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.weight = nn.Parameter(distribute_tensor(full["weight"], mesh, [Shard(0)]), requires_grad=False)
+    folder = os.path.join(ctx["out"], f"saved{pair[0]}")
+    report = save_hf_checkpoint(model, folder, options=SaveOptions(progress=False, timeout=60), group=group)
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    same = sorted(saved) == sorted(full) and all(torch.equal(saved[k], full[k]) for k in full)
+    return {"same": same, "rank": report.rank, "world": report.world, "written": list(report.written)}
+
+
 SCENARIOS = [
     ("two_groups", scenario_two_groups),
     ("one_group_fails", scenario_one_group_fails),
+    ("groups_save", scenario_groups_save),
 ]
 
 

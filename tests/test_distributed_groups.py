@@ -1,5 +1,6 @@
-"""Distributed loads on process groups (``group=``): two pairs of a real 4-rank gloo world load different checkpoints
-at the same time, each on its own group, and a failure in one pair fails that pair only.
+"""Distributed flows on process groups (``group=``): two pairs of a real 4-rank gloo world load different checkpoints
+at the same time, each on its own group, a failure in one pair fails that pair only, and each pair saves its own
+model.
 
 The world runs as one subprocess per rank under a wall-clock limit (tests/gloo_world.py)."""
 
@@ -52,3 +53,11 @@ def test_a_failure_fails_its_group_only(results):
     assert per_rank[0]["message"] == per_rank[1]["message"]
     for r in (2, 3):
         assert per_rank[r]["raised"] is None and per_rank[r]["bad"] == [], (r, per_rank[r])
+
+
+def test_two_groups_save_their_own_models_at_once(results):
+    per_rank = ok(results, "groups_save")
+    for r, res in enumerate(per_rank):
+        assert res["same"], (r, res)
+        assert (res["rank"], res["world"]) == (r % 2, 2), (r, res)
+        assert res["written"] == (["bias", "weight"] if r % 2 == 0 else ["weight"]), (r, res)

@@ -18,9 +18,10 @@ import torch
 import regiontrace as rt
 
 from .._torch import root_mesh
+from ..distributed.collectives import global_rank, group_rank_and_world
 from ..execute import Rollback
 from ..options import Rules, SaveOptions, timeout_seconds
-from ..placements import rank_and_world, slot_for
+from ..placements import slot_for
 from ..report import human_bytes
 from ..rules import dot_natural_key
 from ..storage import is_url
@@ -93,6 +94,7 @@ def save_hf_checkpoint(
     rules: Rules | None = None,
     options: SaveOptions | None = None,
     source_shapes: SourceShapes | str | os.PathLike | None = None,
+    group: Any = None,
 ) -> SaveReport:
     """Save ``model`` as a Hugging Face safetensors checkpoint in the original layout, as ``save_pretrained`` does.
 
@@ -110,6 +112,8 @@ def save_hf_checkpoint(
         source_shapes: the checkpoint keys with their shapes (or ``(shape, dtype)``), or a checkpoint (a path or
             a :class:`~loader.checkpoint.Checkpoint`) to take keys, shapes and dtypes from: needed when they cannot
             be found from the model and the rules alone (a ``Convert`` rule).
+        group: in a distributed run, the process group of the save (None: the default group): its ranks save the
+            model together, its rank 0 writing the plain tensors and committing.
 
     Returns:
         A :class:`SaveReport` for this rank.
@@ -133,9 +137,9 @@ def save_hf_checkpoint(
     options = options if options is not None else SaveOptions()
     options = replace(options, metadata={"format": "pt", **(options.metadata or {})})
     rules = rules if rules is not None else Rules()
-    rank, world = rank_and_world()
+    rank, world = group_rank_and_world(group)
     if world > 1:
-        return _save_distributed(model, path, rules, source_shapes, options)
+        return _save_distributed(model, path, rules, source_shapes, options, group)
     mapping, layout, writes = _prepare(model, rules, source_shapes, options, (rank, world, 0))
     with Rollback() as rollback:
         folder = make_temp_folder(path)
@@ -226,7 +230,6 @@ def _save_distributed(
     Each is a stage of the save's session: a failure or a hang anywhere fails every rank, and the save's rollback
     removes the unfinished folder."""
     from ..distributed import Session
-    from ..distributed.collectives import global_rank
 
     started = time.perf_counter()
     folder = header = writer = None
