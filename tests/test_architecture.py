@@ -666,3 +666,42 @@ def test_collectives_and_the_device_choice_live_in_one_module():
         if found
     }
     assert not bad, bad
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_probes(source: str) -> list[int]:
+    """Lines that ``getattr``/``hasattr`` a checkpoint (a name or attribute ``checkpoint``): a
+    :class:`~loader.checkpoint.Checkpoint` has its members, so nothing probes for them."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            first = node.args[0] if node.args else None
+            name = first.attr if isinstance(first, ast.Attribute) else getattr(first, "id", None)
+            if name == "checkpoint":
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize(
+    "code, probes",
+    [
+        ('x = getattr(checkpoint, "identities", None) or {}', [1]),
+        ('x = getattr(plan.checkpoint, "identities", None)', [1]),
+        ('if hasattr(self.checkpoint, "store"):\n    pass', [1]),
+        ("x = checkpoint.identities\ny = getattr(reader, 'cached', None)", []),
+    ],
+)
+def test_the_checkpoint_probe_check_sees_them(code, probes):
+    assert checkpoint_probes(code) == probes
+
+
+def test_checkpoints_are_not_probed():
+    """Every checkpoint implements the protocol (``identities``, ``store``, ``reader`` always present)."""
+    bad = [
+        f"{path.relative_to(ROOT)} line {line}"
+        for path in sorted((ROOT / "loader").rglob("*.py"))
+        for line in checkpoint_probes(path.read_text())
+    ]
+    assert not bad, "a checkpoint's member is probed instead of read:\n" + "\n".join(bad)
