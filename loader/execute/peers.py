@@ -22,7 +22,8 @@ import numpy as np
 
 class Peers(Protocol):
     """The ranks of one group, as a read driver talks to them. Every method is collective: every rank of the group
-    calls it, in the same order.
+    calls it, in the same order; a collective a peer never joins (hung, died, left) raises
+    :class:`~loader.errors.PeerFailure` within the timeout.
 
     Attributes:
         rank: this rank's index in the group.
