@@ -1,4 +1,5 @@
-"""Routes kept by a plan (loader/execute/routes.py): a reused plan reads each block the way its first load decided,
+"""Routes the executor keeps per plan (loader/execute/routes.py): a reused plan reads each block the way its first
+load decided,
 into the tensor this load passes — bit-exact for every route (straight into place, scattered, by span, batched),
 a replaced tensor of the same geometry is the one written, one of another geometry gets a route of its own.
 Real files, a real plan cache."""
@@ -12,7 +13,7 @@ from torch import nn
 
 from loader import SafetensorsCheckpoint
 from loader.execute import execute_plan
-from loader.execute.routes import DIRECT, SCATTER, SPAN, STAGED
+from loader.execute.routes import DIRECT, SCATTER, SPAN, STAGED, routes_of
 from loader.hooks import PlanHooks
 from loader.plan import TargetSlot
 from loader.plan.cache import PlanCache
@@ -70,15 +71,15 @@ def test_a_reused_plan_reads_by_the_routes_its_first_load_decided(folder):
     path, want = folder
     model, cache = Model(), PlanCache()
     first = _load(model, path, cache)
-    kinds = {key[0].target: route.kind for key, route in first.routes.items()}
+    kinds = {key[0].target: route.kind for key, route in routes_of(first).items()}
     assert kinds == KINDS
-    kept = dict(first.routes)
+    kept = dict(routes_of(first))
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
     second = _load(model, path, cache)
-    assert second is not first and second.routes is first.routes  # the plan reused, its routes with it
-    assert first.routes == kept  # nothing decided again
+    assert second is not first and routes_of(second) is routes_of(first)  # the plan reused, its routes with it
+    assert routes_of(first) == kept  # nothing decided again
     for name, value in want.items():
         assert torch.equal(getattr(model, name).data, value), name
 
@@ -95,9 +96,10 @@ def test_a_replaced_tensor_is_the_one_written(folder):
             p.zero_()
         model.rows.data = torch.zeros(ROWS // 4, 256)  # same geometry, new memory
         model.short.data = torch.zeros(64, ROWS).t()  # same shape, other strides
-    count = len(first.routes)
+    count = len(routes_of(first))
     second = _load(model, path, cache)
-    assert second.routes is first.routes and len(first.routes) == count + 1  # one route decided for the new strides
+    # one route decided for the new strides
+    assert routes_of(second) is routes_of(first) and len(routes_of(first)) == count + 1
     for name, value in want.items():
         assert torch.equal(getattr(model, name).data, value), name
     assert not old["rows"].any() and not old["short"].any()  # the replaced tensors were not written
@@ -108,8 +110,8 @@ def test_the_routes_stay_bounded(folder):
     path, want = folder
     model, cache = Model(), PlanCache()
     plan = _load(model, path, cache)
-    plan.routes.update({("stale", i): None for i in range(4 * len(plan.reads) + 1024)})
+    routes_of(plan).update({("stale", i): None for i in range(4 * len(plan.reads) + 1024)})
     again = _load(model, path, cache)
-    assert again.routes is plan.routes and len(plan.routes) == len(KINDS)
+    assert routes_of(again) is routes_of(plan) and len(routes_of(plan)) == len(KINDS)
     for name, value in want.items():
         assert torch.equal(getattr(model, name).data, value), name

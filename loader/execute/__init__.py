@@ -1,7 +1,7 @@
 """Execute: read exactly the byte ranges a plan's blocks need and copy them into model tensors.
 
 :mod:`.staging` (``StagingRing``: reused host buffers, pinned and double-buffered for GPU targets), :mod:`.pool`
-(I/O threads) and :mod:`.routes` (how each block is read, kept by its plan) ← :mod:`.reads` (``BlockExecutor``) ←
+(I/O threads) and :mod:`.routes` (how each block is read, kept per plan) ← :mod:`.reads` (``BlockExecutor``) ←
 :mod:`.values` (value reads: pointwise ops over box-shaped inputs) and :mod:`.deferred` (run-for-real conversions)
 ← :mod:`.run` (``execute_plan``: all three, with progress and rollback: :mod:`.rollback`).
 

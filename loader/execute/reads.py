@@ -213,7 +213,8 @@ class BlockExecutor:
             :class:`~.staging.StagingRing` of two buffers of ``staging_bytes`` (for several I/O threads,
             ``io_threads + 1`` buffers sharing that budget).
         io_threads: threads reading independent blocks at once (:mod:`.pool`); None: from the CPU share.
-        routes: how each block is read (:mod:`.routes`): a plan's ``routes``, kept from its earlier loads.
+        routes: how each block is read (:mod:`.routes`): the routes the executor keeps for the plan
+            (:func:`.routes.routes_of`), decided by its earlier loads.
     """
 
     def __init__(

@@ -12,13 +12,16 @@ Vocabulary:
   device link, and whether the reader reads scattered. It holds no tensor: its destination view is a geometry
   (sizes, strides, storage offset) applied to the tensor this load passes with one ``as_strided``.
 
-A plan keeps its routes (:attr:`~loader.plan.RankPlan.routes`, shared by every binding of a reused plan), so a
-second load of the same model and checkpoint decides nothing again: no read layout, contiguity or cost check and
-no destination view built by narrowing, about 25 us a block of Python on a warm load of many column shards.
+The executor keeps the routes, per plan (:func:`routes_of`; the plan is a value and holds none): every binding of a
+reused plan (:meth:`~loader.plan.RankPlan.rebound`) finds the routes its first load decided, so a second load of
+the same model and checkpoint decides nothing again: no read layout, contiguity or cost check and no destination
+view built by narrowing, about 25 us a block of Python on a warm load of many column shards.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
@@ -29,7 +32,7 @@ import regiontrace as rt
 from regiontrace.executor import ReadLayout, RunGrid, dest_view, read_layout
 
 from ..checkpoint import TensorInfo
-from ..plan import BlockRead
+from ..plan import BlockRead, RankPlan
 from ..plan.slots import box_view
 from ..storage import PAGE
 from ..storage.scatter import scatter_pays
@@ -77,6 +80,44 @@ class Route:
         for n, step in self.rows:
             targets = (targets[:, None] + np.arange(n, dtype=np.uint64) * np.uint64(step)).reshape(-1)
         return targets
+
+
+class RouteTables:
+    """The routes the executor decided, one table per plan, for the last :attr:`plans` plans loaded.
+
+    A plan is known by its reads (every binding of it shares them, :meth:`~loader.plan.RankPlan.rebound`); the
+    table keeps them alive, so their identity is not reused while it is kept.
+    """
+
+    def __init__(self, plans: int = 8) -> None:
+        self.plans = plans
+        self._tables: OrderedDict[int, tuple[object, dict]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def of(self, plan: RankPlan) -> dict:
+        """The routes of ``plan`` (a new, empty table on its first load), bounded: past a few per block (tensors
+        of ever new geometries) they are dropped and decided anew."""
+        with self._lock:
+            key = id(plan.reads)
+            entry = self._tables.get(key)
+            if entry is None or entry[0] is not plan.reads:
+                entry = self._tables[key] = (plan.reads, {})
+                while len(self._tables) > self.plans:
+                    self._tables.popitem(last=False)
+            self._tables.move_to_end(key)
+            routes = entry[1]
+            if len(routes) > 4 * len(plan.reads) + 1024:
+                routes.clear()
+            return routes
+
+
+#: the executor's routes, for every load of this process
+ROUTES = RouteTables()
+
+
+def routes_of(plan: RankPlan) -> dict:
+    """The routes the executor keeps for ``plan`` (:class:`RouteTables`): decided on its first load, reused after."""
+    return ROUTES.of(plan)
 
 
 def route_for(

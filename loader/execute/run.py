@@ -14,6 +14,7 @@ from .deferred import run_deferred
 from .pool import in_page_cache, resolve_io_threads
 from .reads import BlockExecutor
 from .rollback import Rollback
+from .routes import routes_of
 from .staging import StagingRing
 from .values import run_values
 
@@ -72,9 +73,7 @@ def execute_plan(
             threads = threads if in_page_cache(reader, checkpoint, reads) else 1
         ring = StagingRing.for_threads(options.staging_bytes, threads)  # one ring (pinned for GPU targets) for all
         progress = bar.update if bar else None
-        routes = plan.routes  # kept by the plan: a reused plan's blocks are not decided again
-        if len(routes) > 4 * len(plan.reads) + 1024:  # tensors of ever new geometries: keep the routes bounded
-            routes.clear()
+        routes = routes_of(plan)  # kept by the executor: a reused plan's blocks are not decided again
         BlockExecutor(
             checkpoint, slots, reader, progress=progress, staging=ring, io_threads=threads, routes=routes
         ).run(reads)

@@ -110,12 +110,6 @@ class RankPlan:
         keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
         return total + sum(self.checkpoint[k].nbytes for k in keys)
 
-    @functools.cached_property
-    def routes(self) -> dict:
-        """How the executor reads each block (:mod:`loader.execute.routes`): decided on this plan's first load and
-        kept by every binding of it (:meth:`rebound`), so a reused plan decides nothing again. Holds no tensor."""
-        return {}
-
     @property
     def block_count(self) -> int:
         """``len(block_reads())``, without listing them."""
@@ -127,7 +121,6 @@ class RankPlan:
         plan = replace(self, slots=slots, checkpoint=checkpoint)
         if "_planned_bytes" in vars(self):
             vars(plan)["_planned_bytes"] = self._planned_bytes
-        vars(plan)["routes"] = self.routes  # one dict for every binding: routes decided by any load are kept
         return plan
 
 
