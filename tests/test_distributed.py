@@ -197,7 +197,7 @@ def test_killed_rank_is_reported_dead_and_survivors_roll_back(results):
 
 def test_host_ranks_read_shared_files_ahead(results):
     """Four ranks of one host, one copy of the files, each reading its quarter: together they read all of each file,
-    so none is advised POSIX_FADV_RANDOM (large folios, large reads: loader/distributed/host_reads.py); a rank that
+    so none is advised POSIX_FADV_RANDOM (large folios, large reads: loader/execute/host_shared.py); a rank that
     reads alone keeps its exact reads."""
     per_rank = ok(results, "host_reads")
     for r, res in enumerate(per_rank):
