@@ -1,7 +1,8 @@
 """Staging buffers between file reads and destination tensors: a small ring of reused host buffers.
 
 The executor reads checkpoint bytes into a buffer of a :class:`StagingRing` and hands each block's values,
-a (strided) view of that buffer, to :meth:`StagingRing.deliver`, which writes them into the destination view.
+a (strided) view of that buffer, to :meth:`StagingRing.deliver`, which writes them into the destination view
+(:mod:`.links`: the device side, how a block's values reach a host or device tensor).
 For a destination in host memory that is one ``copy_``. For one on a device (CUDA), the buffers are pinned
 and the copy to the device is queued with ``non_blocking=True``: the host goes on to read the next batch
 into the next buffer while the copy engine drains this one. After a batch, :meth:`StagingRing.release`
@@ -9,29 +10,18 @@ records an event per device on the buffer; :meth:`StagingRing.acquire` waits on 
 written again (double-buffered with the default two buffers), and :meth:`StagingRing.finish` waits for every
 copy. What runs on the device side goes through a :class:`Link`; a test can pass its own (a CPU stand-in with
 events that record their order) to run the device path, and its reuse checks, on a machine without a GPU.
-
-How a block's values reach the device:
-
-* its values lie packed in the buffer (one contiguous run, same dtype, no casts or flips) and the destination
-  view is contiguous: one copy straight into the destination, no device temporary;
-* its byte span is at most ``GATHER_OVERREAD`` times the bytes it reads: the span is copied to a device
-  temporary and gathered (strided copy, flips, casts) on the device, off the host's critical path;
-* a sparser block (a column shard: short runs far apart) is first packed on the host into the pack area of
-  its buffer (one strided copy), so that only the bytes it needs cross the bus.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from regiontrace.executor import copy_cast
+from .links import Deliveries, Event, Link
 
 #: default number of staging buffers (double-buffered: read into one while the other is copied)
 BUFFERS = 2
@@ -47,54 +37,6 @@ GATHER_OVERREAD = 4
 def align(n: int) -> int:
     """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return -(-n // ALIGN) * ALIGN
-
-
-class Event(Protocol):
-    """Marks the point of a device stream after the copies queued so far."""
-
-    def synchronize(self) -> None: ...
-
-
-class Link(Protocol):
-    """The host-to-device side of a :class:`StagingRing`: queues copies and records events.
-
-    Attributes:
-        pin: whether host buffers copied through this link should be pinned.
-    """
-
-    pin: bool
-
-    def copy(self, dest: torch.Tensor, host: torch.Tensor) -> None:
-        """Queue ``dest.copy_(host)`` (same shape and dtype, ``host`` contiguous in a staging buffer)."""
-
-    def record(self) -> Event:
-        """An event that completes once everything queued so far has run."""
-
-    def synchronize(self) -> None:
-        """Wait until everything queued so far has run."""
-
-
-class CudaLink:
-    """:class:`Link` to one CUDA device, on its current stream.
-
-    Args:
-        device: the CUDA device.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pin = True
-
-    def copy(self, dest: torch.Tensor, host: torch.Tensor) -> None:
-        dest.copy_(host, non_blocking=True)
-
-    def record(self) -> Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def synchronize(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
 
 
 @dataclass(eq=False)
@@ -120,7 +62,8 @@ class Stage:
 
 
 class StagingRing:
-    """A bounded ring of reused host staging buffers, and the copies out of them into destination tensors.
+    """A bounded ring of reused host staging buffers; the copies out of them into destination tensors are its
+    :attr:`deliveries` (:class:`~.links.Deliveries`), whose events it waits on before a buffer is reused.
 
     At most ``count`` buffers of at most ``capacity`` bytes (rounded up to a multiple of :data:`ALIGN`) are
     held; a larger request (a block that could not be split to fit) gets a one-off buffer, dropped after use.
@@ -131,7 +74,7 @@ class StagingRing:
         capacity: bytes per buffer at most (the executor's ``staging_bytes``).
         count: number of buffers (2: double-buffered).
         link: the :class:`Link` every destination is copied through (a test's stand-in device); default
-            :class:`CudaLink` for CUDA destinations and plain ``copy_`` for host ones.
+            :class:`~.links.CudaLink` for CUDA destinations and plain ``copy_`` for host ones.
 
     Attributes:
         counts: how many times each route ran: ``acquire``, ``wait`` (events waited on before a reuse),
@@ -157,8 +100,7 @@ class StagingRing:
         self.stages: list[Stage | None] = [None] * count
         self.counts: collections.Counter[str] = collections.Counter()
         self._next = 0
-        self._links: dict[torch.device, Link] = {}
-        self._lock = threading.Lock()
+        self.deliveries = Deliveries(link, self.counts)
 
     # ------------------------------------------------------------------------------------ buffers
 
@@ -216,7 +158,7 @@ class StagingRing:
             if stage is not None:
                 self.release(stage)
                 self._wait(stage)
-        for link in [*self._links.values(), *([self.link] if self.link is not None else [])]:
+        for link in self.deliveries.links():
             link.synchronize()
 
     def _wait(self, stage: Stage) -> None:
@@ -229,14 +171,7 @@ class StagingRing:
 
     def link_for(self, dest: torch.Tensor) -> Link | None:
         """The link ``dest`` is written through (None: a host tensor, written with a plain ``copy_``)."""
-        if self.link is not None:
-            return self.link
-        if not dest.is_cuda:
-            return None
-        link = self._links.get(dest.device)
-        if link is None:
-            link = self._links[dest.device] = CudaLink(dest.device)
-        return link
+        return self.deliveries.link_for(dest)
 
     def deliver(
         self,
@@ -247,60 +182,5 @@ class StagingRing:
         casts: Sequence[torch.dtype] = (),
         pack_at: int | None = None,
     ) -> None:
-        """Write ``src`` (flipped along ``flips``, cast through ``casts``) into ``dest``.
-
-        Args:
-            stage: the buffer ``src`` is a view of.
-            src: the block's values: a view of ``stage.data`` (any non-negative strides), block-shaped.
-            flips: dims of ``src`` to reverse.
-            dest: the destination view, of ``src``'s shape.
-            casts: value casts applied in order before writing.
-            pack_at: byte offset in ``stage.data`` of ``src.nbytes`` free bytes to pack ``src`` into before a
-                copy to a device (None: copy its span whole and gather on the device).
-        """
-        link = self.link_for(dest)
-        if link is None:  # I/O threads copy into host tensors at once: the count under a lock
-            with self._lock:
-                self.counts["host"] += 1
-            copy_cast(dest, src.flip(list(flips)) if flips else src, casts)
-            return
-        if src.numel() == 0:
-            return
-        if link not in stage.links:
-            stage.links.append(link)
-        host = src
-        if pack_at is not None and not src.is_contiguous():
-            self.counts["pack"] += 1
-            host = pack(stage.data, src, pack_at)
-        if not flips and not casts and host.is_contiguous() and dest.is_contiguous() and host.dtype == dest.dtype:
-            self.counts["straight"] += 1
-            link.copy(dest, host)
-            return
-        self.counts["gather"] += 1
-        gather_on_device(link, stage.data, host, flips, dest, casts)
-
-
-def pack(data: torch.Tensor, src: torch.Tensor, at: int) -> torch.Tensor:
-    """``src`` copied into ``data`` (a staging buffer) from byte ``at`` on, C-contiguous: the packed view."""
-    host = data[at : at + src.numel() * src.element_size()].view(src.dtype).view(src.shape)
-    host.copy_(src)
-    return host
-
-
-def gather_on_device(
-    link: Link,
-    data: torch.Tensor,
-    host: torch.Tensor,
-    flips: Sequence[int],
-    dest: torch.Tensor,
-    casts: Sequence[torch.dtype],
-) -> None:
-    """Copy the byte span of ``host`` (a view of the staging buffer ``data``) to a temporary on ``dest``'s device
-    through ``link``, and gather it there into ``dest``: strided copy, flips along ``flips``, ``casts``."""
-    item = host.element_size()
-    first = host.storage_offset()
-    last = first + sum((n - 1) * s for n, s in zip(host.shape, host.stride())) + 1
-    temp = torch.empty((last - first) * item, dtype=torch.uint8, device=dest.device)
-    link.copy(temp, data[first * item : last * item])
-    values = torch.as_strided(temp.view(host.dtype), host.shape, host.stride(), 0)
-    copy_cast(dest, values.flip(list(flips)) if flips else values, casts)
+        """Write ``src``, a view of ``stage``'s buffer, into ``dest``: :meth:`.links.Deliveries.deliver`."""
+        self.deliveries.deliver(stage, src, flips, dest, casts, pack_at)
