@@ -195,7 +195,7 @@ def test_remote_reader_is_a_range_reader(blob):
 
 
 @pytest.mark.parametrize("multi", [False, True])
-def test_planned_reads_are_served_from_the_pieces_exactly(blob, multi):
+def test_planned_reads_are_served_from_the_fetched_spans_exactly(blob, multi):
     location, data, folder = blob
     reader, backend = _reader(folder, multi, costs=RequestCosts(max_ranges=4, max_request_bytes=64 << 10))
     ranges = _column_shard(128, 16 << 10, 2 << 10) + [(3 << 20, (3 << 20) + 300_000)]
@@ -206,7 +206,7 @@ def test_planned_reads_are_served_from_the_pieces_exactly(blob, multi):
             reader.pread_into(location, a, out)
             assert out == data[a:b]
         reader.verify(location)
-        assert reader._window.held == 0  # every piece freed as its bytes were served
+        assert reader._window.held == 0  # every fetched span freed as its bytes were served
     plan = plan_for(backend, reader.options, ranges)
     assert reader.reads == len(backend.calls) == len(plan)
     assert reader.bytes_read == sum(r.nbytes for r in plan) == sum(b - a for a, b in ranges)
@@ -231,7 +231,7 @@ def test_out_of_order_overlapping_and_unplanned_reads(blob):
     assert reader.peak_bytes <= 256 << 10
 
 
-def test_consecutive_reads_and_runs_across_pieces(blob):
+def test_consecutive_reads_and_runs_across_fetched_spans(blob):
     location, data, folder = blob
     reader, backend = _reader(folder, costs=RequestCosts(max_request_bytes=10_000))
     with reader:
