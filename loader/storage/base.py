@@ -12,7 +12,9 @@ Vocabulary (used identically by every driver and by the layers above):
 - a *range reader* (:class:`RangeReader`) reads byte ranges of objects into caller buffers, exactly, counting the
   bytes it fetched and the requests it made; it is told in advance which ranges a file will be read at
   (:meth:`RangeReader.will_read`), so that a remote driver can coalesce and fetch them concurrently, and it reads
-  *runs* (equal-length ranges of one block) its own best way (:meth:`RangeReader.read_runs`).
+  *runs* (equal-length ranges of one block) its own best way (:meth:`RangeReader.read_runs`);
+- a *capability* is what a driver can do beyond these two contracts (readahead hints, direct reads, a write side,
+  ...): declared and checked in :mod:`.capabilities` only; the write side is :mod:`.writing`.
 """
 
 from __future__ import annotations
