@@ -43,15 +43,15 @@ from .storage import RangeReader, is_url
 
 
 def open_on_every_rank(
-    path: str, storage: StorageOptions, timeout: float | datetime.timedelta | None
+    path: str, storage: StorageOptions, timeout: float | datetime.timedelta | None, group: Any = None
 ) -> SafetensorsCheckpoint:
     """The checkpoint ``path``; at a URL under a process group of several ranks, at rank 0's version of every file
     on every rank (:func:`~loader.distributed.versions.open_agreed`), a failure on one rank raised on all.
-    Collective there (``read_metadata`` runs on every rank of ``dcp.load``)."""
+    Collective there, over ``group`` (``read_metadata`` runs on every rank of ``dcp.load``)."""
     open_at = opener(path, storage)
     if not is_url(path) or not torch.distributed.is_initialized() or rank_and_world()[1] < 2:
         return open_at(None)
-    with Session(timeout) as session, session.stage("planning"):  # a failure raised on every rank
+    with Session(timeout, group) as session, session.stage("planning"):  # a failure raised on every rank
         checkpoint = open_agreed(session, open_at, remote=True)
     return checkpoint
 
@@ -106,7 +106,7 @@ class SafetensorsReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
             raise ValueError("SafetensorsReader needs a checkpoint path (or checkpoint_id)")
-        self.checkpoint = open_on_every_rank(self.path, self.storage, self.options.timeout)
+        self.checkpoint = open_on_every_rank(self.path, self.storage, self.options.timeout, self.group)
         self._metadata = checkpoint_metadata(self.checkpoint)
         return self._metadata
 
@@ -129,7 +129,7 @@ class SafetensorsReader(StorageReader):
         with self._file_reader() as reader:
             try:
                 if callable(getattr(planner, "planned_reads", None)):  # HFLoadPlanner: run its RemapBlocks
-                    self.bytes_exchanged += _read_planned(plan, planner, reader, self.options)
+                    self.bytes_exchanged += _read_planned(plan, planner, reader, self.options, self.group)
                 else:
                     self._read_boxes(plan, planner, reader)
             finally:
@@ -175,12 +175,15 @@ class SafetensorsReader(StorageReader):
             raise
 
 
-def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: RangeReader, options: LoadOptions) -> int:
+def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: RangeReader, options: LoadOptions, group: Any) -> int:
     """Execute the RemapBlocks, value reads and deferred conversions ``dcp_plan``'s items stand for (any strided
     read), as ``planner.planned_reads`` lists them; with ``options.rollback``, a failure restores every tensor the
-    plan writes (every rank's, in a distributed load). Returns the bytes received from other ranks."""
+    plan writes (every rank's of ``group``, in a distributed load). Returns the bytes received from other ranks."""
     plan, reads, deferred, values = planner.planned_reads(dcp_plan)
     if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
-        return read_on_every_rank(plan, reader, reads, deferred, options, values=values)
+        with Session(options.timeout, group) as session, Rollback(options.rollback) as rollback:
+            return read_on_every_rank(
+                plan, reader, reads, deferred, options, values=values, session=session, rollback=rollback
+            )
     execute_plan(plan, reader, options, reads=reads, deferred=deferred, values=values)
     return 0
