@@ -6,6 +6,7 @@ Running those copies on real bytes (read layouts, bounded reads, views, casts, w
 :mod:`regiontrace.executor`.
 """
 
+from .certificate import coverage
 from .compile import compile_blocks
 from .composition import compose, inverse_regions
 from .errors import NotInvertible, TraceMismatch, Untraceable
@@ -17,6 +18,7 @@ from .tensor import RegionTensor
 from .trace import check_trace, run_on_meta, trace
 from .value_program import ValueProgram
 from .values import Apply
+from .writes import destination
 
 __all__ = [
     # tracing: stand-ins for sources, and the checks of a traced run
@@ -44,6 +46,9 @@ __all__ = [
     # composing a traced map with an inverse
     "compose",
     "inverse_regions",
+    # in-place writes: a destination stand-in, and the coverage certificate of what was written into it
+    "destination",
+    "coverage",
     # reading the map
     "explain",
     "to_networkx",
