@@ -25,10 +25,10 @@ import torch
 
 from regiontrace import Box
 
-#: one rank's share of one model tensor: global shape, dtype, and its ``(global box, local box)`` pairs
-Part = tuple[tuple[int, ...], torch.dtype, tuple[tuple[Box, Box], ...]]
-#: one rank's shares of one model's tensors, by name (empty when the rank holds no part of the model)
-Parts = Mapping[str, Part]
+#: one rank's slot of one model tensor: global shape, dtype, and its ``(global box, local box)`` pairs
+Slot = tuple[tuple[int, ...], torch.dtype, tuple[tuple[Box, Box], ...]]
+#: one rank's slots of one model's tensors, by name (empty when the rank holds nothing of the model)
+Slots = Mapping[str, Slot]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def sender(cell: Cell, dst: int) -> int:
 
 
 def tensor_cells(
-    name: str, shape: Sequence[int], src_parts: Sequence[Parts], cache: dict[Hashable, tuple[int, list[Cell]]]
+    name: str, shape: Sequence[int], src_parts: Sequence[Slots], cache: dict[Hashable, tuple[int, list[Cell]]]
 ) -> tuple[int, list[Cell]]:
     """Source tensor ``name`` (of global ``shape``) cut into cells, each with the ranks holding it whole, and the
     number of its grid: equal for tensors of one shape held alike (the layers of one model share them).

@@ -2,7 +2,7 @@
 
 A pure function of values every rank can hold (:func:`plan_transfer`): the two models' mappings to their
 checkpoint layout (:class:`SourceSide`, :class:`DestSide`, built by :mod:`loader.transfer.sides`) and what each
-rank holds of each model tensor (:data:`Parts`). Every rank computes the same plan from the same gathered
+rank holds of each model tensor (:data:`Slots`). Every rank computes the same plan from the same gathered
 values, without further messages; simulations call it on meta models for any mesh.
 
 Vocabulary:
@@ -11,7 +11,10 @@ Vocabulary:
   tensors, shardings); the source sends, the destination receives.
 - **key**: a checkpoint tensor, the meeting point. The source's save inverts into keys, the destination's load
   reads keys: composed, every destination element is an element of a source model tensor.
-- **part**: what one rank holds of one model tensor: ``(global shape, dtype, ((global box, local box), …))``.
+- **slot**: what one rank holds of one model tensor: ``(global shape, dtype, ((global box, local box), …))`` (a
+  :class:`~loader.plan.TargetSlot` without its tensor); a rank's slots of one model are a :data:`Slots`.
+  The public names `mesh_parts`, `model_parts`, `parts_of` and the arguments `src_parts`/`dst_parts` say
+  "parts" for slots (tests, docs and the benches, also run against older checkouts, call them so).
 - **cell**: a box of a source tensor that a fixed set of ranks hold whole (the grid of every rank's boxes of
   it), named ``"<tensor>@<i>"``: the source of every block the plan moves, so that each block reads one rank's
   local memory.
@@ -33,7 +36,7 @@ import regiontrace as rt
 from regiontrace import Box
 
 from ..plan.gcpause import paused_gc
-from .cells import Cell, Part, Parts, numel, sender, tensor_cells  # noqa: F401 (Cell, Part, Parts: re-exported)
+from .cells import Cell, Slot, Slots, numel, sender, tensor_cells  # noqa: F401 (Cell, Slot, Slots: re-exported)
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,8 @@ class TransferPlan:
 def plan_transfer(
     source: SourceSide,
     dest: DestSide,
-    src_parts: Sequence[Parts],
-    dst_parts: Sequence[Parts],
+    src_parts: Sequence[Slots],
+    dst_parts: Sequence[Slots],
     *,
     rank: int | None = None,
 ) -> TransferPlan:
@@ -245,12 +248,12 @@ def _full(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
-def _owns(parts: Parts, name: str) -> bool:
+def _owns(parts: Slots, name: str) -> bool:
     part = parts.get(name)
     return part is not None and any(numel(g) for g, _ in part[2])
 
 
-def _cells(source: SourceSide, src_parts: Sequence[Parts]) -> tuple[dict[str, Cell], dict[str, int]]:
+def _cells(source: SourceSide, src_parts: Sequence[Slots]) -> tuple[dict[str, Cell], dict[str, int]]:
     """Every source tensor cut into cells (:func:`~loader.transfer.cells.tensor_cells`), by name, and each
     tensor's grid number (equal for tensors cut alike)."""
     cache: dict[Hashable, tuple[int, list[Cell]]] = {}
@@ -307,7 +310,7 @@ def _structure(
     by_key: Mapping[str, tuple[int, int]],
     source: SourceSide,
     grids: Mapping[str, int],
-    dst_parts: Sequence[Parts],
+    dst_parts: Sequence[Slots],
 ) -> Hashable | None:
     """What the blocks of ``conv`` depend on but names: equal for the layers of one structure (same traces, keys
     in the same places, the same cells with the same holders, the same destination boxes); None when a
@@ -326,7 +329,7 @@ def _structure(
 def _compile(
     composed: Mapping[str, rt.RegionTensor],
     targets: Sequence[str],
-    dst_parts: Sequence[Parts],
+    dst_parts: Sequence[Slots],
     names: Sequence[str],
     cells: Mapping[str, Cell],
     rank: int | None,
@@ -372,7 +375,7 @@ def _renamed(b: rt.RemapBlock, source: str) -> rt.RemapBlock:
 def _moves(
     tensor: rt.RegionTensor,
     target: str,
-    dst_parts: Sequence[Parts],
+    dst_parts: Sequence[Slots],
     cells: Mapping[str, Cell],
     rank: int | None,
     *,

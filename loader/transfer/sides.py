@@ -24,7 +24,7 @@ from ..plan.slots import iter_model_tensors
 from ..rules import KeyPlan, plan_keys
 from ..rules.conversion import source_cast
 from ..save.sources import map_for_save
-from .plan import DestConversion, DestSide, Parts, SourceConversion, SourceSide
+from .plan import DestConversion, DestSide, Slots, SourceConversion, SourceSide
 
 #: checkpoint key -> (shape, dtype)
 Keys = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -41,7 +41,7 @@ def as_rules(mapping: Rules | Sequence[Any] | None) -> Rules:
 
 
 def parts_of(model: torch.nn.Module | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """What this rank holds of ``model``: its :data:`~loader.transfer.plan.Parts` and the local tensors
+    """What this rank holds of ``model``: its :data:`~loader.transfer.plan.Slots` and the local tensors
     (DTensor local shards, or whole tensors), by name. None: nothing."""
     if model is None:
         return {}, {}
@@ -139,6 +139,6 @@ def dest_side(
     return DestSide(tuple(conversions)), keyplan
 
 
-def model_parts(model: torch.nn.Module) -> Parts:
+def model_parts(model: torch.nn.Module) -> Slots:
     """This rank's parts of ``model`` (for a plan made in one process: :func:`parts_of` without the tensors)."""
     return parts_of(model)[0]

@@ -27,7 +27,7 @@ import torch
 from ..plan import TraceCache
 from ..plan.slots import iter_model_tensors
 from ..simulate import PlacementsArg, coordinate_of, mesh_placements
-from .plan import Part, Parts, TransferPlan, plan_transfer
+from .plan import Slot, Slots, TransferPlan, plan_transfer
 from .sides import as_rules, dest_side, source_side
 
 
@@ -93,7 +93,7 @@ class TransferFigures:
 
 def mesh_parts(
     model: torch.nn.Module, mesh_shape: Sequence[int] | None = None, placements: PlacementsArg | None = None
-) -> list[Parts]:
+) -> list[Slots]:
     """What each rank of a mesh holds of ``model`` (any device, meta included), index = rank in the mesh.
 
     Args:
@@ -106,14 +106,14 @@ def mesh_parts(
     out = []
     for rank in range(mesh.world):
         coord = coordinate_of(rank, mesh.mesh_shape)
-        parts: dict[str, Part] = {}
+        parts: dict[str, Slot] = {}
         for name, shape, dtype in tensors:
             parts[name] = (shape, dtype, mesh.boxes(shape, coord, mesh.of(name, shape)))
         out.append(parts)
     return out
 
 
-def parts_bytes(parts: Parts) -> int:
+def parts_bytes(parts: Slots) -> int:
     """Bytes of a rank's parts, each tensor in its dtype."""
     return sum(
         sum(math.prod(b - a for a, b in g) for g, _ in boxes) * dtype.itemsize for _, dtype, boxes in parts.values()
