@@ -2,8 +2,9 @@
 
 A :class:`TargetSlot` is one model tensor as one rank sees it: its global shape and dtype, the local tensor
 written in place, and the pairs ``(global box, local box)`` that rank owns. A plain tensor is owned whole
-(replicated); a DTensor owns the boxes of its local shard (one box for ``Shard``/``Replicate``, several for
-``_StridedShard``).
+(replicated); a DTensor owns the boxes of its local tensor (one box for ``Shard``/``Replicate``, several for
+``_StridedShard``). A rank's **slot** of a model tensor is what it holds of it: not a "part", not a "shard" (a shard
+is a file of a sharded checkpoint folder).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class TargetSlot:
         name: canonical model tensor name.
         shape: global shape.
         dtype: the model tensor's dtype (values are cast to it on copy).
-        local: the tensor written in place (a DTensor's local shard); None when planning without tensors.
+        local: the tensor written in place (a DTensor's local tensor); None when planning without tensors.
         boxes: ``(global box, local box)`` pairs this rank owns; empty when it owns nothing.
     """
 

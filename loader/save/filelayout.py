@@ -4,6 +4,10 @@ Every rank computes the same :class:`SaveLayout` without communication: which fi
 to (``huggingface_hub.split_torch_state_dict_into_shards``' rule, as ``save_pretrained`` uses it), each file's
 header bytes and every tensor's data offset (safetensors' own serialisation: tensors sorted by dtype alignment,
 then name; the JSON header padded with spaces to a multiple of 8 bytes).
+
+Vocabulary: a **file layout** (:class:`SaveLayout`) is where a save's tensors' bytes are placed: each tensor's
+file (a **shard** of the sharded checkpoint folder, ``model-00001-of-00004.safetensors``) and its data offset in
+it. "Layout" means this placement and, in the algebra's executor, one block's (its read layout); nothing else.
 """
 
 from __future__ import annotations
