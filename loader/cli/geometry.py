@@ -1,4 +1,4 @@
-"""What the plan picture shows, as plain data: per model tensor, which rank owns which part, and which
+"""What the plan picture shows, as plain data: per model tensor, which boxes each rank holds (its slot), and which
 boxes of which checkpoint tensors each rank reads.
 
 Every tensor is drawn in its *2-D view*: ``rows = prod(shape[:-1])`` and ``cols = shape[-1]`` (C order, so
