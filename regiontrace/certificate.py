@@ -76,7 +76,7 @@ def coverage(tensor: RegionTensor) -> Coverage:
     writes = tuple(state.writes)
     written = tuple(region_boxes(state.last, write_marker(w.index).name) for w in writes)
     unwritten = region_boxes(state.last, UNWRITTEN.name)
-    undefined = region_boxes(state.content, state.prior.name) if state.prior is not None else ()
+    undefined = unwritten if state.prior is not None else ()  # unwritten elements hold the prior contents
     overwritten = _merge(b for w in writes for b in region_boxes(state.earlier, write_marker(w.index).name))
     const = _merge(b for p in state.content.pieces if is_constant(p.source) for b in piece_boxes(p))
     return Coverage(state.shape, writes, written, unwritten, undefined, overwritten, const)

@@ -4,7 +4,7 @@ Vocabulary (as in :mod:`regiontrace.region`, plus):
 
 - **destination**: a stand-in for a tensor that code writes into (``torch.empty``, a parameter, ``param.data``):
   a :class:`Destination`. Its *content* is a region of its shape; before any write every element reads the
-  destination's *prior* source (named after the destination: what the tensor held) or a constant (``fill=``).
+  destination's *prior* source (``<prior NAME>``: what the tensor held before) or a constant (``fill=``).
 - **address**: where a view of the destination lies in its storage (:mod:`regiontrace.addresses`): every view
   (``narrow``, slicing, ``select``, ``view``, ``transpose``, ``split``, ``as_strided`` …) is a Destination with
   its own address over the same content.
@@ -35,10 +35,15 @@ from .tensor import Node, RegionTensor
 
 aten = torch.ops.aten
 
-__all__ = ["Destination", "Write", "constant", "destination"]
+__all__ = ["Destination", "Write", "constant", "destination", "prior_name"]
 
 #: the source every element of a destination's write maps reads before any write reached it
 UNWRITTEN = R.Source("<unwritten>", (), torch.int64)
+
+
+def prior_name(name: str) -> str:
+    """The name of the source a destination ``name``'s elements read before any write (what the tensor held)."""
+    return f"<prior {name}>"
 
 
 def write_marker(index: int) -> R.Source:
@@ -79,12 +84,13 @@ def destination(name: str, shape: Sequence[int], dtype: torch.dtype = torch.floa
     """A stand-in for a tensor that code writes into.
 
     Args:
-        name: its name; elements no write reaches read the source ``name`` (what the tensor held before).
+        name: its name; elements no write reaches read the source :func:`prior_name` of it (what the tensor
+            held before: pass it to ``materialize`` under that name).
         shape, dtype: the tensor's.
         fill: a constant every element holds before any write (``torch.zeros``/``torch.full``), instead.
     """
     shape = tuple(int(n) for n in shape)
-    prior = None if fill is not None else R.Source(name, shape, dtype)
+    prior = None if fill is not None else R.Source(prior_name(name), shape, dtype)
     content = R.Region.leaf(prior) if prior is not None else constant_region(fill, shape, dtype)
     unwritten = R.expand(R.Region.leaf(UNWRITTEN), shape) if math.prod(shape) else R.Region(shape, ())
     state = WriteState(name, content, prior, unwritten, unwritten)
@@ -110,6 +116,11 @@ class Destination(RegionTensor):
     @_value.setter
     def _value(self, value: Any) -> None:  # RegionTensor.__new__ sets it; a Destination's comes from its state
         pass
+
+    @property
+    def destination_name(self) -> str:
+        """The name of the destination this tensor is (a view of)."""
+        return self._state.name
 
     @property
     def writes(self) -> tuple[Write, ...]:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import regiontrace as rt
 from regiontrace.constants import is_constant, with_constants
 from regiontrace.testing import check_partition, random_tensor, same_values
-from regiontrace.writes import Destination
+from regiontrace.writes import Destination, prior_name
 
 leaf = rt.RegionTensor.leaf
 
@@ -173,7 +173,7 @@ def test_write_programs_trace_bit_for_bit_with_their_certificate(program, seed):
     prior = random_tensor(shape, torch.float32, gen)
     real, dest = prior.clone(), rt.destination("dest", shape)
     count, last, const = torch.zeros(shape, dtype=torch.int64), torch.full(shape, -1), torch.zeros(shape, dtype=bool)
-    sources: dict[str, torch.Tensor] = {"dest": prior}
+    sources: dict[str, torch.Tensor] = {prior_name("dest"): prior}
     early = writes[0].view(dest)  # a view taken before any write reads what the writes put there
 
     def real_leaf(name, s, dtype):
@@ -287,7 +287,7 @@ def test_certificate_names_unwritten_and_twice_written_elements():
     prior = torch.randn(8, 3)
     expect = prior.clone()
     expect[0:4], expect[2:6] = real[0:4], real[4:8]
-    assert torch.equal(evaluate(dest, {"k": real, "kv": prior}), expect)
+    assert torch.equal(evaluate(dest, {"k": real, prior_name("kv"): prior}), expect)
 
 
 def test_index_writes_as_strided_and_new_destinations():
@@ -301,7 +301,7 @@ def test_index_writes_as_strided_and_new_destinations():
         t.index_copy_(0, idx2, b)
         t.as_strided((2, 2), (1, 4), 1).fill_(3.0)  # column block rows 0..2, cols 1..3, transposed
         t[1, 2:] = 9.0
-    assert torch.equal(evaluate(dest, {"x": torch.zeros(6, 4), "y": yr, "z": zr}), real)
+    assert torch.equal(evaluate(dest, {prior_name("x"): torch.zeros(6, 4), "y": yr, "z": zr}), real)
     assert [w.op for w in rt.coverage(dest).writes] == ["index_put_"] * 2 + ["index_copy_"] * 2 + ["fill_", "copy_"]
     fresh = dest.new_zeros(2, 4)
     assert isinstance(fresh, Destination) and rt.coverage(fresh).complete
@@ -340,3 +340,51 @@ def test_constant_pieces_and_reads_of_a_destination():
     assert torch.equal(evaluate(snapshot, {"a": a}), torch.cat([torch.zeros(1, 3), a.float(), torch.zeros(1, 3)]))
     assert evaluate(dest, {"a": a})[1].tolist() == [5.0] * 3
     assert math.prod(dest.shape) == 12 and rt.coverage(dest).overwritten == (((1, 3), (0, 3)),)
+
+
+class TinyAttention(torch.nn.Module):
+    """A vLLM-style module: fused parameters with ``weight_loader`` attributes and a ``load_weights`` that walks
+    ``(name, tensor)`` pairs through ``stacked_params_mapping``."""
+
+    heads = (4, 2, 2)  # q heads, kv heads, head dim
+    stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v")]
+
+    def __init__(self, make: Callable, tp_rank: int, tp: int, hidden: int = 3):
+        super().__init__()
+        nq, nkv, hd = self.heads
+        rows = nq * hd // tp + 2 * max(1, nkv // tp) * hd
+        self.qkv_proj = torch.nn.Parameter(make("qkv_proj.weight", (rows, hidden)), requires_grad=False)
+        self.o_proj = torch.nn.Parameter(make("o_proj.weight", (hidden, nq * hd // tp)), requires_grad=False)
+        self.tp_rank, self.tp = tp_rank, tp
+
+    def load_weights(self, weights) -> None:
+        params = {f"{n}.weight": p for n, p in self.named_parameters()}
+        for name, loaded in weights:
+            for param_name, weight_name, shard_id in self.stacked:
+                if weight_name in name:
+                    param = params[name.replace(weight_name, param_name)]
+                    qkv_loader(param, loaded, shard_id, self.tp_rank, self.tp, self.heads)
+                    break
+            else:  # RowParallelLinear: this rank's columns
+                param = params[name]
+                size = param.shape[1]
+                param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_modules_own_load_weights_traced_per_rank(tp):
+    nq, nkv, hd = TinyAttention.heads
+    shapes = {"q_proj.weight": (nq * hd, 3), "k_proj.weight": (nkv * hd, 3), "v_proj.weight": (nkv * hd, 3)}
+    shapes["o_proj.weight"] = (3, nq * hd)
+    gen = torch.Generator().manual_seed(tp)
+    real = {n: random_tensor(s, torch.float32, gen) for n, s in shapes.items()}
+    for rank in range(tp):
+        traced = TinyAttention(rt.destination, rank, tp)
+        run = TinyAttention(lambda name, shape: torch.full(shape, float("nan")), rank, tp)
+        traced.load_weights((n, leaf(n, s)) for n, s in shapes.items())
+        run.load_weights(real.items())
+        for name, param in traced.named_parameters():
+            assert isinstance(param, Destination) and isinstance(param, torch.nn.Parameter)
+            assert param.destination_name == f"{name}.weight"
+            assert torch.equal(evaluate(param, real), getattr(run, name)), name
+            assert rt.coverage(param).exact, name
