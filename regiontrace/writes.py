@@ -27,7 +27,7 @@ import torch
 from . import region as R
 from . import values as V
 from ._torch import op_schema
-from .addresses import address, overwrite, read
+from .addresses import Address, address, overwrite, read
 from .constants import constant_region
 from .errors import Untraceable
 from .reshape import reshape
@@ -53,13 +53,12 @@ def write_marker(index: int) -> R.Source:
 
 @dataclass(frozen=True)
 class Write:
-    """One in-place write: its index (program order), the op, and the address it wrote through."""
+    """One in-place op: its index (program order), the op, and the addresses it wrote through (one, or one per
+    run of consecutive rows of an ``index_copy_``/``index_put_``)."""
 
     index: int
     op: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
+    addresses: tuple[Address, ...]
 
 
 @dataclass(eq=False)
@@ -196,15 +195,19 @@ def _factory(target: Destination, func: Any, args: tuple, kwargs: dict) -> Desti
 # the writes
 
 
-def record(target: Destination, value: R.Region, op: str) -> None:
-    """Write ``value`` (a region of ``target``'s shape and dtype) through ``target``'s address."""
-    state, addr = target._state, address(target._meta)
-    index = len(state.writes)
-    state.earlier = overwrite(state.earlier, state.shape, addr, read(state.last, state.shape, addr))
-    marker = R.expand(R.Region.leaf(write_marker(index)), addr[0])
-    state.last = overwrite(state.last, state.shape, addr, marker)
-    state.content = overwrite(state.content, state.shape, addr, value)
-    state.writes.append(Write(index, op, *addr))
+def record(parts: Sequence[tuple[Destination, R.Region]], op: str) -> None:
+    """One write: each ``value`` (a region of its view's shape and dtype) through its view's address; the views
+    are of one destination and do not overlap each other."""
+    state = parts[0][0]._state
+    index, addrs = len(state.writes), []
+    for target, value in parts:
+        addr = address(target._meta)
+        state.earlier = overwrite(state.earlier, state.shape, addr, read(state.last, state.shape, addr))
+        marker = R.expand(R.Region.leaf(write_marker(index)), addr[0])
+        state.last = overwrite(state.last, state.shape, addr, marker)
+        state.content = overwrite(state.content, state.shape, addr, value)
+        addrs.append(addr)
+    state.writes.append(Write(index, op, tuple(addrs)))
 
 
 def _written(target: Destination, src: Any, op: str) -> R.Region:
@@ -223,18 +226,18 @@ def _written(target: Destination, src: Any, op: str) -> R.Region:
     return value
 
 
-def _copy(target: Destination, src: Any, non_blocking: bool = False, op: str = "copy_") -> Destination:
-    record(target, _written(target, src, op), op)
+def _copy(target: Destination, src: Any, non_blocking: bool = False) -> Destination:
+    record([(target, _written(target, src, "copy_"))], "copy_")
     return target
 
 
 def _fill(target: Destination, value: Any) -> Destination:
-    record(target, _written(target, value, "fill_"), "fill_")
+    record([(target, _written(target, value, "fill_"))], "fill_")
     return target
 
 
 def _zero(target: Destination) -> Destination:
-    record(target, constant_region(0, target.shape, target.dtype), "zero_")
+    record([(target, constant_region(0, target.shape, target.dtype))], "zero_")
     return target
 
 
@@ -242,6 +245,8 @@ def _rows(index: Any, n: int, op: str) -> list[tuple[int, int, int]]:
     """Runs ``(position in index, first row, count)`` of consecutive rows of a known index tensor."""
     if isinstance(index, RegionTensor) or not isinstance(index, torch.Tensor) or index.dtype == torch.bool:
         raise Untraceable(f"`{op}` with indices that are not a known integer tensor")
+    if index.dim() > 1:
+        raise Untraceable(f"`{op}` with a {index.dim()}-dim index: one dim of indices only")
     rows = [int(i) % n if n else int(i) for i in index.reshape(-1).tolist()]
     if len(set(rows)) != len(rows):
         raise Untraceable(f"`{op}` with a repeated index: torch leaves which write wins undefined")
@@ -254,12 +259,25 @@ def _rows(index: Any, n: int, op: str) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _index_copy(target: Destination, dim: int, index: Any, source: Any) -> Destination:
-    d = dim % max(target.ndim, 1)
-    for j, i, n in _rows(index, target.shape[d], "index_copy_"):
+def _rows_written(target: Destination, d: int, index: Any, source: Any, op: str) -> Destination:
+    """``source`` (rows along ``d`` in ``index`` order) written into rows ``index`` of ``target``: one write."""
+    parts = []
+    for j, i, n in _rows(index, target.shape[d], op):
+        view = target.narrow(d, i, n)
         part = source.narrow(d, j, n) if isinstance(source, RegionTensor) and source.dim() else source
-        _copy(target.narrow(d, i, n), part, op="index_copy_")
+        parts.append((view, _written(view, part, op)))
+    if parts:
+        record(parts, op)
     return target
+
+
+def _index_copy(target: Destination, dim: int, index: Any, source: Any) -> Destination:
+    if isinstance(source, torch.Tensor) and source.dtype != target.dtype:  # as torch refuses it
+        raise RuntimeError(
+            f"index_copy_(): self and source expected to have the same dtype, but got (self) "
+            f"{target.dtype} and (source) {source.dtype}"
+        )
+    return _rows_written(target, dim % max(target.ndim, 1), index, source, "index_copy_")
 
 
 def _index_put(target: Destination, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Destination:
@@ -267,14 +285,10 @@ def _index_put(target: Destination, indices: Sequence[Any], values: Any, accumul
     if accumulate or len(given) != 1:
         raise Untraceable("`index_put_` traces one known integer index and accumulate=False only")
     (d,) = given
-    count = indices[d].numel()
-    shape = target.shape[:d] + (count,) + target.shape[d + 1 :]
+    shape = target.shape[:d] + (indices[d].numel(),) + target.shape[d + 1 :]
     if isinstance(values, RegionTensor) and tuple(values.shape) != tuple(shape):
         values = values.expand(shape)
-    for j, i, n in _rows(indices[d], target.shape[d], "index_put_"):
-        part = values.narrow(d, j, n) if isinstance(values, RegionTensor) and values.dim() else values
-        _copy(target.narrow(d, i, n), part, op="index_put_")
-    return target
+    return _rows_written(target, d, indices[d], values, "index_put_")
 
 
 #: the in-place ops a destination traces, each ``(destination, *args, **kwargs) -> destination``
