@@ -148,7 +148,9 @@ def scenario_truncated_mid_read(root: Path, rollback: bool) -> None:
     net = Net()
     before = state(net)
     victim = root / SECOND
-    reader = CuttingReader(str(root), str(victim), data_start(victim, "col2") + 1000, rollback=rollback)
+    reader = CuttingReader(
+        str(root), str(victim), data_start(victim, "col2") + 1000, options=LoadOptions(rollback=rollback)
+    )
     error = _dcp_load(root, net, ColumnShardPlanner(net), reader)
     _finish(root, before, net, error, cut=reader.cut is not None and reader.cut.done)
 

@@ -127,7 +127,7 @@ def test_repo_id_opens_the_cached_main_snapshot(cache: Path):
 
 @pytest.mark.parametrize("revision", [OLD, "v1"])
 def test_repo_id_at_a_revision(cache: Path, revision: str):
-    ckpt = SafetensorsCheckpoint.open(REPO, revision=revision)
+    ckpt = SafetensorsCheckpoint.open(REPO, storage=StorageOptions(revision=revision))
     snapshot = repo_folder(cache, REPO) / "snapshots" / OLD
     assert ckpt.files == (str(snapshot / "model.safetensors"),)
     assert torch.equal(read_tensor(ckpt["0.weight"]), model(1).state_dict()["0.weight"])
@@ -151,7 +151,7 @@ def test_local_folder_wins_over_a_repo_id(cache: Path, tmp_path: Path):
     load_hf_checkpoint(net, REPO, options=LoadOptions(progress=False))
     assert_loaded(net, 2)
     with pytest.raises(CheckpointError, match="revision='v1' is for Hub repo ids") as info:
-        SafetensorsCheckpoint.open(REPO, revision="v1")
+        SafetensorsCheckpoint.open(REPO, storage=StorageOptions(revision="v1"))
     assert info.value.path == str(local)
 
 
@@ -171,7 +171,7 @@ def test_repo_not_cached_offline_names_what_was_tried(cache: Path, tmp_path: Pat
 
 def test_unknown_revision_offline(cache: Path):
     with pytest.raises(CheckpointNotFoundError, match="revision 'v9'.*not in the cache"):
-        SafetensorsCheckpoint.open(REPO, revision="v9")
+        SafetensorsCheckpoint.open(REPO, storage=StorageOptions(revision="v9"))
 
 
 def test_cached_snapshot_without_weights_is_not_a_checkpoint(cache: Path):
