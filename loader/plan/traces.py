@@ -284,7 +284,22 @@ def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None, grids: _Gr
     for name, t in out.items():
         if not isinstance(t, rt.RegionTensor):
             return Untraced(f"output {name!r} is not derived from the checkpoint tensors")
+        if any(not s.startswith("#") for s in t.sources()):  # a constant piece (F.pad): not read by the executor
+            return Untraced(f"Untraceable: {_constant_op(t)} writes constant elements, which the loader does not "
+                            "read from a checkpoint", untraceable=True)  # fmt: skip
     return _Shared(tuple(out[t] for t in conv.targets), tuple(stored))
+
+
+def _constant_op(t: rt.RegionTensor) -> str:
+    """The op that put constant elements into ``t`` (``constant_pad_nd``, a ``fill``), for the fallback's log line."""
+    seen, todo, ops = set(), [t.node], []
+    while todo:
+        node = todo.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            ops += [node.op] if any(w in node.op for w in ("pad", "fill", "zero", "full", "constant")) else []
+            todo.extend(node.parents)
+    return ", ".join(sorted(set(ops))) or t.node.op
 
 
 def _assembled(box: Box, chunks: list[tuple[Box, rt.RegionTensor]]) -> rt.RegionTensor | None:
