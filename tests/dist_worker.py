@@ -511,7 +511,11 @@ def scenario_hung_reading_dcp(ctx: dict) -> dict:
     model = _filled_layout()
     planner = HFLoadPlanner(model, rules=Rules(weights_mapping=_rules_with_scaled(scaled)))
     try:
-        dcp.load(planner.state_dict_for_load(), storage_reader=Reader(ctx["layout_path"], timeout=2.5), planner=planner)
+        dcp.load(
+            planner.state_dict_for_load(),
+            storage_reader=Reader(ctx["layout_path"], options=LoadOptions(timeout=2.5)),
+            planner=planner,
+        )
         outcome = {"type": None}
     except BaseException as e:
         outcome = _describe(e)

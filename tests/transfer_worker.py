@@ -81,9 +81,10 @@ def describe(e: BaseException) -> dict:
 def _transfer(ctx: dict, src, dst, oracle: str, **kwargs) -> dict:
     from loader import transfer_weights
 
-    report = transfer_weights(
-        src, dst, dst_mapping=kwargs.pop("rules", tm.rules()), options=TransferOptions(timeout=60), **kwargs
+    options = TransferOptions(
+        timeout=60, **({"bucket_bytes": kwargs.pop("bucket_bytes")} if "bucket_bytes" in kwargs else {})
     )
+    report = transfer_weights(src, dst, dst_mapping=kwargs.pop("rules", tm.rules()), options=options, **kwargs)
     bad, nbytes = compare(dst, torch.load(ctx[oracle]))
     return {"report": report_dict(report), "mismatch": bad, "shard_bytes": nbytes}
 

@@ -94,13 +94,22 @@ class StagingRing:
     def __init__(self, capacity: int, count: int = BUFFERS, *, link: Link | None = None) -> None:
         if capacity < 1 or count < 1:
             raise ValueError(f"a staging ring needs capacity >= 1 and count >= 1, got {capacity}, {count}")
-        self.capacity, self.count, self.link = capacity, count, link
+        self.capacity, self.count = capacity, count
         self.pin = False
         self.hint = capacity
         self.stages: list[Stage | None] = [None] * count
         self.counts: collections.Counter[str] = collections.Counter()
         self._next = 0
         self.deliveries = Deliveries(link, self.counts)
+
+    @property
+    def link(self) -> Link | None:
+        """The link every destination is copied through (None: by device); its deliveries hold it."""
+        return self.deliveries.link
+
+    @link.setter
+    def link(self, link: Link | None) -> None:
+        self.deliveries.link = link
 
     # ------------------------------------------------------------------------------------ buffers
 
