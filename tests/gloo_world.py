@@ -18,7 +18,7 @@ import pytest
 import torch
 
 WORLD = 4
-LIMIT = 300  # seconds; a world normally finishes in well under a minute
+LIMIT = int(os.environ.get("GLOO_WORLD_LIMIT", 300))  # seconds; a world normally finishes in well under a minute
 EXPECTED_CODES = [0, 0, -signal.SIGKILL, 0]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +39,13 @@ def run_world(
         for p in procs:
             p.wait(timeout=LIMIT)
     except subprocess.TimeoutExpired:
+        for p in procs:  # every thread's stack into the rank's log (worker_main registers the signal)
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        try:
+            procs[0].wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
         pytest.fail(
             f"the {WORLD}-rank world did not finish within {LIMIT} s: a rank hangs\n" + logs_of(logs_dir, results_dir)
         )
@@ -58,7 +65,7 @@ def logs_of(logs_dir: Path, results_dir: str) -> str:
     """Each rank's output and the errors of the scenarios it saved, for a failure message."""
     parts = []
     for r in range(WORLD):
-        parts.append(f"--- rank {r}\n{(logs_dir / f'rank{r}.log').read_text()[-3000:]}")
+        parts.append(f"--- rank {r}\n{(logs_dir / f'rank{r}.log').read_text()[-8000:]}")
         path = os.path.join(results_dir, f"rank{r}.pt")
         if os.path.exists(path):
             parts += [f"{n}: {res['error'][-1500:]}" for n, res in torch.load(path).items() if not res["ok"]]
@@ -80,7 +87,10 @@ def worker_main(scenarios: list, *, timeout: float = 120, lost_a_rank: bool = Tr
 
     import torch.distributed as dist
 
+    import faulthandler
+
     rank, world, ctx = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_world dumps a hung rank's stacks with it
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{ctx['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)

@@ -472,7 +472,7 @@ def test_reader_refuses_a_file_that_is_not_the_expected_identity(root):
         reader.expect(path, identity)  # checked on open
         with pytest.raises(CheckpointError, match="changed underneath"):
             reader.fd(path)
-        assert path not in reader._fds
+        assert path not in reader.files._fds
         reader.expect(path, FileIdentity.of(os.stat(path)))
         reader.verify_all()
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch.distributed as dist
-
 from ..plan import BlockRead, DeferredRead, RankPlan, TargetSlot, ValueRead
-from .collectives import broadcast_tensor, global_rank
+from .collectives import broadcast_among, broadcast_tensor
 from .session import Session
 from .verdicts import peer_errors
 
@@ -65,20 +64,6 @@ def _box_numel(sig: tuple) -> int:
     return sum(math.prod(b - a for a, b in g) for g in sig)
 
 
-_GROUPS: dict[tuple[int, ...], Any] = {}
-
-
-def _group_for(ranks: tuple[int, ...], session: Session) -> Any:
-    """The process group of the session's ``ranks`` (its own group when they are all of it), made by those ranks
-    alone (``use_local_synchronization``: no other rank takes part)."""
-    if len(ranks) == session.world:
-        return session.group
-    world_ranks = tuple(global_rank(session.group, r) for r in ranks)
-    if world_ranks not in _GROUPS:
-        _GROUPS[world_ranks] = dist.new_group(list(world_ranks), use_local_synchronization=True)
-    return _GROUPS[world_ranks]
-
-
 def owned_subset(
     plan: RankPlan,
     reads: Sequence[BlockRead],
@@ -94,9 +79,6 @@ def owned_subset(
         return list(reads), list(deferred), list(values), {}
     owners = assign_owners(plan, session)
     skip = {n for n, (owner, _) in owners.items() if owner != session.rank}
-    with peer_errors("reading", "making the groups of replicated tensors"):
-        for ranks in sorted({ranks for _, ranks in owners.values()}):  # one order on every rank: no deadlock
-            _group_for(ranks, session)
     return (
         [r for r in reads if r.target not in skip],
         [d for d in deferred if not set(d.conversion.targets) <= skip],
@@ -106,11 +88,14 @@ def owned_subset(
 
 
 def broadcast_owned(slots: Mapping[str, TargetSlot], owners: Owners, session: Session) -> None:
-    """Broadcast each shared target from its owner (names in one global order: no cross-group deadlock).
-    Collective."""
+    """Broadcast each shared target from its owner to the ranks sharing it (names in one order on every rank: no
+    deadlock; a tag per name). Collective over the ranks sharing each target."""
     with peer_errors("reading", "broadcasting replicated tensors"):
         for name in sorted(owners):
             owner, ranks = owners[name]
-            group = _group_for(ranks, session)
-            src = owner if group is session.group else ranks.index(owner)
-            broadcast_tensor(slots[name].local, src, group=group, timeout=session.timeout)
+            local = slots[name].local
+            if len(ranks) == session.world:
+                broadcast_tensor(local, owner, group=session.group, timeout=session.timeout)
+            else:
+                tag = zlib.crc32(name.encode()) & 0x7FFFFFFF
+                broadcast_among(local, owner, ranks, group=session.group, timeout=session.timeout, tag=tag)

@@ -82,6 +82,31 @@ def broadcast_tensor(tensor: torch.Tensor, src: int, *, group: Any = None, timeo
         tensor.copy_(buf)
 
 
+def broadcast_among(
+    tensor: torch.Tensor,
+    src: int,
+    ranks: Sequence[int],
+    *,
+    group: Any = None,
+    timeout: float | None = None,
+    tag: int = 0,
+) -> None:
+    """``tensor`` of ``group``'s rank ``src`` into ``tensor`` on the group's ``ranks`` (``src`` among them), point to
+    point over ``group``: no process group of ``ranks`` is made (torch's ``new_group`` of overlapping rank sets made
+    by their ranks alone deadlocks; made by every rank it would involve ranks outside them). Called by ``ranks``
+    only, each in one order shared by all ranks (then the first unfinished broadcast always has its ranks ready)."""
+    me = dist.get_rank(group)
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    if me == src:
+        works = [dist.isend(buf, dst=global_rank(group, r), group=group, tag=tag) for r in ranks if r != src]
+        for work in works:
+            _wait(work, timeout)
+        return
+    _wait(dist.irecv(buf, src=global_rank(group, src), group=group, tag=tag), timeout)
+    if buf is not tensor:
+        tensor.copy_(buf)
+
+
 class Collectives:
     """This rank's end of the collectives over ``group``: the :class:`~loader.execute.peers.Peers` the read drivers
     use (:meth:`~loader.distributed.session.Session.peers` binds one to a stage of its session).
