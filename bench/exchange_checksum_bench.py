@@ -1,12 +1,12 @@
 """Benchmark: the cost of the checksums of exchanged reads (``zlib.crc32`` of what one rank sends another of a file,
-computed by the sender, checked by the receiver: loader/distributed/exchange_reads.py).
+computed by the sender, checked by the receiver: loader/execute/exchange.py).
 
     python bench/exchange_checksum_bench.py [--mib N] [--repeats N] [--markdown]
 
 Four gloo ranks (spawned, one torch thread each) exchange a column-sharded tensor of ``--mib`` MiB (rows of 8 KiB,
 each rank wanting a quarter of every row: a TP ``o_proj``), as a load's round does: the plan of
-:func:`~loader.distributed.exchange_plan.plan_files`, each rank's chunk filled with random bytes, then
-:func:`~loader.distributed.exchange_reads.exchange` (placing the pieces, the checksums, one ``all_to_all_single``,
+:func:`~loader.execute.exchange_plan.plan_files`, each rank's chunk filled with random bytes, then
+:func:`~loader.execute.exchange.exchange` (placing the pieces, the checksums, one ``all_to_all_single``,
 checking what came in). Reported per rank, the median of ``--repeats``: the exchange's wall, and the time
 ``zlib.crc32`` takes over the bytes that exchange hashes (what it sent, and what it received), measured on its own in
 the same process: the share of the exchange the checksums cost.
@@ -34,25 +34,27 @@ def rank_main(rank: int, world: int, spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from loader.distributed.exchange_plan import as_ranges, plan_files
-    from loader.distributed.exchange_reads import exchange
+    from loader.distributed.collectives import Collectives
+    from loader.execute.exchange import exchange
+    from loader.execute.exchange_plan import as_ranges, plan_files
 
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
     )
+    peers = Collectives(timeout=600)
     rows, part = spec["mib"] * (1 << 20) // ROW, ROW // world
     wants = [
         {"f": as_ranges([(r * ROW + k * part, r * ROW + (k + 1) * part) for r in range(rows)])} for k in range(world)
     ]
     plans = plan_files(wants)
-    mine = plans["f"].chunks.of(rank)
+    mine = plans["f"].shares.of(rank)
     fetched = {"f": np.random.default_rng(rank).integers(0, 256, int((mine[:, 1] - mine[:, 0]).sum()), np.uint8)}
     walls, crcs = [], []
     for _ in range(spec["repeats"] + 1):  # the first: unmeasured
         dist.barrier()
         start = time.perf_counter()
-        held, received = exchange(plans, ["f"], fetched, rank, world)
+        held, received = exchange(plans, ["f"], fetched, peers)
         walls.append(time.perf_counter() - start)
         sent = int(
             sum((r[:, 1] - r[:, 0]).sum() for j in range(world) if j != rank for r in [plans["f"].sends(rank, j)])

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from .checkpoint import Checkpoint, SafetensorsCheckpoint
+from .distributed.collectives import group_rank_and_world
 from .execute import execute_plan
 from .load import load_distributed
 from .materialize import MetaAllocation, on_meta
 from .options import LoadOptions, Rules, StorageOptions
-from .placements import rank_and_world
 from .plan import describe
 from .plan.gcpause import paused_gc
 from .planner import HFLoadPlanner
@@ -81,7 +81,7 @@ def load_hf_checkpoint(
         raise ValueError(
             "load_hf_checkpoint: the planner carries the rules; pass rules= to HFLoadPlanner(...), not beside planner="
         )
-    rank, world = rank_and_world()
+    rank, world = group_rank_and_world(group)
     # a meta model is planned on meta and allocated (and initialised) only once its plan is valid; on any error
     # after that its meta tensors are put back
     allocate = None

@@ -32,11 +32,11 @@ from regiontrace.executor import contiguous_strides
 from .checkpoint import Checkpoint, SafetensorsCheckpoint
 from .dcpload import checkpoint_from_metadata, checkpoint_metadata, holds_headers
 from .distributed import Session
+from .distributed.collectives import group_rank_and_world
 from .distributed.versions import open_agreed
 from .execute import BlockExecutor, Rollback, execute_plan
 from .load import opener, read_on_every_rank
 from .options import LoadOptions, StorageOptions
-from .placements import rank_and_world
 from .plan import BlockRead
 from .plan.slots import full_box, plain_slot
 from .storage import RangeReader, is_url
@@ -49,7 +49,7 @@ def open_on_every_rank(
     on every rank (:func:`~loader.distributed.versions.open_agreed`), a failure on one rank raised on all.
     Collective there, over ``group`` (``read_metadata`` runs on every rank of ``dcp.load``)."""
     open_at = opener(path, storage)
-    if not is_url(path) or not torch.distributed.is_initialized() or rank_and_world()[1] < 2:
+    if not is_url(path) or not torch.distributed.is_initialized() or group_rank_and_world(group)[1] < 2:
         return open_at(None)
     with Session(timeout, group) as session, session.stage("planning"):  # a failure raised on every rank
         checkpoint = open_agreed(session, open_at, remote=True)
@@ -180,7 +180,7 @@ def _read_planned(dcp_plan: LoadPlan, planner: Any, reader: RangeReader, options
     read), as ``planner.planned_reads`` lists them; with ``options.rollback``, a failure restores every tensor the
     plan writes (every rank's of ``group``, in a distributed load). Returns the bytes received from other ranks."""
     plan, reads, deferred, values = planner.planned_reads(dcp_plan)
-    if rank_and_world()[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
+    if group_rank_and_world(group)[1] > 1:  # shared targets read once and broadcast; failures raised on every rank
         with Session(options.timeout, group) as session, Rollback(options.rollback) as rollback:
             return read_on_every_rank(
                 plan, reader, reads, deferred, options, values=values, session=session, rollback=rollback

@@ -83,11 +83,10 @@ def worker_main(scenarios: list, *, timeout: float = 120, lost_a_rank: bool = Tr
     """A worker script's ``__main__``: ``WORKER RANK WORLD CTX_JSON`` joins the gloo world through the file store
     ``ctx["store"]`` (one torch thread), runs ``setup(world)`` then the scenarios, and exits; ``lost_a_rank``: the
     last scenario killed a rank, so the process exits at once (no barrier, no process-group teardown)."""
+    import faulthandler
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    import faulthandler
 
     rank, world, ctx = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_world dumps a hung rank's stacks with it

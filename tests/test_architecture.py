@@ -705,3 +705,33 @@ def test_checkpoints_are_not_probed():
         for line in checkpoint_probes(path.read_text())
     ]
     assert not bad, "a checkpoint's member is probed instead of read:\n" + "\n".join(bad)
+
+
+def _project_imports(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, module, name)`` of every ``from loader… / regiontrace… import name`` in ``path``, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in ("loader", "regiontrace"):
+                found += [(node.lineno, node.module, a.name) for a in node.names]
+    return found
+
+
+def test_benches_and_tests_import_names_that_exist():
+    """A bench or test importing a moved name (often inside a function, run only by hand) fails here first."""
+    import importlib
+
+    missing = []
+    for path in sorted([*(ROOT / "bench").glob("*.py"), *(ROOT / "tests").glob("*.py")]):
+        for line, module, name in _project_imports(path):
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as e:
+                missing.append(f"{path.relative_to(ROOT)}:{line}: {module} ({e})")
+                continue
+            if name != "*" and not hasattr(mod, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    missing.append(f"{path.relative_to(ROOT)}:{line}: {module}.{name}")
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)

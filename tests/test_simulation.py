@@ -22,10 +22,10 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from loader import HFLoadPlanner, SafetensorsCheckpoint
-from loader.options import Rules
 from loader.checkpoint import FileReader, TensorInfo
 from loader.cli.model_configs import TINY_QWEN3_MOE, hf_config, seeded_model
 from loader.execute import BlockExecutor, run_deferred
+from loader.options import Rules
 from loader.placements import shard_boxes
 from loader.plan.slots import TargetSlot
 from loader.simulate import coordinate_of, simulate_load

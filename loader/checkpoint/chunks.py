@@ -174,8 +174,8 @@ class TensorInfo:
         return start + lo * item, start + hi * item  # type: ignore[operator]
 
     def run_grid(self, layout: Any) -> Any:
-        """The byte runs of ``layout`` (a :class:`~regiontrace.executor.ReadLayout` of a block reading this one-chunk source)
-        in its file: ``layout.grid(itemsize, data_start)``."""
+        """The byte runs of ``layout`` (a :class:`~regiontrace.executor.ReadLayout` of a block reading this
+        one-chunk source) in its file: ``layout.grid(itemsize, data_start)``."""
         return layout.grid(self.dtype.itemsize, self.data_start)
 
     def spans(self) -> tuple[tuple[str, int, int], ...]:

@@ -159,7 +159,8 @@ class FileReader:
             self.sparse_files.add(file)
 
     def read_ahead(self, files: Iterable[str]) -> None:
-        """Read ``files`` with readahead even if ``sparse``: this host's ranks read most of them (``execute.host_shared``)."""
+        """Read ``files`` with readahead even if ``sparse``: this host's ranks read most of them
+        (:mod:`loader.execute.host_shared`)."""
         self._read_ahead.update(files)
 
     def cached(self, file: str, offset: int) -> bool | None:
