@@ -101,9 +101,9 @@ class _ValueItem:
 @dataclass
 class DcpLoad:
     """The state of one ``dcp.load``: the plan, what each ``ReadItem`` stands for, the deferred conversions'
-    sources read so far, and the bytes of the items committed (what a storage reader that counts nothing
-itself read: torch's). ``boxes_only``: the storage reader reads plain boxes only (its plan
-    then holds no value reads: they are deferred)."""
+    sources read so far, and the bytes of the items committed (what a storage reader that counts nothing itself
+    read: torch's). ``boxes_only``: the storage reader reads plain boxes only (its plan then holds no value reads:
+    they are deferred)."""
 
     plan: RankPlan
     boxes_only: bool

@@ -209,9 +209,7 @@ def dequantized_keyplan(keyplan: KeyPlan, checkpoint: Checkpoint, model: torch.n
     return replace(keyplan, conversions=conversions, unexpected_keys=unexpected)
 
 
-def _quant_block_of(
-    checkpoint: Checkpoint, key: str, scale_key: str, scheme: QuantBlockScheme
-) -> tuple[int, int]:
+def _quant_block_of(checkpoint: Checkpoint, key: str, scale_key: str, scheme: QuantBlockScheme) -> tuple[int, int]:
     """The quant block of one quantized weight, checked against its scale grid."""
     w, s = checkpoint[key], checkpoint[scale_key]
 
