@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from regiontrace.executor import copy_cast, dest_view, source_view
 
 from .checkpoint import Checkpoint, SafetensorsCheckpoint, TensorInfo
-from .execute import apply_deferred
+from .execute import apply_deferred, run_fills
 from .options import StorageOptions
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead
 from .plan.slots import TargetSlot, box_view
@@ -156,6 +156,12 @@ class DcpLoad:
                     )
                 )
         return LoadPlan(items)
+
+    def fill_constants(self) -> None:
+        """Run the plan's constant fills (no byte read) when another storage reader reads the boxes: it runs none
+        of the plan itself (:class:`~loader.SafetensorsReader` runs them with the reads)."""
+        if self.boxes_only:
+            run_fills(self.plan.fills, self.plan.slots)
 
     def resolve(self, read_item: ReadItem) -> torch.Tensor:
         """The tensor ``read_item``'s bytes land in: model memory, or a staging tensor."""

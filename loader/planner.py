@@ -167,6 +167,7 @@ class HFLoadPlanner(LoadPlanner):
         return global_plan
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        self._state().fill_constants()  # every rank's plan agreed: the padding, before another reader's reads
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:

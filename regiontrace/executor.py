@@ -16,12 +16,15 @@ Vocabulary (the algebra's words, docs/algebra.md, plus):
 - a **span**: a flat ``[lo, hi)`` interval of source elements (:func:`split_span` cuts a block at a bound);
 - an **input** of a value program (:class:`ValueInput`): a box-shaped tensor that blocks fill
   (:func:`fill_inputs`) before its ops run (:func:`evaluate_into`);
-- **packed runs** (:class:`PackedRuns`): a block's values in source order, one equal-length run per write.
+- **packed runs** (:class:`PackedRuns`): a block's values in source order, one equal-length run per write;
+- a **constant block**: a block reading a constant source (:func:`is_constant`: padding, a ``fill_``) with stride 0;
+  an executor fills its destination with :func:`constant_value` and reads no bytes.
 """
 
 from __future__ import annotations
 
 from .block_reads import distinct_read_numel, overlap_clusters, split_block, split_span
+from .constants import constant_value, is_constant
 from .execute import copy_cast, dest_view, execute_blocks, source_view
 from .region import contiguous_strides
 from .remap_block import ReadLayout, read_layout
@@ -46,6 +49,9 @@ __all__ = [
     "source_view",
     "dest_view",
     "copy_cast",
+    # constant blocks: filled, never read
+    "is_constant",
+    "constant_value",
     # values computed by pointwise ops: filling a program's inputs and replaying its ops
     "ValueInput",
     "input_regions",

@@ -36,6 +36,7 @@ from ..plan import BlockRead
 from ..plan.slots import TargetSlot, whole_boxes
 from ..storage import RangeReader
 from ..storage.capabilities import ScattersRuns, has
+from .fills import is_fill, run_fills
 from .pool import ReadPool, acquire, copy_threads, resolve_io_threads, submit_consecutive, submit_staged, torch_threads
 from .routes import DIRECT, SCATTER, SPAN, Route, route_for
 from .staging import GATHER_OVERREAD, Stage, StagingRing, align
@@ -244,14 +245,19 @@ class BlockExecutor:
             finish: wait for every copy to a device before returning; False leaves them queued (work queued
                 after them on the device's stream sees their values; :meth:`StagingRing.finish` waits).
 
+        A read whose block reads a constant source (:mod:`.fills`) fills its destination, reading no byte.
+
         Raises:
             CheckpointError: a file is short, or changed since its header was read (checked when it is
                 opened and after its last read), naming the file.
         """
         identities = self.checkpoint.identities
         by_file: dict[str, list[tuple[BlockRead, TensorInfo]]] = {}
-        targets, hint = set(), 0
+        targets, hint, fills = set(), 0, []
         for r in reads:
+            if is_fill(r):  # a constant block: filled, no byte read
+                fills.append(r)
+                continue
             info = self.checkpoint[r.block.source]
             targets.add(r.target)
             for block in split_span(r.block, info.elements_in(self.staging_bytes)):
@@ -262,6 +268,7 @@ class BlockExecutor:
                     hint += align((hi - lo) * info.itemsize)
         locals_ = (self.slots[t].local for t in targets)
         self.ring.prepare({t.device for t in locals_ if t is not None}, hint)
+        run_fills(fills, self.slots)
         try:  # our copies with torch's threads at this thread's part of the CPU share (none oversubscribed)
             with torch_threads(copy_threads(self.threads)), ReadPool(self.threads) as self.pool:
                 for file, items in by_file.items():

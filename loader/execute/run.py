@@ -11,6 +11,7 @@ from ..plan import BlockRead, DeferredRead, RankPlan, ValueRead
 from ..plan.gcpause import paused_gc
 from ..storage import RangeReader
 from .deferred import run_deferred
+from .fills import run_fills
 from .pool import in_page_cache, resolve_io_threads
 from .reads import BlockExecutor
 from .rollback import Rollback
@@ -36,9 +37,10 @@ def execute_plan(
     reads: Sequence[BlockRead] | None = None,
     deferred: Sequence[DeferredRead] | None = None,
     values: Sequence[ValueRead] | None = None,
+    fills: Sequence[BlockRead] | None = None,
 ) -> None:
     """Run ``plan`` (or the given subsets of its reads) against the checkpoint files, writing the model tensors:
-    region reads, then value reads, then deferred conversions.
+    constant fills, region reads, then value reads, then deferred conversions.
 
     Args:
         plan: this rank's plan.
@@ -51,6 +53,8 @@ def execute_plan(
         reads: the region reads to run (default: all of the plan's).
         deferred: the deferred conversions to run (default: all of the plan's).
         values: the value reads to run (default: all of the plan's).
+        fills: the constant fills to run (default: all of the plan's; no byte read): run on every rank that runs
+            any part of the plan (a broadcast owner has them before it sends its boxes).
 
     Raises:
         CheckpointError: a file is short, or changed since its header was read (with ``rollback``, after the
@@ -61,6 +65,7 @@ def execute_plan(
     reads = plan.reads if reads is None else reads
     deferred = plan.deferred if deferred is None else deferred
     values = plan.values if values is None else values
+    fills = plan.fills if fills is None else fills
     rollback = Rollback(options.rollback)  # a flow of several ranks passes rollback=False: it owns one
     rollback.keep(plan)
     bar = _progress_bar(options.progress, plan)
@@ -73,6 +78,7 @@ def execute_plan(
             threads = threads if in_page_cache(reader, checkpoint, reads) else 1
         ring = StagingRing.for_threads(options.staging_bytes, threads)  # one ring (pinned for GPU targets) for all
         progress = bar.update if bar else None
+        run_fills(fills, slots)
         routes = routes_of(plan)  # kept by the executor: a reused plan's blocks are not decided again
         BlockExecutor(
             checkpoint, slots, reader, progress=progress, staging=ring, io_threads=threads, routes=routes

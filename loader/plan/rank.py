@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import regiontrace as rt
-from regiontrace.executor import distinct_read_numel, input_regions
+from regiontrace.executor import distinct_read_numel, input_regions, is_constant
 
 from ..checkpoint import Checkpoint, check_encodings
 from ..rules import Conversion, KeyPlan
@@ -76,6 +76,9 @@ class RankPlan:
         traced, deferred_targets: model tensors loaded by region or value reads, and by deferred conversions.
         casts: ``(model tensor, dtype its values come in, model dtype)`` for loads across value kinds
             (see :func:`~loader.plan.dtypes.kind_cast`).
+        fills: the constant fills: blocks of traced conversions reading a constant source (``F.pad``'s padding),
+            run by filling their destination with the constant, no byte read (not among ``reads``, nor in
+            :meth:`planned_bytes`).
     """
 
     checkpoint: Checkpoint
@@ -92,6 +95,7 @@ class RankPlan:
     traced: tuple[str, ...]
     deferred_targets: tuple[str, ...]
     casts: tuple[tuple[str, torch.dtype, torch.dtype], ...]
+    fills: tuple[BlockRead, ...] = ()
 
     def block_reads(self) -> list[tuple[str, rt.RemapBlock]]:
         """``(target, block)`` for every block this plan reads: region reads and value reads' inputs."""
@@ -181,6 +185,7 @@ def plan_rank(
     check_float8(keyplan, checkpoint, slots)
     outcomes: list[TracedConversion | Untraced] = []
     reads: list[BlockRead] = []
+    fills: list[BlockRead] = []
     value_reads: list[ValueRead] = []
     deferred: list[DeferredRead] = []
     casts: list[tuple[str, torch.dtype, torch.dtype]] = []
@@ -194,7 +199,8 @@ def plan_rank(
             outcome = Untraced("values computed by pointwise ops are read whole here (values=False)")
         outcomes.append(outcome)
         if isinstance(outcome, TracedConversion):
-            reads += _compiled(conv, outcome, slots)
+            for r in _compiled(conv, outcome, slots):
+                (fills if is_constant(r.block.source) else reads).append(r)
             value_reads += _compiled_values(conv, outcome, slots, value_bytes or VALUE_BYTES)
         else:
             owned = tuple((t, g, lb) for t in conv.targets for g, lb in slots[t].boxes if _nonempty(g))
@@ -230,6 +236,7 @@ def plan_rank(
         traced=tuple(t for c, o in zip(conversions, outcomes) if isinstance(o, TracedConversion) for t in c.targets),
         deferred_targets=tuple(t for d in deferred for t in d.conversion.targets),
         casts=tuple(casts),
+        fills=tuple(fills),
     )
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 import regiontrace as rt
+from regiontrace.executor import is_constant
 
 from ..checkpoint import Checkpoint, TableCheckpoint, TensorInfo, chunk_source
 from ..rules import Conversion
@@ -70,6 +71,12 @@ class TracedConversion:
     def is_index_map(self) -> bool:
         """Whether every output is an index map (no output computed by pointwise ops)."""
         return all(t.is_index_map for t in self.outputs.values())
+
+    @property
+    def constants(self) -> str:
+        """The ops that put constant elements into an output (``constant_pad_nd``), or "" when none does: such
+        elements are filled, not read (:attr:`~loader.plan.RankPlan.fills`), and have no inverse."""
+        return ", ".join(constant_op(t) for t in self.outputs.values() if any(map(is_constant, t.sources())))
 
     def invert(self) -> rt.Inverse:
         """The trace's inverse (outputs named ``"0", "1", …`` in target order), made once per signature.
@@ -284,14 +291,14 @@ def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None, grids: _Gr
     for name, t in out.items():
         if not isinstance(t, rt.RegionTensor):
             return Untraced(f"output {name!r} is not derived from the checkpoint tensors")
-        if any(not s.startswith("#") for s in t.sources()):  # a constant piece (F.pad): not read by the executor
-            return Untraced(f"Untraceable: {_constant_op(t)} writes constant elements, which the loader does not "
-                            "read from a checkpoint", untraceable=True)  # fmt: skip
+        if not t.is_index_map and any(is_constant(s) for s in t.sources()):  # a value program's constant input
+            return Untraced(f"Untraceable: {constant_op(t)} writes constant elements into values computed by "
+                            "pointwise ops, which the loader does not compute", untraceable=True)  # fmt: skip
     return _Shared(tuple(out[t] for t in conv.targets), tuple(stored))
 
 
-def _constant_op(t: rt.RegionTensor) -> str:
-    """The op that put constant elements into ``t`` (``constant_pad_nd``, a ``fill``), for the fallback's log line."""
+def constant_op(t: rt.RegionTensor) -> str:
+    """The op that put constant elements into ``t`` (``constant_pad_nd``, a ``fill``), for a log line or an error."""
     seen, todo, ops = set(), [t.node], []
     while todo:
         node = todo.pop()
@@ -336,6 +343,8 @@ def _rename(block: rt.RemapBlock, names: tuple[str, ...]) -> rt.RemapBlock:
     """``block``, compiled for canonical leaf ``#i``, reading ``names[i]`` instead (built field by field: once per
     block of every load, and ``dataclasses.replace`` costs several times more)."""
     b = block
+    if not b.source.startswith("#"):  # a constant source: the same for every conversion of the signature
+        return b
     index, dot, chunk = b.source[1:].partition(".")
     source = names[int(index)] if not dot else chunk_source(names[int(index)], int(chunk))
     return rt.RemapBlock(

@@ -326,6 +326,11 @@ def _invert(conv: Conversion, stand_in: StandInCheckpoint, state: Mapping, cache
                 "traced inverse"
             )
         raise ValueError(f"cannot save {_what(conv)}: {re.sub('^conversion returned', 'it returned', traced.reason)}")
+    if traced.constants:  # padding holds no checkpoint element: nothing to save it into, nor to save it from
+        raise ValueError(
+            f"cannot save {_what(conv)}: {traced.constants} writes constant elements (padding) into the model "
+            "tensor, which hold no checkpoint element, so it has no traced inverse"
+        )
     try:
         inverse = traced.invert()
     except rt.NotInvertible as e:

@@ -18,7 +18,7 @@ import torch
 from ..fallbacks import MOVED_WHOLE, log_fallbacks
 from ..options import Rules
 from ..placements import slot_for
-from ..plan import StandInCheckpoint, TraceCache, TracedConversion
+from ..plan import StandInCheckpoint, TraceCache, TracedConversion, Untraced
 from ..plan.dtypes import kind_cast
 from ..plan.slots import iter_model_tensors
 from ..rules import KeyPlan, plan_keys
@@ -128,6 +128,9 @@ def dest_side(
                 )
         cast = source_cast(conv.rule, state[conv.targets[0]].dtype)
         outcome = cache.trace(conv, stand_in, cast)
+        if isinstance(outcome, TracedConversion) and outcome.constants:  # no source key holds those elements
+            reason = f"Untraceable: {outcome.constants} writes constant elements, which a transfer does not route"
+            outcome = Untraced(reason, untraceable=True)
         if isinstance(outcome, TracedConversion):
             outputs = dict(outcome.outputs)
             targets = tuple(conv.targets)
