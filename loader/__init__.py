@@ -2,6 +2,7 @@
 
 from .api import load_hf_checkpoint
 from .checkpoint import Checkpoint, SafetensorsCheckpoint
+from .engine import load_engine_weights
 from .errors import CheckpointError, PeerFailure
 from .hooks import PlanHooks
 from .options import LoadOptions, RemoteOptions, RequestCosts, Rules, SaveOptions, StorageOptions, TransferOptions
@@ -34,6 +35,7 @@ __all__ = [
     "StorageOptions",
     "TransferOptions",
     "TransferReport",
+    "load_engine_weights",
     "load_hf_checkpoint",
     "save_hf_checkpoint",
     "simulate_load",

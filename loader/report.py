@@ -7,6 +7,7 @@ import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,9 @@ class LoadReport:
         requests: read requests this process made: read system calls locally, HTTP requests remotely.
         bytes_exchanged: bytes this process received from other ranks instead of reading them (exchanged
             reads: ``LoadOptions.exchange_reads``).
+        certificates: per parameter, its coverage certificate (:func:`regiontrace.coverage`: which boxes each write
+            wrote, none left unwritten or written twice), for a load through a module's own ``load_weights``
+            (:func:`loader.load_engine_weights`); empty otherwise.
     """
 
     loaded_keys: tuple[str, ...]
@@ -65,6 +69,7 @@ class LoadReport:
     seconds: float = field(default=0.0, compare=False)  # timing: not part of what the load did
     requests: int = field(default=0, compare=False)  # how the bytes were read, not what was loaded
     bytes_exchanged: int = field(default=0, compare=False)
+    certificates: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __str__(self) -> str:
         casts = f", {len(self.cast_keys)} cast across kinds" if self.cast_keys else ""

@@ -1,0 +1,163 @@
+"""Tracing a module's own ``load_weights`` into destination stand-ins, checkpoint key by checkpoint key.
+
+Vocabulary (as in :mod:`regiontrace.writes`, plus):
+
+- **engine loader**: a module's ``load_weights(weights)`` in vLLM's calling convention: ``weights`` is an iterable of
+  ``(checkpoint key, tensor)`` pairs; the module maps names (``stacked_params_mapping``) and each parameter's
+  ``weight_loader(param, loaded_weight, shard_id?)`` writes into the parameter in place.
+- **stand-in**: a parameter replaced, while tracing, by a :func:`regiontrace.destination` named as the parameter,
+  wrapped as an ``nn.Parameter`` keeping the original's Python attributes (``weight_loader``, ``output_dim`` …).
+- **leaf**: a checkpoint key fed to the loader as ``RegionTensor.leaf(key, shape, dtype)`` (from the header: no
+  byte read).
+- **fallback key**: a key whose tracing raised :class:`~regiontrace.Untraceable` (``.item()``, data-dependent
+  values, an unknown op): its writes are undone, and it is later loaded for real, read whole.
+
+Each key is traced by its own ``load_weights([(key, leaf)])`` call, so only the keys that do not trace fall back.
+The real parameters are always put back, also when tracing fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import regiontrace as rt
+
+from ..checkpoint import Checkpoint
+
+__all__ = ["EngineTrace", "Fallback", "trace_load_weights", "stand_ins"]
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A checkpoint key whose tracing stopped: the op (the Untraceable message), and the parameters it had
+    written into before it stopped (its writes undone)."""
+
+    key: str
+    reason: str
+    touched: tuple[str, ...]
+
+
+@dataclass
+class EngineTrace:
+    """What a module's ``load_weights`` does with the checkpoint's keys, traced.
+
+    Attributes:
+        params: each parameter's stand-in after every traced key (its content: a region over checkpoint keys,
+            ``<prior NAME>`` where no write reached, constants), by the parameter's first name.
+        real: each parameter by the same name (the module's own tensor, put back).
+        writers: per parameter, the checkpoint key each of its writes came from (in write order).
+        fallbacks: the keys that did not trace, in checkpoint order.
+        unused: keys whose ``load_weights`` call wrote into no parameter.
+        certificates: each parameter's coverage certificate, once checked (:mod:`loader.engine.check`).
+    """
+
+    params: dict[str, rt.RegionTensor]
+    real: dict[str, torch.nn.Parameter]
+    writers: dict[str, list[str]] = field(default_factory=dict)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    certificates: dict[str, Any] = field(default_factory=dict)  # rt.coverage's values
+
+    def keys_of(self, name: str) -> tuple[str, ...]:
+        """The checkpoint keys parameter ``name``'s final content reads (its sources that are keys)."""
+        return tuple(sorted(s for s in self.params[name].sources() if not s.startswith("<")))
+
+
+def _owners(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, str, torch.nn.Parameter]]:
+    """``(owner module, attribute, full name, parameter)`` for every parameter slot (a tied one under each)."""
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for attr, param in owner.named_parameters(recurse=False):
+            yield owner, attr, f"{prefix}.{attr}" if prefix else attr, param
+
+
+def _stand_in(name: str, param: torch.nn.Parameter) -> rt.RegionTensor:
+    """A destination named ``name`` shaped as ``param``, an ``nn.Parameter`` with ``param``'s Python attributes."""
+    dest = torch.nn.Parameter(rt.destination(name, tuple(param.shape), param.dtype), requires_grad=False)
+    for attr, value in vars(param).items():
+        if not attr.startswith("_"):
+            setattr(dest, attr, value)
+    return dest
+
+
+@contextlib.contextmanager
+def stand_ins(module: torch.nn.Module) -> Iterator[tuple[dict[str, rt.RegionTensor], dict[str, torch.nn.Parameter]]]:
+    """Replace every parameter of ``module`` by a stand-in (a tied parameter by one stand-in under each name) for
+    the ``with`` block; yields ``(stand-ins, real parameters)`` by each parameter's first name. The real parameters
+    are put back on exit, also on an error."""
+    slots = list(_owners(module))
+    made: dict[int, tuple[str, rt.RegionTensor]] = {}
+    params: dict[str, rt.RegionTensor] = {}
+    real: dict[str, torch.nn.Parameter] = {}
+    for _, _, name, param in slots:
+        if id(param) not in made:
+            made[id(param)] = (name, _stand_in(name, param))
+            params[name], real[name] = made[id(param)][1], param
+    try:
+        for owner, attr, _, param in slots:
+            setattr(owner, attr, made[id(param)][1])
+        yield params, real
+    finally:
+        for owner, attr, _, param in slots:
+            setattr(owner, attr, param)
+
+
+def trace_load_weights(module: torch.nn.Module, checkpoint: Checkpoint, keys: list[str] | None = None) -> EngineTrace:
+    """Trace ``module.load_weights`` on ``checkpoint``'s keys (default: all, in checkpoint order), one call per key.
+
+    A key that raises :class:`~regiontrace.Untraceable` becomes a :class:`Fallback`; when it had written into a
+    parameter before it stopped, the trace starts again without it (its writes undone that way).
+
+    Raises:
+        AttributeError: the module has no ``load_weights``.
+        Exception: what ``load_weights`` raised on a key other than :class:`~regiontrace.Untraceable` (a note names
+            the key).
+    """
+    keys = list(checkpoint.keys()) if keys is None else keys
+    fallbacks: dict[str, Fallback] = {}
+    while True:
+        trace = _trace_once(module, checkpoint, keys, fallbacks)
+        if trace is not None:
+            trace.fallbacks = [fallbacks[k] for k in keys if k in fallbacks]
+            return trace
+
+
+def _trace_once(
+    module: torch.nn.Module, checkpoint: Checkpoint, keys: list[str], fallbacks: dict[str, Fallback]
+) -> EngineTrace | None:
+    """One pass over ``keys`` but the known ``fallbacks``; None when a new fallback key had written something."""
+    load_weights = module.load_weights
+    with stand_ins(module) as (params, real):
+        trace = EngineTrace(params, real, {n: [] for n in params})
+        for key in keys:
+            if key in fallbacks:
+                continue
+            info = checkpoint[key]
+            before = {n: len(p.writes) for n, p in params.items()}
+            try:
+                load_weights([(key, rt.RegionTensor.leaf(key, info.shape, info.dtype))])
+            except rt.Untraceable as e:
+                touched = tuple(n for n, p in params.items() if len(p.writes) != before[n])
+                fallbacks[key] = Fallback(key, str(e), touched)
+                if touched:
+                    return None
+                continue
+            except Exception as e:
+                e.add_note(f"raised by {type(module).__name__}.load_weights tracing checkpoint key {key!r}")
+                raise
+            added = {n: len(p.writes) - before[n] for n, p in params.items()}
+            for n, count in added.items():
+                trace.writers[n] += [key] * count
+            if not any(added.values()):
+                trace.unused.append(key)
+    return trace
+
+
+def writer_keys(trace: EngineTrace, name: str, writes) -> tuple[str, ...]:
+    """The checkpoint keys that made writes ``writes`` (indices) into parameter ``name``, distinct, in order."""
+    keys = trace.writers[name]
+    return tuple(dict.fromkeys(keys[i] for i in writes if i < len(keys)))

@@ -1,0 +1,113 @@
+"""``load_engine_weights``: a checkpoint into vLLM-style modules through their own ``load_weights``, traced per rank
+at TP 1/2/4 in one process, each parameter bit-identical to the same ``load_weights`` run on real tensors, each rank
+reading exactly the bytes of the elements it takes; loaders that leave elements unwritten or write them twice, and
+checkpoints that do not fit, refused before any byte is read; keys that do not trace read whole, and logged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_models import TinyLlama, TinyMoE
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import loader
+
+CONFIG = dict(
+    vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=4, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny random LlamaForCausalLM saved by ``save_pretrained`` in bfloat16: ``(config, folder)``."""
+    config = LlamaConfig(**CONFIG)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape))
+    folder = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(folder)
+    return config, folder
+
+
+def oracle(module: torch.nn.Module, path) -> dict[str, torch.Tensor]:
+    """The module's own ``load_weights`` on the real tensors (``safetensors.torch.load_file``)."""
+    module.load_weights(load_file(path).items())
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def needed_bytes(make, path) -> int:
+    """Bytes of the checkpoint elements the module takes, counted by running its loader on tensors of distinct
+    ids (float64: each element of every key its own value), independently of any trace."""
+    tensors, sizes, base = {}, {}, 1
+    for k, t in load_file(path).items():
+        tensors[k] = torch.arange(base, base + t.numel(), dtype=torch.float64).reshape(t.shape)
+        sizes[k] = (base, base + t.numel(), t.element_size())
+        base += t.numel()
+    module = make(torch.float64)
+    module.load_weights(tensors.items())
+    ids = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).unique()
+    return sum(int(((ids >= a) & (ids < b)).sum()) * size for a, b, size in sizes.values())
+
+
+def assert_loaded(module, expected):
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), expected[name]), name
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_llama_per_rank_matches_its_own_load_weights(llama, tp):
+    config, folder = llama
+    path = folder / "model.safetensors"
+    for rank in range(tp):
+        module = TinyLlama(config, rank, tp)
+        report = loader.load_engine_weights(module, str(folder), tp_size=tp)
+        assert_loaded(module, oracle(TinyLlama(config, rank, tp), path))
+        need = needed_bytes(lambda dtype, rank=rank: TinyLlama(config, rank, tp, dtype), path)
+        assert report.bytes_read == report.planned_bytes == need
+        assert set(report.loaded_keys) == set(report.traced) == {n for n, _ in module.named_parameters()}
+        assert not report.missing_keys and not report.deferred
+        assert all(c.exact for c in report.certificates.values())
+        embed = report.certificates["model.embed_tokens.weight"]
+        per = module.model.embed_tokens.per
+        rows = max(0, min(config.vocab_size - rank * per, per))
+        assert embed.constant == ((((rows, per), (0, config.hidden_size)),) if rows < per else ())
+
+
+def test_fused_moe_experts(tmp_path):
+    experts, hidden, inter = 3, 4, 8
+    gen = torch.Generator().manual_seed(1)
+    tensors = {
+        f"experts.{e}.{w}.weight": torch.randn((inter, hidden) if w != "w2" else (hidden, inter), generator=gen)
+        for e in range(experts)
+        for w in ("w1", "w2", "w3")
+    }
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, tmp_path / "moe.safetensors")
+    path = tmp_path / "moe.safetensors"
+    for tp in (1, 2):
+        for rank in range(tp):
+            module = TinyMoE(experts, hidden, inter, rank, tp)
+            report = loader.load_engine_weights(module, str(path), tp_size=tp)
+            assert_loaded(module, oracle(TinyMoE(experts, hidden, inter, rank, tp), path))
+            need = needed_bytes(lambda dtype, rank=rank, tp=tp: TinyMoE(experts, hidden, inter, rank, tp, dtype), path)
+            assert report.bytes_read == report.planned_bytes == need
+            assert len(report.certificates["w13_weight"].writes) == 2 * experts
+
+
+def test_a_float32_module_casts_as_its_copy_does(llama):
+    config, folder = llama
+    module = TinyLlama(config, 1, 2, torch.float32)
+    loader.load_engine_weights(module, str(folder / "model.safetensors"), tp_size=2)
+    assert_loaded(module, oracle(TinyLlama(config, 1, 2, torch.float32), folder / "model.safetensors"))
+
+
+def test_parameters_are_put_back(llama):
+    config, folder = llama
+    module = TinyLlama(config, 0, 2)
+    before = {n: p for n, p in module.named_parameters()}
+    loader.load_engine_weights(module, str(folder), tp_size=2)
+    assert all(p is before[n] for n, p in module.named_parameters())
+    assert all(hasattr(p, "weight_loader") for n, p in module.named_parameters() if "proj" in n or "embed" in n)
