@@ -5,6 +5,8 @@ checkpoints that do not fit, refused before any byte is read; keys that do not t
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from engine_models import TinyLlama, TinyMoE
@@ -12,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import loader
+from loader import SafetensorsCheckpoint
 
 CONFIG = dict(
     vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -111,3 +114,115 @@ def test_parameters_are_put_back(llama):
     loader.load_engine_weights(module, str(folder), tp_size=2)
     assert all(p is before[n] for n, p in module.named_parameters())
     assert all(hasattr(p, "weight_loader") for n, p in module.named_parameters() if "proj" in n or "embed" in n)
+
+
+class Twice(torch.nn.Module):
+    """One parameter: key ``a`` written whole (or zeroed, with ``zero``), then key ``b`` into its first rows."""
+
+    def __init__(self, zero: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((4, 3), float("nan"), dtype=dtype), requires_grad=False)
+        self.zero = zero
+
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            if name == "a":
+                self.w.data.zero_() if self.zero else self.w.data.copy_(t)
+            else:
+                self.w.data[:2].copy_(t)
+
+
+@pytest.fixture
+def ab(tmp_path):
+    path = tmp_path / "ab.safetensors"
+    save_file({"a": torch.randn(4, 3), "b": torch.randn(2, 3)}, path)
+    return path
+
+
+def test_written_twice_is_refused_naming_the_keys(ab):
+    module = Twice()
+    with pytest.raises(ValueError, match=r"parameter 'w' \(4, 3\): elements \[0:2, 0:3\] are written twice") as e:
+        loader.load_engine_weights(module, str(ab))
+    assert "'a'" in str(e.value) and "'b'" in str(e.value)
+    assert module.w.isnan().all()  # nothing read, nothing written
+
+
+def test_zeroed_then_copied_is_not_written_twice(ab):
+    module = Twice(zero=True)
+    report = loader.load_engine_weights(module, str(ab))
+    assert_loaded(module, oracle(Twice(zero=True), ab))
+    cov = report.certificates["w"]
+    assert cov.complete and cov.overwritten == (((0, 2), (0, 3)),) and cov.constant == (((2, 4), (0, 3)),)
+    assert report.bytes_read == report.planned_bytes == 2 * 3 * 4  # ``a`` is only zeroed: none of it read
+
+
+class HalfQKV(TinyLlama):
+    """A loader that forgets the ``v`` shard of the fused qkv."""
+
+    def load_weights(self, weights):
+        return super().load_weights((n, t) for n, t in weights if "v_proj" not in n)
+
+
+def test_unwritten_elements_are_refused_naming_the_box_and_keys(llama):
+    config, folder = llama
+    module = HalfQKV(config, 0, 2)
+    with pytest.raises(ValueError, match=r"parameter 'model.layers.0.self_attn.qkv_proj.weight' \(16, 16\)") as e:
+        loader.load_engine_weights(module, str(folder), tp_size=2)
+    message = str(e.value)
+    assert "elements [12:16, 0:16] are never written" in message
+    assert "'model.layers.0.self_attn.q_proj.weight'" in message and "k_proj" in message
+    assert all(p.isnan().all() for p in module.parameters())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_extra_vocabulary_rows_are_refused(llama, tmp_path, tp):
+    """vLLM's loader narrows a checkpoint with 64 more vocabulary rows than the model to the model's: refused."""
+    config, folder = llama
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.embed_tokens.weight"
+    tensors[key] = torch.cat([tensors[key], torch.randn(64, config.hidden_size).to(torch.bfloat16)])
+    save_file(tensors, tmp_path / "model.safetensors")
+    for rank in range(tp):
+        module = TinyLlama(config, rank, tp)
+        with pytest.raises(
+            ValueError, match=rf"checkpoint tensor '{key}' \(164, 16\) does not fit parameter\(s\) {key}"
+        ):
+            loader.load_engine_weights(module, str(tmp_path), tp_size=tp)
+        assert all(p.isnan().all() for p in module.parameters())
+
+
+def test_extra_rows_of_a_projection_are_refused(llama, tmp_path):
+    config, folder = llama
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.layers.1.mlp.up_proj.weight"
+    tensors[key] = torch.cat([tensors[key], tensors[key]])  # 32 rows more
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"'{key}' \(64, 16\) does not fit parameter\(s\) .*gate_up_proj"):
+        loader.load_engine_weights(TinyLlama(config, 0, 2), str(tmp_path), tp_size=2)
+
+
+class CheckedNorms(TinyLlama):
+    """A loader that looks at its norms' values (``.item()``): those keys do not trace."""
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name.endswith("layernorm.weight") and t.abs().max().item() > 1e4:
+                raise ValueError(f"{name} is out of range")
+            super().load_weights([(name, t)])
+
+
+def test_untraceable_keys_fall_back_alone_and_are_logged(llama, caplog):
+    config, folder = llama
+    path = folder / "model.safetensors"
+    module = CheckedNorms(config, 1, 2)
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        report = loader.load_engine_weights(module, str(folder), tp_size=2)
+    assert_loaded(module, oracle(CheckedNorms(config, 1, 2), path))
+    norms = [k for k in load_file(path) if k.endswith("layernorm.weight")]
+    assert set(report.deferred_reasons) == set(norms) and all("max" in r for r in report.deferred_reasons.values())
+    assert set(report.deferred) == set(norms) and set(report.loaded_keys) == {n for n, _ in module.named_parameters()}
+    (line,) = [r.getMessage() for r in caplog.records if "do not trace" in r.getMessage()]
+    assert all(k in line for k in norms) and "`max`" in line
+    whole = sum(SafetensorsCheckpoint.open(path)[k].nbytes for k in norms)
+    traced = needed_bytes(lambda dtype: TinyLlama(config, 1, 2, dtype), path) - whole
+    assert report.bytes_read == report.planned_bytes == traced + whole

@@ -3,7 +3,7 @@
 The flow: open the checkpoint (headers only) → trace ``load_weights`` key by key into parameter stand-ins
 (:mod:`~loader.engine.trace`) → check every parameter's coverage certificate and each key's shape
 (:mod:`~loader.engine.check`) → plan the region reads of exactly the elements each parameter holds
-(:mod:`~loader.engine.plan`) → execute them (locally, at a URL, in a process group) → write the constant boxes →
+(:mod:`~loader.engine.plan`) → execute them and the constant fills (locally, at a URL, in a process group) →
 load the keys that did not trace for real (:mod:`~loader.engine.fallback`). Nothing is read before every check
 passed; in a process group the outcome of planning is agreed by every rank first, as in
 :func:`loader.load_hf_checkpoint`.
@@ -30,7 +30,7 @@ from ..report import LoadReport, load_report, natural_sorted
 from ..storage import is_url
 from .check import certificates, check_coverage, check_shapes
 from .fallback import log_fallbacks, run_fallbacks
-from .plan import EnginePlan, engine_plan, fill_constants
+from .plan import EnginePlan, engine_plan
 from .trace import EngineTrace, trace_load_weights
 
 __all__ = ["load_engine_weights", "plan_engine_load"]
@@ -103,7 +103,7 @@ def load_engine_weights(
             bytes_read, requests = reader.bytes_read, reader.reads
     seconds = time.perf_counter() - started
     report = load_report(planned.plan, bytes_read, rank, world, seconds=seconds, requests=requests, exchanged=received)
-    return _engine_report(report, trace, written)
+    return _engine_report(report, trace, written, planned.plan.checkpoint)
 
 
 def plan_engine_load(module: torch.nn.Module, checkpoint: Any, tp_size: int = 1) -> tuple[EngineTrace, EnginePlan]:
@@ -121,11 +121,11 @@ def plan_engine_load(module: torch.nn.Module, checkpoint: Any, tp_size: int = 1)
     planned = engine_plan(trace, checkpoint, missing, description)
     plan = planned.plan
     log.info(
-        "%s: %d parameters as %d region reads and %d constant boxes, %d key(s) read whole, %d bytes planned",
+        "%s: %d parameters as %d region reads and %d constant fills, %d key(s) read whole, %d bytes planned",
         description,
         len(plan.traced),
         len(plan.reads),
-        len(planned.constants),
+        len(plan.fills),
         len(planned.fallback_keys),
         plan.planned_bytes(),
     )
@@ -144,12 +144,11 @@ def _keep(rollback: Rollback, trace: EngineTrace, planned: EnginePlan, options: 
 
 
 def _finish(module: torch.nn.Module, trace: EngineTrace, planned: EnginePlan, reader: Any) -> tuple[str, ...]:
-    """The constant boxes, then the fallback keys; the parameters those wrote.
+    """The fallback keys (after the region reads and constant fills); the parameters they wrote.
 
     Raises:
         ValueError: a parameter the traced keys left incomplete that no fallback key wrote either.
     """
-    fill_constants(planned.constants, planned.plan.slots)
     written = run_fallbacks(module, trace, planned.plan.checkpoint, reader)
     for name, cov in trace.certificates.items():
         if cov.writes and cov.undefined and name not in written:
@@ -160,14 +159,16 @@ def _finish(module: torch.nn.Module, trace: EngineTrace, planned: EnginePlan, re
     return written
 
 
-def _engine_report(report: LoadReport, trace: EngineTrace, written: tuple[str, ...]) -> LoadReport:
-    """The report with the fallback keys' parameters and the certificates."""
+def _engine_report(report: LoadReport, trace: EngineTrace, written: tuple[str, ...], checkpoint: Any) -> LoadReport:
+    """The report with the fallback keys' parameters (their keys planned whole) and the certificates."""
     fell_back = {n for f in trace.fallbacks for n in f.touched} | set(written)
     missing = tuple(k for k in report.missing_keys if k not in fell_back)
     loaded = natural_sorted(set(report.loaded_keys) | fell_back)
     reasons = {f.key: f.reason for f in trace.fallbacks}
+    whole = sum(checkpoint[f.key].nbytes for f in trace.fallbacks)
     return replace(
         report,
+        planned_bytes=report.planned_bytes + whole,
         loaded_keys=loaded,
         missing_keys=missing,
         deferred=natural_sorted(fell_back),

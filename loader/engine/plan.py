@@ -1,5 +1,5 @@
 """A traced engine loader as the planner's value: a :class:`~loader.plan.RankPlan` whose targets are the module's
-parameters, whole and local, and the constant boxes the executor does not read.
+parameters, whole and local.
 
 Vocabulary (as in :mod:`loader.engine.trace`, plus):
 
@@ -8,8 +8,8 @@ Vocabulary (as in :mod:`loader.engine.trace`, plus):
 - **region read**: a :class:`~loader.plan.BlockRead` of a block compiled from a parameter's final content
   (``remap_blocks`` of its whole box) that reads a checkpoint key; blocks name the keys themselves (the leaves
   were named so), and the executor casts to the parameter's dtype as the module's ``copy_`` does.
-- **constant box**: a block whose source is a constant (zeroed padding, a ``fill_``): the executor reads no
-  constants yet, so :func:`fill_constants` writes them after the region reads.
+- **constant fill**: a block whose source is a constant (zeroed padding, a ``fill_``): one of the plan's
+  ``fills``, which the executor fills with the constant, no byte read.
 
 The plan is planned with ``broadcast_replicated_tensors`` off: two ranks' parameters of one name hold different
 slots of the model (a ``qkv_proj`` shard each), which a broadcast by name would confuse.
@@ -17,13 +17,9 @@ slots of the model (a ``qkv_proj`` shard each), which a broadcast by name would 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
-import regiontrace as rt
-from regiontrace.executor import copy_cast, dest_view
+from regiontrace.executor import is_constant
 
 from ..checkpoint import Checkpoint
 from ..plan import BlockRead, RankPlan
@@ -31,27 +27,15 @@ from ..plan.slots import TargetSlot, plain_slot
 from ..rules import Conversion, KeyPlan
 from .trace import EngineTrace
 
-__all__ = ["ConstantFill", "EnginePlan", "engine_plan", "fill_constants"]
-
-_CONSTANT = ("<constant ", ">")  # regiontrace's constant sources: ``<constant VALUE: DTYPE>``
-
-
-@dataclass(frozen=True)
-class ConstantFill:
-    """Write ``value`` (stored as ``dtype``) into ``box`` of parameter ``target`` (a block of a constant source)."""
-
-    target: str
-    block: rt.RemapBlock
-    value: torch.Tensor
+__all__ = ["EnginePlan", "engine_plan"]
 
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """The plan of one rank's load through a module's loader: its region reads (a RankPlan), its constant fills,
+    """The plan of one rank's load through a module's loader: its region reads and constant fills (a RankPlan),
     and the keys loaded for real (fallbacks)."""
 
     plan: RankPlan
-    constants: tuple[ConstantFill, ...]
     fallback_keys: tuple[str, ...]
 
 
@@ -66,7 +50,7 @@ def engine_plan(trace: EngineTrace, checkpoint: Checkpoint, missing: tuple[str, 
     """
     slots: dict[str, TargetSlot] = {}
     reads: list[BlockRead] = []
-    constants: list[ConstantFill] = []
+    fills: list[BlockRead] = []
     conversions: list[Conversion] = []
     for name, dest in trace.params.items():
         if name in missing or not dest.writes:
@@ -77,8 +61,8 @@ def engine_plan(trace: EngineTrace, checkpoint: Checkpoint, missing: tuple[str, 
         for block in dest.remap_blocks():
             if block.source in checkpoint:
                 reads.append(BlockRead(name, box, block))
-            elif _is_constant(block.source):
-                constants.append(ConstantFill(name, block, constant_value(block.source)))
+            elif is_constant(block.source):
+                fills.append(BlockRead(name, box, block))
             # else: ``<prior NAME>``, elements no traced key wrote (a fallback key's, checked by the caller)
         conversions.append(Conversion((name,), trace.keys_of(name), description))
     for name in missing:
@@ -101,32 +85,6 @@ def engine_plan(trace: EngineTrace, checkpoint: Checkpoint, missing: tuple[str, 
         traced=loaded,
         deferred_targets=(),
         casts=(),
+        fills=tuple(fills),
     )
-    return EnginePlan(plan, tuple(constants), fallbacks)
-
-
-def _is_constant(source: str) -> bool:
-    return source.startswith(_CONSTANT[0]) and source.endswith(_CONSTANT[1])
-
-
-def constant_value(name: str) -> torch.Tensor:
-    """The 0-dim tensor a constant source's name ``<constant VALUE: DTYPE>`` stands for.
-
-    Raises:
-        ValueError: a name in another form (regiontrace changed how it names constants).
-    """
-    text, _, dtype_name = name[len(_CONSTANT[0]) : -len(_CONSTANT[1])].rpartition(": ")
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype) or not text:
-        raise ValueError(f"constant source {name!r} is not of the form '<constant VALUE: DTYPE>'")
-    if text in ("True", "False"):
-        return torch.tensor(text == "True", dtype=dtype)
-    if dtype.is_complex:
-        return torch.tensor(complex(text.strip("()")), dtype=dtype)
-    return torch.tensor(float(text) if dtype.is_floating_point else int(text), dtype=dtype)
-
-
-def fill_constants(constants: tuple[ConstantFill, ...], slots: Mapping[str, TargetSlot]) -> None:
-    """Write each constant block into its parameter (its value broadcast over the block, cast as the block casts)."""
-    for c in constants:
-        copy_cast(dest_view(c.block, slots[c.target].local), c.value.expand(c.block.shape), c.block.casts)
+    return EnginePlan(plan, fallbacks)
