@@ -1,7 +1,8 @@
 """Every ```python block in docs/*.md runs: per file, in order, in one fresh namespace.
 
-Blocks fenced with any other language (```text, ```bash, ...) or with none are not run. Files added to
-docs/ later are picked up automatically.
+Blocks fenced with any other language (```text, ```bash, ...) or with none are not run, nor are ```python vllm
+blocks (they start a vLLM engine: tests/vllm runs them, in the environment with vLLM). Files added to docs/ later
+are picked up automatically.
 """
 
 import re
@@ -13,6 +14,8 @@ import pytest
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)[^\n]*$")
 RUN = {"python", "py", "python3"}
+#: a word in a block's info string that leaves it to tests/vllm (```python vllm: it needs vLLM and starts an engine)
+ENGINE = "vllm"
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -27,10 +30,14 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
         i += 1
         while i < len(lines) and not re.match(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$", lines[i]):
             i += 1
-        if lang in RUN:
+        if lang in RUN and ENGINE not in lines[start - 1].split()[1:]:
             blocks.append((start + 1, textwrap.dedent("\n".join(lines[start:i]))))
         i += 1
     return blocks
+
+
+def test_engine_blocks_are_left_to_the_vllm_tests():
+    assert python_blocks("```python vllm\nLLM()\n```\n```python\nx = 1\n```\n") == [(5, "x = 1")]
 
 
 def doc_files() -> list[Path]:
@@ -58,12 +65,12 @@ def test_doc_code_blocks_run(path, tmp_path, monkeypatch):
 
 def test_every_test_a_doc_names_exists():
     """``test_file.py::test_name`` references in docs (e.g. loading.md's promises) point at real tests."""
-    tests = Path(__file__).resolve().parent
+    tests = {p.name: p for p in Path(__file__).resolve().parent.rglob("test_*.py")}  # tests/vllm's too
     named = {m.groups() for path in doc_files() for m in re.finditer(r"`(test_\w+\.py)::(test_\w+)`", path.read_text())}
     assert len(named) >= 20  # the promises table of loading.md alone names more
     missing = [
         f"{file}::{name}"
         for file, name in sorted(named)
-        if not (tests / file).is_file() or not re.search(rf"^def {name}\(", (tests / file).read_text(), re.M)
+        if file not in tests or not re.search(rf"^def {name}\(", tests[file].read_text(), re.M)
     ]
     assert not missing, missing

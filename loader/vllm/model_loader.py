@@ -1,0 +1,52 @@
+"""``RegiontraceModelLoader``: vLLM's model loader for ``load_format="regiontrace"`` (imports vLLM).
+
+vLLM builds each worker's model, calls :meth:`RegiontraceModelLoader.load_weights` on it, then runs
+``process_weights_after_loading`` as for any loader (``BaseModelLoader.load_model``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
+
+from . import LOAD_FORMAT, load_weights
+
+log = logging.getLogger("loader")
+#: the keys ``model_loader_extra_config`` may hold for this load format
+EXTRA_KEYS = frozenset({"path"})
+
+
+def weights_path(model_config: ModelConfig) -> str:
+    """Where a model's weights are when no ``path`` is given: its folder, or ``hf://`` of its repo id."""
+    model = model_config.model
+    if os.path.isdir(model) or "://" in model:
+        return model
+    revision = model_config.revision
+    return f"hf://{model}@{revision}" if revision else f"hf://{model}"
+
+
+@register_model_loader(LOAD_FORMAT)
+class RegiontraceModelLoader(BaseModelLoader):
+    """Loads each worker's parameters through :func:`loader.vllm.load_weights`, reading only their bytes."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        extra = load_config.model_loader_extra_config or {}
+        if not isinstance(extra, dict) or set(extra) - EXTRA_KEYS:
+            raise ValueError(
+                f"model_loader_extra_config for load format {LOAD_FORMAT!r} takes only {sorted(EXTRA_KEYS)}, "
+                f"got {extra!r}"
+            )
+        self.path: str | None = extra.get("path")
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: the weights are read where they are, each worker its own bytes."""
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        report = load_weights(model, self.path or weights_path(model_config))
+        log.info("%s", report)

@@ -1,0 +1,113 @@
+"""vLLM's model classes built in-process (no engine), at TP 1, 2 and 4: every worker's parameters loaded by
+``loader.vllm.load_weights`` are bit-identical to vLLM's default loader's, and each worker reads the bytes its
+parameters need. Checkpoints by transformers' ``save_pretrained``; padded vocabularies, KV heads fewer than ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm_checkpoints import FAMILIES, add_rows, write_checkpoint
+from vllm_world import run_world
+
+#: the tensor-parallel sizes every family loads at (llama's 2 KV heads and gemma's 1 are fewer than 4 ranks)
+WORLDS = (1, 2, 4)
+#: what a read may add to the bytes a worker needs, per tensor it reads: a page at each end
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("vllm-checkpoints")
+    return {family: str(write_checkpoint(family, root / family)) for family in FAMILIES}
+
+
+#: checkpoints that do not fit their model: (what grows, by 64 rows) -> (checkpoint tensor, the parameter it loads)
+MISFITS = {
+    "embed_tokens.weight": ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+    "layers.0.self_attn.q_proj.weight": (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.qkv_proj.weight",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def misfits(tmp_path_factory) -> dict[str, str]:
+    """Llama checkpoints with 64 rows too many in one tensor (the vocabulary, a q_proj), by what grew."""
+    root = tmp_path_factory.mktemp("vllm-misfits")
+    folders = {}
+    for i, suffix in enumerate(MISFITS):
+        folders[suffix] = str(write_checkpoint("llama", root / f"misfit{i}"))
+        assert add_rows(Path(folders[suffix]), suffix) == MISFITS[suffix][0]
+    return folders
+
+
+@pytest.fixture(scope="module")
+def worlds(checkpoints, misfits, tmp_path_factory):
+    """``worlds(tp)``: every rank's results of one world over every family (and, at TP 2, the misfits), run once
+    per ``tp``."""
+    done: dict[int, list[dict]] = {}
+
+    def results(tp: int) -> list[dict]:
+        if tp not in done:
+            out = tmp_path_factory.mktemp(f"world{tp}")
+            done[tp] = run_world(tp, checkpoints, out, misfits if tp == 2 else None)
+        return done[tp]
+
+    return results
+
+
+def family_results(worlds, family: str, tp: int) -> list[dict]:
+    per_rank = [ranks[family] for ranks in worlds(tp)]
+    for rank, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {rank}: {res['error']}\n{res.get('traceback', '')}"
+    return per_rank
+
+
+def test_the_checkpoints_are_what_vllm_pads_and_replicates(checkpoints):
+    import json
+
+    configs = {family: json.loads((Path(folder) / "config.json").read_text()) for family, folder in checkpoints.items()}
+    for family, config in configs.items():
+        assert config["vocab_size"] % 64, family  # vLLM pads the vocabulary
+        assert (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]) == 64, family
+    assert min(config["num_key_value_heads"] for config in configs.values()) < max(WORLDS)
+
+
+@pytest.mark.parametrize("tp", WORLDS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_workers_parameters_are_the_default_loaders_bit_for_bit(worlds, family, tp):
+    for rank, res in enumerate(family_results(worlds, family, tp)):
+        differ = sorted(name for name in res["default"] if res["ours"].get(name) != res["default"][name])
+        assert set(res["ours"]) == set(res["default"]) and not differ, (rank, differ)
+
+
+@pytest.mark.parametrize("tp", WORLDS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_worker_reads_the_bytes_its_parameters_need(worlds, family, tp):
+    for rank, res in enumerate(family_results(worlds, family, tp)):
+        needed = res["needed"]
+        total, tensors = sum(needed.values()), sum(1 for n in needed.values() if n)
+        assert res["planned_bytes"] == total, (rank, res["report"])
+        assert total <= res["bytes_read"] <= total + 2 * PAGE * tensors, (rank, res["report"], total)
+        if tp > 1:  # a worker holds less than the checkpoint
+            assert res["bytes_read"] < sum(needed_whole(worlds, family).values())
+
+
+def needed_whole(worlds, family: str) -> dict[str, int]:
+    """The bytes of every checkpoint tensor (one rank holds all of them)."""
+    return worlds(1)[0][family]["needed"]
+
+
+@pytest.mark.parametrize("grown", sorted(MISFITS))
+def test_a_checkpoint_that_does_not_fit_is_refused_naming_tensor_and_parameter_before_any_write(worlds, grown):
+    """vLLM's default loader narrows a tensor with 64 rows too many and loads; ours refuses, on every worker,
+    naming the checkpoint tensor and the parameter, with the model untouched."""
+    tensor, parameter = MISFITS[grown]
+    for rank, ranks in enumerate(worlds(2)):
+        res = ranks[grown]
+        assert res["ours"] and tensor in res["ours"] and parameter in res["ours"], (rank, res)
+        assert res["ours_untouched"], (rank, res)
+        if grown == "embed_tokens.weight":  # what vLLM's own loader does with it: no error
+            assert res["default"] is None, (rank, res)

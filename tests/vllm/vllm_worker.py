@@ -1,0 +1,74 @@
+"""One rank of an in-process vLLM world: ``python vllm_worker.py RANK WORLD CTX_JSON``.
+
+For every family folder in the context it builds the vLLM model twice as a worker builds it, loads one with
+vLLM's default loader (the oracle) and one with ``loader.vllm.load_weights``, and saves to ``OUT/rank{RANK}.json``
+per family: both models' parameter digests, the report's bytes, and the bytes this rank's parameters need
+(:func:`vllm_models.needed_bytes`); a family that fails saves its error instead. For each checkpoint in
+``misfits`` (one that does not fit its model) it saves each loader's error and whether the model was left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+
+def load_family(folder: str, world: int, result: dict) -> None:
+    """The oracle's digests and needed bytes, then ours, into ``result`` (what ran before a failure is kept)."""
+    from vllm.config import set_current_vllm_config
+    from vllm_models import build_model, default_load, digests, needed_bytes, zeroed
+
+    import loader.vllm
+
+    oracle = zeroed(build_model(folder, world))
+    default_load(oracle)
+    result.update(default=digests(oracle), needed=needed_bytes(folder, world))
+    ours = zeroed(build_model(folder, world))
+    with set_current_vllm_config(ours.vllm_config):  # as inside a worker
+        report = loader.vllm.load_weights(ours, folder)
+    result.update(ours=digests(ours), bytes_read=report.bytes_read, planned_bytes=report.planned_bytes)
+    result.update(deferred=list(report.deferred), report=str(report))
+
+
+def misfit(folder: str, world: int) -> dict:
+    """What vLLM's default loader and ours do with a checkpoint that does not fit: each one's error, or None."""
+    from vllm.config import set_current_vllm_config
+    from vllm_models import build_model, default_load, zeroed
+
+    import loader.vllm
+
+    errors = {}
+    for name in ("default", "ours"):
+        model = zeroed(build_model(folder, world))
+        try:
+            with set_current_vllm_config(model.vllm_config):
+                default_load(model) if name == "default" else loader.vllm.load_weights(model, folder)
+            errors[name] = None
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+        errors[f"{name}_untouched"] = all(not p.any() for p in model.parameters())
+    return errors
+
+
+def main(rank: int, world: int, ctx: dict) -> None:
+    from vllm_models import tp_world
+
+    out, results = Path(ctx["out"]) / f"rank{rank}.json", {}
+    with tp_world(rank, world, ctx["init"]):
+        for family, folder in ctx["folders"].items():
+            results[family] = {}
+            try:
+                load_family(folder, world, results[family])
+            except Exception as e:  # saved for the test to show; the other families still run
+                results[family].update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            out.write_text(json.dumps(results))
+        for name, folder in ctx.get("misfits", {}).items():
+            results[name] = misfit(folder, world)
+            out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
