@@ -226,3 +226,53 @@ def test_untraceable_keys_fall_back_alone_and_are_logged(llama, caplog):
     whole = sum(SafetensorsCheckpoint.open(path)[k].nbytes for k in norms)
     traced = needed_bytes(lambda dtype: TinyLlama(config, 1, 2, dtype), path) - whole
     assert report.bytes_read == report.planned_bytes == traced + whole
+
+
+def test_a_url_loads_only_its_ranges(llama):
+    """Over http (nginx): each rank fetches the planned bytes, bit-identical to the local load."""
+    import servers
+
+    from loader.options import RemoteOptions, RequestCosts, StorageOptions
+
+    config, folder = llama
+    storage = StorageOptions(remote=RemoteOptions(costs=RequestCosts(latency=1e-9)))  # no gap worth reading through
+    for web in servers.serve(servers.nginx(folder.parent)):
+        for rank in range(2):
+            module = TinyLlama(config, rank, 2)
+            report = loader.load_engine_weights(module, f"{web}/{folder.name}", storage=storage, tp_size=2)
+            assert_loaded(module, oracle(TinyLlama(config, rank, 2), folder / "model.safetensors"))
+            assert (
+                report.bytes_read
+                >= report.planned_bytes
+                == needed_bytes(
+                    lambda dtype, rank=rank: TinyLlama(config, rank, 2, dtype), folder / "model.safetensors"
+                )
+            )
+
+
+@pytest.mark.dist
+def test_a_gloo_group_loads_each_ranks_slot(llama, tmp_path):
+    """Four ranks, one TP slot each: bit-identical to each rank's own load_weights, with and without exchanged
+    reads; a loader broken on rank 1 is refused on every rank, before any rank wrote."""
+    import engine_worker
+    from gloo_world import WORLD, ok, run_world
+
+    config, folder = llama
+    ctx = {
+        "store": str(tmp_path / "store"),
+        "out": str(tmp_path),
+        "folder": str(folder),
+        "file": str(folder / "model.safetensors"),
+        "config": CONFIG,
+    }
+    results = run_world(engine_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
+    for name in ("load", "exchanged"):
+        for rank, res in enumerate(ok(results, name)):
+            assert res["equal"] and res["exact"], (name, rank)
+            need = needed_bytes(lambda dtype, rank=rank: TinyLlama(config, rank, WORLD, dtype), ctx["file"])
+            assert res["planned"] == need, (name, rank)
+            if name == "load":
+                assert res["bytes_read"] == need
+    for res in ok(results, "broken_on_rank_1"):
+        assert "qkv_proj.weight" in res["error_message"] and "never written" in res["error_message"]
+        assert res["untouched"]
