@@ -19,13 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from loader import Convert, HFLoadPlanner, SafetensorsCheckpoint, load_hf_checkpoint, save_hf_checkpoint
+from loader import (
+    Convert,
+    HFLoadPlanner,
+    SafetensorsCheckpoint,
+    SafetensorsReader,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from loader.hooks import PlanHooks
 from loader.options import LoadOptions, Rules
 
@@ -84,6 +92,20 @@ def test_the_plan_holds_the_padding_as_fills_not_reads(tmp_path, checkpoint):
         ("<constant -1.703125: bfloat16>", (VOCAB, 0), (PADDED - VOCAB, DIM))
     ]
     assert plan.planned_bytes() == VOCAB * DIM * 2
+
+
+@pytest.mark.parametrize("storage", ["ours", "torchs"])
+def test_inside_dcp_load_the_padding_is_filled_with_any_storage_reader(tmp_path, checkpoint, storage):
+    """``SafetensorsReader`` fills with its reads; torch's box reader reads the real rows, the planner fills."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reader = SafetensorsReader(str(tmp_path)) if storage == "ours" else HuggingFaceStorageReader(str(tmp_path))
+    planner = HFLoadPlanner(model := Embedding(), rules=RULES)
+    model.weight.data.fill_(3.0)
+    dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner, no_dist=True)
+    report = planner.finish(reader)
+    assert report.traced == ("weight",) and report.bytes_read == VOCAB * DIM * 2
+    assert torch.equal(model.weight, pad_vocab(checkpoint).float())
 
 
 def test_saving_a_padded_model_refuses_naming_the_op(tmp_path, checkpoint):
