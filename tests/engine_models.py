@@ -173,3 +173,49 @@ class TinyMoE(nn.Module):
             _, e, shard_id, _ = name.split(".")
             param = self.w2_weight if shard_id == "w2" else self.w13_weight
             param.weight_loader(param, tensor, int(e), shard_id)
+
+
+class ColumnParameter(nn.Parameter):
+    """vLLM's ``ModelWeightParameter`` in miniature: a Parameter subclass whose attributes are private names behind
+    properties and whose methods load this rank's rows."""
+
+    def __new__(cls, data: torch.Tensor, **kwargs):
+        return super().__new__(cls, data=data, requires_grad=False)
+
+    def __init__(self, data: torch.Tensor, output_dim: int, tp_rank: int, weight_loader) -> None:
+        self._output_dim, self.tp_rank, self._weight_loader = output_dim, tp_rank, weight_loader
+
+    @property
+    def output_dim(self) -> int:
+        return self._output_dim
+
+    @property
+    def weight_loader(self):
+        return self._weight_loader
+
+    def load_column_parallel_weight(self, loaded: torch.Tensor) -> None:
+        size = self.data.shape[self.output_dim]
+        loaded = loaded.narrow(self.output_dim, self.tp_rank * size, size)
+        assert self.data.shape == loaded.shape
+        self.data.copy_(loaded)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class ColumnLinear(Parallel):
+    """A linear layer whose weight is a :class:`ColumnParameter` (vLLM's ``weight_loader_v2`` path)."""
+
+    def __init__(self, inputs: int, outputs: int, tp_rank: int, tp: int, dtype=torch.float32) -> None:
+        super().__init__(tp_rank, tp)
+        data = torch.full((outputs // tp, inputs), float("nan"), dtype=dtype)
+        self.weight = ColumnParameter(data, output_dim=0, tp_rank=tp_rank, weight_loader=self.weight_loader_v2)
+
+    def weight_loader_v2(self, param: ColumnParameter, loaded: torch.Tensor) -> None:
+        assert isinstance(param, ColumnParameter)
+        param.load_column_parallel_weight(loaded)
+
+    def load_weights(self, weights) -> None:
+        for _, tensor in weights:
+            self.weight.weight_loader(self.weight, tensor)

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from engine_models import TinyLlama, TinyMoE
+from engine_models import ColumnLinear, ColumnParameter, TinyLlama, TinyMoE
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -276,3 +276,43 @@ def test_a_gloo_group_loads_each_ranks_slot(llama, tmp_path):
     for res in ok(results, "broken_on_rank_1"):
         assert "qkv_proj.weight" in res["error_message"] and "never written" in res["error_message"]
         assert res["untouched"]
+
+
+class Scaled(torch.nn.Module):
+    """A parameter, a buffer ``load_weights`` writes (a quantization scale) and one it does not (a cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((4, 3), float("nan")), requires_grad=False)
+        self.register_buffer("scale", torch.full((4,), float("nan")))
+        self.register_buffer("cache", torch.arange(5.0), persistent=False)
+
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            (self.w if name == "w" else self.scale).data.copy_(t)
+
+
+def test_a_buffer_the_loader_writes_is_loaded_and_a_cache_left_alone(tmp_path):
+    path = tmp_path / "scaled.safetensors"
+    save_file({"w": torch.randn(4, 3), "scale": torch.randn(4)}, path)
+    module = Scaled()
+    cache = module.cache
+    report = loader.load_engine_weights(module, str(path))
+    reference = Scaled()
+    reference.load_weights(load_file(path).items())
+    assert torch.equal(module.w, reference.w) and torch.equal(module.scale, reference.scale)
+    assert module.cache is cache and torch.equal(cache, torch.arange(5.0))
+    assert report.loaded_keys == ("scale", "w") and report.missing_keys == () and report.certificates["scale"].exact
+
+
+def test_a_parameter_subclass_keeps_its_methods_and_properties(tmp_path):
+    """vLLM's ``BasevLLMParameter`` subclasses load through their own methods: the stand-in is one of them."""
+    path = tmp_path / "linear.safetensors"
+    save_file({"weight": torch.randn(8, 3)}, path)
+    for rank in range(2):
+        module = ColumnLinear(3, 8, rank, 2)
+        param = module.weight
+        report = loader.load_engine_weights(module, str(path), tp_size=2)
+        assert module.weight is param and type(param) is ColumnParameter
+        assert_loaded(module, oracle(ColumnLinear(3, 8, rank, 2), path))
+        assert report.bytes_read == 4 * 3 * 4 and report.certificates["weight"].exact

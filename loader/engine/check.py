@@ -64,7 +64,7 @@ def check_coverage(trace: EngineTrace, certs: Mapping[str, Coverage]) -> tuple[s
     left = {n for f in trace.fallbacks for n in f.touched}
     for name, cov in certs.items():
         if not cov.writes:
-            if name not in left:
+            if name not in left and name not in trace.buffers:
                 missing.append(name)
             continue
         keys = writer_keys(trace, name, range(len(cov.writes)))

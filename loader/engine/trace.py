@@ -19,6 +19,7 @@ The real parameters are always put back, also when tracing fails.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +48,10 @@ class EngineTrace:
     """What a module's ``load_weights`` does with the checkpoint's keys, traced.
 
     Attributes:
-        params: each parameter's stand-in after every traced key (its content: a region over checkpoint keys,
-            ``<prior NAME>`` where no write reached, constants), by the parameter's first name.
-        real: each parameter by the same name (the module's own tensor, put back).
+        params: each parameter's (and buffer's) stand-in after every traced key (its content: a region over
+            checkpoint keys, ``<prior NAME>`` where no write reached, constants), by its first name.
+        real: each parameter and buffer by the same name (the module's own tensor, put back).
+        buffers: the names in ``params`` that are buffers (one no key writes is not missing: a cache).
         writers: per parameter, the checkpoint key each of its writes came from (in write order).
         fallbacks: the keys that did not trace, in checkpoint order.
         unused: keys whose ``load_weights`` call wrote into no parameter.
@@ -57,7 +59,8 @@ class EngineTrace:
     """
 
     params: dict[str, rt.RegionTensor]
-    real: dict[str, torch.nn.Parameter]
+    real: dict[str, torch.Tensor]
+    buffers: frozenset[str] = frozenset()
     writers: dict[str, list[str]] = field(default_factory=dict)
     fallbacks: list[Fallback] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
@@ -68,31 +71,44 @@ class EngineTrace:
         return tuple(sorted(s for s in self.params[name].sources() if not s.startswith("<")))
 
 
-def _owners(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, str, torch.nn.Parameter]]:
-    """``(owner module, attribute, full name, parameter)`` for every parameter slot (a tied one under each)."""
+def _owners(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, str, torch.Tensor]]:
+    """``(owner module, attribute, full name, tensor)`` for every parameter and buffer slot (a tied one under each)."""
     for prefix, owner in module.named_modules(remove_duplicate=False):
-        for attr, param in owner.named_parameters(recurse=False):
-            yield owner, attr, f"{prefix}.{attr}" if prefix else attr, param
+        for attr, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+            yield owner, attr, f"{prefix}.{attr}" if prefix else attr, tensor
 
 
-def _stand_in(name: str, param: torch.nn.Parameter) -> rt.RegionTensor:
-    """A destination named ``name`` shaped as ``param``, an ``nn.Parameter`` with ``param``'s Python attributes."""
-    dest = torch.nn.Parameter(rt.destination(name, tuple(param.shape), param.dtype), requires_grad=False)
-    for attr, value in vars(param).items():
-        if not attr.startswith("_"):
+def _stand_in(name: str, tensor: torch.Tensor) -> rt.RegionTensor:
+    """A destination named ``name`` shaped as ``tensor``, with its Python attributes, an ``nn.Parameter`` for a
+    parameter, and an instance of its class too when that is a subclass of ``nn.Parameter`` (vLLM's
+    ``ModelWeightParameter``: its ``load_column_parallel_weight`` … and properties then work on the stand-in)."""
+    dest = rt.destination(name, tuple(tensor.shape), tensor.dtype)
+    if isinstance(tensor, torch.nn.Parameter):
+        dest = torch.nn.Parameter(dest, requires_grad=False)
+        if type(tensor) is not torch.nn.Parameter and issubclass(type(tensor), torch.nn.Parameter):
+            dest.__class__ = _grafted(type(dest), type(tensor))
+    own = set(vars(dest))
+    for attr, value in vars(tensor).items():
+        if attr not in own:
             setattr(dest, attr, value)
     return dest
 
 
+@functools.cache
+def _grafted(stand_in: type, cls: type) -> type:
+    """A class that is a destination first (its dispatch, views and writes) and ``cls`` after (its methods)."""
+    return type(f"StandIn{cls.__name__}", (stand_in, cls), {"__module__": __name__})
+
+
 @contextlib.contextmanager
-def stand_ins(module: torch.nn.Module) -> Iterator[tuple[dict[str, rt.RegionTensor], dict[str, torch.nn.Parameter]]]:
-    """Replace every parameter of ``module`` by a stand-in (a tied parameter by one stand-in under each name) for
-    the ``with`` block; yields ``(stand-ins, real parameters)`` by each parameter's first name. The real parameters
-    are put back on exit, also on an error."""
+def stand_ins(module: torch.nn.Module) -> Iterator[tuple[dict[str, rt.RegionTensor], dict[str, torch.Tensor]]]:
+    """Replace every parameter and buffer of ``module`` by a stand-in (a tied one by one stand-in under each name)
+    for the ``with`` block; yields ``(stand-ins, real tensors)`` by each tensor's first name. The real tensors are
+    put back on exit, also on an error."""
     slots = list(_owners(module))
     made: dict[int, tuple[str, rt.RegionTensor]] = {}
     params: dict[str, rt.RegionTensor] = {}
-    real: dict[str, torch.nn.Parameter] = {}
+    real: dict[str, torch.Tensor] = {}
     for _, _, name, param in slots:
         if id(param) not in made:
             made[id(param)] = (name, _stand_in(name, param))
@@ -132,7 +148,8 @@ def _trace_once(
     """One pass over ``keys`` but the known ``fallbacks``; None when a new fallback key had written something."""
     load_weights = module.load_weights
     with stand_ins(module) as (params, real):
-        trace = EngineTrace(params, real, {n: [] for n in params})
+        buffers = frozenset(n for n, t in real.items() if not isinstance(t, torch.nn.Parameter))
+        trace = EngineTrace(params, real, buffers, {n: [] for n in params})
         for key in keys:
             if key in fallbacks:
                 continue
