@@ -16,6 +16,11 @@ One trace serves load, save and transfer: :class:`TracedConversion` also carries
 (:func:`regiontrace.invert`, the save's scatter back into the checkpoint) and its blocks compiled per box both
 ways, all shared by every conversion of its signature (:meth:`TraceCache.signature`).
 
+Constant elements (``F.pad``'s padding) are constant pieces of an index map: their blocks read a constant source
+(``<constant VALUE: DTYPE>``, kept by :func:`_rename`) and are filled, not read (:attr:`~loader.plan.RankPlan.fills`);
+they have no inverse (:attr:`TracedConversion.constants`: the save refuses, a transfer moves the conversion whole).
+Constants inside values computed by pointwise ops make the conversion :class:`Untraced`, naming the op.
+
 A source stored as several chunks (:mod:`loader.checkpoint.chunks`) is traced as those chunks put together: its
 leaf is the ``torch.cat`` of one leaf per chunk (``#i.j``: chunk ``j`` of source ``i``), cut one dim at a time,
 so the blocks compiled for a box read each chunk within its own bounds, and the chunk grid is part of the
@@ -291,6 +296,9 @@ def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None, grids: _Gr
     for name, t in out.items():
         if not isinstance(t, rt.RegionTensor):
             return Untraced(f"output {name!r} is not derived from the checkpoint tensors")
+        other = sorted(s for s in t.sources() if not s.startswith("#") and not is_constant(s))
+        if other:  # a destination's prior contents (``<prior NAME>``): no checkpoint tensor holds them
+            return Untraced(f"output {name!r} reads {other[0]!r}, which is not a checkpoint tensor")
         if not t.is_index_map and any(is_constant(s) for s in t.sources()):  # a value program's constant input
             return Untraced(f"Untraceable: {constant_op(t)} writes constant elements into values computed by "
                             "pointwise ops, which the loader does not compute", untraceable=True)  # fmt: skip
