@@ -108,6 +108,21 @@ def test_inside_dcp_load_the_padding_is_filled_with_any_storage_reader(tmp_path,
     assert torch.equal(model.weight, pad_vocab(checkpoint).float())
 
 
+def test_a_failed_read_rolls_the_filled_padding_back(tmp_path, checkpoint):
+    """The fills run first; a file truncated after planning fails the reads, and rollback restores every row."""
+    from loader import CheckpointError
+    from loader.execute import execute_plan
+
+    model = Embedding()
+    model.weight.data.fill_(3.0)
+    plan = HFLoadPlanner(model, rules=RULES).build_plan(SafetensorsCheckpoint.open(str(tmp_path)))
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 8)
+    with plan.checkpoint.reader() as reader, pytest.raises(CheckpointError, match="model.safetensors"):
+        execute_plan(plan, reader, LoadOptions(rollback=True, progress=False))
+    assert torch.equal(model.weight, torch.full((PADDED, DIM), 3.0))
+
+
 def test_saving_a_padded_model_refuses_naming_the_op(tmp_path, checkpoint):
     load_hf_checkpoint(model := Embedding(), tmp_path, rules=RULES, options=QUIET)
     with pytest.raises(ValueError, match="constant_pad_nd writes constant elements"):

@@ -70,6 +70,7 @@ def execute_plan(
     rollback.keep(plan)
     bar = _progress_bar(options.progress, plan)
     try:
+        run_fills(fills, slots)  # no byte read: first, so a load failing later rolls them back too
         threads = resolve_io_threads(options.io_threads)
         if options.io_threads is None and threads > 1:  # a direct reader tells no page cache: kept
             reads = reads if isinstance(reads, Sequence) else list(reads)
@@ -78,7 +79,6 @@ def execute_plan(
             threads = threads if in_page_cache(reader, checkpoint, reads) else 1
         ring = StagingRing.for_threads(options.staging_bytes, threads)  # one ring (pinned for GPU targets) for all
         progress = bar.update if bar else None
-        run_fills(fills, slots)
         routes = routes_of(plan)  # kept by the executor: a reused plan's blocks are not decided again
         BlockExecutor(
             checkpoint, slots, reader, progress=progress, staging=ring, io_threads=threads, routes=routes
