@@ -74,6 +74,9 @@ def load_engine_weights(
             byte is read; on every rank in a process group.
         CheckpointError: a bad checkpoint file (names the file and tensor).
         PeerFailure: in a distributed run, another rank hung past ``options.timeout``, died or left the group.
+
+    Keys that fall back are loaded after the region reads; a parameter they leave incomplete is refused then
+    (after writing: with ``options.rollback`` the module's tensors are restored).
     """
     started = time.perf_counter()
     options = replace(options if options is not None else LoadOptions(), broadcast_replicated_tensors=False)
@@ -90,7 +93,8 @@ def load_engine_weights(
             with checkpoint.reader(direct_io=storage.direct_io) as reader:
                 plan = planned.plan
                 received = read_on_every_rank(plan, reader, plan.reads, (), options, session=session, rollback=None)
-                written = _finish(module, trace, planned, reader)
+                with session.stage("reading", point="fallbacks"):  # a rank's failure is every rank's
+                    written = _finish(module, trace, planned, reader)
                 bytes_read, requests = reader.bytes_read, reader.reads
     else:
         received = 0
