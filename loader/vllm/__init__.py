@@ -8,8 +8,8 @@ Vocabulary:
     path: where the weights are read from, ``model_loader_extra_config={"path": ...}``: a folder, an ``http(s)://``,
         ``s3://`` or ``hf://`` URL; by default the model's own folder (or ``hf://`` of its repo id).
 
-vLLM is imported only by :mod:`loader.vllm.model_loader`, when vLLM loads the plugin; ``import loader`` and
-``import loader.vllm`` never import it.
+vLLM is imported only here, when used: by :mod:`loader.vllm.model_loader` (when vLLM loads the plugin) and by
+:func:`load_weights`; ``import loader`` and ``import loader.vllm`` never import it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def load_weights(
     tensor) is a :class:`~loader.CheckpointError` naming the checkpoint tensor and the parameter, raised before
     any parameter is written. vLLM's ``process_weights_after_loading`` is the caller's to run afterwards.
     """
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
     from ..engine import load_engine_weights
 
-    return load_engine_weights(model, path, options=options, storage=storage)
+    tp_size = get_tensor_model_parallel_world_size()  # what the model's loaders narrow by; the group: vLLM's world
+    return load_engine_weights(model, path, options=options, storage=storage, tp_size=tp_size)

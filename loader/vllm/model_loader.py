@@ -16,7 +16,8 @@ from vllm.model_executor.model_loader import BaseModelLoader, register_model_loa
 
 from . import LOAD_FORMAT, load_weights
 
-log = logging.getLogger("loader")
+#: under vLLM's logger, so each worker's report is in vLLM's own log (vLLM configures its "vllm" loggers only)
+log = logging.getLogger("vllm.regiontrace")
 #: the keys ``model_loader_extra_config`` may hold for this load format
 EXTRA_KEYS = frozenset({"path"})
 

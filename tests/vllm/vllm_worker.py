@@ -46,8 +46,8 @@ def misfit(folder: str, world: int) -> dict:
             with set_current_vllm_config(model.vllm_config):
                 default_load(model) if name == "default" else loader.vllm.load_weights(model, folder)
             errors[name] = None
-        except Exception as e:
-            errors[name] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # its text with its notes (the key a trace stopped at, a peer's traceback)
+            errors[name] = "".join(traceback.format_exception_only(type(e), e))
         errors[f"{name}_untouched"] = all(not p.any() for p in model.parameters())
     return errors
 
