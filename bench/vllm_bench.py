@@ -9,7 +9,9 @@ Run it with vLLM's environment (vLLM pins its own transformers). Two checkpoints
 transformers' ``save_pretrained`` in bf16 (4 shards each): a Llama and a Qwen3-MoE, hidden 1024, 4 layers,
 head_dim 64, 2 KV heads (fewer than 4 ranks: replicated), vocabulary 32003 (not a multiple of 64: vLLM pads it).
 Each worker gets its own copy (``DIR/r{rank}``), so that workers share no page-cache pages, as on separate hosts,
-and nginx (tests/servers.py) serves ``DIR`` on 127.0.0.1.
+and nginx (tests/servers.py) serves ``DIR`` on 127.0.0.1 (over HTTP every worker reads worker 0's copy: the
+ranks of a remote load agree on one URL; each worker's requests carry a User-Agent of its own, counted in nginx's
+log).
 
 For each tensor-parallel size, one process per rank (a gloo world with vLLM's own parallel state, the workers of
 tests/vllm/vllm_models.py) runs bench/vllm_ranks.py: per family, every method loads the worker's vLLM model
@@ -17,7 +19,7 @@ three times, all workers at once: unmeasured, cold (the worker's files dropped f
 ``posix_fadvise(POSIX_FADV_DONTNEED)``) and warm. Reported per worker: the bytes the method read (vLLM's loaders:
 the bytes of every tensor their iterator yields; ours: ``LoadReport.bytes_read``; over HTTP: the body bytes nginx
 logged for that worker's requests), the bytes read from the block device in the cold pass (``read_bytes`` of
-``/proc/self/io``), the walls (of the slowest worker), and whether every parameter equals vLLM's default loader's
+``/proc/self/io``), the walls (of the slowest worker; for ours also its planning timed alone), and whether every parameter equals vLLM's default loader's
 bit for bit. Then the coverage table: per family and tensor-parallel size (worker 0), the worker's parameters,
 those whose leaf module vLLM's ``sharded_rdt`` dry-run bake (``FakeRDTTensor``, ``_bake`` as
 ``init_transfer_engine`` runs it) bakes, those whose coverage certificate is exact in ours' traced
@@ -117,8 +119,7 @@ def write_family(name: str, folder: Path) -> None:
 
 
 def generate(out: Path, families: list[str], world: int) -> None:
-    """Each family in ``out/r0/{family}``, a copy per other worker, and ``out/http/{pass}/r{rank}`` links (one URL
-    per pass: nginx's log tells them apart)."""
+    """Each family in ``out/r0/{family}``, and a copy per other worker."""
     for name in families:
         base = out / "r0" / name
         if not (base / "model.safetensors.index.json").is_file():
@@ -129,14 +130,6 @@ def generate(out: Path, families: list[str], world: int) -> None:
             for src in base.iterdir():
                 if not (dst / src.name).is_file() or (dst / src.name).stat().st_size != src.stat().st_size:
                     shutil.copyfile(src, dst / src.name)
-    from vllm_ranks import PASSES
-
-    for phase in PASSES:
-        for r in range(world):
-            link = out / "http" / phase / f"r{r}"
-            link.parent.mkdir(parents=True, exist_ok=True)
-            if not link.is_symlink():
-                link.symlink_to(out / f"r{r}")
     os.sync()  # dirty pages cannot be dropped from the page cache
 
 
@@ -177,11 +170,12 @@ def run_world(world: int, ctx: dict) -> list[dict]:
 
 
 def wire_bytes(requests: list) -> dict:
-    """Body bytes nginx sent per ``(pass, rank, family)``, and the requests."""
+    """Body bytes nginx sent and requests it answered per ``(pass, rank, family)`` (the User-Agent of
+    bench/vllm_ranks.py's ``agent``)."""
     totals: dict = {}
     for r in requests:
-        parts = r.path.strip("/").split("/")
-        if len(parts) >= 4 and parts[0] == "http":
+        parts = r.agent.split("/")
+        if len(parts) == 4 and parts[0] == "vllm-bench":
             key = (parts[1], int(parts[2][1:]), parts[3])
             n, count = totals.get(key, (0, 0))
             totals[key] = (n + r.bytes, count + 1)
@@ -196,6 +190,12 @@ def mib(values: list[float]) -> str:
     return mdtable.spread([v / MIB for v in values], "{:.1f}", " MiB")
 
 
+def planning(runs: list[dict]) -> str:
+    """`` (planning alone: x s)``: the slowest worker's planning timed apart, where the method has one."""
+    seconds = [run["planning"] for run in runs if "planning" in run]
+    return f" (planning alone: {max(seconds):.2f} s)" if seconds else ""
+
+
 def load_rows(family: str, world: int, ranks: list[dict], wire: dict, methods: list[str]) -> list[list[str]]:
     rows, values = [], {}
     first = ranks[0][family]
@@ -207,8 +207,10 @@ def load_rows(family: str, world: int, ranks: list[dict], wire: dict, methods: l
         if error:
             rows.append([family, world, label, f"could not run: {error.splitlines()[0][:160]}", "–", "–", "–", "–"])
             continue
+        requests = ""
         if method == "ours_http":
             asked = [wire.get(("cold", r, family), (0, 0))[0] for r in range(world)]
+            requests = f", {per_worker([wire.get(('cold', r, family), (0, 0))[1] for r in range(world)])} requests"
         else:
             asked = [run["cold"]["bytes"] for run in runs]
         device = [run["cold"]["device"] for run in runs]
@@ -222,10 +224,10 @@ def load_rows(family: str, world: int, ranks: list[dict], wire: dict, methods: l
                 family,
                 world,
                 label,
-                f"{mib(asked)} ({max(asked) / whole:.2f}x)",
+                f"{mib(asked)} ({max(asked) / whole:.2f}x{requests})",
                 "–" if method == "ours_http" else mib(device),
                 f"{cold:.2f} s",
-                f"{warm:.2f} s",
+                f"{warm:.2f} s" + planning(runs),
                 check,
             ]
         )
@@ -290,9 +292,9 @@ def notes() -> list[str]:
         "(`weight_utils.fastsafetensors_weights_iterator`), there is no CPU path"
     )
     out.append(
-        "page cache: before the cold pass each worker drops its own copy of the files with "
-        "`posix_fadvise(POSIX_FADV_DONTNEED)` (a global `drop_caches` would drop every other process's cache too); "
-        "the device column is what `read_bytes` then counted, readahead included"
+        "page cache: before the cold pass each worker drops its own copy of the files (over HTTP: the copy nginx "
+        "serves) with `posix_fadvise(POSIX_FADV_DONTNEED)` (a global `drop_caches` would drop every other "
+        "process's cache too); the device column is what `read_bytes` then counted, readahead included"
     )
     return out
 

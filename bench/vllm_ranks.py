@@ -12,8 +12,11 @@ vLLM's default loader's bit for bit (sha256 digests). Parameters are zeroed befo
 
 Methods: ``default`` (vLLM's ``DefaultModelLoader``: every file, every tensor whole, ``load_format="safetensors"``),
 ``runai_streamer`` (vLLM's ``RunaiModelStreamerLoader``), ``ours`` (``loader.vllm.load_weights`` from the folder)
-and ``ours_http`` (the same from nginx: ``{url}/http/{pass}/r{RANK}/{family}``, one URL per pass so that nginx's
-log tells the passes apart).
+and ``ours_http`` (the same from nginx: ``{url}/r0/{family}``, worker 0's copy for every worker, as the ranks of a
+remote load agree on one URL and version of each file; a User-Agent per worker and pass, so that nginx's log tells
+them apart; before the cold pass every worker drops the served copy from the page cache). After the passes, ours'
+planning alone (``loader.engine.plan_engine_load``: the traced ``load_weights``, its checks and the plan, no byte
+read) is timed once.
 
 Then the coverage: ours' (the certificates of its last load, ``LoadReport.certificates``) and vLLM's
 ``sharded_rdt`` bake (its ``ShardedRDTWeightTransferEngine._bake``, run as ``init_transfer_engine`` runs it: on the
@@ -78,13 +81,15 @@ def _vllm_loader(load_format: str) -> Callable:
     return load
 
 
-def load_ours(model, where: str) -> dict:
+def load_ours(model, where: str, agent: str | None = None) -> dict:
     from vllm.config import set_current_vllm_config
 
     import loader.vllm
+    from loader.options import StorageOptions
 
+    storage = StorageOptions(backend={"headers": {"User-Agent": agent}}) if agent else None
     with set_current_vllm_config(model.vllm_config):
-        report = loader.vllm.load_weights(model, where)
+        report = loader.vllm.load_weights(model, where, storage=storage)
     exact = sorted(n for n, c in report.certificates.items() if c.writes and c.exact)
     constant = sum(_box_elements(c.constant) for c in report.certificates.values())
     return {
@@ -94,6 +99,19 @@ def load_ours(model, where: str) -> dict:
         "exact": exact,
         "constant": constant,
     }
+
+
+def planning_seconds(model, folder: str, world: int) -> float:
+    """Wall of ours' planning alone: the model's ``load_weights`` traced key by key, checked and planned."""
+    from vllm.config import set_current_vllm_config
+
+    from loader import SafetensorsCheckpoint
+    from loader.engine import plan_engine_load
+
+    start = time.perf_counter()
+    with set_current_vllm_config(model.vllm_config):
+        plan_engine_load(model, SafetensorsCheckpoint.open(folder), world)
+    return time.perf_counter() - start
 
 
 def _box_elements(boxes) -> int:
@@ -108,14 +126,19 @@ LOADERS = {
 }
 
 
-def where(method: str, ctx: dict, rank: int, family: str, phase: str) -> str:
-    """The folder or URL ``method`` loads from in pass ``phase``."""
+def where(method: str, ctx: dict, rank: int, family: str) -> str:
+    """The folder or URL ``method`` loads from."""
     if method == "ours_http":
-        return f"{ctx['url']}/http/{phase}/r{rank}/{family}"
+        return f"{ctx['url']}/r0/{family}"
     return f"{ctx['out']}/r{rank}/{family}"
 
 
-def one_pass(model, method: str, target: str, files: list[str], phase: str) -> dict:
+def agent(rank: int, family: str, phase: str) -> str:
+    """The User-Agent of a worker's HTTP requests in a pass (nginx logs it: the wire bytes per worker)."""
+    return f"vllm-bench/{phase}/r{rank}/{family}"
+
+
+def one_pass(model, method: str, target: str, files: list[str], phase: str, tag: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -127,7 +150,7 @@ def one_pass(model, method: str, target: str, files: list[str], phase: str) -> d
     left = resident_bytes(files) if phase == "cold" else None
     dist.barrier()
     before, start = read_bytes(), time.perf_counter()
-    out = LOADERS[method](model, target)
+    out = LOADERS[method](model, target, tag) if tag else LOADERS[method](model, target)
     out.update(wall=time.perf_counter() - start, device=read_bytes() - before, resident_before=left)
     dist.barrier()
     return out
@@ -254,6 +277,7 @@ def family(rank: int, world: int, name: str, ctx: dict) -> dict:
 
     folder = f"{ctx['out']}/r{rank}/{name}"
     files = safetensors_files(folder)
+    served = safetensors_files(f"{ctx['out']}/r0/{name}")  # the copy nginx serves every worker
     model = build_model(folder, world)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     result = {
@@ -267,8 +291,10 @@ def family(rank: int, world: int, name: str, ctx: dict) -> dict:
     for method in ctx["methods"]:
         runs = result["methods"][method] = {}
         try:
+            read, target = (served if method == "ours_http" else files), where(method, ctx, rank, name)
             for phase in PASSES:
-                runs[phase] = one_pass(model, method, where(method, ctx, rank, name, phase), files, phase)
+                tag = agent(rank, name, phase) if method == "ours_http" else None
+                runs[phase] = one_pass(model, method, target, read, phase, tag)
         except Exception as e:  # the method is reported with its reason; the others still run
             runs["error"] = f"{type(e).__name__}: {e}"[:400]
             runs["traceback"] = traceback.format_exc()[-3000:]
@@ -277,6 +303,8 @@ def family(rank: int, world: int, name: str, ctx: dict) -> dict:
         reference = reference or (found if method == "default" else None)
         if reference is not None:
             runs["differ"] = sorted(n for n in reference if found.get(n) != reference[n])
+        if method == "ours":
+            runs["planning"] = planning_seconds(model, folder, world)
     result["ours"] = ours_coverage(result["methods"].get("ours", {"error": "ours not run"}), params)
     try:
         if "default" in ctx["methods"]:
