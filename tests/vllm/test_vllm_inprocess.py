@@ -4,6 +4,7 @@ parameters need. Checkpoints by transformers' ``save_pretrained``; padded vocabu
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def worlds(checkpoints, misfits, tmp_path_factory):
     def results(tp: int) -> list[dict]:
         if tp not in done:
             out = tmp_path_factory.mktemp(f"world{tp}")
-            done[tp] = run_world(tp, checkpoints, out, misfits if tp == 2 else None)
+            done[tp] = run_world(tp, checkpoints, out, misfits=misfits if tp == 2 else {})
         return done[tp]
 
     return results
@@ -112,3 +113,32 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_tensor_and_parameter_b
         assert res["ours_untouched"], (rank, res)
         if grown.endswith("q_proj.weight"):  # what vLLM's own loader does with it: no error, the model written
             assert res["default"] is None and not res["default_untouched"], (rank, res)
+
+
+@pytest.fixture
+def nginx(checkpoints):
+    """nginx serving the checkpoints' folder (tests/servers.py; skipped where nginx is not installed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/servers.py
+    import servers
+
+    yield from servers.serve(servers.nginx(Path(checkpoints["llama"]).parent))
+
+
+def test_over_http_every_worker_fetches_about_the_bytes_its_parameters_need(checkpoints, nginx, tmp_path):
+    """Llama and Qwen3-MoE at TP 2 from nginx: bit-identical to the default loader (which reads the folder); each
+    worker plans exactly what it needs and fetches at most 5 % more (less where its peers send it the bytes they
+    share: exchanged reads), and the server's own log says the same of all of them."""
+    families = {f: checkpoints[f] for f in ("llama", "qwen3_moe")}
+    urls = {f: f"{nginx}/{Path(folder).name}" for f, folder in families.items()}
+    ranks = run_world(2, families, tmp_path, urls=urls)
+    served = sum(r.bytes for r in nginx.requests() if r.path.endswith(".safetensors"))
+    needed_all = 0
+    for rank, results in enumerate(ranks):
+        for family, res in results.items():
+            assert "error" not in res, (rank, family, res["error"], res.get("traceback"))
+            assert res["ours"] == res["default"], (rank, family)
+            needed = sum(res["needed"].values())
+            assert res["planned_bytes"] == needed, (rank, family, res["report"])
+            assert res["bytes_read"] <= 1.05 * needed <= 1.05 * (res["bytes_read"] + res["bytes_exchanged"])
+            needed_all += needed
+    assert served <= 1.05 * needed_all, (served, needed_all)

@@ -1,10 +1,11 @@
 """One rank of an in-process vLLM world: ``python vllm_worker.py RANK WORLD CTX_JSON``.
 
 For every family folder in the context it builds the vLLM model twice as a worker builds it, loads one with
-vLLM's default loader (the oracle) and one with ``loader.vllm.load_weights``, and saves to ``OUT/rank{RANK}.json``
-per family: both models' parameter digests, the report's bytes, and the bytes this rank's parameters need
-(:func:`vllm_models.needed_bytes`); a family that fails saves its error instead. For each checkpoint in
-``misfits`` (one that does not fit its model) it saves each loader's error and whether the model was left untouched.
+vLLM's default loader (the oracle) and one with ``loader.vllm.load_weights`` (from ``urls[family]`` where the
+context has one), and saves to ``OUT/rank{RANK}.json`` per family: both models' parameter digests, the report's
+bytes, and the bytes this rank's parameters need (:func:`vllm_models.needed_bytes`); a family that fails saves its
+error instead. For each checkpoint in ``misfits`` (one that does not fit its model) it saves each loader's error
+and whether the model was left untouched.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import traceback
 from pathlib import Path
 
 
-def load_family(folder: str, world: int, result: dict) -> None:
-    """The oracle's digests and needed bytes, then ours, into ``result`` (what ran before a failure is kept)."""
+def load_family(folder: str, world: int, result: dict, path: str | None = None) -> None:
+    """The oracle's digests and needed bytes, then ours (from ``path``: by default the folder), into ``result``
+    (what ran before a failure is kept)."""
     from vllm.config import set_current_vllm_config
     from vllm_models import build_model, default_load, digests, needed_bytes, zeroed
 
@@ -27,8 +29,9 @@ def load_family(folder: str, world: int, result: dict) -> None:
     result.update(default=digests(oracle), needed=needed_bytes(folder, world))
     ours = zeroed(build_model(folder, world))
     with set_current_vllm_config(ours.vllm_config):  # as inside a worker
-        report = loader.vllm.load_weights(ours, folder)
+        report = loader.vllm.load_weights(ours, path or folder)
     result.update(ours=digests(ours), bytes_read=report.bytes_read, planned_bytes=report.planned_bytes)
+    result.update(bytes_exchanged=report.bytes_exchanged)
     result.update(deferred=list(report.deferred), report=str(report))
 
 
@@ -60,7 +63,7 @@ def main(rank: int, world: int, ctx: dict) -> None:
         for family, folder in ctx["folders"].items():
             results[family] = {}
             try:
-                load_family(folder, world, results[family])
+                load_family(folder, world, results[family], ctx.get("urls", {}).get(family))
             except Exception as e:  # saved for the test to show; the other families still run
                 results[family].update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
             out.write_text(json.dumps(results))

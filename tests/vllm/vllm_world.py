@@ -21,11 +21,11 @@ LIMIT = int(os.environ.get("VLLM_WORLD_LIMIT", 900))
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_world(world: int, folders: dict[str, str], out: Path, misfits: dict[str, str] | None = None) -> list[dict]:
-    """Run ``world`` ranks of ``vllm_worker.py`` over ``folders`` (and ``misfits``: checkpoints that do not fit)
-    and return each rank's saved results."""
+def run_world(world: int, folders: dict[str, str], out: Path, **more: dict[str, str]) -> list[dict]:
+    """Run ``world`` ranks of ``vllm_worker.py`` over ``folders`` (``more``: ``misfits``, checkpoints that do not
+    fit; ``urls``, where ours reads a family from) and return each rank's saved results."""
     out.mkdir(parents=True, exist_ok=True)
-    ctx = {"out": str(out), "init": f"file://{out / 'store'}", "folders": folders, "misfits": misfits or {}}
+    ctx = {"out": str(out), "init": f"file://{out / 'store'}", "folders": folders, **more}
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     logs = [open(out / f"rank{r}.log", "w") for r in range(world)]
     argv = [[sys.executable, str(HERE / "vllm_worker.py"), str(r), str(world), json.dumps(ctx)] for r in range(world)]
