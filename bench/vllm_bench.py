@@ -19,11 +19,14 @@ three times, all workers at once: unmeasured, cold (the worker's files dropped f
 ``posix_fadvise(POSIX_FADV_DONTNEED)``) and warm. Reported per worker: the bytes the method read (vLLM's loaders:
 the bytes of every tensor their iterator yields; ours: ``LoadReport.bytes_read``; over HTTP: the body bytes nginx
 logged for that worker's requests), the bytes read from the block device in the cold pass (``read_bytes`` of
-``/proc/self/io``), the walls (of the slowest worker; for ours also its planning timed alone), and whether every parameter equals vLLM's default loader's
-bit for bit. Then the coverage table: per family and tensor-parallel size (worker 0), the worker's parameters,
-those whose leaf module vLLM's ``sharded_rdt`` dry-run bake (``FakeRDTTensor``, ``_bake`` as
-``init_transfer_engine`` runs it) bakes, those whose coverage certificate is exact in ours' traced
-``load_weights``, and the bake's fallbacks. ``--markdown`` prints the tables docs/benchmarks.md holds.
+``/proc/self/io``), the walls (of the slowest worker; for ours also its planning timed alone), and whether every
+parameter equals vLLM's default loader's bit for bit. Then the coverage table: per family and tensor-parallel
+size, per worker (one value where all agree), the worker's parameters, those whose leaf module vLLM's
+``sharded_rdt`` dry-run bake (``FakeRDTTensor``, ``_bake`` as ``init_transfer_engine`` runs it) bakes, with the
+elements its baked scatters never write or write twice (each destination region marked), those whose coverage
+certificate (``LoadReport.certificates``) is exact in ours, and the bake's fallbacks (modules it recorded but did
+not bake: their copied numel fell short of the module's size, so they take the plain load). ``--markdown``
+prints the tables docs/benchmarks.md holds.
 """
 
 from __future__ import annotations
@@ -242,7 +245,8 @@ def load_rows(family: str, world: int, ranks: list[dict], wire: dict, methods: l
                     continue
                 ratio = values[ours][i] / best if best else float("inf")
                 cells.append(f"**{ratio:.2f}x** ({peer})" if ratio <= 1 else f"{ratio:.2f}x ({peer})")
-            rows.append([family, world, f"{LABELS[ours].split(',')[1].strip()} / best peer", *cells, ""])
+            label = "local / best peer" if ours == "ours" else "HTTP / best local peer"
+            rows.append([family, world, label, *cells, ""])
     return rows
 
 
@@ -281,15 +285,26 @@ def coverage_row(family: str, world: int, ranks: list[dict]) -> list[str]:
 
 
 def notes() -> list[str]:
+    """The lines under the load table: the peers not measured and why, how the page cache was dropped."""
     out = []
-    for package, method in (("runai-model-streamer", "runai_streamer"), ("fastsafetensors", "fastsafetensors")):
-        try:
-            out.append(f"{package} {metadata.version(package)} installed ({method})")
-        except metadata.PackageNotFoundError:
-            out.append(f"{package} not installed: `{method}` not measured")
+    try:
+        out.append(
+            f"runai-model-streamer {metadata.version('runai-model-streamer')}: `runai_streamer` reads every file "
+            "whole on every pass (its warm pass reads from the device again)"
+        )
+    except metadata.PackageNotFoundError:
+        out.append("runai-model-streamer is not installed: `runai_streamer` not measured")
+    try:
+        installed = f"fastsafetensors {metadata.version('fastsafetensors')} is installed, but "
+    except metadata.PackageNotFoundError:
+        installed = "fastsafetensors is not installed, and "
     out.append(
-        "`fastsafetensors` is not run: vLLM's fastsafetensors iterator places every tensor on `cuda:N` "
-        "(`weight_utils.fastsafetensors_weights_iterator`), there is no CPU path"
+        f"`fastsafetensors` not measured: {installed}vLLM's fastsafetensors iterator places every tensor on "
+        "`cuda:N` (`weight_utils.fastsafetensors_weights_iterator`): it has no CPU path"
+    )
+    out.append(
+        "no vLLM load format reads `http(s)://` (`runai_streamer`: S3, GCS, Azure; the others: local files or a "
+        "Hub download first): the HTTP row is compared with the best local peer"
     )
     out.append(
         "page cache: before the cold pass each worker drops its own copy of the files (over HTTP: the copy nginx "
