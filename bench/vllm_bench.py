@@ -1,13 +1,14 @@
 """Benchmark: what each vLLM tensor-parallel worker reads to load its weights, by load method; and how many of a
 worker's parameters vLLM's own ``sharded_rdt`` bake covers against ours.
 
-    PYTHONPATH=. /work/vllm-env/bin/python bench/vllm_bench.py [--out DIR] [--tp 2,4] [--families llama,qwen3_moe]
-                                                             [--methods default,runai_streamer,ours,ours_http]
-                                                             [--markdown]
+    .ci/.vllm-env/bin/python bench/vllm_bench.py [--out DIR] [--tp 2,4] [--families llama,qwen3_moe]
+                                                [--methods default,runai_streamer,ours,ours_http] [--markdown]
 
-Run it with vLLM's environment (vLLM pins its own transformers). Two checkpoints are written once to ``DIR`` by
-transformers' ``save_pretrained`` in bf16 (4 shards each): a Llama and a Qwen3-MoE, hidden 1024, 4 layers,
-head_dim 64, 2 KV heads (fewer than 4 ranks: replicated), vocabulary 32003 (not a multiple of 64: vLLM pads it).
+Run it with vLLM's environment (vLLM pins its own transformers; ``.ci/run`` builds ``.ci/.vllm-env``;
+``runai_streamer`` needs ``runai-model-streamer`` installed in it, ours over HTTP ``requests-toolbelt``). Two
+checkpoints are written once to ``DIR`` by transformers' ``save_pretrained`` in bf16 (4–5 shard files each): a
+Llama and a Qwen3-MoE, hidden 1024, 4 layers, head_dim 64, 2 KV heads (fewer than 4 ranks: replicated),
+vocabulary 32003 (not a multiple of 64: vLLM pads it).
 Each worker gets its own copy (``DIR/r{rank}``), so that workers share no page-cache pages, as on separate hosts,
 and nginx (tests/servers.py) serves ``DIR`` on 127.0.0.1 (over HTTP every worker reads worker 0's copy: the
 ranks of a remote load agree on one URL; each worker's requests carry a User-Agent of its own, counted in nginx's
