@@ -44,9 +44,11 @@ def load_weights(
     """Load ``path``'s checkpoint into a vLLM model object inside its worker, through the model's own
     ``load_weights``: this worker reads only the bytes its parameters hold; returns the worker's ``LoadReport``.
 
-    A checkpoint that does not fit the model (a shape the model's loader would narrow or refuse, a missing
-    tensor) is a :class:`~loader.CheckpointError` naming the checkpoint tensor and the parameter, raised before
-    any parameter is written. vLLM's ``process_weights_after_loading`` is the caller's to run afterwards.
+    A checkpoint that does not fit the model (a shape the model's loader would narrow) is a ``ValueError``
+    naming the checkpoint tensor and the parameter, raised before any parameter is written; a bad file is a
+    :class:`~loader.CheckpointError`. Parameters no checkpoint tensor writes are left as they are and named in
+    the report's ``missing_keys`` (the model loader refuses them). vLLM's ``process_weights_after_loading`` is
+    the caller's to run afterwards.
     """
     from vllm.distributed import get_tensor_model_parallel_world_size
 

@@ -49,5 +49,13 @@ class RegiontraceModelLoader(BaseModelLoader):
         """Nothing to download: the weights are read where they are, each worker its own bytes."""
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        report = load_weights(model, self.path or weights_path(model_config))
+        """Load ``model``'s parameters; a parameter no checkpoint tensor wrote is an error, as with vLLM's
+        default loader (the engine does not start on parameters holding what ``torch.empty`` left)."""
+        path = self.path or weights_path(model_config)
+        report = load_weights(model, path)
         log.info("%s", report)
+        if report.missing_keys:
+            raise ValueError(
+                f"parameters no checkpoint tensor of {path} writes (the model's load_weights reached none of "
+                f"their elements): {', '.join(report.missing_keys)}"
+            )

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_checkpoints import FAMILIES, add_rows, write_checkpoint
+from vllm_checkpoints import FAMILIES, add_rows, drop_tensor, write_checkpoint
 from vllm_world import run_world
 
 #: the tensor-parallel sizes every family loads at (llama's 2 KV heads and gemma's 1 are fewer than 4 ranks)
@@ -33,6 +33,10 @@ MISFITS = {
 }
 
 
+#: a checkpoint missing this tensor (the parameter of the same name): no loader may leave it as torch.empty left it
+MISSING = "model.layers.1.post_attention_layernorm.weight"
+
+
 @pytest.fixture(scope="module")
 def misfits(tmp_path_factory) -> dict[str, str]:
     """Llama checkpoints with 64 rows too many in one tensor (the vocabulary, a q_proj), by what grew."""
@@ -41,6 +45,8 @@ def misfits(tmp_path_factory) -> dict[str, str]:
     for i, suffix in enumerate(MISFITS):
         folders[suffix] = str(write_checkpoint("llama", root / f"misfit{i}"))
         assert add_rows(Path(folders[suffix]), suffix) == MISFITS[suffix][0]
+    folders[MISSING] = str(write_checkpoint("llama", root / "missing"))
+    drop_tensor(Path(folders[MISSING]), MISSING)
     return folders
 
 
@@ -82,6 +88,7 @@ def test_every_workers_parameters_are_the_default_loaders_bit_for_bit(worlds, fa
     for rank, res in enumerate(family_results(worlds, family, tp)):
         differ = sorted(name for name in res["default"] if res["ours"].get(name) != res["default"][name])
         assert set(res["ours"]) == set(res["default"]) and not differ, (rank, differ)
+        assert not res["missing"], (rank, res["report"])
 
 
 @pytest.mark.parametrize("tp", WORLDS)
@@ -142,3 +149,11 @@ def test_over_http_every_worker_fetches_about_the_bytes_its_parameters_need(chec
             assert res["bytes_read"] <= 1.05 * needed <= 1.05 * (res["bytes_read"] + res["bytes_exchanged"])
             needed_all += needed
     assert served <= 1.05 * needed_all, (served, needed_all)
+
+
+def test_a_checkpoint_missing_a_tensor_fails_the_model_loader_naming_the_parameter(worlds):
+    """As vLLM's default loader does: the model loader refuses parameters no checkpoint tensor wrote."""
+    for rank, ranks in enumerate(worlds(2)):
+        res = ranks[MISSING]
+        assert res["ours"] and "no checkpoint tensor" in res["ours"] and MISSING in res["ours"], (rank, res)
+        assert res["default"] and MISSING in res["default"], (rank, res)

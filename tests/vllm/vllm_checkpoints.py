@@ -64,3 +64,13 @@ def add_rows(folder: Path, suffix: str = "embed_tokens.weight", rows: int = 64) 
     tensors[key] = torch.cat([tensors[key], extra])
     save_file(tensors, file, metadata={"format": "pt"})
     return key
+
+
+def drop_tensor(folder: Path, suffix: str) -> str:
+    """Remove the first tensor of ``folder``'s checkpoint whose key ends in ``suffix``; its key."""
+    [file] = sorted(Path(folder).glob("*.safetensors"))
+    tensors = load_file(file)
+    key = next(k for k in sorted(tensors) if k.endswith(suffix))
+    del tensors[key]
+    save_file(tensors, file, metadata={"format": "pt"})
+    return key

@@ -31,23 +31,31 @@ def load_family(folder: str, world: int, result: dict, path: str | None = None) 
     with set_current_vllm_config(ours.vllm_config):  # as inside a worker
         report = loader.vllm.load_weights(ours, path or folder)
     result.update(ours=digests(ours), bytes_read=report.bytes_read, planned_bytes=report.planned_bytes)
-    result.update(bytes_exchanged=report.bytes_exchanged)
+    result.update(bytes_exchanged=report.bytes_exchanged, missing=list(report.missing_keys))
     result.update(deferred=list(report.deferred), report=str(report))
 
 
+def regiontrace_load(model) -> None:
+    """The model loader vLLM picks for ``load_format="regiontrace"``, as an engine's worker runs it."""
+    from vllm.config.load import LoadConfig
+
+    from loader.vllm.model_loader import RegiontraceModelLoader
+
+    RegiontraceModelLoader(LoadConfig(load_format="regiontrace")).load_weights(model, model.vllm_config.model_config)
+
+
 def misfit(folder: str, world: int) -> dict:
-    """What vLLM's default loader and ours do with a checkpoint that does not fit: each one's error, or None."""
+    """What vLLM's default loader and ours (the model loader) do with a checkpoint that does not fit: each one's
+    error, or None."""
     from vllm.config import set_current_vllm_config
     from vllm_models import build_model, default_load, zeroed
-
-    import loader.vllm
 
     errors = {}
     for name in ("default", "ours"):
         model = zeroed(build_model(folder, world))
         try:
             with set_current_vllm_config(model.vllm_config):
-                default_load(model) if name == "default" else loader.vllm.load_weights(model, folder)
+                default_load(model) if name == "default" else regiontrace_load(model)
             errors[name] = None
         except Exception as e:  # its text with its notes (the key a trace stopped at, a peer's traceback)
             errors[name] = "".join(traceback.format_exception_only(type(e), e))
