@@ -8,6 +8,9 @@ Vocabulary (as in :mod:`regiontrace.region`, plus):
 - **constant region**: a region of any shape whose one piece reads one constant source.
 
 ``F.pad`` (``aten.constant_pad_nd``) traces here: the padded dims are a ``cat`` of constant regions and the input.
+So does a real tensor that code mixes with stand-ins when all its elements are one value (``torch.zeros(pad, h)``
+in a ``cat``: :func:`uniform_value`). ``new_zeros``/``new_full``/``zeros_like`` … of a stand-in make a destination
+filled with the constant (:mod:`regiontrace.writes`), which code may then write into.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "constant_tensors",
     "constant_value",
     "is_constant",
+    "uniform_value",
     "with_constants",
 ]
 
@@ -115,3 +119,14 @@ def _pad(b: dict, out: torch.Tensor) -> V.Value:
 
 
 HANDLERS[aten.constant_pad_nd.default] = _pad
+
+
+def uniform_value(t: torch.Tensor) -> Any:
+    """The one value every element of the real tensor ``t`` holds (NaN included), or None: it holds several, none,
+    or no data (the meta device)."""
+    if t.device.type == "meta" or t.numel() == 0 or t.is_complex():
+        return None
+    first = t.reshape(-1)[0]
+    if bool((t == first).all()) or (t.is_floating_point() and bool(t.isnan().all())):
+        return first.item()
+    return None

@@ -20,6 +20,7 @@ from . import region as R
 from . import values as V
 from ._torch import DISABLED_TORCH_FUNCTION, make_wrapper_subclass, schema_arguments, tree_flatten, tree_map_only
 from .compile import compile_blocks
+from .constants import constant_region, uniform_value
 from .errors import TraceMismatch, Untraceable
 from .movement import HANDLERS
 from .remap_block import RemapBlock
@@ -187,18 +188,32 @@ class RegionTensor(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
+#: ops that make a new tensor like a RegionTensor (``new_zeros`` … ``full_like``): ``(func, args, kwargs) -> tensor``;
+#: :mod:`regiontrace.writes` registers them (each makes a destination)
+FACTORIES: dict[Any, Any] = {}
+
+
 def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on RegionTensors: on their meta tensors for the output's shape and dtype, and on their values
     (a movement handler of :data:`HANDLERS`, or a pointwise op recorded as an Apply)."""
     name = func.overloadpacket.__name__
+    if func in FACTORIES:
+        return FACTORIES[func](func, args, kwargs)
     flat, _ = tree_flatten((args, kwargs))
     handler = HANDLERS.get(func)
     pointwise = handler is None and V.is_value_op(func)
     if handler is None and not pointwise:
         raise Untraceable(f"`{name}` ({func}) is not a pure index mapping or a pointwise op")
     for x in flat:  # a pointwise op may take real scalars (``x - 127.0`` passes a 0-dim tensor)
+        if isinstance(x, torch.Tensor) and not isinstance(x, RegionTensor) and x.device.type == "meta":
+            raise Untraceable(
+                f"`{name}` ({func}) takes a real tensor on the meta device (a Python scalar torch made one of, as "
+                "for `torch.where(c, x, 0.0)`): its value is lost; pass a tensor (`x.new_zeros(())`) instead"
+            )
         if isinstance(x, torch.Tensor) and not isinstance(x, RegionTensor) and (x.dim() or not pointwise):
-            raise Untraceable(f"`{name}` ({func}) mixes a RegionTensor with a real tensor")
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: _as_constant(t, name, func), (args, kwargs))
+            flat, _ = tree_flatten((args, kwargs))
+            break
     margs, mkwargs = tree_map_only(RegionTensor, lambda r: r._meta, (args, kwargs))
     if func is aten._to_copy.default:
         mkwargs = {k: v for k, v in mkwargs.items() if k not in ("device", "pin_memory", "non_blocking")}
@@ -215,6 +230,19 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     return type(out_meta)(
         _wrap(m, r, name, parents, dict(params, output=i)) for i, (m, r) in enumerate(zip(out_meta, regions))
     )
+
+
+def _as_constant(t: torch.Tensor, name: str, func: Any) -> torch.Tensor:
+    """A real tensor an op mixes with RegionTensors: a constant RegionTensor when all its elements are one value
+    (a ``torch.zeros`` padding), else Untraceable (its values are no source's)."""
+    if isinstance(t, RegionTensor) or (t.dim() == 0 and V.is_value_op(func)):
+        return t
+    value = uniform_value(t)
+    if value is None:
+        raise Untraceable(f"`{name}` ({func}) mixes a RegionTensor with a real tensor whose elements differ")
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    region = constant_region(value, tuple(t.shape), t.dtype)
+    return RegionTensor(meta, region, Node("constant", tuple(t.shape), t.dtype, (), {"value": value}))
 
 
 def _has_tensor(v: Any) -> bool:

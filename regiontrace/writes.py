@@ -17,6 +17,7 @@ Reading a Destination (any op that is not a write or a view) reads its current c
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from .addresses import Address, address, overwrite, read
 from .constants import constant_region
 from .errors import Untraceable
 from .reshape import reshape
-from .tensor import Node, RegionTensor
+from .tensor import FACTORIES, Node, RegionTensor
 
 aten = torch.ops.aten
 
@@ -178,17 +179,24 @@ def _view(target: Destination, func: Any, args: tuple, kwargs: dict) -> Any:
     return wrap(out) if isinstance(out, torch.Tensor) else type(out)(wrap(m) for m in out)
 
 
-def _factory(target: Destination, func: Any, args: tuple, kwargs: dict) -> Destination:
-    """``new_zeros``/``new_full``/``new_empty``/``zeros_like`` … of a destination: a new destination."""
+def _factory(target: RegionTensor, func: Any, args: tuple, kwargs: dict) -> Destination:
+    """``new_zeros``/``new_full``/``new_empty``/``zeros_like`` … of a destination or any RegionTensor: a new
+    destination (filled with the constant; ``new_empty``/``empty_like``: holding its prior contents)."""
     name = func.overloadpacket.__name__
     shape = tuple(target.shape) if name.endswith("_like") else tuple(args[0])
     dtype = kwargs.get("dtype") or target.dtype
     fill = {"new_zeros": 0, "zeros_like": 0, "new_ones": 1, "ones_like": 1}.get(name)
     if name in ("new_full", "full_like"):
         fill = args[-1] if len(args) > (0 if name == "full_like" else 1) else kwargs["fill_value"]
+    if not isinstance(target, Destination):
+        return destination(f"<{name} {next(_MADE)}>", shape, dtype, fill)
     state = target._state
     state.made += 1
     return destination(f"{state.name}.{name}.{state.made}", shape, dtype, fill)
+
+
+#: numbers the destinations that factory ops make from stand-ins which are not destinations
+_MADE = itertools.count()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,3 +314,5 @@ FACTORY_OPS = frozenset(
     getattr(aten, n).default
     for n in "new_zeros new_ones new_empty new_full zeros_like ones_like empty_like full_like".split()
 )
+for _op in FACTORY_OPS:
+    FACTORIES[_op] = lambda func, args, kwargs: _factory(args[0], func, args[1:], kwargs)

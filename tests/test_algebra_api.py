@@ -216,7 +216,7 @@ def test_device_branch_is_caught_by_the_real_run():
 # ---------------------------------------------------------------------------------------------------
 # never silently wrong: Untraceable names the op
 
-REAL = torch.ones(4, 3)
+REAL = torch.arange(12.0).reshape(4, 3) - 5  # its elements differ: no constant
 UNTRACEABLE = {
     "sum": (lambda x: x.sum(), "sum"),
     "mean": (lambda x: x.mean(0), "mean"),
@@ -240,13 +240,35 @@ UNTRACEABLE = {
     "cat-with-real": (lambda x: torch.cat([x, REAL]), "cat"),
     "stack-with-real": (lambda x: torch.stack([REAL, x]), "stack"),
     "roll": (lambda x: x.roll(1, 0), "roll"),
-    "new_zeros": (lambda x: x.new_zeros(2), "new_zeros"),
     "view-dtype": (lambda x: x.view(torch.int32), "view"),
     "rand_like": (lambda x: torch.rand_like(x), "rand_like"),
     "bernoulli": (lambda x: torch.bernoulli(x), "bernoulli"),
     "add-real-tensor": (lambda x: x + REAL, "add"),
-    "where-real-mask": (lambda x: torch.where(REAL > 0, x, 0.0), "where"),
+    "where-real-mask": (lambda x: torch.where(REAL > 0, x, x), "where"),
+    "where-scalar": (lambda x: torch.where(x > 0, x, 0.0), "where"),
 }
+
+
+#: code that mixes stand-ins with constants: a real tensor whose elements are one value, a filled new buffer
+CONSTANTS = {
+    "cat-zeros": lambda x: torch.cat([x, torch.zeros(2, 3)]),
+    "stack-full": lambda x: torch.stack([torch.full((4, 3), 7.5), x]),
+    "add-ones": lambda x: x + torch.ones(4, 3),
+    "where-true-mask": lambda x: torch.where(torch.ones(4, 3, dtype=torch.bool), x, x.new_zeros(())),
+    "fresh-buffer": lambda x: (lambda out: (out[:4].copy_(x), out)[1])(x.new_full((5, 3), -1.0)),
+    "zeros_like-cat": lambda x: torch.cat([torch.zeros_like(x), x], 1),
+    "nan-rows": lambda x: torch.cat([x, torch.full((1, 3), float("nan"))]),
+}
+
+
+@pytest.mark.parametrize("name", list(CONSTANTS))
+def test_constants_mixed_with_stand_ins_trace_as_torch_runs_them(name):
+    fn = CONSTANTS[name]
+    real = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    got, want = fn(leaf("x", (4, 3))), fn(real)
+    blocks = got.remap_blocks() if got.is_index_map else got.value_program().blocks
+    out = rt.materialize(got, {"x": real, **rt.constants.constant_tensors(b.source for b in blocks)})
+    assert torch.equal(out.nan_to_num(123.0), want.nan_to_num(123.0)) and out.dtype == want.dtype
 
 
 @pytest.mark.parametrize("name", list(UNTRACEABLE))
