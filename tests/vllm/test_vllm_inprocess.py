@@ -93,6 +93,19 @@ def test_every_workers_parameters_are_the_default_loaders_bit_for_bit(worlds, fa
 
 @pytest.mark.parametrize("tp", WORLDS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_parameters_certificate_says_each_element_written_once_padding_by_a_constant(worlds, family, tp):
+    """The coverage certificate of every loaded parameter is exact (buffers no key writes are caches); the
+    worker holding the vocabulary's padding rows (the last) has them as a constant (vLLM's ``fill_(0)``), the
+    others none in the embedding."""
+    for rank, res in enumerate(family_results(worlds, family, tp)):
+        inexact = {n: c for n, c in res["inexact"].items() if n in res["default"]}  # parameters (not buffers)
+        assert set(res["default"]) <= set(res["certified"]) and not inexact, (rank, inexact)
+        padded = "model.embed_tokens.weight" in res["constant"]
+        assert padded == (rank == tp - 1), (rank, res["constant"])
+
+
+@pytest.mark.parametrize("tp", WORLDS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_worker_reads_the_bytes_its_parameters_need(worlds, family, tp):
     for rank, res in enumerate(family_results(worlds, family, tp)):
         needed = res["needed"]

@@ -32,6 +32,9 @@ def load_family(folder: str, world: int, result: dict, path: str | None = None) 
         report = loader.vllm.load_weights(ours, path or folder)
     result.update(ours=digests(ours), bytes_read=report.bytes_read, planned_bytes=report.planned_bytes)
     result.update(bytes_exchanged=report.bytes_exchanged, missing=list(report.missing_keys))
+    certificates = report.certificates  # per parameter: what wrote each element (exact: all once, or a constant)
+    result.update(certified=sorted(certificates), inexact={n: repr(c) for n, c in certificates.items() if not c.exact})
+    result.update(constant=sorted(n for n, c in certificates.items() if c.constant))
     result.update(deferred=list(report.deferred), report=str(report))
 
 
