@@ -316,3 +316,31 @@ def test_a_parameter_subclass_keeps_its_methods_and_properties(tmp_path):
         assert module.weight is param and type(param) is ColumnParameter
         assert_loaded(module, oracle(ColumnLinear(3, 8, rank, 2), path))
         assert report.bytes_read == 4 * 3 * 4 and report.certificates["weight"].exact
+
+
+class AssertingNorms(TinyLlama):
+    """A loader whose weight_loader asserts on shapes and says nothing (as vLLM's do): a bare AssertionError."""
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            if name.endswith("input_layernorm.weight"):
+                param = params[name]
+                assert param.shape == t.shape
+            super().load_weights([(name, t)])
+
+
+def test_a_loader_that_raises_is_an_error_naming_the_tensor_and_the_parameter(llama, tmp_path):
+    config, folder = llama
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.layers.0.input_layernorm.weight"
+    tensors[key] = torch.cat([tensors[key], tensors[key]])
+    save_file(tensors, tmp_path / "model.safetensors")
+    module = AssertingNorms(config, 0, 1)
+    before = {n: p.clone() for n, p in module.named_parameters()}
+    with pytest.raises(loader.CheckpointError) as info:
+        loader.load_engine_weights(module, str(tmp_path), tp_size=1)
+    message = str(info.value)
+    assert f"checkpoint tensor {key!r} ([32]" in message and "AssertionError" in message
+    assert "into parameter 'model.layers.0.input_layernorm.weight'" in message and info.value.key == key
+    assert all(torch.equal(p.nan_to_num(), before[n].nan_to_num()) for n, p in module.named_parameters())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import regiontrace as rt
 
 from ..checkpoint import Checkpoint
+from ..errors import CheckpointError
 
 __all__ = ["EngineTrace", "Fallback", "trace_load_weights", "stand_ins"]
 
@@ -164,14 +166,35 @@ def _trace_once(
                     return None
                 continue
             except Exception as e:
-                e.add_note(f"raised by {type(module).__name__}.load_weights tracing checkpoint key {key!r}")
-                raise
+                raise _misfit(module, key, info, e, params) from e
             added = {n: len(p.writes) - before[n] for n, p in params.items()}
             for n, count in added.items():
                 trace.writers[n] += [key] * count
             if not any(added.values()):
                 trace.unused.append(key)
     return trace
+
+
+def _misfit(module: torch.nn.Module, key: str, info: Any, error: Exception, params: dict) -> CheckpointError:
+    """What ``load_weights`` raised on ``key`` (often a bare ``AssertionError`` of a ``weight_loader``) as an error
+    naming the checkpoint tensor, its shape and the parameter the loader was writing (the innermost frame holding a
+    stand-in parameter)."""
+    by_id = {id(p): n for n, p in params.items()}
+    names = [
+        by_id[id(v)]
+        for frame, _ in traceback.walk_tb(error.__traceback__)
+        for v in frame.f_locals.values()
+        if id(v) in by_id
+    ]
+    into = f" into parameter {names[-1]!r}" if names else ""
+    what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return CheckpointError(
+        f"{info.file or 'the checkpoint'}: checkpoint tensor {key!r} ({list(info.shape)}, "
+        f"{str(info.dtype).removeprefix('torch.')}) does not fit {type(module).__name__}: its load_weights raised "
+        f"{what}{into}; nothing was written",
+        path=info.file,
+        key=key,
+    )
 
 
 def writer_keys(trace: EngineTrace, name: str, writes) -> tuple[str, ...]:

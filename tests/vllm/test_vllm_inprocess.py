@@ -125,7 +125,7 @@ def needed_whole(worlds, family: str) -> dict[str, int]:
 def test_a_checkpoint_that_does_not_fit_is_refused_naming_tensor_and_parameter_before_any_write(worlds, grown):
     """Ours refuses, on every worker, naming the checkpoint tensor and the parameter, with the model untouched.
     vLLM's default loader narrows a q_proj with 64 rows too many and loads it; a vocabulary 64 rows too large its
-    own loader refuses (a bare AssertionError, which ours names the key of)."""
+    own loader refuses with a bare AssertionError, which ours reports naming the tensor and the parameter."""
     tensor, parameter = MISFITS[grown]
     for rank, ranks in enumerate(worlds(2)):
         res = ranks[grown]
