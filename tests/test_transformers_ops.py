@@ -478,15 +478,23 @@ def test_non_index_ops_are_untraceable():
         (_direct(gguf.LogNegate(), [x], ["w"], ["w"]), "log"),  # pointwise, but not exactly rounded
         (_direct(gguf.PermuteRows(torch.tensor([2, 0, 1, 3])), [x], ["w"], ["w"]), "index"),
         (_direct(gguf.TiledToGroupedInputs(2, 2), [x], ["w"], ["w"]), "index"),
-        (
-            _direct(Inkling2UnpadVocab(inverse=True), [x], ["w"], ["w"], config=PretrainedConfig(vocab_size=6)),
-            "new_zeros",
-        ),
         (_direct(Inkling2LoopMergeMessageQueries(inverse=True), [x.view(2, 2, 4)], ["w"], ["q", "kv"]), "index"),
     ]
     for call, op in cases:
         with pytest.raises(rt.Untraceable, match=f"`{op}`"):
             call()
+
+
+def test_a_vocabulary_padded_into_a_new_zeros_buffer_traces_as_torch_runs_it():
+    """transformers' own padding (``Inkling2UnpadVocab(inverse=True)``: ``new_zeros``, the rows copied in) is a
+    constant piece and the checkpoint's rows."""
+    x, real = rt.RegionTensor.leaf("w", (4, 4), BF16), torch.randn(4, 4).to(BF16)
+    config = PretrainedConfig(vocab_size=6)
+    traced = _direct(Inkling2UnpadVocab(inverse=True), [x], ["w"], ["w"], config=config)()
+    want = _direct(Inkling2UnpadVocab(inverse=True), [real], ["w"], ["w"], config=config)()
+    ((name, t),) = traced.items()
+    out = rt.materialize(t, rt.constants.with_constants({"w": real}, t.region))
+    assert torch.equal(out, want[name]) and rt.coverage(t).exact
 
 
 def test_gguf_subtract_one_traces_to_exact_values():
