@@ -735,3 +735,32 @@ def test_benches_and_tests_import_names_that_exist():
                 except ImportError:
                     missing.append(f"{path.relative_to(ROOT)}:{line}: {module}.{name}")
     assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)
+
+
+def test_vllm_is_imported_only_by_loader_vllm_and_only_when_used():
+    """``import loader`` (and ``import loader.vllm``) never imports vLLM: only functions of loader/vllm/ do, and its
+    model loader module (imported by the plugin function when vLLM loads it)."""
+    bad = []
+    for path in sorted([*(ROOT / "loader").rglob("*.py"), *(ROOT / "regiontrace").rglob("*.py")]):
+        tree = ast.parse(path.read_text())
+        top_level = {id(n) for n in tree.body}
+        inside_vllm = path.parent == ROOT / "loader" / "vllm"
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            if not any(n == "vllm" or n.startswith("vllm.") for n in names):
+                continue
+            loaded_by_plugin = inside_vllm and path.name == "model_loader.py"
+            if not inside_vllm or (id(node) in top_level and not loaded_by_plugin):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "vLLM imported outside loader/vllm's functions: " + ", ".join(bad)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, loader, loader.vllm; print('vllm' in sys.modules)"],
+        capture_output=True, text=True, cwd=ROOT, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "False"
