@@ -21,7 +21,7 @@ from .constants import constant_region
 from .errors import Untraceable
 from .reshape import reshape
 
-__all__ = ["Address", "Level", "address", "levels", "overwrite", "read"]
+__all__ = ["Address", "Level", "address", "box_of", "levels", "overwrite", "read"]
 
 
 Address = tuple[tuple[int, ...], tuple[int, ...], int]
@@ -108,6 +108,12 @@ def overwrite(content: R.Region, base: tuple[int, ...], addr: Address, value: R.
     if math.prod(shape) == 0:
         return content
     _check_no_overlap(addr)
+    boxed = box_of(addr, base)
+    if boxed is not None:  # a box of the destination's own shape: overlaid there, no flattening of the content
+        box, order = boxed
+        walks = [k for k, n in enumerate(shape) if n > 1]  # the view's dims of more than one element
+        v = R.permute(reshape(value, [shape[k] for k in walks]), [walks.index(k) for k in order])
+        return _overlay(content, reshape(v, [hi - lo for lo, hi in box]), box)
     chained = levels(addr, math.prod(base))
     if chained is None:  # split the dim of fewest elements, one write per element
         d = _split_dim(shape)
@@ -125,6 +131,31 @@ def overwrite(content: R.Region, base: tuple[int, ...], addr: Address, value: R.
     mid = R.narrow(reshape(x, (span,)), 0, 0, min(span, numel - start))
     parts = [R.narrow(flat, 0, 0, start), mid, R.narrow(flat, 0, min(start + span, numel), numel)]
     return reshape(R.cat(parts, 0, (numel,)), base)
+
+
+def box_of(addr: Address, base: tuple[int, ...]) -> tuple[list[tuple[int, int]], list[int]] | None:
+    """``(box, order)`` when the view at ``addr`` is a box of the destination's shape ``base`` (each of its dims of
+    more than one element walks a distinct dim of ``base`` at that dim's contiguous stride): the box's bounds per
+    dim of ``base``, and the view's dims of more than one element in the order of the dims they walk; else None."""
+    shape, stride, offset = addr
+    strides = R.contiguous_strides(base)
+    numel = math.prod(base)
+    if not 0 <= offset < max(numel, 1):
+        return None
+    start = [(offset // s) % n if n else 0 for s, n in zip(strides, base)]
+    size = [1] * len(base)
+    walked: dict[int, int] = {}  # base dim -> view dim
+    for k, (n, s) in enumerate(zip(shape, stride)):
+        if n == 1:
+            continue
+        dims = [d for d in range(len(base)) if strides[d] == s and base[d] > 1 and d not in walked]
+        if len(dims) != 1:
+            return None
+        walked[dims[0]] = k
+        size[dims[0]] = n
+    if any(start[d] + size[d] > base[d] for d in range(len(base))):
+        return None
+    return [(a, a + n) for a, n in zip(start, size)], [walked[d] for d in sorted(walked)]
 
 
 def _split_dim(shape: Sequence[int]) -> int:
