@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .constants import constant_tensors
 from .remap_block import RemapBlock
 from .value_program import ValueProgram, evaluate_into, fill_inputs
 
@@ -78,7 +79,8 @@ def materialize(tensor: RegionTensor, sources: Mapping[str, torch.Tensor]) -> to
 
     Args:
         tensor: a RegionTensor.
-        sources: real tensors by source name.
+        sources: real tensors by source name (constant sources, ``<constant V: dtype>``, need not be given: their
+            names hold their values).
 
     Returns:
         A new contiguous tensor, on the device of the first of ``sources`` (the CPU when there are none), equal
@@ -87,8 +89,16 @@ def materialize(tensor: RegionTensor, sources: Mapping[str, torch.Tensor]) -> to
     device = next((s.device for s in sources.values()), torch.device("cpu"))
     out = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
     if tensor.is_index_map:
-        return execute_blocks(tensor.remap_blocks(), sources, out)
-    return execute_program(tensor.value_program(), sources, out)
+        blocks = tensor.remap_blocks()
+        return execute_blocks(blocks, _with_constants(sources, blocks, device), out)
+    program = tensor.value_program()
+    return execute_program(program, _with_constants(sources, program.blocks, device), out)
+
+
+def _with_constants(sources: Mapping[str, torch.Tensor], blocks: Sequence[RemapBlock], device: torch.device) -> dict:
+    """``sources`` plus the constants ``blocks`` read (a constant source names its value), on ``device``."""
+    found = constant_tensors(b.source for b in blocks if b.source not in sources)
+    return {**{n: t.to(device) for n, t in found.items()}, **sources}
 
 
 def execute_program(program: ValueProgram, sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:

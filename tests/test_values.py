@@ -125,8 +125,10 @@ def test_real_scalar_tensors_are_constants_real_tensors_are_refused():
     traced = rt.trace(lambda x: (x.to(F32) - 127.0) / 3, x)
     data = {"x": torch.randint(0, 255, (3, 4), dtype=torch.uint8)}
     torch.testing.assert_close(rt.materialize(traced, data), (data["x"].to(F32) - 127.0) / 3, rtol=0, atol=0)
-    with pytest.raises(rt.Untraceable, match="mixes a RegionTensor with a real tensor"):
-        x.to(F32) * torch.ones(3, 4)
+    with pytest.raises(rt.Untraceable, match="mixes a RegionTensor with a real tensor whose elements differ"):
+        x.to(F32) * torch.arange(12.0).reshape(3, 4)
+    ones = x.to(F32) * torch.ones(3, 4)  # a real tensor of one value: a constant operand
+    assert torch.equal(rt.materialize(ones, data), data["x"].to(F32) * torch.ones(3, 4))
 
 
 @pytest.mark.parametrize(
