@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-try:
-    import vllm  # noqa: F401
+try:  # (not a bare `import vllm`: with tests/ on sys.path that finds this folder as a namespace package)
+    from vllm import LLM  # noqa: F401
 
     MISSING = None
 except Exception as e:  # ImportError, or a vLLM that cannot start here
