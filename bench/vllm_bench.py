@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -46,6 +45,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests")]
 
 import mdtable  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 MIB = 1 << 20
 #: what both families share (transformers config keywords)
@@ -147,28 +147,17 @@ def run_world(world: int, ctx: dict) -> list[dict]:
     results.mkdir(exist_ok=True)
     ctx = {**ctx, "init": f"file://{results}/store-{world}-{os.getpid()}"}
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    logs = [open(results / f"tp{world}-rank{r}.log", "w") for r in range(world)]
     argv = [[sys.executable, str(HERE / "vllm_ranks.py"), str(r), str(world), json.dumps(ctx)] for r in range(world)]
-    procs = [subprocess.Popen(a, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT) for a, f in zip(argv, logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+    logs = [results / f"tp{world}-rank{r}.log" for r in range(world)]
+    codes = run_ranks(argv, logs, cwd=REPO, env=env, limit=LIMIT)  # None: still running at the limit
     out = []
-    for r, p in enumerate(procs):
+    for r, code in enumerate(codes):
         path = results / f"tp{world}-rank{r}.json"
         saved = json.loads(path.read_text()) if path.is_file() else {}
-        if p.returncode != 0:
-            tail = (results / f"tp{world}-rank{r}.log").read_text()[-1500:]
-            saved = {n: saved.get(n) or {"error": f"worker exited {p.returncode}: {tail}"} for n in ctx["families"]}
+        if code != 0:
+            tail = logs[r].read_text()[-1500:]
+            why = f"worker exited {code}" if code is not None else f"worker still running after {LIMIT} s (killed)"
+            saved = {n: saved.get(n) or {"error": f"{why}: {tail}"} for n in ctx["families"]}
         out.append(saved)
     return out
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_ranks
 
 WORLD = 4
 LIMIT = int(os.environ.get("GLOO_WORLD_LIMIT", 300))  # seconds; a world normally finishes in well under a minute
@@ -32,31 +32,13 @@ def run_world(
     codes are not ``expected_codes`` (a world whose last scenario kills no rank: ``[0] * WORLD``).
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    logs = [open(logs_dir / f"rank{r}.log", "w") for r in range(WORLD)]
     argv = [[sys.executable, worker, str(r), str(WORLD), json.dumps(ctx)] for r in range(WORLD)]
-    procs = [subprocess.Popen(a, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT) for a, log in zip(argv, logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        for p in procs:  # every thread's stack into the rank's log (worker_main registers the signal)
-            if p.poll() is None:
-                p.send_signal(signal.SIGUSR1)
-        try:
-            procs[0].wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            pass
+    logs = [logs_dir / f"rank{r}.log" for r in range(WORLD)]
+    codes = run_ranks(argv, logs, cwd=REPO, env=env, limit=LIMIT)
+    if None in codes:
         pytest.fail(
             f"the {WORLD}-rank world did not finish within {LIMIT} s: a rank hangs\n" + logs_of(logs_dir, results_dir)
         )
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    codes = [p.returncode for p in procs]
     assert codes == expected_codes, f"exit codes {codes}\n" + logs_of(logs_dir, results_dir)
     return [torch.load(os.path.join(results_dir, f"rank{r}.pt")) for r in range(WORLD)]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,10 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))  # tests/ranks.py
+
+from ranks import run_ranks  # noqa: E402
+
 #: seconds a world may take (6 families, 3 builds each, on 2 shared cores: normally well under this)
 LIMIT = int(os.environ.get("VLLM_WORLD_LIMIT", 900))
 #: what every rank's environment adds: vLLM's CPU KV cache small, the project importable
@@ -27,22 +30,10 @@ def run_world(world: int, folders: dict[str, str], out: Path, **more: dict[str, 
     out.mkdir(parents=True, exist_ok=True)
     ctx = {"out": str(out), "init": f"file://{out / 'store'}", "folders": folders, **more}
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    logs = [open(out / f"rank{r}.log", "w") for r in range(world)]
     argv = [[sys.executable, str(HERE / "vllm_worker.py"), str(r), str(world), json.dumps(ctx)] for r in range(world)]
-    procs = [subprocess.Popen(a, cwd=HERE, env=env, stdout=f, stderr=subprocess.STDOUT) for a, f in zip(argv, logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
+    codes = run_ranks(argv, [out / f"rank{r}.log" for r in range(world)], cwd=HERE, env=env, limit=LIMIT)
+    if None in codes:
         pytest.fail(f"the {world}-rank vLLM world did not finish within {LIMIT} s\n" + tails(out, world))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    codes = [p.returncode for p in procs]
     assert codes == [0] * world, f"exit codes {codes}\n" + tails(out, world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
