@@ -344,3 +344,26 @@ def test_a_loader_that_raises_is_an_error_naming_the_tensor_and_the_parameter(ll
     assert f"checkpoint tensor {key!r} ([32]" in message and "AssertionError" in message
     assert "into parameter 'model.layers.0.input_layernorm.weight'" in message and info.value.key == key
     assert all(torch.equal(p.nan_to_num(), before[n].nan_to_num()) for n, p in module.named_parameters())
+
+
+class CheckedTwice(Twice):
+    """``Twice`` whose key ``a`` looks at its values (``.item()``): ``a`` falls back, ``b`` (after it) traces."""
+
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            if name == "a" and t.abs().max().item() > 1e4:
+                raise ValueError("a is out of range")
+            super().load_weights([(name, t)])
+
+
+def test_a_traced_key_after_a_fallback_key_writing_the_same_rows_still_wins(ab, caplog):
+    """The module's order: ``a`` whole, then ``b`` over its first rows; ``a`` is loaded for real after the region
+    reads, so ``b`` is loaded again after it (logged), and the result is the module's own."""
+    module = CheckedTwice()
+    with caplog.at_level(logging.WARNING, logger="loader"):
+        report = loader.load_engine_weights(module, str(ab))
+    assert_loaded(module, oracle(CheckedTwice(), ab))
+    tensors = load_file(ab)
+    assert torch.equal(module.w.data[:2], tensors["b"]) and torch.equal(module.w.data[2:], tensors["a"][2:])
+    assert report.deferred_reasons.keys() == {"a"}
+    assert any("loaded again for real" in r.getMessage() and "b" in r.getMessage() for r in caplog.records)

@@ -3,10 +3,12 @@
 Vocabulary (as in :mod:`loader.engine.trace`, plus):
 
 - **fallback run**: ``load_weights([(key, tensor)])`` for each fallback key, in checkpoint order, after the traced
-  reads (a fallback key's writes land after every traced key's: a loader whose untraceable key writes elements a
-  later traced key writes too would see them the other way round), each key read whole.
+  reads, each key read whole.
 - **written**: the parameters whose memory a fallback run wrote into, seen by a dispatch mode watching in-place
   ops (the check that a parameter left incomplete by the traced keys was completed by them).
+- **replayed key**: a traced key that comes after a fallback key in checkpoint order and writes a parameter that
+  fallback key wrote: the module's order has the later key's writes win, so after the fallback runs it is loaded
+  again for real (read whole, logged), with every later key writing such a parameter, in checkpoint order.
 """
 
 from __future__ import annotations
@@ -56,15 +58,54 @@ def run_fallbacks(
         reader.expect(file, identities.get(file))
     storages = {_storage(p): name for name, p in trace.real.items()}
     watch = _Writes(storages)
+    by_key: dict[str, set[str]] = {}
     for f in trace.fallbacks:
-        tensor = read_tensor(checkpoint[f.key], reader)
-        try:
-            with watch:
-                module.load_weights([(f.key, tensor)])
-        except Exception as e:
-            e.add_note(f"raised by {type(module).__name__}.load_weights loading checkpoint key {f.key!r} for real")
-            raise
+        by_key[f.key] = _load_for_real(module, f.key, read_tensor(checkpoint[f.key], reader), watch)
+    replayed = replayed_keys(trace, list(checkpoint), by_key)
+    if replayed:
+        log.warning(
+            "%d traced key(s) come after a key loaded for real and write what it wrote: loaded again for real, "
+            "in checkpoint order: %s",
+            len(replayed),
+            ", ".join(replayed[:8]) + (f" and {len(replayed) - 8} more" if len(replayed) > 8 else ""),
+        )
+        for file in {c.location for k in replayed for c in checkpoint[k].chunks}:
+            reader.expect(file, identities.get(file))
+    for key in replayed:
+        _load_for_real(module, key, read_tensor(checkpoint[key], reader), watch)
     return tuple(n for n in trace.real if n in watch.written)
+
+
+def replayed_keys(trace: EngineTrace, order: list[str], written: Mapping[str, set[str]]) -> list[str]:
+    """The keys to load again after the fallback runs, in checkpoint order: for each parameter a fallback key
+    wrote, every key after the first such fallback key that writes it (traced or not)."""
+    position = {k: i for i, k in enumerate(order)}
+    first: dict[str, int] = {}
+    for key, params in written.items():
+        for name in params:
+            first[name] = min(first.get(name, len(order)), position[key])
+    again = {
+        k
+        for name, start in first.items()
+        for k in (*trace.writers.get(name, ()), *(f for f, ps in written.items() if name in ps))
+        if position.get(k, -1) > start
+    }
+    return sorted(again, key=position.__getitem__)
+
+
+def _load_for_real(module: torch.nn.Module, key: str, tensor: torch.Tensor, watch: _Writes) -> set[str]:
+    """``module.load_weights([(key, tensor)])`` watched; the parameters it wrote."""
+    before = set(watch.written)
+    watch.written = set()
+    try:
+        with watch:
+            module.load_weights([(key, tensor)])
+    except Exception as e:
+        e.add_note(f"raised by {type(module).__name__}.load_weights loading checkpoint key {key!r} for real")
+        raise
+    mine = watch.written
+    watch.written = before | mine
+    return mine
 
 
 def _storage(t: torch.Tensor) -> int:
