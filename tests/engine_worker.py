@@ -53,10 +53,35 @@ def scenario_broken_on_rank_1(ctx: dict) -> dict:
     return {"error_message": "", "untouched": False}
 
 
+class Gapped(torch.nn.Module):
+    """Ranks 0-2 read their quarter of the final norm, rank 3 zeroes its own: each rank's reads fit a share, and
+    only their union shows the last quarter read by no rank."""
+
+    def __init__(self, hidden: int, rank: int) -> None:
+        super().__init__()
+        self.rank, self.n = rank, hidden // 4
+        self.w = torch.nn.Parameter(torch.full((self.n,), float("nan")), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "model.norm.weight":
+                self.w.data.copy_(t.narrow(0, self.rank * self.n, self.n)) if self.rank < 3 else self.w.data.zero_()
+
+
+def scenario_shares_that_do_not_meet(ctx: dict) -> dict:
+    module = Gapped(ctx["config"]["hidden_size"], dist.get_rank())
+    try:
+        loader.load_engine_weights(module, ctx["folder"], options=LoadOptions(progress=False), tp_size=4)
+    except ValueError as e:
+        return {"error_message": str(e), "untouched": bool(module.w.isnan().all())}
+    return {"error_message": "", "untouched": False}
+
+
 SCENARIOS = [
     ("load", lambda ctx: scenario_load(ctx, False)),
     ("exchanged", lambda ctx: scenario_load(ctx, True)),
     ("broken_on_rank_1", scenario_broken_on_rank_1),
+    ("shares_that_do_not_meet", scenario_shares_that_do_not_meet),
 ]
 
 

@@ -253,7 +253,8 @@ def test_a_url_loads_only_its_ranges(llama):
 @pytest.mark.dist
 def test_a_gloo_group_loads_each_ranks_slot(llama, tmp_path):
     """Four ranks, one TP slot each: bit-identical to each rank's own load_weights, with and without exchanged
-    reads; a loader broken on rank 1 is refused on every rank, before any rank wrote."""
+    reads; a loader broken on rank 1 is refused on every rank, before any rank wrote, and so are shares whose union
+    leaves rows of a key unread."""
     import engine_worker
     from gloo_world import WORLD, ok, run_world
 
@@ -276,6 +277,10 @@ def test_a_gloo_group_loads_each_ranks_slot(llama, tmp_path):
     for res in ok(results, "broken_on_rank_1"):
         assert "qkv_proj.weight" in res["error_message"] and "never written" in res["error_message"]
         assert res["untouched"]
+    hidden = CONFIG["hidden_size"]
+    for res in ok(results, "shares_that_do_not_meet"):  # every rank's reads fit a share; their union does not
+        assert f"indices [{3 * hidden // 4}, {hidden}) of its dim 0 are read by no rank" in res["error_message"]
+        assert "'model.norm.weight'" in res["error_message"] and res["untouched"]
 
 
 class Scaled(torch.nn.Module):

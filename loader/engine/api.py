@@ -11,6 +11,7 @@ passed; in a process group the outcome of planning is agreed by every rank first
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import replace
@@ -28,7 +29,7 @@ from ..placements import rank_and_world
 from ..plan.slots import storage_of
 from ..report import LoadReport, load_report, natural_sorted
 from ..storage import is_url
-from .check import certificates, check_coverage, check_shapes
+from .check import certificates, check_coverage, check_shapes, check_union, key_spans
 from .fallback import log_fallbacks, run_fallbacks
 from .plan import EnginePlan, engine_plan
 from .trace import EngineTrace, trace_load_weights
@@ -88,6 +89,10 @@ def load_engine_weights(
             with session.stage("planning"):
                 checkpoint = open_agreed(session, opener(path, storage), remote=is_url(path))
                 trace, planned = plan_engine_load(module, checkpoint, tp)
+            with session.stage("planning", point="spans"):  # indices only the union of the ranks shows unread
+                mine = json.dumps(key_spans(trace, checkpoint)).encode()
+                spans = session.gather(mine, "planning", "gathering the spans")
+                check_union([json.loads(s) for s in spans], checkpoint)
             rank, world = session.rank, session.world
             _keep(rollback, trace, planned, options)
             with checkpoint.reader(direct_io=storage.direct_io) as reader:

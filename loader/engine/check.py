@@ -139,6 +139,32 @@ def check_shapes(trace: EngineTrace, checkpoint: Checkpoint, tp_size: int) -> No
             )
 
 
+def check_union(spans: list[Mapping[str, list[tuple[int, int]]]], checkpoint: Checkpoint) -> None:
+    """Rule 3 (see the module): ``spans`` are every rank's :func:`key_spans` (index = rank).
+
+    Raises:
+        ValueError: indices of a key's dim that no rank reads (naming the key, the dim, the gap and the ranks'
+            spans).
+    """
+    keys = dict.fromkeys(k for rank in spans for k in rank)
+    for key in keys:
+        shape = checkpoint[key].shape
+        for d, size in enumerate(shape):
+            reading = sorted((s[key][d], r) for r, s in enumerate(spans) if key in s)
+            end = 0
+            for (a, b), _ in reading:
+                if a > end:
+                    break
+                end = max(end, b)
+            if end < size or reading[0][0][0] > 0:
+                gap = (end, size) if reading[0][0][0] == 0 else (0, reading[0][0][0])
+                shown = ", ".join(f"rank {r}: [{a}, {b})" for (a, b), r in reading[:8])
+                raise ValueError(
+                    f"checkpoint tensor {key!r} {tuple(shape)}: indices [{gap[0]}, {gap[1]}) of its dim {d} are read "
+                    f"by no rank ({shown}): the module expects another shape"
+                )
+
+
 def _span(shape, offset: int, extents, steps) -> list[tuple[int, int]]:
     """The indices along each dim of a contiguous tensor of ``shape`` that the strided view ``(extents, steps,
     offset)`` reads (a view axis that steps across dims: those dims whole)."""
