@@ -1,0 +1,93 @@
+"""Deltas of buffers: the runs of changed elements as varints and elements; applied to the base they give the new
+value bit for bit (NaN payloads and signed zeros included), never larger than the whole buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader.transfer.delta import Delta, apply_delta, changed_elements, encode_delta
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.float8_e4m3fn]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _random(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
+    return raw.view(dtype)  # any bit pattern: NaNs, infinities, signed zeros
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    dtype=st.sampled_from(DTYPES),
+    density=st.sampled_from([0.0, 0.001, 0.01, 0.1, 0.5, 1.0]),
+    clustered=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_delta_applied_to_the_base_gives_the_new_value_bit_for_bit(n, dtype, density, clustered, seed):
+    base = _random(n, dtype, seed)
+    new = base.clone()
+    g = torch.Generator().manual_seed(seed + 1)
+    if clustered:  # a few contiguous stretches, as rows of a matrix
+        count = int(n * density)
+        start = int(torch.randint(0, n - count + 1, (1,), generator=g))
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[start : start + count] = True
+    else:
+        mask = torch.rand(n, generator=g) < density
+    new[mask] = _random(int(mask.sum()), dtype, seed + 2)
+    delta = encode_delta(base, new)
+    assert delta.changed == changed_elements(base, new)
+    assert delta.nbytes <= n * new.element_size() + 8
+    target = base.clone()
+    apply_delta(target, delta)
+    assert _bits(target) == _bits(new)
+
+
+def test_signed_zeros_and_nan_payloads_are_changes_and_equal_bits_are_not():
+    base = torch.tensor([0.0, 1.0, float("nan"), 2.0] * 8, dtype=torch.bfloat16)
+    new = base.clone()
+    new[0] = -0.0
+    new.view(torch.int16)[2] ^= 1  # another NaN
+    delta = encode_delta(base, new)
+    assert delta.changed == 2 and not delta.full
+    target = base.clone()
+    apply_delta(target, delta)
+    assert _bits(target) == _bits(new)
+    assert encode_delta(base, base.clone()).nbytes == 8  # nothing changed: the run count alone
+
+
+def test_a_delta_larger_than_the_buffer_sends_the_buffer():
+    base = torch.zeros(100, dtype=torch.bfloat16)
+    delta = encode_delta(base, torch.ones(100, dtype=torch.bfloat16))
+    assert delta.full and delta.nbytes == 200
+
+
+def test_sparse_runs_cost_their_elements_and_a_few_bytes_each():
+    """A row of 512 elements changed in a 64 k buffer: the elements' bytes and two varints."""
+    base = torch.randn(128, 512).to(torch.bfloat16)
+    new = base.clone()
+    new[7] += 1
+    delta = encode_delta(base, new)
+    assert delta.runs == 1 and delta.nbytes <= 512 * 2 + 8 + 6
+
+
+def test_a_delta_that_does_not_fit_is_refused():
+    base = torch.randn(64)
+    new = base.clone()
+    new[60:] += 1
+    delta = encode_delta(base, new)
+    with pytest.raises(ValueError, match="does not fit"):
+        apply_delta(torch.zeros(32), delta)
+    forged = Delta(False, delta.runs + 1, delta.index, delta.values, delta.changed)  # one run more than its index
+    with pytest.raises(ValueError, match="index holds"):
+        apply_delta(base.clone(), forged)
+    with pytest.raises(ValueError, match="equal shapes"):
+        encode_delta(base, new[:10])
