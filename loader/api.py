@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Checkpoint, SafetensorsCheckpoint
+from .checkpoint import Checkpoint, open_checkpoint
 from .distributed.collectives import group_rank_and_world
 from .execute import execute_plan
 from .load import load_distributed
@@ -95,7 +95,7 @@ def load_hf_checkpoint(
     try:
         if world > 1:
             return load_distributed(planner, path, options, storage=storage, allocate=allocate, group=group)
-        checkpoint = path if isinstance(path, Checkpoint) else SafetensorsCheckpoint.open(path, storage=storage)
+        checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, storage=storage)
         plan = planner.build_plan(checkpoint, check_devices=allocate is None)
         plan = allocate(plan) if allocate is not None else plan
         log.info(describe(plan))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .checkpoint import Checkpoint, SafetensorsCheckpoint
+from .checkpoint import Checkpoint, TableCheckpoint, open_checkpoint
 from .checkpoint.hub import looks_like_repo_id, resolve_checkpoint
 from .distributed import Session, broadcast_owned, owned_subset
 from .distributed.verdicts import check_same
@@ -211,8 +211,8 @@ def opener(path: str, storage: StorageOptions | None) -> Callable:
     """What opens the checkpoint ``path`` bound to the identities it is given
     (:func:`~loader.distributed.versions.open_agreed`)."""
 
-    def open_at(identities: Mapping | None) -> SafetensorsCheckpoint:
-        return SafetensorsCheckpoint.open(path, storage=storage, identities=identities)
+    def open_at(identities: Mapping | None) -> TableCheckpoint:
+        return open_checkpoint(path, storage=storage, identities=identities)
 
     return open_at
 

@@ -338,7 +338,7 @@ def test_no_checkpoint_is_checkpoint_not_found(tmp_path: Path, kind: str):
         path.mkdir()
     if kind == "no safetensors":
         (path / "config.json").write_text("{}")
-        torch.save({"w": torch.ones(2)}, path / "pytorch_model.bin")
+        torch.save({"w": torch.ones(2)}, path / "model.pt")  # no name a format is found by (pytorch_model.bin is)
         (path / "model.safetensors.bak").write_bytes(b"")
     err = expect_error(str(path), str(path), "no such file or folder" if kind == "missing path" else "no .safetensors")
     assert isinstance(err, CheckpointNotFoundError) and isinstance(err, FileNotFoundError)

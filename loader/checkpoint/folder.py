@@ -117,6 +117,17 @@ def _index_files(store: Store, index_path: str) -> dict[str, list[str]]:
     return {path: by_file[path] for path in sorted(by_file)}
 
 
+def index_files(store: Store, index_path: str) -> dict[str, list[str]]:
+    """An index's ``{shard location: [keys]}`` in sorted shard order, its file names checked as a safetensors
+    index's are (any format's index of the same shape: ``pytorch_model.bin.index.json``).
+
+    Raises:
+        CheckpointError: as :func:`read_index`; a name that is not a plain relative name in the folder; a
+            missing file.
+    """
+    return _index_files(store, index_path)
+
+
 def _folder_files(store: Store) -> list[str]:
     """Every ``*.safetensors`` entry of a folder without index or ``model.safetensors``, sorted.
 
