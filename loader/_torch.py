@@ -25,6 +25,7 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "default_store",
+    "gloo_backend",
     "local_shape",
     "local_tensor",
     "root_mesh",
@@ -42,6 +43,21 @@ def default_store() -> dist.Store:
     environment, which a user's ``init_process_group(store=...)`` would not share.
     """
     return dist.distributed_c10d._get_default_store()
+
+
+def gloo_backend(store: dist.Store, rank: int, world: int, seconds: float) -> Any:
+    """A gloo backend of ``world`` ranks over ``store``, outside the default group: its ``send``/``recv``/
+    ``allreduce`` take tensor lists (``torch.distributed.distributed_c10d.ProcessGroupGloo``, as vLLM's stateless
+    groups build one).
+
+    Public: ``torch.distributed.new_group`` needs the default group of the same processes (a trainer and a vLLM
+    engine's workers share none); none yet for a group of its own store (torch 2.14).
+    """
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, world, timedelta(seconds=seconds))
 
 
 def root_mesh(mesh: Any) -> Any:

@@ -1,0 +1,117 @@
+"""A running vLLM model's layers as they were at load time, and rebuilt from new values (imports vLLM when used).
+
+Vocabulary (as in :mod:`loader.vllm.sync_plan`, plus):
+
+- **state**: what a layer holds: its parameters, buffers and the attributes its post-load processing set (a
+  oneDNN handle's ``cpu_linear``): a shallow copy of the module's ``__dict__`` (:func:`snapshot`), put back by
+  :func:`put_back`. Swapping states replaces the layer's attributes; no kernel tensor is written into.
+- **rebuild**: a layer's load-time parameters made again (fresh tensors shaped by vLLM's reload metadata, the
+  ``weight_loader``s and classes theirs), written from the trainer's values, then the layer's post-load
+  processing run on them (``quant_method.process_weights_after_loading``): the layer's new state.
+
+vLLM's own in-place reload (``reload_weights``) copies the processed values into the old kernel tensors' storage
+(for CUDA graphs); the engine here runs eagerly, so a push replaces the states instead (which also serves
+layers whose processed tensors change shape, vLLM's CPU experts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["LayerState", "load_time_params", "load_time_view", "put_back", "rebuild", "snapshot"]
+
+#: a layer's state (see the module)
+LayerState = dict[str, Any]
+#: the ``__dict__`` entries a snapshot copies (the others are kept by reference)
+CONTAINERS = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+
+
+def snapshot(module: torch.nn.Module) -> LayerState:
+    """``module``'s state (see the module)."""
+    return {k: copy.copy(v) if k in CONTAINERS else v for k, v in vars(module).items()}
+
+
+def put_back(module: torch.nn.Module, state: LayerState) -> None:
+    """Make ``state`` ``module``'s state again (every attribute the module gained since is dropped)."""
+    vars(module).clear()
+    vars(module).update({k: copy.copy(v) if k in CONTAINERS else v for k, v in state.items()})
+
+
+def _info(module: torch.nn.Module) -> Any:
+    """vLLM's reload record of ``module`` (its load-time tensors on meta), or None when it recorded none."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(module)
+    return info if info is not None and (info.restore_metadata[0] or info.restore_metadata[1]) else None
+
+
+def _on_meta(module: torch.nn.Module) -> None:
+    """``module``'s load-time tensors back on the meta device (vLLM's ``restore_layer_on_meta``), where recorded."""
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+
+    info = _info(module)
+    if info is not None:
+        restore_layer_on_meta(module, info)
+
+
+@contextlib.contextmanager
+def load_time_view(model: torch.nn.Module) -> Iterator[None]:
+    """Every layer of ``model`` holding its load-time parameters on meta for the ``with`` block (a trace's view);
+    every layer's state put back on exit, also on an error."""
+    saved = [(m, snapshot(m)) for m in model.modules()]
+    try:
+        for module, _ in saved:
+            _on_meta(module)
+        yield
+    finally:
+        for module, state in saved:
+            put_back(module, state)
+
+
+def load_time_params(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s loadable parameters, in a :func:`load_time_view`."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    return [n for n, p in module._parameters.items() if p is not None and n not in SKIP_LOAD_TENSORS]
+
+
+def _fresh(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor shaped as ``tensor`` (on the CPU when it is a meta tensor), with its class and attributes."""
+    device = torch.device("cpu") if tensor.is_meta else tensor.device
+    fresh = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device=device)
+    fresh.__class__ = tensor.__class__
+    fresh.__dict__ = tensor.__dict__.copy()
+    return fresh
+
+
+def rebuild(
+    module: torch.nn.Module, attrs: list[str], write: Callable[[str, torch.Tensor], None], vllm_config: Any
+) -> None:
+    """Rebuild ``module`` (see the module): its load-time parameters ``attrs`` fresh, ``write(attr, tensor)``
+    filling each, then its post-load processing. Buffers it does not load keep their current tensors. The caller
+    keeps the old state (:func:`snapshot`) to put back on an error."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    buffers = dict(module._buffers)
+    _on_meta(module)
+    for name, buffer in list(module._buffers.items()):
+        if buffer is not None and buffer.is_meta and name in buffers:
+            module._buffers[name] = buffers[name]
+    for attr in attrs:
+        param = _fresh(module._parameters[attr])
+        write(attr, param)
+        module._parameters[attr] = param
+    if hasattr(module, "_already_called_process_weights_after_loading"):
+        delattr(module, "_already_called_process_weights_after_loading")
+    method = getattr(module, "quant_method", None)
+    if isinstance(method, QuantizeMethodBase):
+        with set_current_vllm_config(vllm_config):
+            method.process_weights_after_loading(module)
+        if hasattr(module, "update_param_tp_status"):
+            module.update_param_tp_status()

@@ -1,0 +1,144 @@
+"""``SyncWorker``: vLLM's worker extension (``worker_extension_cls="loader.vllm.SyncWorker"``) that receives a
+trainer's weights into a running engine (the worker side of :class:`~loader.vllm.EngineSync`).
+
+vLLM mixes this class into each worker's class; :class:`~loader.vllm.EngineSync` calls its ``regiontrace_sync_*``
+methods through ``LLM.collective_rpc`` (between engine steps: the model serves no request meanwhile). A push
+receives this worker's packet, rebuilds every layer its plan touches (:func:`~loader.vllm.sync_layers.rebuild`),
+and keeps the new layers only when every worker built its own (the wire's agreement); otherwise every worker puts
+its old layers back: the engine serves the old weights or the new, never a mix.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from regiontrace.executor import constant_value, execute_blocks, is_constant
+
+from .sync_layers import load_time_view, put_back, rebuild, snapshot
+from .sync_plan import WorkerPlan, plan_sync, wire_dtype
+from .sync_wire import Wire, join_store, unpack
+
+__all__ = ["SyncWorker", "digest"]
+
+log = logging.getLogger("vllm.regiontrace")
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """A tensor's bytes' sha256 (with its dtype and shape)."""
+    t = tensor.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class SyncWorker:
+    """The worker side of a weight sync (see the module); its state lives in ``_regiontrace_sync``."""
+
+    def regiontrace_sync_prepare(self, keys: list[tuple[str, list[int], str]], digests: bool = False) -> dict:
+        """Plan this worker's pushes for the trainer's tensors ``(key, shape, dtype name)``: its wants (the boxes
+        the trainer sends it, with their wire dtypes) and its shard bytes; ``{"error": ...}`` when a tensor does
+        not fit (nothing was changed)."""
+        engine_dtype = self.model_config.dtype
+        shapes = {k: (tuple(shape), wire_dtype(getattr(torch, d), engine_dtype)) for k, shape, d in keys}
+        try:
+            with torch.no_grad():
+                plan = plan_sync(self.get_model(), shapes, self.parallel_config.tensor_parallel_size)
+        except ValueError as e:
+            return {"rank": self.rank, "error": str(e)}
+        constants = {b.source for bs in plan.blocks.values() for b in bs if is_constant(b.source)}
+        self._regiontrace_sync = {
+            "plan": plan,
+            "constants": {c: constant_value(c) for c in constants},
+            "digests": digests,
+            "version": 0,
+            "wire": None,
+        }
+        wants = [(w.key, w.offsets, w.lengths, str(w.dtype).removeprefix("torch.")) for w in plan.wants]
+        return {"rank": self.rank, "wants": wants, "shard_bytes": plan.shard_bytes}
+
+    def regiontrace_sync_connect(self, port: int, world: int, seconds: float) -> dict:
+        """Join the trainer's gloo group as rank ``1 + this worker's rank``."""
+        state = self._regiontrace_sync
+        state["wire"] = Wire(join_store(port, world, seconds), 1 + self.rank, world, seconds)
+        return {"rank": self.rank}
+
+    def regiontrace_sync_receive(self, version: int) -> dict:
+        """One push: receive this worker's packet, rebuild the touched layers, agree, keep or put back (see the
+        module). Returns this worker's ``rank``, ``version`` (the one it serves), ``bytes`` received,
+        ``shard_bytes``, ``seconds``, ``digests`` (when asked for at prepare) and ``error`` where it failed."""
+        state = self._regiontrace_sync
+        plan: WorkerPlan = state["plan"]
+        packet = state["wire"].recv(sum(w.nbytes for w in plan.wants))
+        started = time.perf_counter()
+        model, kept, error, digests = self.get_model(), [], None, {}
+        try:
+            sources = {**unpack(packet, plan.wants), **state["constants"]}
+            with torch.no_grad():
+                for owner, attrs in plan.layers.items():
+                    module = model.get_submodule(owner)
+                    kept.append((module, snapshot(module)))
+                    rebuild(module, attrs, self._regiontrace_writer(owner, sources, digests), self.vllm_config)
+        except Exception as e:  # any failure: this rank says no, every rank puts its old layers back
+            log.exception("weight sync: worker %d failed to build version %d", self.rank, version)
+            error = f"worker {self.rank}: {type(e).__name__}: {e}"
+        agreed = state["wire"].agree(error is None)
+        if not agreed:
+            for module, old in reversed(kept):
+                put_back(module, old)
+            error = error or f"worker {self.rank}: another rank failed; the old weights are kept"
+        else:
+            state["version"] = version
+        out = {"rank": self.rank, "version": state["version"], "bytes": packet.numel()}
+        out.update(shard_bytes=plan.shard_bytes, seconds=time.perf_counter() - started, error=error)
+        out["digests"] = digests if state["digests"] else None
+        return out
+
+    def _regiontrace_writer(self, owner: str, sources: dict, digests: dict):
+        blocks = self._regiontrace_sync["plan"].blocks
+        record = self._regiontrace_sync["digests"]
+
+        def write(attr: str, tensor: torch.Tensor) -> None:
+            execute_blocks(blocks[f"{owner}.{attr}"], sources, tensor.data)
+            if record:
+                digests[f"{owner}.{attr}"] = digest(tensor)
+
+        return write
+
+    def regiontrace_sync_verify(self, folder: str) -> dict[str, str]:
+        """The digests of the load-time parameters a push writes as vLLM's own ``model.load_weights`` writes them
+        from ``folder``'s safetensors files (into fresh zeroed tensors; the running layers are left as they are)."""
+        from safetensors.torch import load_file
+
+        model = self.get_model()
+        names = self._regiontrace_sync["plan"].blocks
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        with torch.no_grad(), load_time_view(model):
+            for module in model.modules():
+                for name, p in list(module._parameters.items()):
+                    if p is not None and p.is_meta:
+                        module._parameters[name] = _zeros_like(p)
+            model.load_weights((k, v) for f in files for k, v in load_file(f).items())
+            params = dict(model.named_parameters(remove_duplicate=False))
+            return {n: digest(params[n]) for n in names}
+
+    def regiontrace_sync_version(self) -> int:
+        """The version this worker serves (0: as loaded)."""
+        return self._regiontrace_sync["version"]
+
+    def regiontrace_sync_close(self) -> None:
+        """Leave the group and forget the plan."""
+        self._regiontrace_sync = None
+
+
+def _zeros_like(meta: torch.Tensor) -> Any:
+    fresh = torch.zeros(tuple(meta.shape), dtype=meta.dtype)
+    fresh.__class__ = meta.__class__
+    fresh.__dict__ = meta.__dict__.copy()
+    return fresh

@@ -1,0 +1,78 @@
+"""One engine start with a weight sync: ``python vllm_sync.py CTX_JSON`` writes a JSON object to ``CTX.out``.
+
+The context names the model folder (``model``), ``tp``, the prompts (token ids), ``steps`` and a scratch folder
+(``work``). A float32 Llama trainer is loaded from the folder; the engine (``worker_extension_cls=
+"loader.vllm.SyncWorker"``) generates greedily; then each step changes every trainer weight, pushes, saves the
+trainer to ``work/step-N`` and records the report, every worker's digests of what the push wrote and of what
+vLLM's own ``load_weights`` writes from the saved folder, and the tokens generated. Last, a trainer with another
+``intermediate_size`` is refused (``error``) and the engine generates again (``tokens_after_error``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from vllm_engine import SETTINGS, generate
+
+
+def trainer_from(folder: str, **changes):
+    """A float32 transformers model of ``folder`` (its weights; with ``changes`` to its config, random)."""
+    import torch
+    import transformers
+
+    if changes:
+        config = transformers.AutoConfig.from_pretrained(folder, **changes)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def step(trainer, seed: int) -> None:
+    """Change every weight of ``trainer`` a little (a training step's size)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.05)
+
+
+def main(ctx: dict) -> None:
+    import torch
+    from vllm import LLM
+
+    from loader.vllm import EngineSync
+
+    torch.set_num_threads(1)
+    work = Path(ctx["work"])
+    trainer = trainer_from(ctx["model"])
+    began = time.perf_counter()
+    extension = "loader.vllm.SyncWorker"
+    llm = LLM(model=ctx["model"], tensor_parallel_size=ctx["tp"], worker_extension_cls=extension, **SETTINGS)
+    out: dict = {"start_seconds": time.perf_counter() - began, "tokens": generate(llm, ctx), "steps": []}
+    began = time.perf_counter()
+    sync = EngineSync(llm, trainer, digests=True)
+    out["prepare_seconds"] = time.perf_counter() - began
+    for n in range(1, ctx["steps"] + 1):
+        step(trainer, n)
+        report = sync.push()
+        folder = work / f"step-{n}"
+        trainer.save_pretrained(folder)
+        oracle = sync.verify(str(folder))
+        record = {**asdict(report), "ratios": report.ratios, "oracle": list(oracle), "folder": str(folder)}
+        out["steps"].append({**record, "tokens": generate(llm, ctx)})
+    try:
+        EngineSync(llm, trainer_from(ctx["model"], intermediate_size=128))
+    except ValueError as e:
+        out["error"] = str(e)
+    out["tokens_after_error"] = generate(llm, ctx)
+    out["version"] = llm.collective_rpc("regiontrace_sync_version")
+    sync.close()
+    Path(ctx["out"]).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
