@@ -77,7 +77,7 @@ def load_time_params(module: torch.nn.Module) -> list[str]:
     """The names of ``module``'s loadable parameters, in a :func:`load_time_view`."""
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
 
-    return [n for n, p in module._parameters.items() if p is not None and n not in SKIP_LOAD_TENSORS]
+    return [n for n, _ in module.named_parameters(recurse=False) if n not in SKIP_LOAD_TENSORS]
 
 
 def _fresh(tensor: torch.Tensor) -> torch.Tensor:
@@ -98,15 +98,15 @@ def rebuild(
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    buffers = dict(module._buffers)
+    buffers = dict(module.named_buffers(recurse=False))
     _on_meta(module)
-    for name, buffer in list(module._buffers.items()):
-        if buffer is not None and buffer.is_meta and name in buffers:
-            module._buffers[name] = buffers[name]
+    for name, buffer in list(module.named_buffers(recurse=False)):
+        if buffer.is_meta and name in buffers:
+            setattr(module, name, buffers[name])
     for attr in attrs:
-        param = _fresh(module._parameters[attr])
+        param = _fresh(module.get_parameter(attr))
         write(attr, param)
-        module._parameters[attr] = param
+        setattr(module, attr, param)
     if hasattr(module, "_already_called_process_weights_after_loading"):
         delattr(module, "_already_called_process_weights_after_loading")
     method = getattr(module, "quant_method", None)

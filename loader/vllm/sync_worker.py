@@ -121,9 +121,9 @@ class SyncWorker:
         files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
         with torch.no_grad(), load_time_view(model):
             for module in model.modules():
-                for name, p in list(module._parameters.items()):
-                    if p is not None and p.is_meta:
-                        module._parameters[name] = _zeros_like(p)
+                for name, p in list(module.named_parameters(recurse=False)):
+                    if p.is_meta:
+                        setattr(module, name, _zeros_like(p))
             model.load_weights((k, v) for f in files for k, v in load_file(f).items())
             params = dict(model.named_parameters(remove_duplicate=False))
             return {n: digest(params[n]) for n in names}
