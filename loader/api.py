@@ -40,7 +40,8 @@ def load_hf_checkpoint(
     Args:
         model: an already-built module (tensors materialised, possibly DTensors, or on the meta device with
             ``device``).
-        path: a ``.safetensors`` file, a folder with ``model.safetensors`` or shards + index.json, a
+        path: a ``.safetensors`` file, a folder with ``model.safetensors`` or shards + index.json (without
+            safetensors files: ``pytorch_model.bin`` or ``.bin`` shards + their index, ``torch.save``'s format), a
             Hugging Face repo id (``"org/name"``, resolved through the local hub cache), or the URL of a file or
             folder in an object store or on the Hub (``s3://``, ``https://``, ``hf://org/name``): each rank then
             fetches only its byte ranges (docs/remote.md); or a checkpoint of any format, opened
