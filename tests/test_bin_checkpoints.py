@@ -6,8 +6,10 @@ open), on 4 gloo ranks and over nginx. Hostile archives: tests/test_bin_hostile.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import os
+import pickle
 import shutil
 import sys
 
@@ -25,6 +27,7 @@ from hf_models import build, save
 
 from loader import load_hf_checkpoint
 from loader.checkpoint import DTYPES, BinCheckpoint, SafetensorsCheckpoint, open_checkpoint, read_tensor
+from loader.checkpoint.pickles import PickledObject, as_object, read_pickle
 from loader.options import LoadOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -240,3 +243,33 @@ def test_torch_save_to_a_buffer_and_a_file_agree(tmp_path):
     torch.save(state, tmp_path / "b.bin")
     a, b = open_checkpoint(tmp_path / "a.bin"), open_checkpoint(tmp_path / "b.bin")
     assert torch.equal(read_tensor(a["w"]), read_tensor(b["w"]))
+
+
+# --- the pickle reader on its own -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    label: str
+
+
+@pytest.mark.parametrize("protocol", range(6))
+def test_read_pickle_reads_plain_data_at_every_protocol(protocol):
+    shared = [1, 2.5, None, True]
+    value = {"list": shared, "again": shared, "text": "ü\n\\x", "big": -(2**70), "bytes": b"\0\xff",
+             "tuple": (1, (2, 3)), "set": {1, 2}, "frozen": frozenset({3}), "nested": [[]] * 3}  # fmt: skip
+    data = pickle.dumps(value, protocol=protocol)
+    builtins = "__builtin__" if protocol < 3 else "builtins"
+    allowed = {(builtins, "set"): set, (builtins, "frozenset"): frozenset}
+    allowed |= {("_codecs", "encode"): lambda text, codec: text.encode(codec)}  # bytes below protocol 3
+    got = read_pickle(data, allowed=allowed)
+    assert got == value and got["list"] is got["again"]
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_read_pickle_builds_records_of_allowed_classes(protocol):
+    """A dataclass (``NEWOBJ`` then ``BUILD``) becomes a :class:`PickledObject` holding its state."""
+    name = (Point.__module__, Point.__qualname__)
+    got = read_pickle(pickle.dumps([Point(3, "a")], protocol=protocol), allowed={name: as_object(name)})
+    assert isinstance(got[0], PickledObject) and got[0].name == name and got[0].state == {"x": 3, "label": "a"}
