@@ -300,6 +300,13 @@ def test_opcodes_that_would_execute_or_are_malformed(pkl, needle):
     assert needle in str(info.value) and info.value.path == "x.bin"
 
 
+def test_tuples_nested_too_deep_to_hash():
+    deep = b"\x80\x02}" + b")" + b"\x85" * 5000 + b"K\x01s."  # {((((…)))): 1}
+    with pytest.raises(CheckpointError, match="nested deeper than 1000"):
+        read_pickle(deep, allowed={}, name="x.bin")
+    assert read_pickle(b"\x80\x02}" + b")" + b"\x85" * 50 + b"K\x01s.", allowed={})
+
+
 # --- a load stops before it writes ------------------------------------------------------------------------------
 
 

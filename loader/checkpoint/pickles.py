@@ -24,6 +24,8 @@ from ..storage.untrusted import err, short
 Global = tuple[str, str]
 #: the highest pickle protocol read
 MAX_PROTOCOL = 5
+#: tuples and frozensets nested deeper than this are refused (hashing them recurses)
+MAX_DEPTH = 1000
 #: what opcodes are refused as, rather than "unknown"
 _REFUSED = {
     **dict.fromkeys((b"i", b"o"), "INST / OBJ (builds an instance of a class it names)"),
@@ -60,13 +62,7 @@ def as_object(name: Global) -> Callable[..., PickledObject]:
     return construct
 
 
-class _Mark:
-    """The stack's mark (``MARK``): where a ``TUPLE``, ``LIST``, ``SETITEMS``, … takes its items from."""
-
-    __slots__ = ()
-
-
-_MARK = _Mark()
+_MARK = object()  # the stack's mark (``MARK``): where a ``TUPLE``, ``LIST``, ``SETITEMS``, … takes its items from
 _Stop = StopIteration
 
 
@@ -79,6 +75,7 @@ class _Machine:
         self.callables = {id(v) for v in allowed.values()}
         self.stack: list[Any] = []
         self.memo: dict[int, Any] = {}
+        self.depths: dict[int, tuple[Any, int]] = {}  # id -> (tuple or frozenset, kept alive; its nesting depth)
 
     def fail(self, message: str) -> CheckpointError:
         return err(self.name, f"pickle byte {self.at}: {message}")
@@ -128,6 +125,15 @@ class _Machine:
 
     def push(self, value: Any) -> None:
         self.stack.append(value)
+
+    def nested(self, made: Any, items: list[Any]) -> Any:
+        """``made`` (a tuple or frozenset of ``items``), refused nested deeper than :data:`MAX_DEPTH`: hashing or
+        comparing it would overflow the interpreter's stack."""
+        depth = 1 + max((self.depths[id(i)][1] for i in items if id(i) in self.depths), default=0)
+        if depth > MAX_DEPTH:
+            raise self.fail(f"tuples or frozensets nested deeper than {MAX_DEPTH}")
+        self.depths[id(made)] = (made, depth)
+        return made
 
     def memo_get(self, index: int) -> Any:
         if index not in self.memo:
@@ -220,11 +226,13 @@ def _long(m: _Machine, size_fmt: str) -> None:
     m.push(int.from_bytes(m.take(n), "little", signed=True))
 
 
-def _tuple(m: _Machine, n: int) -> None:
-    m.push(tuple([m.pop() for _ in range(n)][::-1]))
+def _tuple(m: _Machine, items: list[Any]) -> None:
+    m.push(m.nested(tuple(items), items))
 
 
-def _set_items(m: _Machine, target: Any, items: list[Any]) -> None:
+def _set_items(m: _Machine, items: list[Any], target: Any = None) -> None:
+    """Set ``items`` (key, value, key, …) in ``target`` (default: the top of the stack)."""
+    target = m.top() if target is None else target
     if not isinstance(target, dict):
         raise m.fail(f"SETITEM(S) on a {type(target).__name__}, not a dict")
     if len(items) % 2:
@@ -238,18 +246,13 @@ def _set_items(m: _Machine, target: Any, items: list[Any]) -> None:
 
 def _dict(m: _Machine) -> None:
     d: dict = {}
-    _set_items(m, d, m.pop_mark())
+    _set_items(m, m.pop_mark(), d)
     m.push(d)
 
 
 def _setitem(m: _Machine) -> None:
     value, key = m.pop(), m.pop()
-    _set_items(m, m.top(), [key, value])
-
-
-def _setitems(m: _Machine) -> None:
-    items = m.pop_mark()
-    _set_items(m, m.top(), items)
+    _set_items(m, [key, value])
 
 
 def _append(m: _Machine, items: list[Any]) -> None:
@@ -265,6 +268,10 @@ def _hashed(m: _Machine, make: Callable[[list[Any]], Any], items: list[Any]) -> 
         return make(items)
     except TypeError as e:
         raise m.fail(f"unhashable item: {e}") from None
+
+
+def _frozenset(m: _Machine, items: list[Any]) -> None:
+    m.push(m.nested(_hashed(m, frozenset, items), items))
 
 
 def _add_items(m: _Machine, items: list[Any]) -> None:
@@ -293,20 +300,13 @@ def _newobj_ex(m: _Machine) -> None:
     m.push(m.call(m.pop(), args, kwargs))
 
 
-def _pop(m: _Machine) -> None:
-    if m.stack and m.stack[-1] is _MARK:
-        m.stack.pop()  # as pickle does: POP of a mark drops it
-        return
-    m.pop()
-
-
 _U8, _U32, _U64 = "<B", "<I", "<Q"
 _OPS: dict[bytes, Callable[[_Machine], None]] = {
     b"\x80": _proto,
     b"\x95": lambda m: m.take(8),  # FRAME: a buffering hint
     b".": _stop,
     b"(": lambda m: m.push(_MARK),
-    b"0": _pop,
+    b"0": lambda m: m.stack.pop() if m.stack and m.stack[-1] is _MARK else m.pop(),  # as pickle: drops a mark
     b"1": lambda m: m.pop_mark() and None,
     b"2": lambda m: m.push(m.top()),
     b"N": lambda m: m.push(None),
@@ -330,10 +330,10 @@ _OPS: dict[bytes, Callable[[_Machine], None]] = {
     b"\x8e": lambda m: m.push(m.take(m.unpack(_U64))),
     b"\x96": lambda m: m.push(bytearray(m.take(m.unpack(_U64)))),
     b")": lambda m: m.push(()),
-    b"t": lambda m: m.push(tuple(m.pop_mark())),
-    b"\x85": lambda m: _tuple(m, 1),
-    b"\x86": lambda m: _tuple(m, 2),
-    b"\x87": lambda m: _tuple(m, 3),
+    b"t": lambda m: _tuple(m, m.pop_mark()),
+    b"\x85": lambda m: _tuple(m, [m.pop()]),
+    b"\x86": lambda m: _tuple(m, [m.pop() for _ in range(2)][::-1]),
+    b"\x87": lambda m: _tuple(m, [m.pop() for _ in range(3)][::-1]),
     b"]": lambda m: m.push([]),
     b"l": lambda m: m.push(m.pop_mark()),
     b"a": lambda m: _append(m, [m.pop()]),
@@ -341,10 +341,10 @@ _OPS: dict[bytes, Callable[[_Machine], None]] = {
     b"}": lambda m: m.push({}),
     b"d": _dict,
     b"s": _setitem,
-    b"u": _setitems,
+    b"u": lambda m: _set_items(m, m.pop_mark()),
     b"\x8f": lambda m: m.push(set()),
     b"\x90": lambda m: _add_items(m, m.pop_mark()),
-    b"\x91": lambda m: m.push(_hashed(m, frozenset, m.pop_mark())),
+    b"\x91": lambda m: _frozenset(m, m.pop_mark()),
     b"p": lambda m: m.memo_put(_memo_index(m, m.line())),
     b"q": lambda m: m.memo_put(m.unpack(_U8)),
     b"r": lambda m: m.memo_put(m.unpack(_U32)),
