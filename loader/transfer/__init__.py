@@ -5,11 +5,13 @@ one rank's) ← :mod:`.schedule` (moves in bounded rounds) ← :mod:`.sides` (th
 models as plain values: the source's save mapping, the destination's traced load) ← :mod:`.exchange` (packing,
 ``all_to_all_single``, unpacking), :mod:`.memory` (the local memory checked: no meta tensor, no overlapping
 writes), :mod:`.agreement` (the values shared through the store under the transfer's timeout, the ranks' views
-of each tensor compared) ← :mod:`.api` (``transfer_weights``, ``TransferReport``); :mod:`.simulate` (the plan
+of each tensor compared) ← :mod:`.prepared`
+(``prepare_transfer``, ``PreparedTransfer``: planned once, replayed every step) ← :mod:`.api` (``transfer_weights``,
+``TransferReport`` of :mod:`.report`); :mod:`.simulate` (the plan
 for any two meshes on meta models: ``simulate_transfer``).
 """
 
-from .api import BUCKET_BYTES, TransferReport, transfer_weights
+from .api import BUCKET_BYTES, TransferReport, TransferRun, transfer_weights
 from .plan import (
     Cell,
     DestConversion,
@@ -23,6 +25,7 @@ from .plan import (
     TransferPlan,
     plan_transfer,
 )
+from .prepared import PreparedTransfer, fingerprint, prepare_transfer
 from .schedule import rounds
 from .sides import as_rules, dest_side, model_parts, source_side
 from .simulate import RankTransfer, TransferFigures, TransferMeshes, mesh_parts, simulate_transfer
@@ -30,7 +33,11 @@ from .simulate import RankTransfer, TransferFigures, TransferMeshes, mesh_parts,
 __all__ = [
     "BUCKET_BYTES",
     "TransferReport",
+    "TransferRun",
     "transfer_weights",
+    "PreparedTransfer",
+    "fingerprint",
+    "prepare_transfer",
     "Cell",
     "DestConversion",
     "DestSide",
