@@ -3,11 +3,14 @@
 Vocabulary (as in :mod:`loader.vllm.sync_plan`, plus):
 
 - **state**: what a layer holds: its parameters, buffers and the attributes its post-load processing set (a
-  oneDNN handle's ``cpu_linear``): a shallow copy of the module's ``__dict__`` (:func:`snapshot`), put back by
-  :func:`put_back`. Swapping states replaces the layer's attributes; no kernel tensor is written into.
+  oneDNN handle's ``cpu_linear``), and its quantization method's attributes (a fused-MoE method's kernel, which
+  the layer's runner holds the method for): shallow copies of both ``__dict__`` (:func:`snapshot`), put back by
+  :func:`put_back`. Swapping states replaces attributes; no kernel tensor is written into.
 - **rebuild**: a layer's load-time parameters made again (fresh tensors shaped by vLLM's reload metadata, the
   ``weight_loader``s and classes theirs), written from the trainer's values, then the layer's post-load
-  processing run on them (``quant_method.process_weights_after_loading``): the layer's new state.
+  processing run on them as on a first load (``quant_method.process_weights_after_loading``, a fused-MoE
+  method's ``moe_kernel`` cleared first, as its constructor leaves it: a new kernel is built over the new
+  tensors rather than the new values copied into the old kernel's): the layer's new state.
 
 vLLM's own in-place reload (``reload_weights``) copies the processed values into the old kernel tensors' storage
 (for CUDA graphs); the engine here runs eagerly, so a push replaces the states instead (which also serves
@@ -25,21 +28,30 @@ import torch
 
 __all__ = ["LayerState", "load_time_params", "load_time_view", "put_back", "rebuild", "snapshot"]
 
-#: a layer's state (see the module)
-LayerState = dict[str, Any]
+#: a layer's state (see the module): its ``__dict__``, its quantization method's (None without one)
+LayerState = tuple[dict[str, Any], dict[str, Any] | None]
 #: the ``__dict__`` entries a snapshot copies (the others are kept by reference)
 CONTAINERS = ("_parameters", "_buffers", "_non_persistent_buffers_set")
 
 
+def _copied(attrs: dict[str, Any]) -> dict[str, Any]:
+    return {k: copy.copy(v) if k in CONTAINERS else v for k, v in attrs.items()}
+
+
 def snapshot(module: torch.nn.Module) -> LayerState:
     """``module``'s state (see the module)."""
-    return {k: copy.copy(v) if k in CONTAINERS else v for k, v in vars(module).items()}
+    method = vars(module).get("quant_method")
+    return _copied(vars(module)), None if method is None else dict(vars(method))
 
 
 def put_back(module: torch.nn.Module, state: LayerState) -> None:
-    """Make ``state`` ``module``'s state again (every attribute the module gained since is dropped)."""
+    """Make ``state`` ``module``'s state again (every attribute the module or its method gained since dropped)."""
+    attrs, method_attrs = state
     vars(module).clear()
-    vars(module).update({k: copy.copy(v) if k in CONTAINERS else v for k, v in state.items()})
+    vars(module).update(_copied(attrs))
+    if method_attrs is not None:
+        vars(attrs["quant_method"]).clear()
+        vars(attrs["quant_method"]).update(method_attrs)
 
 
 def _info(module: torch.nn.Module) -> Any:
@@ -111,6 +123,8 @@ def rebuild(
         delattr(module, "_already_called_process_weights_after_loading")
     method = getattr(module, "quant_method", None)
     if isinstance(method, QuantizeMethodBase):
+        if "moe_kernel" in vars(method):
+            method.moe_kernel = None  # a first processing: a new kernel over the new tensors
         with set_current_vllm_config(vllm_config):
             method.process_weights_after_loading(module)
         if hasattr(module, "update_param_tp_status"):

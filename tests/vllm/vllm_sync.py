@@ -1,11 +1,12 @@
 """One engine start with a weight sync: ``python vllm_sync.py CTX_JSON`` writes a JSON object to ``CTX.out``.
 
 The context names the model folder (``model``), ``tp``, the prompts (token ids), ``steps`` and a scratch folder
-(``work``). A float32 Llama trainer is loaded from the folder; the engine (``worker_extension_cls=
+(``work``). A float32 trainer is loaded from the folder; the engine (``worker_extension_cls=
 "loader.vllm.SyncWorker"``) generates greedily; then each step changes every trainer weight, pushes, saves the
 trainer to ``work/step-N`` and records the report, every worker's digests of what the push wrote and of what
-vLLM's own ``load_weights`` writes from the saved folder, and the tokens generated. Last, a trainer with another
-``intermediate_size`` is refused (``error``) and the engine generates again (``tokens_after_error``).
+vLLM's own ``load_weights`` writes from the saved folder, and the tokens generated. Then a trainer of the config
+changes ``bad`` is refused (``error``) and the engine generates again (``tokens_after_error``). With ``reload``,
+vLLM's own ``reload_weights`` last loads the last step's saved trainer (``tokens_reloaded``).
 """
 
 from __future__ import annotations
@@ -65,12 +66,16 @@ def main(ctx: dict) -> None:
         record = {**asdict(report), "ratios": report.ratios, "oracle": list(oracle), "folder": str(folder)}
         out["steps"].append({**record, "tokens": generate(llm, ctx)})
     try:
-        EngineSync(llm, trainer_from(ctx["model"], intermediate_size=128))
+        EngineSync(llm, trainer_from(ctx["model"], **ctx.get("bad", {"intermediate_size": 128})))
     except ValueError as e:
         out["error"] = str(e)
     out["tokens_after_error"] = generate(llm, ctx)
     out["version"] = llm.collective_rpc("regiontrace_sync_version")
     sync.close()
+    if ctx.get("reload"):  # vLLM's own in-place reload of the last step's saved trainer
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": out["steps"][-1]["folder"]})
+        llm.reset_prefix_cache()
+        out["tokens_reloaded"] = generate(llm, ctx)
     Path(ctx["out"]).write_text(json.dumps(out))
 
 
