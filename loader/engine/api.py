@@ -115,14 +115,18 @@ def load_engine_weights(
     return _engine_report(report, trace, written, planned.plan.checkpoint)
 
 
-def plan_engine_load(module: torch.nn.Module, checkpoint: Any, tp_size: int = 1) -> tuple[EngineTrace, EnginePlan]:
+def plan_engine_load(
+    module: torch.nn.Module, checkpoint: Any, tp_size: int = 1, *, reuse: bool = True
+) -> tuple[EngineTrace, EnginePlan]:
     """Trace ``module.load_weights`` on ``checkpoint`` (headers alone), check it, and plan its reads.
+
+    ``reuse``: repeated layers traced once (:mod:`loader.engine.repeats`); the plan is the same either way.
 
     Raises:
         ValueError: a check failed (see :mod:`loader.engine.check`).
     """
     description = f"{type(module).__name__}.load_weights"
-    trace = trace_load_weights(module, checkpoint)
+    trace = trace_load_weights(module, checkpoint, reuse=reuse)
     log_fallbacks(trace, description)
     trace.certificates = certificates(trace)
     missing = check_coverage(trace, trace.certificates)

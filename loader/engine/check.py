@@ -47,8 +47,9 @@ FILLS = frozenset({"fill_", "zero_"})
 
 
 def certificates(trace: EngineTrace) -> dict[str, Coverage]:
-    """Each parameter's coverage certificate."""
-    return {name: rt.coverage(dest) for name, dest in trace.params.items()}
+    """Each parameter's coverage certificate (an alias's is its parameter's: a certificate names no key)."""
+    own = {name: rt.coverage(dest) for name, dest in trace.params.items() if name not in trace.aliases}
+    return {name: own[trace.aliases[name].of] if name in trace.aliases else own[name] for name in trace.params}
 
 
 def check_coverage(trace: EngineTrace, certs: Mapping[str, Coverage]) -> tuple[str, ...]:
@@ -105,8 +106,8 @@ def _overlap(a, b) -> bool:
 def key_spans(trace: EngineTrace, checkpoint: Checkpoint) -> dict[str, list[tuple[int, int]]]:
     """Per checkpoint key this rank reads, its span along each dim (see the module), and the parameters reading it."""
     spans: dict[str, list[tuple[int, int]]] = {}
-    for dest in trace.params.values():
-        for block in dest.remap_blocks():
+    for name in trace.params:
+        for block in trace.blocks(name):
             if block.source not in checkpoint:
                 continue
             span = _span(block.source_shape, block.src_offset, block.shape, block.src_strides)

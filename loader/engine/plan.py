@@ -52,13 +52,13 @@ def engine_plan(trace: EngineTrace, checkpoint: Checkpoint, missing: tuple[str, 
     reads: list[BlockRead] = []
     fills: list[BlockRead] = []
     conversions: list[Conversion] = []
-    for name, dest in trace.params.items():
-        if name in missing or not dest.writes:
+    for name in trace.params:
+        if name in missing or not trace.writes_of(name):
             continue
         real = trace.real[name]
         slots[name] = plain_slot(name, real)
         box = slots[name].boxes[0][1]
-        for block in dest.remap_blocks():
+        for block in trace.blocks(name):
             if block.source in checkpoint:
                 reads.append(BlockRead(name, box, block))
             elif is_constant(block.source):

@@ -13,13 +13,17 @@ Vocabulary (as in :mod:`regiontrace.writes`, plus):
   values, an unknown op): its writes are undone, and it is later loaded for real, read whole.
 
 Each key is traced by its own ``load_weights([(key, leaf)])`` call, so only the keys that do not trace fall back.
-The real parameters are always put back, also when tracing fails.
+With ``reuse``, the layers that repeat an earlier one are not traced: their parameters are **aliases** of the
+first such layer's, renamed (:mod:`loader.engine.repeats`, which says when that is sound; when it is not, every
+key is traced). Read a parameter's writes, region reads and keys through :class:`EngineTrace`'s methods, which
+see the aliases. The real parameters are always put back, also when tracing fails.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,8 +35,11 @@ import regiontrace as rt
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError
+from .repeats import Alias, aliases, repeated_units
 
 __all__ = ["EngineTrace", "Fallback", "trace_load_weights", "stand_ins"]
+
+log = logging.getLogger("loader")
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,8 @@ class EngineTrace:
         fallbacks: the keys that did not trace, in checkpoint order.
         unused: keys whose ``load_weights`` call wrote into no parameter.
         certificates: each parameter's coverage certificate, once checked (:mod:`loader.engine.check`).
+        aliases: the parameters of repeated layers, not traced: each one's trace is another's, renamed (their
+            stand-ins in ``params`` stay unwritten).
     """
 
     params: dict[str, rt.RegionTensor]
@@ -67,10 +76,30 @@ class EngineTrace:
     fallbacks: list[Fallback] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
     certificates: dict[str, Any] = field(default_factory=dict)  # rt.coverage's values
+    aliases: dict[str, Alias] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._compiled: dict[str, tuple[rt.RemapBlock, ...]] = {}  # each traced parameter's blocks, once
 
     def keys_of(self, name: str) -> tuple[str, ...]:
         """The checkpoint keys parameter ``name``'s final content reads (its sources that are keys)."""
+        alias = self.aliases.get(name)
+        if alias is not None:
+            return tuple(sorted(alias.names.get(k, k) for k in self.keys_of(alias.of)))
         return tuple(sorted(s for s in self.params[name].sources() if not s.startswith("<")))
+
+    def writes_of(self, name: str) -> tuple[Any, ...]:
+        """Parameter ``name``'s writes, in program order."""
+        return self.params[self.aliases[name].of if name in self.aliases else name].writes
+
+    def blocks(self, name: str) -> tuple[rt.RemapBlock, ...]:
+        """The blocks of parameter ``name``'s final content, its whole box (compiled once per traced parameter)."""
+        alias = self.aliases.get(name)
+        if alias is not None:
+            return tuple(alias.block(b) for b in self.blocks(alias.of))
+        if name not in self._compiled:
+            self._compiled[name] = tuple(self.params[name].remap_blocks())
+        return self._compiled[name]
 
 
 def _owners(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, str, torch.Tensor]]:
@@ -124,11 +153,15 @@ def stand_ins(module: torch.nn.Module) -> Iterator[tuple[dict[str, rt.RegionTens
             setattr(owner, attr, param)
 
 
-def trace_load_weights(module: torch.nn.Module, checkpoint: Checkpoint, keys: list[str] | None = None) -> EngineTrace:
+def trace_load_weights(
+    module: torch.nn.Module, checkpoint: Checkpoint, keys: list[str] | None = None, *, reuse: bool = False
+) -> EngineTrace:
     """Trace ``module.load_weights`` on ``checkpoint``'s keys (default: all, in checkpoint order), one call per key.
 
     A key that raises :class:`~regiontrace.Untraceable` becomes a :class:`Fallback`; when it had written into a
-    parameter before it stopped, the trace starts again without it (its writes undone that way).
+    parameter before it stopped, the trace starts again without it (its writes undone that way). With ``reuse``,
+    repeated layers are aliases of the first (:mod:`loader.engine.repeats`); when a rule of reuse does not hold,
+    the trace starts again without reuse.
 
     Raises:
         AttributeError: the module has no ``load_weights``.
@@ -137,17 +170,42 @@ def trace_load_weights(module: torch.nn.Module, checkpoint: Checkpoint, keys: li
     """
     keys = list(checkpoint.keys()) if keys is None else keys
     fallbacks: dict[str, Fallback] = {}
+    groups = repeated_units(keys, checkpoint) if reuse else []
     while True:
-        trace = _trace_once(module, checkpoint, keys, fallbacks)
-        if trace is not None:
-            trace.fallbacks = [fallbacks[k] for k in keys if k in fallbacks]
-            return trace
+        touched: dict[str, tuple[str, ...]] = {}
+        skipped = {k for group in groups for unit in group[2:] for k in unit.keys}
+        trace = _trace_once(module, checkpoint, [k for k in keys if k not in skipped], fallbacks, touched)
+        if trace is None:
+            continue
+        if groups:
+            made = aliases(groups, module, trace, touched)
+            if made is None:
+                log.debug("%s: repeated layers do not trace alike, every key traced", type(module).__name__)
+                groups = []
+                continue
+            _add_aliases(trace, *made, keys)
+        trace.fallbacks = [fallbacks[k] for k in keys if k in fallbacks]
+        return trace
+
+
+def _add_aliases(trace: EngineTrace, made: dict[str, Alias], renames: dict[str, str], keys: list[str]) -> None:
+    """The aliases into ``trace``: their writers, and the keys not traced whose first unit's key wrote nothing."""
+    trace.aliases = made
+    for name, alias in made.items():
+        trace.writers[name] = [alias.names[k] for k in trace.writers[alias.of]]
+    unused = set(trace.unused)
+    trace.unused = [k for k in keys if k in unused or renames.get(k) in unused]
 
 
 def _trace_once(
-    module: torch.nn.Module, checkpoint: Checkpoint, keys: list[str], fallbacks: dict[str, Fallback]
+    module: torch.nn.Module,
+    checkpoint: Checkpoint,
+    keys: list[str],
+    fallbacks: dict[str, Fallback],
+    touched: dict[str, tuple[str, ...]],
 ) -> EngineTrace | None:
-    """One pass over ``keys`` but the known ``fallbacks``; None when a new fallback key had written something."""
+    """One pass over ``keys`` but the known ``fallbacks`` (``touched``: the parameters each key wrote); None when a
+    new fallback key had written something."""
     load_weights = module.load_weights
     with stand_ins(module) as (params, real):
         buffers = frozenset(n for n, t in real.items() if not isinstance(t, torch.nn.Parameter))
@@ -160,9 +218,9 @@ def _trace_once(
             try:
                 load_weights([(key, rt.RegionTensor.leaf(key, info.shape, info.dtype))])
             except rt.Untraceable as e:
-                touched = tuple(n for n, p in params.items() if len(p.writes) != before[n])
-                fallbacks[key] = Fallback(key, str(e), touched)
-                if touched:
+                wrote = tuple(n for n, p in params.items() if len(p.writes) != before[n])
+                fallbacks[key] = Fallback(key, str(e), wrote)
+                if wrote:
                     return None
                 continue
             except Exception as e:
@@ -170,7 +228,8 @@ def _trace_once(
             added = {n: len(p.writes) - before[n] for n, p in params.items()}
             for n, count in added.items():
                 trace.writers[n] += [key] * count
-            if not any(added.values()):
+            touched[key] = tuple(n for n, count in added.items() if count)
+            if not touched[key]:
                 trace.unused.append(key)
     return trace
 
