@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
@@ -268,10 +269,45 @@ def rank_main(rank: int, spec: dict) -> None:
             same = all(torch.equal(t, reference[n]) for n, t in locals_.items())
             out.append(dict(method=_label(method, bucket), rep=rep, wall=wall, peak=peak, received=received, sent=sent,
                             local=local, messages=messages, same=same))  # fmt: skip
+    out += _replays(src, dst, locals_, reference, spec)
     with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _replays(src, dst, locals_, reference, spec: dict) -> list[dict]:
+    """Per bucket: ``prepare_transfer`` timed, then ``--replays`` runs, each after an in-place step of the source
+    (doubling it; the last one halves it back, exactly, and its result is checked against ``transfer_weights``')."""
+    import torch
+    import torch.distributed as dist
+
+    from loader.options import TransferOptions
+    from loader.transfer import prepare_transfer
+
+    out = []
+    for bucket in spec["buckets"]:
+        options = TransferOptions(bucket_bytes=bucket, timeout=600)
+        dist.barrier()
+        t0 = time.perf_counter()
+        prepared = prepare_transfer(src, dst, dst_mapping=rules(), options=options)
+        prepare = time.perf_counter() - t0
+        runs = spec["replays"]
+        for i in range(runs):
+            step = 2.0 if i < runs - 1 else 0.5 ** (runs - 2)  # the values of the first run again at the end
+            with torch.no_grad():
+                if i:
+                    for t in src.parameters():
+                        t.mul_(step)
+                for t in locals_.values():
+                    t.fill_(float("nan"))
+            dist.barrier()
+            r = prepared.run(src, dst)
+            same = i < runs - 1 or all(torch.equal(t, reference[n]) for n, t in locals_.items())
+            out.append(dict(method=f"replay {bucket // MIB}", rep=i, wall=r.seconds, check=r.run.check_seconds,
+                            exchange=r.run.exchange_seconds, planned=r.planned, prepare=prepare,
+                            copies=prepared.copies, buffers=prepared.buffer_bytes, same=same))  # fmt: skip
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -333,6 +369,48 @@ def simulate_deepseek(layers: int) -> dict:
                 moved=f.bytes_moved, fallback=f.fallback)  # fmt: skip
 
 
+KIMI_K2 = dict(n_routed_experts=384, num_attention_heads=64, num_key_value_heads=64, first_k_dense_replace=1,
+               vocab_size=163840)  # over bench/common.py's DEEPSEEK_V3: the same architecture  # fmt: skip
+KIMI_MESH = (16, 8)  # the destination's (ep, tp): 128 ranks, after the source's 256
+
+
+def simulate_kimi(layers: int) -> dict:
+    """Kimi-K2 (DeepSeek-V3's architecture, 384 experts) from FSDP over 256 ranks into EP16 x TP8 on 128 more: the
+    plan of a source rank and of a destination rank (``plan_transfer(..., rank=r)``, best of 2), no world plan."""
+    import plan_scale
+    import torch
+    from common import DEEPSEEK_V3
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loader.plan import TraceCache
+    from loader.transfer import dest_side, plan_transfer, source_side
+    from loader.transfer.simulate import mesh_parts, parts_bytes
+
+    cfg = AutoConfig.for_model("deepseek_v3", **dict(DEEPSEEK_V3, **KIMI_K2, num_hidden_layers=layers))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    t = time.perf_counter()
+    cache = TraceCache()
+    side = source_side(model, cache=cache)
+    dest, _ = dest_side(model, None, side.keys, cache)
+    mapped = time.perf_counter() - t
+    dst_parts = mesh_parts(model, KIMI_MESH, plan_scale.placements_for(model))
+    src = mesh_parts(model, (256,), fsdp) + [{}] * len(dst_parts)
+    dst = [{}] * 256 + dst_parts
+    rank, moves, ratio = {}, {}, None
+    for r in (0, 256):
+        times = []
+        for _ in range(2):
+            t = time.perf_counter()
+            plan = plan_transfer(side, dest, src, dst, rank=r)
+            times.append(time.perf_counter() - t)
+        rank[r], moves[r] = min(times), len(plan.moves)
+        if r == 256:
+            ratio = plan.bytes_received(r) / parts_bytes(dst[r])
+    params = sum(math.prod(t.shape) for t in model.state_dict().values())
+    return dict(layers=layers, rank=rank, moves=moves, map=mapped, ratio=ratio, params=params)
+
+
 def run_world(spec: dict) -> list[list[dict]]:
     import torch.multiprocessing as mp
 
@@ -353,7 +431,7 @@ def _range(values, fmt="{:.3f}") -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
-def tables(results: list[list[dict]], sim, ds: list[dict], buckets: list[int]) -> str:
+def tables(results: list[list[dict]], sim, ds: list[dict], buckets: list[int], kimi: list[dict]) -> str:
     shard = [r.dst_shard_bytes for r in sim.ranks]
     need = [r.sent for r in sim.ranks]
     rows = []
@@ -394,7 +472,56 @@ def tables(results: list[list[dict]], sim, ds: list[dict], buckets: list[int]) -
         "`simulate_transfer`: DeepSeek-V3 (bench/plan_scale.py's meta model, first 3 layers dense, bf16) from "
         "FSDP `Shard(0)` over ranks 0–63 into EP8 x TP8 on ranks 64–127; one process, no data."
     )
-    return "\n".join([head, "", t1, "", ds_head, "", t2])
+    parts = [head, "", t1, "", replay_table(results, buckets), "", ds_head, "", t2]
+    if kimi:
+        parts += ["", kimi_table(kimi)]
+    return "\n".join(parts)
+
+
+def replay_table(results: list[list[dict]], buckets: list[int]) -> str:
+    """``prepare_transfer`` once, then its runs, against ``transfer_weights`` (which plans on every call)."""
+    rows = []
+    for bucket in buckets:
+        one = [[x for x in rank if x["method"] == _label("transfer_weights", bucket)] for rank in results]
+        per = [[x for x in rank if x["method"] == f"replay {bucket // MIB}"] for rank in results]
+        slowest = [max(rep, key=lambda x: x["wall"]) for rep in zip(*per)]  # per run, the slowest rank
+        replays = slowest[1:]
+        outside = [(x["wall"] - x["exchange"]) / x["wall"] for x in replays]
+        rows.append([
+            f"{bucket // MIB} MiB",
+            mdtable.spread([max(rep) for rep in zip(*[[x["wall"] for x in p] for p in one])]),
+            f"{max(p[0]['prepare'] for p in per):.3f} s",
+            f"{slowest[0]['wall']:.3f} s",
+            mdtable.spread([x["wall"] for x in replays]),
+            _range([x["check"] * 1000 for x in replays], "{:.1f}") + " ms",
+            _range([100 * o for o in outside], "{:.1f}") + " %",
+            _range([p[0]["copies"] for p in per], "{}"),
+            _range([p[0]["buffers"] / MIB for p in per], "{:.0f}") + " MiB",
+            "yes" if all(x["same"] and not x["planned"] for p in per for x in p) else "**NO**",
+        ])  # fmt: skip
+    head = (
+        "`prepare_transfer` once, then `PreparedTransfer.run` after each in-place step of the source (`mul_(2)`; "
+        "the last run halves it back and is compared with `transfer_weights`' result); the slowest rank of each run."
+    )
+    return "\n".join([head, "", mdtable.table(
+        ["bucket", "`transfer_weights` (plans)", "`prepare_transfer`", "first run", "replayed run",
+         "check + agreement", "outside the exchange ÷ wall", "strided copies per rank", "buffers held per rank",
+         "= transfer_weights, no re-plan"], rows,
+    )])  # fmt: skip
+
+
+def kimi_table(kimi: list[dict]) -> str:
+    head = (
+        "Kimi-K2 (DeepSeek-V3's architecture with 384 experts, 64 heads, a 163840 vocabulary, first layer dense; "
+        "meta model) from FSDP `Shard(0)` over ranks 0–255 into EP16 x TP8 on ranks 256–383: one rank's plan "
+        "(`plan_transfer(..., rank=r)`, best of 2); one process, no data."
+    )
+    return "\n".join([head, "", mdtable.table(
+        ["layers", "parameters", "plan time, one rank (source 0 / destination 256)", "strided copies (0 / 256)",
+         "mapping both models (once)", "received ÷ shard (rank 256)"],
+        [[k["layers"], f"{k['params'] / 1e9:.0f} B", f"{k['rank'][0]:.2f} s / {k['rank'][256]:.2f} s",
+          f"{k['moves'][0]} / {k['moves'][256]}", f"{k['map']:.2f} s", f"{k['ratio']:.3f}"] for k in kimi],
+    )])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,17 +529,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bucket-mib", default="64,16", help="transfer_weights' bucket_bytes in MiB (comma-separated)")
     ap.add_argument("--ds-layers", default="4,5", help="DeepSeek-V3 layer counts to simulate (comma-separated)")
+    ap.add_argument("--replays", type=int, default=4, help="runs of one prepared transfer per bucket (2 or more)")
+    ap.add_argument("--kimi-layers", default="", help="Kimi-K2 layer counts to simulate (comma-separated)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     watch = mdtable.LoadWatch()
     sim = simulate_bench_pair()
     with tempfile.TemporaryDirectory() as out:
         buckets = [int(b) * MIB for b in args.bucket_mib.split(",") if b]
-        spec = dict(out=out, repeat=args.repeat, buckets=buckets)
+        spec = dict(out=out, repeat=args.repeat, buckets=buckets, replays=max(2, args.replays))
         results = run_world(spec)
     ds = [simulate_deepseek(int(n)) for n in args.ds_layers.split(",") if n]
+    kimi = [simulate_kimi(int(n)) for n in args.kimi_layers.split(",") if n]
     load = watch.stop()
-    text = tables(results, sim, ds, buckets)
+    text = tables(results, sim, ds, buckets, kimi)
     if args.markdown:
         print(mdtable.run_line(load))
         print()

@@ -117,6 +117,13 @@ class PreparedTransfer:
         p = self._planned
         return 0 if p is None else p.replay.buffer_bytes + sum(b.nbytes for b in p.buffers.values())
 
+    @property
+    def copies(self) -> int:
+        """Strided copies one run makes on this rank (staging, within the rank, packing, unpacking)."""
+        p = self._planned
+        rounds = () if p is None else p.replay.rounds
+        return sum(len(r.staging) + len(r.copies) + len(r.packs) + len(r.unpacks) for r in rounds)
+
     def run(self, src: torch.nn.Module | None, dst: torch.nn.Module | None) -> TransferReport:
         """Copy ``src``'s current values into ``dst`` by the prepared plan. Collective: every rank of the world calls
         it with its parts of the two models (the same ones it prepared with, or others: then it plans again).
@@ -149,9 +156,11 @@ class PreparedTransfer:
             with session.stage(STAGE) if session is not None else contextlib.nullcontext():
                 progress = self.options.progress
                 report = log_progress(self.rank) if progress is True else (progress or None)
+                t3 = time.perf_counter()
                 with peer_errors(STAGE, "exchanging the weights") if self.distributed else contextlib.nullcontext():
                     counts = p.replay.run(report)
                 _run_fallbacks(p.plan, self.rank, p.keyplan, p.buffers, p.dst_parts, p.written)
+                t4 = time.perf_counter()
             sharing.close()
         mine = [m for m in p.plan.moves if m.dst == self.rank and not m.key]
         return TransferReport(
@@ -162,7 +171,9 @@ class PreparedTransfer:
             fallback=tuple(t for f in p.plan.fallback if self.rank in f.ranks for t in f.targets),
             messages=counts.messages,
             rounds=len(p.replay.rounds),
-            run=TransferRun(time.perf_counter() - t0, bool(changed), self.version, (t2 - t1) * bool(changed), t1 - t0),
+            run=TransferRun(
+                time.perf_counter() - t0, bool(changed), self.version, (t2 - t1) * bool(changed), t1 - t0, t4 - t3
+            ),
         )
 
     # -- planning ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ class TransferRun:
         version: the run of a prepared transfer this was (1 for its first; ``transfer_weights``: 1).
         plan_seconds: the part of ``seconds`` spent planning (0 for a replay).
         check_seconds: the part spent checking that the models are the ones planned and agreeing on it.
+        exchange_seconds: the part spent in the rounds' copies and collectives (and fallback conversions).
     """
 
     seconds: float
@@ -25,6 +26,7 @@ class TransferRun:
     version: int = 1
     plan_seconds: float = 0.0
     check_seconds: float = 0.0
+    exchange_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
