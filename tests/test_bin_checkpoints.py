@@ -213,6 +213,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("bin_remote")
     _, model = build("llama")
     save_bin(model, root / "sharded", max_shard_bytes=6000)
+    torch.save({f"w{i}": torch.randn(64, 256) for i in range(40)}, root / "many.bin")
     for url in servers.serve(servers.nginx(root)):
         yield url, root
 
@@ -232,6 +233,17 @@ def test_a_sharded_bin_folder_loads_over_http_like_locally(served):
     sizes = {f"/sharded/{f.name}": f.stat().st_size for f in (root / "sharded").iterdir()}
     assert gets and all(r.range for r in gets), gets  # every request of a .bin file is a range: none whole
     assert sum(r.bytes for r in gets) < 1.5 * sum(s for p, s in sizes.items() if p.endswith(".bin")), gets
+
+
+def test_opening_over_http_fetches_a_small_part_of_the_file(served):
+    """A 2.6 MB file of 40 tensors: its first and last 64 KiB, and each local header (one range each)."""
+    pytest.importorskip("requests")
+    url, root = served
+    logged = len(url.requests())
+    checkpoint = open_checkpoint(f"{url}/many.bin")
+    assert len(checkpoint) == 40
+    gets = [r for r in url.requests()[logged:] if r.method == "GET"]
+    assert all(r.range for r in gets) and sum(r.bytes for r in gets) < (root / "many.bin").stat().st_size / 10, gets
 
 
 def test_torch_save_to_a_buffer_and_a_file_agree(tmp_path):

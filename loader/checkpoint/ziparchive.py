@@ -33,8 +33,12 @@ TAIL_BYTES = (64 << 10) + 22 + 20 + 56
 MAX_DIRECTORY_BYTES = 128 << 20
 #: bytes of a local header read beyond its fixed part and name: ``torch.save`` pads its extra field to 64 bytes
 LOCAL_SLACK = 128
-#: local headers of a remote archive read at once (one request each)
+#: local headers of a remote archive read at once (one request each run of them)
 REMOTE_HEADER_THREADS = 16
+#: a remote archive's local headers closer than this are read in one request (the data between them read through)
+MERGE_GAP = 4 << 10
+#: ... and in runs of at most this many bytes
+MERGE_SPAN = 64 << 10
 _EOCD = struct.Struct("<IHHHHIIH")  # signature, disk, cd disk, entries here, entries, cd size, cd offset, comment
 _LOCATOR = struct.Struct("<IIQI")  # signature, disk of the zip64 end record, its offset, disks
 _EOCD64 = struct.Struct("<IQHHIIQQQQ")  # signature, size, made by, needed, disk, cd disk, here, entries, size, offset
@@ -221,13 +225,17 @@ def _check_entry(path: str, name: str, flags: int, method: int, csize: int, usiz
         raise err(path, f"{where} starts on disk {disk}: a multi-disk archive is not read")
 
 
-def _local(path: str, store: Store, entry: _Entry, end: int, identity: object) -> Record:
-    """The record of ``entry`` from its local header (read in one request, two for a long extra field)."""
+def _window(entry: _Entry, end: int) -> tuple[int, int]:
+    """The bytes read for ``entry``'s local header: its fixed part, name and :data:`LOCAL_SLACK`, up to ``end``."""
+    return entry.header, min(end, entry.header + _LOCAL.size + len(entry.raw_name) + LOCAL_SLACK)
+
+
+def _local(path: str, store: Store, entry: _Entry, end: int, identity: object, head: bytes) -> Record:
+    """The record of ``entry`` from its local header, whose :func:`_window` is ``head`` (a long extra field: one
+    more read)."""
     where = f"record {short.repr(entry.name)}"
-    stop = min(end, entry.header + _LOCAL.size + len(entry.raw_name) + LOCAL_SLACK)
-    if stop - entry.header < _LOCAL.size:
+    if len(head) < _LOCAL.size:
         raise err(path, f"{where}: local header at {entry.header} runs past the next record or the directory")
-    head = store.read_range(path, entry.header, stop, identity)
     sig, _, flags, method, _, _, crc, csize, usize, nlen, xlen = _LOCAL.unpack_from(head)
     if sig != _SIG_LOCAL:
         raise err(path, f"{where}: no local header at {entry.header} (bad signature)")
@@ -277,12 +285,31 @@ def read_records(path: str, store: Store, size: int, identity: object) -> dict[s
                 f"record {short.repr(entry.name)}: local header at {entry.header} overlaps the next or the directory",
             )
 
-    def read(pair: tuple[_Entry, int]) -> Record:
-        return _local(path, store, pair[0], pair[1], identity)
+    windows = [_window(e, end) for e, end in zip(entries, ends)]
+    groups = _groups(windows, MERGE_GAP, MERGE_SPAN) if store.remote else [[i] for i in range(len(windows))]
 
-    if store.remote and len(entries) > 1:
-        with ThreadPoolExecutor(min(REMOTE_HEADER_THREADS, len(entries))) as pool:
-            records = list(pool.map(read, zip(entries, ends)))
+    def read(group: list[int]) -> list[Record]:
+        start, stop = windows[group[0]][0], windows[group[-1]][1]
+        held = tail[start - base : stop - base] if start >= base else store.read_range(path, start, stop, identity)
+        heads = [held[windows[i][0] - start : windows[i][1] - start] for i in group]
+        return [_local(path, store, entries[i], ends[i], identity, h) for i, h in zip(group, heads)]
+
+    if store.remote and len(groups) > 1:
+        with ThreadPoolExecutor(min(REMOTE_HEADER_THREADS, len(groups))) as pool:
+            records = [r for rs in pool.map(read, groups) for r in rs]
     else:
-        records = [read(pair) for pair in zip(entries, ends)]
+        records = [r for group in groups for r in read(group)]
     return {r.name: r for r in records}
+
+
+def _groups(windows: list[tuple[int, int]], gap: int, span: int) -> list[list[int]]:
+    """The windows' indices in runs read together: each next one within ``gap`` bytes of the run's end, a run
+    ``span`` bytes at most."""
+    groups: list[list[int]] = []
+    for i, (start, stop) in enumerate(windows):
+        run = groups[-1] if groups else None
+        if run and start - windows[run[-1]][1] <= gap and stop - windows[run[0]][0] <= span:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
