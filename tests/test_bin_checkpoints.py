@@ -95,6 +95,22 @@ def test_every_path_form_opens_the_same_checkpoint(tmp_path):
             assert torch.equal(bits(read_tensor(other[key])), bits(read_tensor(one[key]))), (path, key)
 
 
+def test_dcp_load_reads_a_bin_folder(tmp_path):
+    """``dcp.load`` with ``HFLoadPlanner`` and ``SafetensorsReader`` takes a ``.bin`` folder too."""
+    import torch.distributed.checkpoint as dcp
+
+    from loader import HFLoadPlanner, SafetensorsReader
+
+    _, model = build("llama")
+    save_bin(model, tmp_path, max_shard_bytes=6000)
+    _, fresh = build("llama", seed=1)
+    planner, reader = HFLoadPlanner(fresh), SafetensorsReader(str(tmp_path))
+    dcp.load(planner.state_dict_for_load(), storage_reader=reader, planner=planner, no_dist=True)
+    report = planner.finish(reader)
+    assert_bit_equal(fresh.state_dict(), model.state_dict())
+    assert report.bytes_read == report.planned_bytes
+
+
 def test_safetensors_wins_over_bin_in_one_folder(tmp_path):
     _, model = build("llama")
     save(model, tmp_path)
