@@ -30,6 +30,7 @@ from .checkpoint import Checkpoint, SafetensorsCheckpoint, TensorInfo
 from .execute import apply_deferred, run_fills
 from .options import StorageOptions
 from .plan import BlockRead, DeferredRead, RankPlan, ValueRead
+from .plan.rank import value_blocks
 from .plan.slots import TargetSlot, box_view
 from .storage import FileIdentity, ObjectIdentity, is_url, open_store
 
@@ -132,7 +133,7 @@ class DcpLoad:
         for j, v in enumerate(plan.values):
             if self.boxes_only:
                 raise _value_error(v)
-            for k, b in enumerate(v.program.blocks):
+            for k, b in enumerate(value_blocks(v)):  # constant inputs are filled, not read
                 fqn = f"__value__/{j}/{k}"
                 self.items[fqn] = _ValueItem(j)
                 items.append(_block_item(fqn, _BlockItem(BlockRead(v.target, v.local_box, b), b.source_box())))

@@ -37,6 +37,7 @@ from .plan.slots import TargetSlot, model_slots
 from .report import LoadReport, load_report
 from .rules import KeyPlan, plan_keys
 from .rules.fp8 import dequantized_keyplan
+from .rules.int4 import unpacked_keyplan
 
 __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from_metadata", "plan_model_keys"]
 
@@ -47,20 +48,22 @@ UNKEYED_HOOKS = ("default_weights_mapping", "map_checkpoint_key", "select_conver
 
 def plan_model_keys(model: torch.nn.Module, checkpoint: Checkpoint, rules: Rules, hooks: PlanHooks) -> KeyPlan:
     """Which keys of ``checkpoint`` load which tensors of ``model`` (:func:`~loader.rules.plan_keys` with
-    ``rules`` and ``hooks``; FP8 checkpoints dequantized)."""
+    ``rules`` and ``hooks``; FP8 and packed int checkpoints dequantized)."""
     mapping = rules.weights_mapping if rules.weights_mapping is not None else hooks.default_weights_mapping(model)
-    infos = checkpoint.tensors
-    keyplan = plan_keys(
-        model,
-        {k: info.shape for k, info in infos.items()},
-        checkpoint_dtypes={k: info.dtype for k, info in infos.items()},
-        weights_mapping=mapping,
-        extra_weights_mapping=rules.extra_weights_mapping,
-        key_mapping=rules.key_mapping,
-        map_checkpoint_key=hooks.map_checkpoint_key if hooks.overridden("map_checkpoint_key") else None,
-        select_converter=hooks.select_converter if hooks.overridden("select_converter") else None,
-    )
-    return dequantized_keyplan(keyplan, checkpoint, model)
+
+    def plan(shapes: Mapping[str, Any], dtypes: Mapping[str, Any]) -> KeyPlan:
+        return plan_keys(
+            model,
+            shapes,
+            checkpoint_dtypes=dtypes,
+            weights_mapping=mapping,
+            extra_weights_mapping=rules.extra_weights_mapping,
+            key_mapping=rules.key_mapping,
+            map_checkpoint_key=hooks.map_checkpoint_key if hooks.overridden("map_checkpoint_key") else None,
+            select_converter=hooks.select_converter if hooks.overridden("select_converter") else None,
+        )
+
+    return dequantized_keyplan(unpacked_keyplan(checkpoint, model, plan), checkpoint, model)
 
 
 @runtime_checkable

@@ -88,7 +88,21 @@ def unset_rows(w):  # a new buffer whose last rows nothing writes: they hold no 
     return out
 
 
-@pytest.mark.parametrize(("fn", "op"), [(scaled_pad, "constant_pad_nd"), (unset_rows, "prior")])
+def test_padding_inside_values_is_computed_its_constants_filled(tmp_path):
+    """Constant elements inside values computed by pointwise ops (``F.pad(w) * 2``) are a value program's constant
+    input, filled without a read: traced and exact."""
+    tensors = write(tmp_path)
+    model = Padded()
+    report = load_hf_checkpoint(model, tmp_path, rules=Rules(weights_mapping=rules(scaled_pad)), options=QUIET_LOAD)
+    assert report.deferred == () and "layers.0.weight" in report.traced
+    for i in range(2):
+        assert torch.equal(model.layers[i].weight, scaled_pad(tensors[f"emb.{i}"]))
+
+
+QUIET_LOAD = LoadOptions(progress=False)
+
+
+@pytest.mark.parametrize(("fn", "op"), [(unset_rows, "prior")])
 def test_each_fallback_is_logged_once_naming_tensors_rule_and_op(tmp_path, caplog, fn, op):
     tensors = write(tmp_path)
     with caplog.at_level(logging.WARNING, logger="loader"):

@@ -19,6 +19,7 @@ from ..checkpoint import Checkpoint
 from ..plan import BlockRead, TargetSlot, ValueRead, full_box
 from ..plan.slots import box_view
 from ..storage import RangeReader
+from .fills import is_fill, run_fills
 from .reads import STAGING_BYTES, BlockExecutor
 from .staging import StagingRing
 
@@ -57,9 +58,11 @@ def run_values(
     def fill(blocks: tuple, tensor: torch.Tensor) -> None:
         slot = TargetSlot("#input", tuple(tensor.shape), tensor.dtype, tensor, ())
         box = full_box(tuple(tensor.shape))
+        reads = [BlockRead("#input", box, b) for b in blocks]
+        run_fills((r for r in reads if is_fill(r)), {"#input": slot})  # constant inputs (a shift amount): no byte
         # copies to a device stay queued: the program's ops run after them on the same stream
         BlockExecutor(checkpoint, {"#input": slot}, reader, progress=progress, staging=staging).run(
-            (BlockRead("#input", box, b) for b in blocks), finish=False
+            (r for r in reads if not is_fill(r)), finish=False
         )
 
     try:

@@ -99,7 +99,7 @@ class RankPlan:
 
     def block_reads(self) -> list[tuple[str, rt.RemapBlock]]:
         """``(target, block)`` for every block this plan reads: region reads and value reads' inputs."""
-        values = [(v.target, b) for v in self.values for b in v.program.blocks]
+        values = [(v.target, b) for v in self.values for b in value_blocks(v)]
         return [(r.target, r.block) for r in self.reads] + values
 
     def planned_bytes(self) -> int:
@@ -109,7 +109,7 @@ class RankPlan:
     @functools.cached_property
     def _planned_bytes(self) -> int:  # the log line, the progress bar and the report each ask: counted once
         with paused_gc():  # one record per block: no full collections over the model meanwhile
-            blocks = [r.block for r in self.reads] + [b for v in self.values for b in v.program.blocks]
+            blocks = [r.block for r in self.reads] + [b for v in self.values for b in value_blocks(v)]
             total = unique_read_bytes(blocks, self.checkpoint)
         keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
         return total + sum(self.checkpoint[k].nbytes for k in keys)
@@ -117,7 +117,7 @@ class RankPlan:
     @property
     def block_count(self) -> int:
         """``len(block_reads())``, without listing them."""
-        return len(self.reads) + sum(len(v.program.blocks) for v in self.values)
+        return len(self.reads) + sum(len(value_blocks(v)) for v in self.values)
 
     def rebound(self, slots: Mapping[str, TargetSlot], checkpoint: Checkpoint) -> RankPlan:
         """This plan writing into ``slots`` (the same names, shapes, boxes and dtypes: their tensors are written
@@ -126,6 +126,12 @@ class RankPlan:
         if "_planned_bytes" in vars(self):
             vars(plan)["_planned_bytes"] = self._planned_bytes
         return plan
+
+
+def value_blocks(read: ValueRead) -> tuple[rt.RemapBlock, ...]:
+    """The blocks of a value read's inputs that read checkpoint bytes (a constant input, such as the shift amounts
+    that unpack codes, is filled without a read)."""
+    return tuple(b for b in read.program.blocks if not is_constant(b.source))
 
 
 def unique_read_bytes(blocks: list[rt.RemapBlock], checkpoint: Checkpoint) -> int:

@@ -299,9 +299,6 @@ def _trace(conv: Conversion, meta: MetaRun, cast: torch.dtype | None, grids: _Gr
         other = sorted(s for s in t.sources() if not s.startswith("#") and not is_constant(s))
         if other:  # a destination's prior contents (``<prior NAME>``): no checkpoint tensor holds them
             return Untraced(f"output {name!r} reads {other[0]!r}, which is not a checkpoint tensor")
-        if not t.is_index_map and any(is_constant(s) for s in t.sources()):  # a value program's constant input
-            return Untraced(f"Untraceable: {constant_op(t)} writes constant elements into values computed by "
-                            "pointwise ops, which the loader does not compute", untraceable=True)  # fmt: skip
     return _Shared(tuple(out[t] for t in conv.targets), tuple(stored))
 
 
