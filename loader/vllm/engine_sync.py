@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,17 +67,19 @@ class EngineSync:
 
     def __init__(self, llm: Any, trainer: torch.nn.Module, *, timeout: float = 300.0, digests: bool = False):
         self.llm, self.trainer, self.timeout = llm, trainer, timeout
-        self.version = 0
-        state = trainer.state_dict()
-        keys = [(k, list(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in state.items()]
-        answers = sorted(llm.collective_rpc("regiontrace_sync_prepare", args=(keys, digests)), key=_rank)
+        self.version, self.id = 0, uuid.uuid4().hex
+        self.shapes = {k: (tuple(t.shape), t.dtype) for k, t in trainer.state_dict().items()}
+        keys = [(k, list(shape), str(dtype).removeprefix("torch.")) for k, (shape, dtype) in self.shapes.items()]
+        answers = sorted(llm.collective_rpc("regiontrace_sync_prepare", args=(self.id, keys, digests)), key=_rank)
         errors = [a["error"] for a in answers if "error" in a]
         if errors:
+            llm.collective_rpc("regiontrace_sync_close", args=(self.id,))
             raise ValueError(f"the trainer's tensors do not fit the engine's model: {errors[0]}")
         self.wants = [[Want(k, tuple(o), tuple(n), getattr(torch, d)) for k, o, n, d in a["wants"]] for a in answers]
         world = 1 + len(answers)
         self._store = host_store(world, timeout)
-        self.wire = self._beside("regiontrace_sync_connect", (self._store.port, world, timeout), self._join)[1]
+        connect = (self.id, self._store.port, world, timeout)
+        self.wire = self._beside("regiontrace_sync_connect", connect, self._join)[1]
 
     def _join(self) -> Wire:
         return Wire(self._store, 0, len(self.wants) + 1, self.timeout)
@@ -108,11 +111,14 @@ class EngineSync:
         """Send the trainer's current weights; every worker serves them once this returns.
 
         Raises:
+            ValueError: a trainer tensor's shape or dtype is not the one prepared, or it is gone (naming it);
+                nothing was sent.
             RuntimeError: a worker failed to build its new layers: every worker serves the old weights still
-                (the report's version is not advanced; the message names each worker's error).
+                (the version is not advanced; the message names each worker's error).
         """
         started = time.perf_counter()
         state = self.trainer.state_dict()
+        _check_unchanged(state, self.shapes)
         with torch.no_grad():
             packets = [pack(state, wants) for wants in self.wants]
         version = self.version + 1
@@ -123,7 +129,7 @@ class EngineSync:
                     self.wire.send(packet, 1 + rank)
             self.wire.agree(True)
 
-        answers, _ = self._beside("regiontrace_sync_receive", (version,), send)
+        answers, _ = self._beside("regiontrace_sync_receive", (self.id, version), send)
         errors = [a["error"] for a in answers if a["error"]]
         if errors:
             raise RuntimeError("the push failed, the engine serves the old weights: " + "; ".join(errors))
@@ -141,12 +147,28 @@ class EngineSync:
     def verify(self, folder: str) -> tuple[dict[str, str], ...]:
         """Per worker, the digests vLLM's own ``load_weights`` gives the parameters a push rebuilds, loading
         ``folder``'s safetensors (see :meth:`SyncWorker.regiontrace_sync_verify`)."""
-        return tuple(self.llm.collective_rpc("regiontrace_sync_verify", args=(folder,)))
+        return tuple(self.llm.collective_rpc("regiontrace_sync_verify", args=(self.id, folder)))
+
+    def versions(self) -> list[int]:
+        """Per worker, the version it serves (0: none pushed)."""
+        return self.llm.collective_rpc("regiontrace_sync_version", args=(self.id,))
 
     def close(self) -> None:
         """Forget the workers' plans; the engine keeps serving the last weights pushed."""
-        self.llm.collective_rpc("regiontrace_sync_close")
+        self.llm.collective_rpc("regiontrace_sync_close", args=(self.id,))
         self.wire = None
+
+
+def _check_unchanged(state: dict, shapes: dict) -> None:
+    """Raises ValueError naming the first trainer tensor whose shape or dtype is not the prepared one."""
+    for key, (shape, dtype) in shapes.items():
+        t = state.get(key)
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+            now = "gone" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise ValueError(
+                f"trainer tensor {key!r} is {now}, prepared as {shape} {dtype}: a sync pushes the tensors it was "
+                "prepared for (make a new EngineSync); nothing was sent"
+            )
 
 
 def _rank(answer: dict) -> int:

@@ -39,12 +39,16 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 class SyncWorker:
-    """The worker side of a weight sync (see the module); its state lives in ``_regiontrace_sync``."""
+    """The worker side of weight syncs (see the module); each sync's state (by the id its
+    :class:`~loader.vllm.EngineSync` chose) lives in ``_regiontrace_syncs``."""
 
-    def regiontrace_sync_prepare(self, keys: list[tuple[str, list[int], str]], digests: bool = False) -> dict:
-        """Plan this worker's pushes for the trainer's tensors ``(key, shape, dtype name)``: its wants (the boxes
-        the trainer sends it, with their wire dtypes) and its shard bytes; ``{"error": ...}`` when a tensor does
-        not fit (nothing was changed)."""
+    def _regiontrace(self, sync: str) -> dict:
+        return self._regiontrace_syncs[sync]
+
+    def regiontrace_sync_prepare(self, sync: str, keys: list[tuple[str, list[int], str]], digests: bool) -> dict:
+        """Plan this worker's pushes of sync ``sync`` for the trainer's tensors ``(key, shape, dtype name)``: its
+        wants (the boxes the trainer sends it, with their wire dtypes) and its shard bytes; ``{"error": ...}``
+        when a tensor does not fit (nothing was changed)."""
         engine_dtype = self.model_config.dtype
         shapes = {k: (tuple(shape), wire_dtype(getattr(torch, d), engine_dtype)) for k, shape, d in keys}
         try:
@@ -53,7 +57,9 @@ class SyncWorker:
         except ValueError as e:
             return {"rank": self.rank, "error": str(e)}
         constants = {b.source for bs in plan.blocks.values() for b in bs if is_constant(b.source)}
-        self._regiontrace_sync = {
+        if not hasattr(self, "_regiontrace_syncs"):
+            self._regiontrace_syncs = {}
+        self._regiontrace_syncs[sync] = {
             "plan": plan,
             "constants": {c: constant_value(c) for c in constants},
             "digests": digests,
@@ -63,17 +69,17 @@ class SyncWorker:
         wants = [(w.key, w.offsets, w.lengths, str(w.dtype).removeprefix("torch.")) for w in plan.wants]
         return {"rank": self.rank, "wants": wants, "shard_bytes": plan.shard_bytes}
 
-    def regiontrace_sync_connect(self, port: int, world: int, seconds: float) -> dict:
+    def regiontrace_sync_connect(self, sync: str, port: int, world: int, seconds: float) -> dict:
         """Join the trainer's gloo group as rank ``1 + this worker's rank``."""
-        state = self._regiontrace_sync
+        state = self._regiontrace(sync)
         state["wire"] = Wire(join_store(port, world, seconds), 1 + self.rank, world, seconds)
         return {"rank": self.rank}
 
-    def regiontrace_sync_receive(self, version: int) -> dict:
+    def regiontrace_sync_receive(self, sync: str, version: int) -> dict:
         """One push: receive this worker's packet, rebuild the touched layers, agree, keep or put back (see the
         module). Returns this worker's ``rank``, ``version`` (the one it serves), ``bytes`` received,
         ``shard_bytes``, ``seconds``, ``digests`` (when asked for at prepare) and ``error`` where it failed."""
-        state = self._regiontrace_sync
+        state = self._regiontrace(sync)
         plan: WorkerPlan = state["plan"]
         packet = state["wire"].recv(sum(w.nbytes for w in plan.wants))
         started = time.perf_counter()
@@ -84,7 +90,7 @@ class SyncWorker:
                 for owner, attrs in plan.layers.items():
                     module = model.get_submodule(owner)
                     kept.append((module, snapshot(module)))
-                    rebuild(module, attrs, self._regiontrace_writer(owner, sources, digests), self.vllm_config)
+                    rebuild(module, attrs, _writer(state, owner, sources, digests), self.vllm_config)
         except Exception as e:  # any failure: this rank says no, every rank puts its old layers back
             log.exception("weight sync: worker %d failed to build version %d", self.rank, version)
             error = f"worker {self.rank}: {type(e).__name__}: {e}"
@@ -100,24 +106,13 @@ class SyncWorker:
         out["digests"] = digests if state["digests"] else None
         return out
 
-    def _regiontrace_writer(self, owner: str, sources: dict, digests: dict):
-        blocks = self._regiontrace_sync["plan"].blocks
-        record = self._regiontrace_sync["digests"]
-
-        def write(attr: str, tensor: torch.Tensor) -> None:
-            execute_blocks(blocks[f"{owner}.{attr}"], sources, tensor.data)
-            if record:
-                digests[f"{owner}.{attr}"] = digest(tensor)
-
-        return write
-
-    def regiontrace_sync_verify(self, folder: str) -> dict[str, str]:
+    def regiontrace_sync_verify(self, sync: str, folder: str) -> dict[str, str]:
         """The digests of the load-time parameters a push writes as vLLM's own ``model.load_weights`` writes them
         from ``folder``'s safetensors files (into fresh zeroed tensors; the running layers are left as they are)."""
         from safetensors.torch import load_file
 
         model = self.get_model()
-        names = self._regiontrace_sync["plan"].blocks
+        names = self._regiontrace(sync)["plan"].blocks
         files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
         with torch.no_grad(), load_time_view(model):
             for module in model.modules():
@@ -128,13 +123,26 @@ class SyncWorker:
             params = dict(model.named_parameters(remove_duplicate=False))
             return {n: digest(params[n]) for n in names}
 
-    def regiontrace_sync_version(self) -> int:
-        """The version this worker serves (0: as loaded)."""
-        return self._regiontrace_sync["version"]
+    def regiontrace_sync_version(self, sync: str) -> int:
+        """The version of sync ``sync`` this worker serves (0: none pushed)."""
+        return self._regiontrace(sync)["version"]
 
-    def regiontrace_sync_close(self) -> None:
-        """Leave the group and forget the plan."""
-        self._regiontrace_sync = None
+    def regiontrace_sync_close(self, sync: str) -> None:
+        """Leave sync ``sync``'s group and forget its plan."""
+        self._regiontrace_syncs.pop(sync, None)
+
+
+def _writer(state: dict, owner: str, sources: dict, digests: dict):
+    """What writes each load-time parameter of layer ``owner`` from the unpacked boxes (recording its digest
+    when the sync records them)."""
+    blocks, record = state["plan"].blocks, state["digests"]
+
+    def write(attr: str, tensor: torch.Tensor) -> None:
+        execute_blocks(blocks[f"{owner}.{attr}"], sources, tensor.data)
+        if record:
+            digests[f"{owner}.{attr}"] = digest(tensor)
+
+    return write
 
 
 def _zeros_like(meta: torch.Tensor) -> Any:

@@ -88,6 +88,7 @@ def test_each_worker_is_sent_its_shard(synced):
 
 def test_a_trainer_of_another_shape_is_refused_and_the_engine_serves_on(synced):
     assert REFUSED[synced["family"]] in synced["error"]
+    assert "'model.norm.weight'" in synced["push_error"] and "nothing was sent" in synced["push_error"]
     assert synced["tokens_after_error"] == synced["steps"][-1]["tokens"]
 
 

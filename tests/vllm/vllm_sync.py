@@ -5,7 +5,8 @@ The context names the model folder (``model``), ``tp``, the prompts (token ids),
 "loader.vllm.SyncWorker"``) generates greedily; then each step changes every trainer weight, pushes, saves the
 trainer to ``work/step-N`` and records the report, every worker's digests of what the push wrote and of what
 vLLM's own ``load_weights`` writes from the saved folder, and the tokens generated. Then a trainer of the config
-changes ``bad`` is refused (``error``) and the engine generates again (``tokens_after_error``). With ``reload``,
+changes ``bad`` is refused (``error``), a push of a trainer whose ``model.norm.weight`` grew is refused
+(``push_error``), and the engine generates again (``tokens_after_error``). With ``reload``,
 vLLM's own ``reload_weights`` last loads the last step's saved trainer (``tokens_reloaded``).
 """
 
@@ -69,8 +70,15 @@ def main(ctx: dict) -> None:
         EngineSync(llm, trainer_from(ctx["model"], **ctx.get("bad", {"intermediate_size": 128})))
     except ValueError as e:
         out["error"] = str(e)
+    norm = trainer.model.norm.weight  # a trainer tensor of another shape after preparing: refused at the push
+    trainer.model.norm.weight = torch.nn.Parameter(torch.ones(norm.shape[0] + 1))
+    try:
+        sync.push()
+    except ValueError as e:
+        out["push_error"] = str(e)
+    trainer.model.norm.weight = norm
     out["tokens_after_error"] = generate(llm, ctx)
-    out["version"] = llm.collective_rpc("regiontrace_sync_version")
+    out["version"] = sync.versions()
     sync.close()
     if ctx.get("reload"):  # vLLM's own in-place reload of the last step's saved trainer
         llm.collective_rpc("reload_weights", kwargs={"weights_path": out["steps"][-1]["folder"]})
