@@ -92,6 +92,15 @@ def test_a_trainer_of_another_shape_is_refused_and_the_engine_serves_on(synced):
     assert synced["tokens_after_error"] == synced["steps"][-1]["tokens"]
 
 
+def test_a_failed_rebuild_puts_every_layer_back_as_it_was(tmp_path):
+    """In-process, one rank, no engine (:mod:`vllm_sync_layers`): the rebuild fails at the third layer, and every
+    module's attributes, parameters, buffers and quant method's attributes are the very objects they were."""
+    model = write_checkpoint("llama", tmp_path / "model")
+    out = run("vllm_sync_layers.py", {"model": str(model)}, tmp_path)
+    assert out["rebuilt"] == 3 and out["error"] == "a write into layer 2 failed" and len(out["layers"]) > 10
+    assert out["differ"] == [] and len(out["same"]) > 20
+
+
 def test_the_synced_engine_generates_what_vllms_reload_of_the_saved_trainer_generates(synced):
     if not FAMILIES[synced["family"]]["reload"]:
         pytest.skip("vLLM's reload_weights fails on CPU experts (FusedMoE); the digests compare this family")
