@@ -19,6 +19,7 @@ from ..options import StorageOptions
 from ..storage import LocalStore, Store, is_url, open_store
 from ..storage.untrusted import err
 from .chunks import TensorInfo
+from .dcp import DcpCheckpoint, is_dcp_checkpoint
 from .folder import SafetensorsCheckpoint, index_files
 from .header import HeaderFile
 from .hub import resolve_checkpoint
@@ -143,7 +144,8 @@ def open_checkpoint(
     identities: Mapping[str, object] | None = None,
 ) -> TableCheckpoint:
     """Open the checkpoint at ``path`` in the format its files are in: a ``.bin`` file or index as a
-    :class:`BinCheckpoint`; anything else as a :class:`~.folder.SafetensorsCheckpoint`, and, where no safetensors
+    :class:`BinCheckpoint`; a folder holding a DCP ``.metadata`` (or that file) as a
+    :class:`~.dcp.DcpCheckpoint`; anything else as a :class:`~.folder.SafetensorsCheckpoint`, and, where no safetensors
     checkpoint is found there, as a :class:`BinCheckpoint` (a folder of ``pytorch_model*.bin`` files).
 
     Raises:
@@ -152,6 +154,8 @@ def open_checkpoint(
     """
     if is_bin_path(path):
         return BinCheckpoint.open(path, storage=storage, identities=identities)
+    if is_dcp_checkpoint(path):  # a torch.distributed.checkpoint folder (or its .metadata)
+        return DcpCheckpoint.open(path, storage=storage, identities=identities)
     try:
         return SafetensorsCheckpoint.open(path, storage=storage, identities=identities)
     except CheckpointNotFoundError as missing:
