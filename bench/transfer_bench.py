@@ -1,7 +1,8 @@
 """Benchmark: moving a model's weights between two shardings on 4 gloo ranks, against gather-then-load and
-broadcast-then-cut, and the plan time of a simulated DeepSeek-V3 pair.
+broadcast-then-cut, a prepared transfer replayed, and the plan time of simulated DeepSeek-V3 and Kimi-K2 pairs.
 
-    python bench/transfer_bench.py [--repeat 3] [--bucket-mib 64,16] [--ds-layers 4,5] [--markdown]
+    python bench/transfer_bench.py [--repeat 3] [--bucket-mib 64,16] [--replays 4] [--ds-layers 4,5]
+        [--kimi-layers 4] [--markdown]
 
 The source is transformers' Qwen3-MoE of bench/common.py (``QWEN3_MOE``: hidden 1024, 4 layers, 32 experts of
 512, bf16, ~440 MiB), every tensor FSDP-style ``Shard(0)`` over the 4 ranks (each rank's shard filled with its
@@ -26,10 +27,16 @@ from ``simulate_transfer`` on meta models: an independent count for the two othe
 (peak RSS during the call above the RSS before it: ``/proc/self/clear_refs`` resets the peak; glibc's mmap
 threshold is fixed at 64 KiB so that freed buffers leave RSS), wall (the slowest rank, best and median of
 ``--repeat``). Every method's destination shards are checked equal to ``transfer_weights``'s bit for bit.
-Then ``simulate_transfer`` plans DeepSeek-V3 (bench/plan_scale.py's meta model and EP x TP placements) from
-FSDP over 64 ranks into EP8 x TP8 on 64 more: the plan time of one rank (``plan_transfer(..., rank=r)``, what
-each rank of a transfer computes; a source rank and a destination rank, best of 3) and of the whole world (the
-simulation's figures).
+Then, per bucket, ``prepare_transfer`` once and ``--replays`` runs of it, each after an in-place step of the
+source (``mul_(2)``; the last run halves it back, exactly, and is checked against ``transfer_weights``' result):
+the first run and the replayed ones (the slowest rank of each), the check and its agreement, the part of the wall
+outside the exchange (``TransferRun``: wall minus the rounds' copies and collectives), the strided copies and the
+buffers each rank holds. Then ``simulate_transfer`` plans DeepSeek-V3 (bench/plan_scale.py's meta model and
+EP x TP placements) from FSDP over 64 ranks into EP8 x TP8 on 64 more: the plan time of one rank
+(``plan_transfer(..., rank=r)``, what each rank of a transfer computes; a source rank and a destination rank,
+best of 3) and of the whole world (the simulation's figures); and Kimi-K2 (``--kimi-layers``: DeepSeek-V3's
+architecture with 384 experts) from FSDP over 256 ranks into EP16 x TP8 on 128 more: one source rank's and one
+destination rank's plans (no world plan).
 """
 
 from __future__ import annotations
