@@ -1,7 +1,8 @@
 """Tiny checkpoints of the families vLLM loads, written by transformers' own ``save_pretrained`` (bf16).
 
-Every family has head_dim 64 (vLLM's CPU attention needs it), a small hidden size, one or two layers and a
-vocabulary that is not a multiple of 64 (vLLM pads it); ``llama`` has 2 KV heads, fewer than 4 ranks.
+Every family has head_dim 64 (vLLM's CPU attention needs it; DeepSeek-V2's MLA: its rope and nope parts and its
+values), a small hidden size, one or two layers and a vocabulary that is not a multiple of 64 (vLLM pads it);
+``llama`` has 2 KV heads, fewer than 4 ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +37,25 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "mixtral": ("MixtralConfig", {"num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "gemma": ("GemmaConfig", {"num_hidden_layers": 1, "num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "deepseek_v2": (  # MLA (its config's head_dim is the rope part), a dense first layer, then routed + shared experts
+        "DeepseekV2Config",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 64,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 64,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "greedy",
+        },
+    ),
 }
 
 
