@@ -156,3 +156,16 @@ def test_a_chunk_of_another_shape_than_its_blob_is_refused(small):
     with pytest.raises(CheckpointError, match="metadata says") as e:
         DcpCheckpoint.open(small)
     assert e.value.key == "w"
+
+
+def test_conversion_rules_apply_to_a_dcp_source(tmp_path):
+    from loader import Convert
+    from loader.options import Rules
+
+    source = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    dcp_save({"a": source}, tmp_path)
+    model = torch.nn.Linear(6, 4, bias=False)
+    rules = Rules(weights_mapping=[Convert("a", "weight", lambda a: a[:4] * 2)])
+    report = load_hf_checkpoint(model, str(tmp_path), rules=rules, options=QUIET)
+    assert torch.equal(model.weight.detach(), source[:4] * 2)
+    assert report.bytes_read == report.planned_bytes == 4 * 6 * 4  # the rows the model needs
