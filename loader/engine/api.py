@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import open_checkpoint
 from ..distributed import Session
 from ..distributed.versions import open_agreed
 from ..execute import Rollback, execute_plan
@@ -48,8 +48,9 @@ def load_engine_weights(
     group: Any = None,
     tp_size: int | None = None,
 ) -> LoadReport:
-    """Load a safetensors checkpoint into ``module`` through its own ``load_weights`` (vLLM's calling convention:
-    an iterable of ``(checkpoint key, tensor)`` pairs), reading only the bytes of the elements its parameters take.
+    """Load a checkpoint (safetensors, ``.bin``, DCP) into ``module`` through its own ``load_weights`` (vLLM's
+    calling convention: an iterable of ``(checkpoint key, tensor)`` pairs), reading only the bytes of the elements
+    its parameters take.
 
     Args:
         module: a built module whose ``load_weights(weights)`` writes each parameter in place (its
@@ -103,7 +104,7 @@ def load_engine_weights(
                 bytes_read, requests = reader.bytes_read, reader.reads
     else:
         received = 0
-        checkpoint = SafetensorsCheckpoint.open(path, storage=storage)
+        checkpoint = open_checkpoint(path, storage=storage)
         trace, planned = plan_engine_load(module, checkpoint, tp)
         with Rollback(options.rollback) as rollback, checkpoint.reader(direct_io=storage.direct_io) as reader:
             _keep(rollback, trace, planned, options)
