@@ -92,3 +92,18 @@ def test_a_delta_that_does_not_fit_is_refused():
         apply_delta(base.clone(), forged)
     with pytest.raises(ValueError, match="equal shapes"):
         encode_delta(base, new[:10])
+
+
+def test_a_delta_travels_as_one_byte_buffer_and_reads_back_the_same():
+    base = torch.arange(1000, dtype=torch.float32).to(torch.bfloat16)
+    new = base.clone()
+    new[::97] += 1
+    delta = encode_delta(base, new)
+    data = delta.to_bytes()
+    assert data.dtype == torch.uint8 and data.numel() == delta.nbytes - 8 + 40
+    back = Delta.from_bytes(data)
+    target = base.clone()
+    apply_delta(target, back)
+    assert torch.equal(target.view(torch.int16), new.view(torch.int16))
+    with pytest.raises(ValueError, match="header says"):
+        Delta.from_bytes(data[:-1])

@@ -27,6 +27,9 @@ __all__ = ["Delta", "apply_delta", "encode_delta", "changed_elements"]
 
 #: an unchanged gap is sent with its run when its bytes are at most this (about the varints of a new run)
 MERGE_BYTES = 4
+#: :meth:`Delta.to_bytes`' header: full, runs, index bytes, values bytes, changed elements (int64 each)
+HEADER = ("full", "runs", "index_bytes", "values_bytes", "changed")
+HEADER_BYTES = 8 * len(HEADER)
 #: integer views of each element width (bits compared, never values)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -46,6 +49,28 @@ class Delta:
     def nbytes(self) -> int:
         """Bytes on the wire: the varints and the elements (the 8-byte run count included)."""
         return int(self.index.numel() + self.values.numel()) + (0 if self.full else 8)
+
+    def to_bytes(self) -> torch.Tensor:
+        """The delta as one byte buffer (:data:`HEADER` int64 fields, then the index, then the values): what a
+        sender puts on the wire, :meth:`from_bytes` reads it back. Its size is ``nbytes + HEADER_BYTES - 8``."""
+        fields = [int(self.full), self.runs, int(self.index.numel()), int(self.values.numel()), self.changed]
+        head = torch.tensor(fields, dtype=torch.int64).view(torch.uint8)
+        return torch.cat([head, self.index.reshape(-1), self.values.reshape(-1)])
+
+    @staticmethod
+    def from_bytes(data: torch.Tensor) -> Delta:
+        """The delta :meth:`to_bytes` wrote.
+
+        Raises:
+            ValueError: ``data`` is shorter or longer than its header says.
+        """
+        if data.numel() < HEADER_BYTES:
+            raise ValueError(f"a delta of {data.numel()} bytes has no header ({HEADER_BYTES} bytes)")
+        full, runs, n_index, n_values, changed = (int(v) for v in data[:HEADER_BYTES].view(torch.int64))
+        if min(runs, n_index, n_values, changed) < 0 or HEADER_BYTES + n_index + n_values != data.numel():
+            raise ValueError(f"a delta of {data.numel()} bytes whose header says {n_index} + {n_values}")
+        index = data[HEADER_BYTES : HEADER_BYTES + n_index]
+        return Delta(bool(full), runs, index, data[HEADER_BYTES + n_index :], changed)
 
 
 def _ints(t: torch.Tensor) -> torch.Tensor:
