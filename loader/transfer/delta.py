@@ -70,7 +70,8 @@ class Delta:
         if min(runs, n_index, n_values, changed) < 0 or HEADER_BYTES + n_index + n_values != data.numel():
             raise ValueError(f"a delta of {data.numel()} bytes whose header says {n_index} + {n_values}")
         index = data[HEADER_BYTES : HEADER_BYTES + n_index]
-        return Delta(bool(full), runs, index, data[HEADER_BYTES + n_index :], changed)
+        values = data[HEADER_BYTES + n_index :].clone()  # its own storage: viewed as the elements' dtype
+        return Delta(bool(full), runs, index, values, changed)
 
 
 def _ints(t: torch.Tensor) -> torch.Tensor:
