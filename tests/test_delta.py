@@ -1,5 +1,6 @@
-"""Deltas of buffers: the runs of changed elements as varints and elements; applied to the base they give the new
-value bit for bit (NaN payloads and signed zeros included), never larger than the whole buffer."""
+"""Deltas of buffers: the runs of changed elements as Rice streams and elements (raw, or their integer differences);
+applied to the base they give the new value bit for bit (NaN payloads and signed zeros included), never larger than
+the whole buffer."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.transfer.delta import Delta, apply_delta, changed_elements, encode_delta
+from loader.transfer.delta import HEADER_BYTES, Delta, apply_delta, changed_elements, encode_delta
 
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.float8_e4m3fn]
 
 
@@ -42,7 +44,7 @@ def test_a_delta_applied_to_the_base_gives_the_new_value_bit_for_bit(n, dtype, d
         mask[start : start + count] = True
     else:
         mask = torch.rand(n, generator=g) < density
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+    ints = INTS[new.element_size()]
     new.view(ints)[mask] = _random(int(mask.sum()), dtype, seed + 2).view(ints)  # bits: fp8 has no masked writes
     delta = encode_delta(base, new)
     assert delta.changed == changed_elements(base, new)
@@ -72,12 +74,12 @@ def test_a_delta_larger_than_the_buffer_sends_the_buffer():
 
 
 def test_sparse_runs_cost_their_elements_and_a_few_bytes_each():
-    """A row of 512 elements changed in a 64 k buffer: the elements' bytes and two varints."""
+    """A row of 512 elements changed in a 64 k buffer: the elements' bytes and two short Rice streams."""
     base = torch.randn(128, 512).to(torch.bfloat16)
     new = base.clone()
     new[7] += 1
     delta = encode_delta(base, new)
-    assert delta.runs == 1 and delta.nbytes <= 512 * 2 + 8 + 6
+    assert delta.runs == 1 and delta.nbytes <= 512 * 2 + 8 + 10
 
 
 def test_a_delta_that_does_not_fit_is_refused():
@@ -88,7 +90,7 @@ def test_a_delta_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         apply_delta(torch.zeros(32), delta)
     forged = Delta(False, delta.runs + 1, delta.index, delta.values, delta.changed)  # one run more than its index
-    with pytest.raises(ValueError, match="index holds"):
+    with pytest.raises(ValueError, match="index holds|stream"):
         apply_delta(base.clone(), forged)
     with pytest.raises(ValueError, match="equal shapes"):
         encode_delta(base, new[:10])
@@ -100,10 +102,80 @@ def test_a_delta_travels_as_one_byte_buffer_and_reads_back_the_same():
     new[::97] += 1
     delta = encode_delta(base, new)
     data = delta.to_bytes()
-    assert data.dtype == torch.uint8 and data.numel() == delta.nbytes - 8 + 40
+    assert data.dtype == torch.uint8 and data.numel() == delta.nbytes - 8 + HEADER_BYTES
     back = Delta.from_bytes(data)
     target = base.clone()
     apply_delta(target, back)
     assert torch.equal(target.view(torch.int16), new.view(torch.int16))
     with pytest.raises(ValueError, match="header says"):
         Delta.from_bytes(data[:-1])
+
+
+def _nudged(base: torch.Tensor, mask: torch.Tensor, ulps: torch.Tensor) -> torch.Tensor:
+    """``base`` with the masked elements' bits moved by ``ulps`` (as element-width integers, wrapping)."""
+    new = base.clone()
+    ints = new.view(INTS[new.element_size()])
+    moved = ints[mask].to(torch.int64) + ulps[mask]
+    ints[mask] = moved.to(ints.dtype)
+    return new
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    dtype=st.sampled_from([*DTYPES, torch.int32, torch.int64]),
+    density=st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]),
+    reach=st.sampled_from([1, 3, 200, 2**40]),
+    seed=st.integers(0, 2**16),
+)
+def test_small_integer_differences_are_sent_as_differences_and_applied_bit_for_bit(n, dtype, density, reach, seed):
+    """A few ulps up or down (wrapping past the element's width, through NaNs and signs): exact, and sent as
+    differences whenever that is smaller than the elements."""
+    base = _random(n, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = torch.rand(n, generator=g) < density
+    ulps = torch.randint(-reach, reach + 1, (n,), generator=g)
+    new = _nudged(base, mask, ulps)
+    delta = encode_delta(base, new)
+    assert delta.changed == changed_elements(base, new)
+    assert delta.nbytes <= n * new.element_size() + 8
+    target = base.clone()
+    apply_delta(target, Delta.from_bytes(delta.to_bytes()))
+    assert _bits(target) == _bits(new)
+    if not delta.full and reach == 1 and delta.changed * new.element_size() >= 8:
+        assert delta.diff  # at most 2 bits a change and the stream's 2-byte head
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_an_ulp_step_costs_at_most_1_1_of_its_changed_bytes_and_random_bits_are_sent_raw(density):
+    """bf16 elements moved by one ulp at scattered places (what an optimizer step does): positions and
+    differences together within 1.1 x the changed elements' bytes; random new bits are sent as they are."""
+    n = 1 << 18
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(n, generator=g).to(torch.bfloat16)
+    mask = torch.rand(n, generator=g) < density
+    step = _nudged(base, mask, torch.randint(0, 2, (n,), generator=g) * 2 - 1)
+    delta = encode_delta(base, step)
+    assert delta.diff and delta.nbytes / (2 * delta.changed) <= 1.1
+    noise = base.clone()
+    noise.view(torch.int16)[mask] = _random(int(mask.sum()), torch.bfloat16, 4).view(torch.int16)
+    raw = encode_delta(base, noise)
+    assert not raw.diff and not raw.full
+    target = base.clone()
+    apply_delta(target, raw)
+    assert _bits(target) == _bits(noise)
+
+
+def test_forged_streams_are_refused():
+    base = torch.zeros(4096, dtype=torch.bfloat16)
+    new = base.clone()
+    new[::64] = 1.0
+    delta = encode_delta(base, new)
+    with pytest.raises(ValueError, match="stream"):
+        apply_delta(base.clone(), Delta(False, delta.runs, delta.index[:3], delta.values, delta.changed))
+    bent = _nudged(base, torch.ones(4096, dtype=torch.bool).index_fill_(0, torch.arange(0, 4096, 2), False),
+                   torch.ones(4096, dtype=torch.int64))  # fmt: skip
+    diff = encode_delta(base, bent)
+    assert diff.diff
+    with pytest.raises(ValueError, match="differences|stream"):
+        apply_delta(base.clone(), Delta(False, diff.runs, diff.index, diff.values[:-1], diff.changed, True))
