@@ -6,7 +6,9 @@ from it takes three steps, each pushed: every worker's rebuilt parameters are bi
 ``load_weights`` writes from the trainer's saved weights, the greedy tokens change, each worker is sent its
 shard's bytes (the vocabulary's padding rows are zeros, not sent), and a trainer of another shape is refused
 naming its tensor while the engine serves on. For Llama, vLLM's own ``reload_weights`` of the last step's saved
-trainer then generates the synced engine's tokens (vLLM's reload of CPU experts fails; Qwen3-MoE has the digests).
+trainer then generates the synced engine's tokens (vLLM's reload of CPU experts fails). For both, a fresh model
+vLLM's default loader loads from the trainer's saved bf16 checkpoint, swapped into the same engine
+(:mod:`vllm_swap`), generates the synced engine's tokens.
 """
 
 from __future__ import annotations
@@ -105,3 +107,12 @@ def test_the_synced_engine_generates_what_vllms_reload_of_the_saved_trainer_gene
     if not FAMILIES[synced["family"]]["reload"]:
         pytest.skip("vLLM's reload_weights fails on CPU experts (FusedMoE); the digests compare this family")
     assert synced["tokens_reloaded"] == synced["steps"][-1]["tokens"]
+
+
+def test_the_synced_engine_generates_what_a_fresh_default_load_of_the_saved_trainer_generates(synced):
+    """The oracle for both families (vLLM's CPU reload of experts is not its first load): every worker's model
+    swapped for a fresh one vLLM's default loader loads from the trainer saved in bf16 after the last push."""
+    swapped = synced["swapped"]
+    assert sorted(s["rank"] for s in swapped) == [0, 1] and all(s["all_new"] for s in swapped), swapped
+    assert Path(synced["saved"], "config.json").exists()
+    assert synced["tokens_default"] == synced["steps"][-1]["tokens"] != synced["tokens"]

@@ -11,15 +11,17 @@ Generating again then runs the default loader's weights in the same engine, on t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 #: the load format whose loader builds the reference model (vLLM's DefaultModelLoader)
 DEFAULT_FORMAT = "safetensors"
 
 
-def swap_in_default(worker) -> dict:
-    """Replace ``worker``'s model by a fresh one the default loader loads; what was swapped (rank, model class,
-    the layer names rebound, and whether every registered layer is now the new model's)."""
+def swap_in_default(worker, folder: str | None = None) -> dict:
+    """Replace ``worker``'s model by a fresh one the default loader loads (from ``folder``, a checkpoint of the
+    same architecture, else the engine's own); what was swapped (rank, model class, the layer names rebound, and
+    whether every registered layer is now the new model's)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -30,9 +32,12 @@ def swap_in_default(worker) -> dict:
     old = dict(registered)
     registered.clear()  # the new layers register under the names the running ones hold
     load_config = dataclasses.replace(config.load_config, load_format=DEFAULT_FORMAT, model_loader_extra_config={})
+    model_config = copy.copy(config.model_config)
+    if folder is not None:  # the default loader reads the weights from model_config.model
+        model_config.model = folder
     try:
         with set_current_vllm_config(config):
-            model = get_model_loader(load_config).load_model(vllm_config=config, model_config=config.model_config)
+            model = get_model_loader(load_config).load_model(vllm_config=config, model_config=model_config)
     except BaseException:
         registered.clear()
         registered.update(old)

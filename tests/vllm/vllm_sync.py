@@ -7,18 +7,23 @@ trainer to ``work/step-N`` and records the report, every worker's digests of wha
 vLLM's own ``load_weights`` writes from the saved folder, and the tokens generated. Then a trainer of the config
 changes ``bad`` is refused (``error``), a push of a trainer whose ``model.norm.weight`` grew is refused
 (``push_error``), and the engine generates again (``tokens_after_error``). With ``reload``,
-vLLM's own ``reload_weights`` last loads the last step's saved trainer (``tokens_reloaded``).
+vLLM's own ``reload_weights`` then loads the last step's saved trainer (``tokens_reloaded``). Last, the trainer
+is saved in the engine's dtype (bf16, ``saved``) and every worker's model swapped for a fresh one vLLM's default
+loader loads from that folder (:func:`vllm_swap.swap_in_default`, in the same engine): its tokens
+(``tokens_default``) are a fresh engine's of the trainer's checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from vllm_engine import SETTINGS, generate
+from vllm_swap import swap_in_default
 
 
 def trainer_from(folder: str, **changes):
@@ -49,6 +54,7 @@ def main(ctx: dict) -> None:
     from loader.vllm import EngineSync
 
     torch.set_num_threads(1)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc sends swap_in_default pickled
     work = Path(ctx["work"])
     trainer = trainer_from(ctx["model"])
     began = time.perf_counter()
@@ -84,6 +90,12 @@ def main(ctx: dict) -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": out["steps"][-1]["folder"]})
         llm.reset_prefix_cache()
         out["tokens_reloaded"] = generate(llm, ctx)
+    saved = work / "saved"  # the trainer's checkpoint as a trainer saves it for serving: bf16, as the engine
+    trainer.to(torch.bfloat16).save_pretrained(saved)
+    out["saved"] = str(saved)
+    out["swapped"] = llm.collective_rpc(swap_in_default, args=(str(saved),))
+    llm.reset_prefix_cache()
+    out["tokens_default"] = generate(llm, ctx)
     Path(ctx["out"]).write_text(json.dumps(out))
 
 
