@@ -66,7 +66,7 @@ FAMILIES = {
 }
 #: what the engine's process needs before vLLM is imported (as tests/vllm/test_vllm_sync.py)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-PACKAGES = ("vllm", "torch", "transformers")
+PACKAGES = ("vllm-cpu", "torch", "transformers")  # vLLM's CPU build installs as ``vllm-cpu``
 #: seconds one family's engine run may take
 LIMIT = int(os.environ.get("SYNC_BENCH_LIMIT", 1800))
 

@@ -176,7 +176,8 @@ def main(ctx: dict) -> None:
         theirs = peers.push(bucket, streamed, digests=True)
         same = [a["digests"] == d for a, d in zip(theirs["answers"], mine.digests)]
         count = sum(len(d) for d in mine.digests)
-        row["same"] = f"yes ({count} parameters)" if all(same) else f"NO (workers {same})"
+        differ = sorted({n for a, d in zip(theirs["answers"], mine.digests) for n in d if a["digests"].get(n) != d[n]})
+        row["same"] = f"yes ({count} parameters)" if all(same) else f"NO: {', '.join(differ[:4])} ({len(differ)})"
         out["tokens_equal"] &= generate(llm, {"prompts": PROMPTS}) == tokens
     checker.close()
     sync.close()
