@@ -12,6 +12,12 @@ Vocabulary (as in :mod:`loader.vllm.sync_plan`, plus):
   method's ``moe_kernel`` cleared first, as its constructor leaves it: a new kernel is built over the new
   tensors rather than the new values copied into the old kernel's): the layer's new state.
 
+- **tie**: one parameter held under two names (a tied embedding: vLLM's ``lm_head.weight`` is
+  ``model.embed_tokens.weight``); the first name a traversal reaches is the canonical one (as vLLM's
+  ``AutoWeightsLoader`` picks it, loading that name and skipping the other). A layer holding the other name
+  *follows*: its rebuild takes the canonical layer's new parameter (rebuilt before it) instead of a fresh one
+  (:func:`follow`, :data:`FOLLOWS`), then runs its own post-load processing over it.
+
 vLLM's own in-place reload (``reload_weights``) copies the processed values into the old kernel tensors' storage
 (for CUDA graphs); the engine here runs eagerly, so a push replaces the states instead (which also serves
 layers whose processed tensors change shape, vLLM's CPU experts).
@@ -21,17 +27,32 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["LayerState", "load_time_params", "load_time_view", "put_back", "rebuild", "snapshot"]
+__all__ = [
+    "FOLLOWS",
+    "LayerState",
+    "follow",
+    "load_time_params",
+    "load_time_view",
+    "put_back",
+    "rebuild",
+    "snapshot",
+    "ties",
+]
 
 #: a layer's state (see the module): its ``__dict__``, its quantization method's (None without one)
 LayerState = tuple[dict[str, Any], dict[str, Any] | None]
 #: the ``__dict__`` entries a snapshot copies (the others are kept by reference)
 CONTAINERS = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+#: per following layer, its attributes that follow a tie: attribute -> (canonical layer, its attribute)
+FOLLOWS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[torch.nn.Module, str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _copied(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +113,25 @@ def load_time_params(module: torch.nn.Module) -> list[str]:
     return [n for n, _ in module.named_parameters(recurse=False) if n not in SKIP_LOAD_TENSORS]
 
 
+def ties(model: torch.nn.Module) -> dict[str, str]:
+    """``model``'s tied parameters as they are now (outside a :func:`load_time_view`, which holds each layer's own
+    meta tensors): each name after the first of a shared parameter -> the first (see the module)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            out[name] = canonical
+    return out
+
+
+def follow(model: torch.nn.Module, alias: str, canonical: str) -> None:
+    """Make ``model``'s parameter ``alias`` follow ``canonical`` in a :func:`rebuild` of its layer."""
+    owner, _, attr = alias.rpartition(".")
+    source, _, source_attr = canonical.rpartition(".")
+    FOLLOWS.setdefault(model.get_submodule(owner), {})[attr] = (model.get_submodule(source), source_attr)
+
+
 def _fresh(tensor: torch.Tensor) -> torch.Tensor:
     """A new tensor shaped as ``tensor`` (on the CPU when it is a meta tensor), with its class and attributes."""
     device = torch.device("cpu") if tensor.is_meta else tensor.device
@@ -105,7 +145,8 @@ def rebuild(
     module: torch.nn.Module, attrs: list[str], write: Callable[[str, torch.Tensor], None], vllm_config: Any
 ) -> None:
     """Rebuild ``module`` (see the module): its load-time parameters ``attrs`` fresh, ``write(attr, tensor)``
-    filling each, then its post-load processing. Buffers it does not load keep their current tensors. The caller
+    filling each (an attribute that follows a tie takes the canonical layer's parameter, unwritten), then its
+    post-load processing. Buffers it does not load keep their current tensors. The caller
     keeps the old state (:func:`snapshot`) to put back on an error."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
@@ -115,7 +156,12 @@ def rebuild(
     for name, buffer in list(module.named_buffers(recurse=False)):
         if buffer.is_meta and name in buffers:
             setattr(module, name, buffers[name])
+    follows = FOLLOWS.get(module, {})
     for attr in attrs:
+        if attr in follows:
+            source, source_attr = follows[attr]
+            setattr(module, attr, source.get_parameter(source_attr))
+            continue
         param = _fresh(module.get_parameter(attr))
         write(attr, param)
         setattr(module, attr, param)
