@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.transfer.delta import HEADER_BYTES, Delta, apply_delta, changed_elements, encode_delta
+from loader.transfer.delta import Delta, apply_delta, changed_elements, encode_delta
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.float8_e4m3fn]
@@ -48,7 +48,7 @@ def test_a_delta_applied_to_the_base_gives_the_new_value_bit_for_bit(n, dtype, d
     new.view(ints)[mask] = _random(int(mask.sum()), dtype, seed + 2).view(ints)  # bits: fp8 has no masked writes
     delta = encode_delta(base, new)
     assert delta.changed == changed_elements(base, new)
-    assert delta.nbytes <= n * new.element_size() + 8
+    assert delta.nbytes <= n * new.element_size() + 16  # the header's varints
     target = base.clone()
     apply_delta(target, delta)
     assert _bits(target) == _bits(new)
@@ -64,13 +64,13 @@ def test_signed_zeros_and_nan_payloads_are_changes_and_equal_bits_are_not():
     target = base.clone()
     apply_delta(target, delta)
     assert _bits(target) == _bits(new)
-    assert encode_delta(base, base.clone()).nbytes == 8  # nothing changed: the run count alone
+    assert encode_delta(base, base.clone()).nbytes == 5  # nothing changed: the header alone
 
 
 def test_a_delta_larger_than_the_buffer_sends_the_buffer():
     base = torch.zeros(100, dtype=torch.bfloat16)
     delta = encode_delta(base, torch.ones(100, dtype=torch.bfloat16))
-    assert delta.full and delta.nbytes == 200
+    assert delta.full and delta.nbytes == 200 + 6
 
 
 def test_sparse_runs_cost_their_elements_and_a_few_bytes_each():
@@ -79,7 +79,7 @@ def test_sparse_runs_cost_their_elements_and_a_few_bytes_each():
     new = base.clone()
     new[7] += 1
     delta = encode_delta(base, new)
-    assert delta.runs == 1 and delta.nbytes <= 512 * 2 + 8 + 10
+    assert delta.runs == 1 and delta.nbytes <= 512 * 2 + 8 + 12
 
 
 def test_a_delta_that_does_not_fit_is_refused():
@@ -102,13 +102,15 @@ def test_a_delta_travels_as_one_byte_buffer_and_reads_back_the_same():
     new[::97] += 1
     delta = encode_delta(base, new)
     data = delta.to_bytes()
-    assert data.dtype == torch.uint8 and data.numel() == delta.nbytes - 8 + HEADER_BYTES
+    assert data.dtype == torch.uint8 and data.numel() == delta.nbytes
     back = Delta.from_bytes(data)
     target = base.clone()
     apply_delta(target, back)
     assert torch.equal(target.view(torch.int16), new.view(torch.int16))
     with pytest.raises(ValueError, match="header says"):
         Delta.from_bytes(data[:-1])
+    with pytest.raises(ValueError, match="no header"):
+        Delta.from_bytes(torch.tensor([0x80, 0x80], dtype=torch.uint8))
 
 
 def _nudged(base: torch.Tensor, mask: torch.Tensor, ulps: torch.Tensor) -> torch.Tensor:
@@ -138,7 +140,7 @@ def test_small_integer_differences_are_sent_as_differences_and_applied_bit_for_b
     new = _nudged(base, mask, ulps)
     delta = encode_delta(base, new)
     assert delta.changed == changed_elements(base, new)
-    assert delta.nbytes <= n * new.element_size() + 8
+    assert delta.nbytes <= n * new.element_size() + 16  # the header's varints
     target = base.clone()
     apply_delta(target, Delta.from_bytes(delta.to_bytes()))
     assert _bits(target) == _bits(new)

@@ -8,9 +8,11 @@ Vocabulary:
   so ``-0.0`` against ``0.0`` and NaN payloads count as changes, and equal bits never do).
 - **run**: a maximal stretch of consecutive changed elements.
 - **Rice code** (parameter ``k``): a non-negative integer ``v`` as the ``k`` low bits of ``v`` and ``v >> k`` in
-  unary; a stream of them is two bit streams (all the low bits, then all the unary codes), so that both are
-  written and read with a handful of tensor ops. ``k`` is chosen per stream as the one that costs fewest bits:
-  within a few hundredths of a bit of the entropy of geometric values (the gaps of scattered changes).
+  unary, or, at ``cap`` or more, ``cap`` ones and ``v >> k`` in a fixed width (an **escape**: a long tail, such as
+  a sign change among small steps, costs its bits, not its size in ones); a stream of them is three bit streams
+  (all the low bits, all the unary codes, all the escapes), so that each is written and read with a handful of
+  tensor ops. ``k`` and ``cap`` are chosen per stream as the ones that cost fewest bits: within a few hundredths
+  of a bit of the entropy of geometric values (the gaps of scattered changes).
 - **index**: the runs' positions: the gap before each run (minus one after the first) and its length minus one,
   two Rice streams.
 - **values**: the changed elements, either ``raw`` (their bytes), or ``diff``: each as the zigzag of its integer
@@ -27,7 +29,6 @@ Python loop over elements), and :func:`apply_delta` on the base gives ``new`` bi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,8 @@ import torch
 __all__ = ["Delta", "apply_delta", "encode_delta", "changed_elements"]
 
 #: :meth:`Delta.to_bytes`' header: flags (1: full, 2: diff values), runs, index bytes, values bytes, changed
-#: elements (int64 each)
+#: elements (LEB128 varints: 5 bytes for a small buffer)
 HEADER = ("flags", "runs", "index_bytes", "values_bytes", "changed")
-HEADER_BYTES = 8 * len(HEADER)
 FULL, DIFF = 1, 2
 #: integer views of each element width (bits compared, never values)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -59,16 +59,17 @@ class Delta:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the wire: the index and the values (the 8-byte run count included)."""
-        return int(self.index.numel() + self.values.numel()) + (0 if self.full else 8)
+        """Bytes on the wire: :meth:`to_bytes`' size (its header's varints, the index and the values)."""
+        return int(_varints(self._header()).numel() + self.index.numel() + self.values.numel())
+
+    def _header(self) -> torch.Tensor:
+        flags = FULL * int(self.full) + DIFF * int(self.diff)
+        return torch.tensor([flags, self.runs, int(self.index.numel()), int(self.values.numel()), self.changed])
 
     def to_bytes(self) -> torch.Tensor:
-        """The delta as one byte buffer (:data:`HEADER` int64 fields, then the index, then the values): what a
-        sender puts on the wire, :meth:`from_bytes` reads it back. Its size is ``nbytes + HEADER_BYTES - 8``."""
-        flags = FULL * int(self.full) + DIFF * int(self.diff)
-        fields = [flags, self.runs, int(self.index.numel()), int(self.values.numel()), self.changed]
-        head = torch.tensor(fields, dtype=torch.int64).view(torch.uint8)
-        return torch.cat([head, self.index.reshape(-1), self.values.reshape(-1)])
+        """The delta as one byte buffer (:data:`HEADER` as LEB128 varints, then the index, then the values): what
+        a sender puts on the wire, :meth:`from_bytes` reads it back. Its size is :attr:`nbytes`."""
+        return torch.cat([_varints(self._header()), self.index.reshape(-1), self.values.reshape(-1)])
 
     @staticmethod
     def from_bytes(data: torch.Tensor) -> Delta:
@@ -77,15 +78,17 @@ class Delta:
         Raises:
             ValueError: ``data`` is shorter or longer than its header says.
         """
-        if data.numel() < HEADER_BYTES:
-            raise ValueError(f"a delta of {data.numel()} bytes has no header ({HEADER_BYTES} bytes)")
-        flags, runs, n_index, n_values, changed = (int(v) for v in data[:HEADER_BYTES].view(torch.int64))
-        if min(runs, n_index, n_values, changed) < 0 or HEADER_BYTES + n_index + n_values != data.numel():
-            raise ValueError(f"a delta of {data.numel()} bytes whose header says {n_index} + {n_values}")
+        try:
+            start = _varint_end(data, len(HEADER))
+        except ValueError:
+            raise ValueError(f"a delta of {data.numel()} bytes has no header") from None
+        flags, runs, n_index, n_values, changed = (int(v) for v in _read_varints(data[:start]))
+        if start + n_index + n_values != data.numel():
+            raise ValueError(f"a delta of {data.numel()} bytes whose header says {start} + {n_index} + {n_values}")
         if flags & ~(FULL | DIFF):
             raise ValueError(f"a delta whose header has unknown flags {flags}")
-        index = data[HEADER_BYTES : HEADER_BYTES + n_index]
-        values = data[HEADER_BYTES + n_index :].clone()  # its own storage: viewed as the elements' dtype
+        index = data[start : start + n_index]
+        values = data[start + n_index :].clone()  # its own storage: viewed as the elements' dtype
         return Delta(bool(flags & FULL), runs, index, values, changed, bool(flags & DIFF))
 
 
@@ -125,7 +128,7 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor) -> Delta:
         coded = _rice(z - 1, limit=values.numel())
         if coded is not None and coded.numel() < values.numel():
             values, diff = coded, True
-    if index.numel() + values.numel() + 8 >= whole.numel():
+    if index.numel() + values.numel() >= whole.numel():
         return Delta(True, 0, _EMPTY, whole.clone(), int(where.numel()))
     return Delta(False, int(starts.numel()), index, values.clone(), int(where.numel()), diff)
 
@@ -185,21 +188,48 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Te
 
 
 def _rice(v: torch.Tensor, limit: int | None = None) -> torch.Tensor | None:
-    """Non-negative int64 ``v`` as a Rice stream: varints ``k`` and the unary bytes, the ``k``-bit low parts, the
-    unary high parts (bits little-endian in each byte). None when it would not be smaller than ``limit`` bytes."""
-    n = v.numel()
-    mean = float(v.double().mean()) if n else 0.0
-    k0 = max(0, int(math.log2(mean + 1)))
-    costs = {k: n * (k + 1) + float((v >> k).double().sum()) for k in range(max(0, k0 - 2), min(62, k0 + 2) + 1)}
-    k = min(costs, key=costs.__getitem__)
-    if limit is not None and costs[k] / 8 >= limit:
+    """Non-negative int64 ``v`` as a Rice stream with escapes (:func:`_rice_cost` picks ``k`` and ``cap``): varints
+    ``k``, ``cap``, the escapes' width and the unary bytes, then the ``k``-bit low parts, the unary high parts (bits
+    little-endian in each byte), the escaped high parts. None when it would not be smaller than ``limit`` bytes."""
+    k, cap, width, bits = _rice_cost(v)
+    if limit is not None and bits / 8 >= limit:
         return None
-    low = ((v[:, None] >> torch.arange(k)) & 1).reshape(-1).bool() if k else torch.empty(0, dtype=torch.bool)
     high = v >> k
-    unary = torch.ones(n + int(high.sum()), dtype=torch.bool)
-    unary[torch.cumsum(high + 1, 0) - 1] = False  # each value's ones end with a zero
-    low_bytes, unary_bytes = _pack(low), _pack(unary)
-    return torch.cat([_varints(torch.tensor([k, unary_bytes.numel()])), low_bytes, unary_bytes])
+    escaped = high >= cap if cap else torch.zeros_like(high, dtype=torch.bool)
+    ones = torch.where(escaped, cap, high)
+    unary = torch.ones(v.numel() + int(ones.sum()), dtype=torch.bool)
+    unary[torch.cumsum(ones + 1, 0) - 1] = False  # each value's ones end with a zero
+    streams = [_pack(_bits(v, k)), _pack(unary), _pack(_bits(high[escaped], width))]
+    return torch.cat([_varints(torch.tensor([k, cap, width, streams[1].numel()])), *streams])
+
+
+def _rice_cost(v: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(k, cap, width, bits)``: the Rice parameter and the escape (a high part of ``cap`` or more ones is sent as
+    ``cap`` ones and ``width`` bits; 0: none) that cost fewest ``bits``, from a histogram of the high parts."""
+    n = v.numel()
+    top = int(v.max()).bit_length() if n else 0
+    middle = int(v.kthvalue((n + 1) // 2).values).bit_length() if n else 0
+    best = (0, 0, 0, float("inf"))
+    for k in range(max(0, middle - 4), min(62, max(middle + 6, 0)) + 1):
+        high = v >> k
+        width = max(1, top - k)
+        counts = torch.bincount(high.clamp(max=64), minlength=65).double()
+        head = torch.cumsum(counts * (torch.arange(65) + 1), 0) - counts * (torch.arange(65) + 1)  # below each q
+        above = n - (torch.cumsum(counts, 0) - counts)  # at or above each q
+        escaped = head + above * (torch.arange(65) + 1 + width)
+        cap = int(escaped[1:].argmin()) + 1
+        options = [(cap, float(escaped[cap])), (0, float(high.double().sum()) + n)]
+        for c, bits in options:
+            if bits + n * k < best[3]:
+                best = (k, c, width, bits + n * k)
+    return best[0], best[1], best[2], int(best[3])
+
+
+def _bits(v: torch.Tensor, width: int) -> torch.Tensor:
+    """The ``width`` low bits of each of ``v``, low first, as bools."""
+    if not width:
+        return torch.empty(0, dtype=torch.bool)
+    return ((v[:, None] >> torch.arange(width)) & 1).reshape(-1).bool()
 
 
 def _read_rice(data: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
@@ -208,20 +238,29 @@ def _read_rice(data: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     Raises:
         ValueError: ``data`` is shorter than the stream, or the stream holds fewer than ``n`` values.
     """
-    head = _read_varints(data[: _varint_end(data, 2)])
-    k, n_unary = int(head[0]), int(head[1])
-    start = _varint_end(data, 2)
+    start = _varint_end(data, 4)
+    k, cap, width, n_unary = (int(x) for x in _read_varints(data[:start]))
     n_low = (n * k + 7) // 8
-    end = start + n_low + n_unary
-    if k > 62 or end > data.numel():
-        raise ValueError(f"a delta's stream of {n} values needs {end} bytes, it has {data.numel()}")
+    if k > 62 or width > 63 or start + n_low + n_unary > data.numel():
+        raise ValueError(f"a delta's stream of {n} values needs more than its {data.numel()} bytes")
     low = _unpack(data[start : start + n_low])[: n * k].view(n, k).to(torch.int64)
-    zeros = torch.nonzero(~_unpack(data[start + n_low : end])).reshape(-1)
+    start += n_low
+    zeros = torch.nonzero(~_unpack(data[start : start + n_unary])).reshape(-1)
+    start += n_unary
     if zeros.numel() < n:
         raise ValueError(f"a delta's stream holds {zeros.numel()} values, not {n}")
     zeros = zeros[:n]
     high = zeros - torch.cat([torch.full((1,), -1, dtype=zeros.dtype), zeros[:-1]]) - 1
-    return (high << k) | (low << torch.arange(k)).sum(1), end
+    if cap:
+        escaped = high == cap
+        count = int(escaped.sum())
+        end = start + (count * width + 7) // 8
+        if end > data.numel():
+            raise ValueError(f"a delta's stream of {n} values needs {end} bytes, it has {data.numel()}")
+        bits = _unpack(data[start:end])[: count * width].view(count, width).to(torch.int64)
+        high[escaped] = (bits << torch.arange(width)).sum(1)
+        start = end
+    return (high << k) | (low << torch.arange(k)).sum(1), start
 
 
 def _pack(bits: torch.Tensor) -> torch.Tensor:
