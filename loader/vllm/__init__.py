@@ -5,8 +5,9 @@ Vocabulary:
         :data:`LOAD_FORMAT` through vLLM's plugin entry point (group ``vllm.general_plugins``, :func:`register`).
     worker: one vLLM process holding one tensor-parallel rank's model; its model's own ``load_weights`` narrows
         every checkpoint tensor by its ``tp_rank``, and :func:`load_weights` reads exactly what that narrowing keeps.
-    weight sync: a trainer's weights pushed into a running engine (:class:`EngineSync`, trainer side;
-        :class:`SyncWorker`, the ``worker_extension_cls="loader.vllm.SyncWorker"`` of the engine's workers).
+    weight sync: a trainer's weights pushed into a running engine (:class:`EngineSync`, on every trainer rank;
+        :class:`SyncEndpoint`, in the engine's process; :class:`SyncWorker`, the
+        ``worker_extension_cls="loader.vllm.SyncWorker"`` of the engine's workers).
     path: where the weights are read from, ``model_loader_extra_config={"path": ...}``: a folder, an ``http(s)://``,
         ``s3://`` or ``hf://`` URL; by default the model's own folder (or ``hf://`` of its repo id).
 
@@ -27,10 +28,15 @@ if TYPE_CHECKING:
 #: the ``load_format`` this package's model loader answers to
 LOAD_FORMAT = "regiontrace"
 
-__all__ = ["LOAD_FORMAT", "EngineSync", "SyncReport", "SyncWorker", "load_weights", "register"]
+__all__ = ["LOAD_FORMAT", "EngineSync", "SyncEndpoint", "SyncReport", "SyncWorker", "load_weights", "register"]
 
 #: the names this package imports when first used (each module imports vLLM only inside its functions)
-LAZY = {"EngineSync": "engine_sync", "SyncReport": "engine_sync", "SyncWorker": "sync_worker"}
+LAZY = {
+    "EngineSync": "engine_sync",
+    "SyncEndpoint": "sync_endpoint",
+    "SyncReport": "sync_report",
+    "SyncWorker": "sync_worker",
+}
 
 
 def __getattr__(name: str):

@@ -1,11 +1,12 @@
 """``SyncWorker``: vLLM's worker extension (``worker_extension_cls="loader.vllm.SyncWorker"``) that receives a
 trainer's weights into a running engine (the worker side of :class:`~loader.vllm.EngineSync`).
 
-vLLM mixes this class into each worker's class; :class:`~loader.vllm.EngineSync` calls its ``regiontrace_sync_*``
-methods through ``LLM.collective_rpc`` (between engine steps: the model serves no request meanwhile). A push
-receives this worker's packet, rebuilds every layer its plan touches (:func:`~loader.vllm.sync_layers.rebuild`),
-and keeps the new layers only when every worker built its own (the wire's agreement); otherwise every worker puts
-its old layers back: the engine serves the old weights or the new, never a mix.
+vLLM mixes this class into each worker's class; :class:`~loader.vllm.SyncEndpoint` calls its
+``regiontrace_sync_*`` methods through ``LLM.collective_rpc`` (between engine steps: the model serves no request
+meanwhile). A push receives this worker's packets from the trainer ranks (:mod:`loader.vllm.sync_push`), rebuilds
+every layer its plan touches (:func:`~loader.vllm.sync_layers.rebuild`), and keeps the new layers only when
+every worker built its own (the wire's agreement); otherwise every worker puts its old layers back: the engine
+serves the old weights or the new, never a mix.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import torch
 
 from regiontrace.executor import constant_value, execute_blocks, is_constant
 
+from ..errors import PeerFailure
 from .sync_layers import load_time_view, put_back, rebuild, snapshot
+from .sync_pieces import plan_pieces
 from .sync_plan import WorkerPlan, plan_sync, wire_dtype
-from .sync_wire import Wire, join_store, unpack
+from .sync_push import header, receive_wants, stats
+from .sync_wire import Wire, join_store
 
 __all__ = ["SyncWorker", "digest"]
 
@@ -65,46 +69,75 @@ class SyncWorker:
             "digests": digests,
             "version": 0,
             "wire": None,
+            "wants": None,  # the wants last received (a delta's base)
         }
         wants = [(w.key, w.offsets, w.lengths, str(w.dtype).removeprefix("torch.")) for w in plan.wants]
         return {"rank": self.rank, "wants": wants, "shard_bytes": plan.shard_bytes}
 
-    def regiontrace_sync_connect(self, sync: str, port: int, world: int, seconds: float) -> dict:
-        """Join the trainer's gloo group as rank ``1 + this worker's rank``."""
+    def regiontrace_sync_connect(self, sync: str, address: str, trainers: int, parts: list, seconds: float) -> dict:
+        """Join the sync's rendezvous at ``address`` and its gloo group as member ``trainers + this worker's rank``;
+        ``parts``: every trainer rank's boxes (:func:`~loader.vllm.sync_pieces.plan_pieces` of this worker's wants)."""
         state = self._regiontrace(sync)
-        state["wire"] = Wire(join_store(port, world, seconds), 1 + self.rank, world, seconds)
+        world = trainers + self.parallel_config.world_size
+        state["pieces"] = plan_pieces(state["plan"].wants, parts)
+        state["trainers"], state["store"] = trainers, join_store(address, seconds)
+        state["wire"] = Wire(state["store"], trainers + self.rank, world, seconds)
         return {"rank": self.rank}
 
-    def regiontrace_sync_receive(self, sync: str, version: int) -> dict:
-        """One push: receive this worker's packet, rebuild the touched layers, agree, keep or put back (see the
-        module). Returns this worker's ``rank``, ``version`` (the one it serves), ``bytes`` received,
-        ``shard_bytes``, ``seconds``, ``digests`` (when asked for at prepare) and ``error`` where it failed."""
+    def regiontrace_sync_receive(self, sync: str, attempt: int) -> dict:
+        """One push: the header, this worker's packets from every trainer rank, the rebuild of the touched layers,
+        agreement, keep or put back (see the module), the stats. Returns this worker's ``rank``, ``version`` (the
+        one it serves), ``bytes`` on the wire and ``changed`` bytes (all trainer ranks'), ``shard_bytes``,
+        ``seconds``, ``digests`` (when asked for at prepare), ``error`` where it failed, ``refused`` where a
+        trainer rank refused the push, ``peer`` where a peer failed (the sync is over; the old weights kept)."""
         state = self._regiontrace(sync)
-        plan: WorkerPlan = state["plan"]
-        packet = state["wire"].recv(sum(w.nbytes for w in plan.wants))
-        started = time.perf_counter()
-        model, kept, error, digests = self.get_model(), [], None, {}
+        out = {"rank": self.rank, "version": state["version"], "shard_bytes": state["plan"].shard_bytes}
+        out.update(refused=False, peer=None, error=None, bytes=0, changed=0, seconds=0.0, digests=None)
+        kept: list = []
         try:
-            sources = {**unpack(packet, plan.wants), **state["constants"]}
+            self._regiontrace_push(state, out, kept)
+        except PeerFailure as e:
+            for module, old in reversed(kept):
+                put_back(module, old)
+            log.error("weight sync: worker %d: %s", self.rank, e)
+            out["peer"], out["version"] = str(e), state["version"]
+        return out
+
+    def _regiontrace_push(self, state: dict, out: dict, kept: list) -> None:
+        plan: WorkerPlan = state["plan"]
+        wire, trainers = state["wire"], state["trainers"]
+        refused, full, version = header(wire, False, state["wants"] is None, 0)
+        out["delta"] = not full
+        if refused:
+            out["refused"] = True
+            return
+        started = time.perf_counter()
+        model, error, digests = self.get_model(), None, {}
+        try:
+            new, _ = receive_wants(wire, trainers, state["pieces"], plan.wants, state["wants"], full)
+            sources = {**{str(i): t for i, t in enumerate(new)}, **state["constants"]}
             with torch.no_grad():
                 for owner, attrs in plan.layers.items():
                     module = model.get_submodule(owner)
                     kept.append((module, snapshot(module)))
                     rebuild(module, attrs, _writer(state, owner, sources, digests), self.vllm_config)
+        except PeerFailure:
+            raise
         except Exception as e:  # any failure: this rank says no, every rank puts its old layers back
             log.exception("weight sync: worker %d failed to build version %d", self.rank, version)
             error = f"worker {self.rank}: {type(e).__name__}: {e}"
-        agreed = state["wire"].agree(error is None)
+            state["store"].set(f"failed/{version}/{self.rank}", error)
+        agreed = wire.agree(error is None)
         if not agreed:
             for module, old in reversed(kept):
                 put_back(module, old)
             error = error or f"worker {self.rank}: another rank failed; the old weights are kept"
         else:
-            state["version"] = version
-        out = {"rank": self.rank, "version": state["version"], "bytes": packet.numel()}
-        out.update(shard_bytes=plan.shard_bytes, seconds=time.perf_counter() - started, error=error)
-        out["digests"] = digests if state["digests"] else None
-        return out
+            state["version"], state["wants"] = version, new
+        kept.clear()
+        sent, changed = stats(wire, [0] * self.parallel_config.world_size, [0] * self.parallel_config.world_size)
+        out.update(version=state["version"], bytes=sent[self.rank], changed=changed[self.rank], error=error)
+        out.update(seconds=time.perf_counter() - started, digests=digests if state["digests"] else None)
 
     def regiontrace_sync_verify(self, sync: str, folder: str) -> dict[str, str]:
         """The digests of the load-time parameters a push writes as vLLM's own ``model.load_weights`` writes them

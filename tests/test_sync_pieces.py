@@ -1,0 +1,151 @@
+"""Weight sync's pieces and wire without an engine (``loader.vllm.sync_pieces``, ``loader.vllm.sync_push``).
+
+Which trainer rank sends which part of a worker's wants (the lowest rank holding it, the wants covered exactly);
+and a real gloo group of two trainer ranks and two workers (threads of this process) pushing full, then delta:
+the workers' wants bit for bit the trainer's tensors cast to bf16, the delta's bytes on the wire far below a full
+push's, the changed bytes counted; a trainer rank that hangs mid-push is a PeerFailure on every other member.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from loader.errors import PeerFailure
+from loader.vllm.sync_pieces import plan_pieces
+from loader.vllm.sync_plan import Want
+from loader.vllm.sync_push import header, prepare_outgoing, receive_wants, send_packets, stats
+from loader.vllm.sync_wire import Wire, host_store, join_store
+
+ROWS, COLS = 10, 6
+
+
+def rows_parts(bounds: list[tuple[int, int]], key: str = "w", cols: int = COLS) -> list[dict]:
+    """Per rank, ``key``'s rows ``bounds[r]`` (an FSDP ``Shard(0)``), plus a replicated ``b`` of 4 elements."""
+    return [
+        {key: [[[[a, b], [0, cols]], [[0, b - a], [0, cols]]]] if b > a else [], "b": [[[[0, 4]], [[0, 4]]]]}
+        for a, b in bounds
+    ]
+
+
+def test_each_piece_comes_from_the_lowest_rank_holding_it_and_the_wants_are_covered_once():
+    wants = [Want("w", (3, 0), (5, COLS), torch.bfloat16), Want("b", (0,), (4,), torch.bfloat16)]
+    pieces = plan_pieces(wants, rows_parts([(0, 5), (5, 10)]))
+    assert [(p.want, p.box, p.sender, p.local) for p in pieces] == [
+        (0, ((3, 5), (0, 6)), 0, ((3, 5), (0, 6))),
+        (0, ((5, 8), (0, 6)), 1, ((0, 3), (0, 6))),
+        (1, ((0, 4),), 0, ((0, 4),)),  # replicated: sent once, by rank 0
+    ]
+
+
+def test_a_want_no_trainer_rank_holds_is_an_error_naming_the_tensor():
+    with pytest.raises(ValueError, match="trainer tensor 'w'"):
+        plan_pieces([Want("w", (0, 0), (10, COLS), torch.bfloat16)], rows_parts([(0, 4), (5, 10)]))
+
+
+def run_members(fns: list) -> list:
+    """Run each ``fn()`` in its own thread; their results (or exceptions)."""
+    out: list = [None] * len(fns)
+
+    def call(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.fixture()
+def world():
+    """Two trainer ranks holding rows 0-5 / 5-10 of a float32 ``w`` (and ``b`` each), two workers wanting rows
+    2-7 and 6-10 of it in bf16 (worker 1 also ``b``)."""
+    bounds = [(0, 5), (5, 10)]
+    parts = rows_parts(bounds)
+    wants = [
+        [Want("w", (2, 0), (5, COLS), torch.bfloat16)],
+        [Want("w", (6, 0), (4, COLS), torch.bfloat16), Want("b", (0,), (4,), torch.bfloat16)],
+    ]
+    pieces = [plan_pieces(w, parts) for w in wants]
+    store = host_store(0, 10.0)
+    address = f"127.0.0.1:{store.port}"
+    wires = run_members([lambda r=r: Wire(join_store(address, 10.0), r, 4, 3.0) for r in range(4)])
+    assert not any(isinstance(w, BaseException) for w in wires), wires
+    return {"bounds": bounds, "wants": wants, "pieces": pieces, "wires": wires}
+
+
+def push(world: dict, full_w: torch.Tensor, bias: torch.Tensor, bases: list, olds: list, delta: bool, hang=None):
+    """One push over ``world``; each member's result (trainers: bytes sent, totals; workers: wants, bytes)."""
+    wants, pieces, wires = world["wants"], world["pieces"], world["wires"]
+
+    def trainer(r: int):
+        a, b = world["bounds"][r]
+        local = {"w": full_w[a:b], "b": bias}
+        mine = [[p for p in ps if p.sender == r] for ps in pieces]
+        out = prepare_outgoing(local, mine, wants, bases[r], delta)
+        _, full, _ = header(wires[r], False, not delta or any(x is None for x in bases[r]), 1)
+        if hang == r:
+            return None  # never sends: the others time out
+        sent = send_packets(wires[r], 2, out, full)
+        assert wires[r].agree(True)
+        bases[r] = out.segments
+        return sent, stats(wires[r], sent, out.changed)
+
+    def worker(w: int):
+        _, full, _ = header(wires[2 + w], False, olds[w] is None, 0)
+        new, got = receive_wants(wires[2 + w], 2, pieces[w], wants[w], olds[w], full)
+        assert wires[2 + w].agree(True)
+        olds[w] = new
+        return new, got, stats(wires[2 + w], [0, 0], [0, 0])
+
+    return run_members([lambda: trainer(0), lambda: trainer(1), lambda: worker(0), lambda: worker(1)])
+
+
+def expected(wants: list, full_w: torch.Tensor, bias: torch.Tensor) -> list:
+    tensors = {"w": full_w, "b": bias}
+    out = []
+    for want in wants:
+        box = tensors[want.key]
+        for d, (o, n) in enumerate(zip(want.offsets, want.lengths)):
+            box = box.narrow(d, o, n)
+        out.append(box.to(want.dtype))
+    return out
+
+
+def test_a_full_then_a_delta_push_give_the_workers_the_trainers_values_bit_for_bit(world):
+    torch.manual_seed(0)
+    w, b = torch.randn(ROWS, COLS), torch.randn(4)
+    bases, olds = [[None, None], [None, None]], [None, None]
+    first = push(world, w, b, bases, olds, delta=True)  # the first push is full, whatever is asked
+    assert not any(isinstance(x, BaseException) for x in first), first
+    for k in (0, 1):
+        assert all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+                   for x, y in zip(first[2 + k][0], expected(world["wants"][k], w, b)))  # fmt: skip
+    full_bytes = first[0][1][0]
+    assert full_bytes == (5 * COLS * 2, 4 * COLS * 2 + 4 * 2)  # each worker's wants in bf16, once
+    w2 = w.clone()
+    w2[7, 3] += 1.0  # one element changed (worker 1's row 7; trainer rank 1's)
+    second = push(world, w2, b, bases, olds, delta=True)
+    assert not any(isinstance(x, BaseException) for x in second), second
+    for k in (0, 1):
+        got = second[2 + k][0]
+        assert all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+                   for x, y in zip(got, expected(world["wants"][k], w2, b)))  # fmt: skip
+    sent, changed = second[0][1]
+    assert changed == (0, 2) and all(s < f for s, f in zip(sent, full_bytes)) and sent == (second[2][1], second[3][1])
+
+
+def test_a_trainer_rank_that_hangs_mid_push_is_a_peer_failure_on_every_other_member(world):
+    w, b = torch.randn(ROWS, COLS), torch.randn(4)
+    out = push(world, w, b, [[None, None], [None, None]], [None, None], delta=False, hang=1)
+    assert out[1] is None
+    for member in (0, 2, 3):
+        assert isinstance(out[member], PeerFailure), out[member]
+        assert out[member].stage == "sync"
