@@ -1,0 +1,120 @@
+"""Weight sync from two torchrun trainer ranks (FSDP2) into an engine of another process, one engine start.
+
+docs/vllm.md's two scripts (its ``python vllm sync-engine`` and ``python vllm sync-trainer`` blocks) are what runs:
+:mod:`vllm_sync_engine` starts the engine (TP 2) and its endpoint from the first; torchrun starts
+:mod:`vllm_sync_trainer` on two ranks, each holding its FSDP2 shards of a float32 Llama loaded from the engine's
+checkpoint (its embeddings frozen), taking three AdamW steps, each pushed (the first full, the others deltas).
+After each push every worker's rebuilt parameters are bit for bit what vLLM's own ``load_weights`` writes from the
+trainer's full state dict, and the greedy tokens change; a full push sends each worker its shard's bytes once, a
+delta push fewer (the frozen embeddings not again). Last, trainer rank 1 hangs mid-push: the engine and trainer
+rank 0 raise PeerFailure, and the engine's tokens are the last good version's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_checkpoints import write_checkpoint
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+#: seconds the engine start and the whole sync may take (a TP 2 start takes 1-3 minutes on 2 shared cores)
+LIMIT = int(os.environ.get("VLLM_ENGINE_LIMIT", 600))
+#: seconds a sync's collective may wait for a peer (the hung rank's push fails after it)
+TIMEOUT = 60
+STEPS = 3
+#: docs/vllm.md's weight-sync scripts, by the word after ```python vllm
+BLOCK = re.compile(r"^```python vllm (?P<name>sync-\w+)[ \t]*\n(?P<code>.*?)^```[ \t]*$", re.M | re.S)
+
+
+def docs_scripts(tmp: Path) -> dict[str, Path]:
+    blocks = {m["name"]: m["code"] for m in BLOCK.finditer((REPO / "docs" / "vllm.md").read_text())}
+    assert sorted(blocks) == ["sync-engine", "sync-trainer"], sorted(blocks)
+    paths = {}
+    for name, code in blocks.items():
+        paths[name] = tmp / f"{name}.py"
+        paths[name].write_text(code)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("ranks")
+    model = write_checkpoint("llama", tmp / "model")
+    scripts = docs_scripts(tmp)
+    ctx = {"model": str(model), "work": str(tmp), "address": str(tmp / "address"), "timeout": TIMEOUT}
+    ctx.update(engine=str(scripts["sync-engine"]), trainer=str(scripts["sync-trainer"]), limit=LIMIT)
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)]),
+    }
+    engine_ctx = {**ctx, "pushes": STEPS, "out": str(tmp / "engine.json")}
+    engine = [sys.executable, str(HERE / "vllm_sync_engine.py"), json.dumps(engine_ctx)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    trainers = [*torchrun, str(HERE / "vllm_sync_trainer.py"), json.dumps({**ctx, "steps": STEPS})]
+    logs = [open(tmp / "engine.log", "w"), open(tmp / "trainers.log", "w")]
+    procs = [subprocess.Popen(argv, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+             for argv, log in zip([engine, trainers], logs)]  # fmt: skip
+    try:
+        codes = [p.wait(timeout=LIMIT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "".join((tmp / f"{n}.log").read_text()[-6000:] for n in ("engine", "trainers"))
+    assert codes == [0, 0] and (tmp / "engine.json").exists(), text
+    out = {"engine": json.loads((tmp / "engine.json").read_text())}
+    for r in (0, 1):
+        out[f"trainer{r}"] = json.loads((tmp / f"trainer{r}.json").read_text())
+    return out
+
+
+def test_every_push_writes_what_vllms_own_load_writes_from_the_trainers_full_state(synced):
+    steps = synced["engine"]["steps"]
+    assert [s["version"] for s in steps] == list(range(1, STEPS + 1))
+    for s in steps:
+        assert len(s["digests"]) == len(s["oracle"]) == 2
+        for ours, default in zip(s["digests"], s["oracle"]):
+            assert len(ours) > 10 and ours == default  # every rebuilt parameter, bit for bit
+
+
+def test_every_push_changes_the_tokens(synced):
+    tokens = [synced["engine"]["tokens"], *(s["tokens"] for s in synced["engine"]["steps"])]
+    assert all(len(t) == 2 and all(len(x) == 8 for x in t) for t in tokens)
+    assert all(a != b for a, b in zip(tokens, tokens[1:])), tokens
+
+
+def test_a_full_push_sends_each_worker_its_shard_once_and_a_delta_push_fewer_bytes(synced):
+    engine, reports = synced["engine"]["steps"], synced["trainer0"]["reports"]
+    other = synced["trainer1"]["reports"]
+    assert [r["bytes_sent"] for r in other] == [r["bytes_sent"] for r in reports]  # both ranks report the totals
+    full = engine[0]
+    padding = [0, 2 * 24 * 64 * 2]  # rank 1's 24 padding rows of embed_tokens and lm_head (zeros, not sent)
+    assert not full["delta"] and not reports[0]["delta"]
+    for sent, shard, pad in zip(full["bytes_sent"], full["shard_bytes"], padding):
+        assert shard > 0 and sent == shard - pad  # every wanted byte, once, in bf16 (half the trainer's float32)
+    for trainer, got in zip(reports, engine):
+        assert tuple(trainer["bytes_sent"]) == tuple(got["bytes_sent"])  # the trainers' wire bytes, received
+        assert trainer["changed_bytes"] == got["changed_bytes"]
+    for delta in engine[1:]:
+        assert delta["delta"]
+        for sent, changed, whole in zip(delta["bytes_sent"], delta["changed_bytes"], full["bytes_sent"]):
+            assert 0 < changed < whole and sent < whole  # the frozen embeddings do not travel again
+
+
+def test_a_hung_trainer_rank_is_a_peer_failure_and_the_engine_serves_the_last_good_version(synced):
+    engine = synced["engine"]
+    assert engine["failure"]["type"] == "PeerFailure", engine["failure"]
+    assert synced["trainer0"]["failure"]["type"] == "PeerFailure", synced["trainer0"]
+    assert synced["trainer1"].get("hung")
+    assert engine["versions"] == [STEPS, STEPS]
+    assert engine["tokens_after_failure"] == engine["steps"][-1]["tokens"]
