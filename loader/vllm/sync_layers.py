@@ -115,13 +115,17 @@ def load_time_params(module: torch.nn.Module) -> list[str]:
 
 def ties(model: torch.nn.Module) -> dict[str, str]:
     """``model``'s tied parameters as they are now (outside a :func:`load_time_view`, which holds each layer's own
-    meta tensors): each name after the first of a shared parameter -> the first (see the module)."""
-    first: dict[int, str] = {}
+    meta tensors): each name after the first of a parameter held by two layers -> the first (see the module). A
+    layer reached under two names (vLLM's fused-MoE layer holds its router, ``experts.gate``, which is ``gate``)
+    is one layer, not a tie."""
+    first: dict[int, tuple[str, tuple[int, str]]] = {}
     out: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        canonical = first.setdefault(id(param), name)
-        if canonical != name:
-            out[name] = canonical
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            name, slot = f"{prefix}.{attr}" if prefix else attr, (id(module), attr)
+            canonical, its_slot = first.setdefault(id(param), (name, slot))
+            if its_slot != slot:
+                out[name] = canonical
     return out
 
 
