@@ -118,7 +118,7 @@ class EngineSync:
             state = self.trainer.state_dict()
             _check_unchanged(state, self.shapes)
             out = prepare_outgoing(local_parts(state)[1], self.mine, self.wants, self.base, delta)
-        except (ValueError, KeyError) as e:
+        except Exception as e:  # refused on every rank before anything is sent (this rank raises its own error)
             error = e
             self.store.set(f"refused/{self.attempt}/{self.rank}", f"trainer rank {self.rank}: {e}")
         full = not delta or any(b is None for b in self.base)
