@@ -180,13 +180,28 @@ def main() -> None:
     mdtable.emit(args.markdown, load, HEADERS, body, packages=PACKAGES, width=20)
     print()
     print("\n".join(f"- {n}" for n in notes(results)))
-    delta = [row for r in results.values() if "delta" in r for row in r["delta"]]
+    delta = [delta_row(name, d) for name, r in results.items() for d in r.get("delta", [])]
     if delta:
         print()
         print(mdtable.table(DELTA_HEADERS, delta) if args.markdown else "\n".join(map(str, delta)))
 
 
-DELTA_HEADERS = ["family", "learning rate", "changed bf16 elements", "wall", "wire ÷ changed bytes", "same as full"]
+DELTA_HEADERS = [
+    "family",
+    "AdamW learning rate",
+    "changed bf16 elements",
+    "delta push wall",
+    "full push wall, same weights",
+    "wire ÷ changed bytes",
+    "= full push",
+]
+
+
+def delta_row(name: str, d: dict) -> list[str]:
+    """One row of the delta table (bench/sync_delta.py)."""
+    same = f"yes ({d['count']} parameters)" if d["same"] else "NO"
+    return [name, f"{d['lr']:.2e}", f"{100 * d['changed']:.2f} %", mdtable.spread(d["walls"]),
+            mdtable.spread(d["full_walls"]), f"{d['wire_over_changed']:.3f}", same]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,13 +35,14 @@ class Peers:
     """The trainer's side of the peers (bench/sync_peers.py): its gloo group with the engine's workers."""
 
     def __init__(self, llm, trainer, sync: str, timeout: float = 600.0):
-        from loader.vllm.sync_wire import Wire, host_store
+        from loader.vllm.sync_wire import HOST, Wire, host_store
 
         self.llm, self.trainer, self.sync, self.timeout = llm, trainer, sync, timeout
         self.workers = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         world = 1 + self.workers
-        store = host_store(world, timeout)
-        self.wire = beside(llm, "peer_connect", (store.port, world, timeout), lambda: Wire(store, 0, world, timeout))[1]
+        store = host_store(0, timeout)
+        address = f"{HOST}:{store.port}"
+        self.wire = beside(llm, "peer_connect", (address, world, timeout), lambda: Wire(store, 0, world, timeout))[1]
 
     def push(self, bucket: int, streamed: bool, digests: bool = False) -> dict:
         """One peer push (``bucket=0``: one tensor a message); its wall, per worker answers, bytes sent."""
@@ -59,15 +60,13 @@ class Peers:
             for group in buckets(specs, bucket):
                 parts = [tensors[i][1].contiguous().reshape(-1).view(torch.uint8) for i in group]
                 packet = parts[0] if len(parts) == 1 else torch.cat(parts)
-                for w in range(self.workers):
-                    self.wire.send(packet, 1 + w)
-                    sent[0] += packet.numel()
+                self.wire.exchange([(packet, 1 + w) for w in range(self.workers)], [])
+                sent[0] += packet.numel() * self.workers
             self.wire.agree(True)
 
         answers, _ = beside(self.llm, "peer_receive", (self.sync, specs, bucket, streamed, digests), send)
-        wall = time.perf_counter() - started
         self.llm.reset_prefix_cache()
-        return {"wall": wall, "answers": answers, "sent": sent[0]}
+        return {"wall": time.perf_counter() - started, "answers": answers, "sent": sent[0]}
 
 
 def beside(llm, method: str, args: tuple, work):
@@ -101,25 +100,13 @@ def report_row(label: str, walls: list[float], reports: list) -> dict:
     }
 
 
-def ours(llm, trainer, pushes: int) -> tuple:
-    """(the sync, our rows: first push with and without planning, replayed pushes, the planning's seconds)."""
-    from loader.vllm import EngineSync
-
-    began = time.perf_counter()
-    sync = EngineSync(llm, trainer)
-    planning = time.perf_counter() - began
-    step(trainer, 1)
-    first = sync.push()
-    reports = []
-    for n in range(pushes):
-        step(trainer, 100 + n)
-        reports.append(sync.push())
-    rows = [
+def report_rows(planning: float, first, reports: list, pushes: int) -> list[dict]:
+    """Our rows: first push with and without planning, replayed pushes."""
+    return [
         report_row("ours, first push incl. planning (EngineSync construction)", [planning + first.seconds], [first]),
         report_row("ours, first push excl. planning", [first.seconds], [first]),
         report_row(f"ours, replayed push (×{pushes})", [r.seconds for r in reports], reports),
     ]
-    return sync, rows, planning
 
 
 def peer_row(label: str, results: list[dict]) -> dict:
@@ -150,19 +137,27 @@ def main(ctx: dict) -> None:
     out["params"] = sum(t.numel() for t in state.values())
     out["model_bytes"] = 2 * out["params"]
     out["tensors"] = len(state)
-    sync, rows, out["planning_seconds"] = ours(llm, trainer, ctx["pushes"])
-    out["shard_bytes"] = rows[0]["shard_bytes"]
-    peers = Peers(llm, trainer, sync.id)
+    began = time.perf_counter()
+    sync = EngineSync(llm, trainer)
+    out["planning_seconds"] = planning = time.perf_counter() - began
+    step(trainer, 1)
+    first = sync.push()
+    out["shard_bytes"] = list(first.shard_bytes)
+    peers = Peers(llm, trainer, sync.endpoint.id)
     ways = {
         "verl": ("verl way: full state dict, every tensor whole to every worker", 0, False),
         "ckpt": (f"checkpoint-engine way: {ctx['bucket'] >> 20} MiB buckets to every worker", ctx["bucket"], True),
     }
-    for key, (label, bucket, streamed) in ways.items():
-        results = []
-        for n in range(ctx["pushes"]):
-            step(trainer, 200 + n)
-            results.append(peers.push(bucket, streamed))
-        rows.append({**peer_row(f"{label} (×{ctx['pushes']})", results), "key": key})
+    reports, results = [], {key: [] for key in ways}
+    for n in range(ctx["pushes"]):  # the ways take turns: a load spike falls on all of them alike
+        step(trainer, 100 + n)
+        reports.append(sync.push())
+        for i, (key, (_, bucket, streamed)) in enumerate(ways.items()):
+            step(trainer, 200 + 10 * n + i)
+            results[key].append(peers.push(bucket, streamed))
+    rows = report_rows(planning, first, reports, ctx["pushes"])
+    for key, (label, _, _) in ways.items():
+        rows.append({**peer_row(f"{label} (×{ctx['pushes']})", results[key]), "key": key})
     # the check: the same trainer weights pushed by ours (digests recorded) and by each peer
     step(trainer, 999)
     checker = EngineSync(llm, trainer, digests=True)
@@ -179,6 +174,9 @@ def main(ctx: dict) -> None:
         differ = sorted({n for a, d in zip(theirs["answers"], mine.digests) for n in d if a["digests"].get(n) != d[n]})
         row["same"] = f"yes ({count} parameters)" if all(same) else f"NO: {', '.join(differ[:4])} ({len(differ)})"
         out["tokens_equal"] &= generate(llm, {"prompts": PROMPTS}) == tokens
+    from sync_delta import delta_rows
+
+    out["delta"] = delta_rows(llm, trainer, checker, steps=ctx.get("delta_steps", 2))
     checker.close()
     sync.close()
     out["ways"] = rows

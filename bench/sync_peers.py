@@ -54,9 +54,9 @@ def nbytes(spec: Spec) -> int:
 class PeerWorker(SyncWorker):
     """Our :class:`~loader.vllm.SyncWorker` plus the peers' ``peer_*`` methods (see the module)."""
 
-    def peer_connect(self, port: int, world: int, seconds: float) -> dict:
-        """Join the trainer's peer group as rank ``1 + this worker's rank``."""
-        self._peer_wire = Wire(join_store(port, world, seconds), 1 + self.rank, world, seconds)
+    def peer_connect(self, address: str, world: int, seconds: float) -> dict:
+        """Join the trainer's peer group at ``address`` (``host:port``) as rank ``1 + this worker's rank``."""
+        self._peer_wire = Wire(join_store(address, seconds), 1 + self.rank, world, seconds)
         return {"rank": self.rank}
 
     def peer_receive(self, sync: str, specs: list[Spec], bucket: int, streamed: bool, digests: bool) -> dict:
@@ -73,7 +73,8 @@ class PeerWorker(SyncWorker):
             held: list[tuple[str, torch.Tensor]] = []
             for group in buckets(specs, bucket):
                 size = sum(nbytes(specs[i]) for i in group)
-                packet = self._peer_wire.recv(size)
+                packet = torch.empty(size, dtype=torch.uint8)
+                self._peer_wire.exchange([], [(packet, 0)])
                 started = started or time.perf_counter()
                 received += size
                 tensors = list(split(packet, [specs[i] for i in group]))
