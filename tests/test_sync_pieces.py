@@ -8,6 +8,9 @@ push's, the changed bytes counted; a trainer rank that hangs mid-push is a PeerF
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -78,7 +81,7 @@ def world():
     address = f"127.0.0.1:{store.port}"
     wires = run_members([lambda r=r: Wire(join_store(address, 10.0), r, 4, 3.0) for r in range(4)])
     assert not any(isinstance(w, BaseException) for w in wires), wires
-    return {"bounds": bounds, "wants": wants, "pieces": pieces, "wires": wires}
+    return {"bounds": bounds, "wants": wants, "pieces": pieces, "wires": wires, "store": store}
 
 
 def push(world: dict, full_w: torch.Tensor, bias: torch.Tensor, bases: list, olds: list, delta: bool, hang=None):
@@ -149,3 +152,45 @@ def test_a_trainer_rank_that_hangs_mid_push_is_a_peer_failure_on_every_other_mem
     for member in (0, 2, 3):
         assert isinstance(out[member], PeerFailure), out[member]
         assert out[member].stage == "sync"
+
+
+#: trainer rank 1 as a process of its own: it joins, starts the push, and dies
+DYING = """
+import os, sys
+from loader.vllm.sync_push import header
+from loader.vllm.sync_wire import Wire, join_store
+wire = Wire(join_store(sys.argv[1], 20.0), 1, 4, 20.0)
+header(wire, False, True, 1)
+os._exit(1)
+"""
+
+
+def test_a_trainer_rank_that_dies_mid_push_is_a_peer_failure_on_every_other_member():
+    torch.manual_seed(1)
+    w, b = torch.randn(ROWS, COLS), torch.randn(4)
+    parts = rows_parts([(0, 5), (5, 10)])
+    wants = [[Want("w", (2, 0), (5, COLS), torch.bfloat16)], [Want("w", (6, 0), (4, COLS), torch.bfloat16)]]
+    pieces = [plan_pieces(x, parts) for x in wants]
+    store = host_store(0, 20.0)
+    address = f"127.0.0.1:{store.port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), *sys.path])}
+    dying = subprocess.Popen([sys.executable, "-c", DYING, address], env=env)
+
+    def trainer():
+        wire = Wire(join_store(address, 20.0), 0, 4, 20.0)
+        mine = [[p for p in ps if p.sender == 0] for ps in pieces]
+        out = prepare_outgoing({"w": w[0:5], "b": b}, mine, wants, [None, None], False)
+        _, full, _ = header(wire, False, True, 1)
+        send_packets(wire, 2, out, full)
+        return wire.agree(True)
+
+    def worker(k: int):
+        wire = Wire(join_store(address, 20.0), 2 + k, 4, 20.0)
+        _, full, _ = header(wire, False, True, 0)
+        receive_wants(wire, 2, pieces[k], wants[k], None, full)
+        return wire.agree(True)
+
+    out = run_members([trainer, lambda: worker(0), lambda: worker(1)])
+    assert dying.wait(30) == 1
+    for member in out:
+        assert isinstance(member, PeerFailure) and member.stage == "sync", member

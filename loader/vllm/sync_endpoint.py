@@ -90,8 +90,8 @@ class SyncEndpoint:
                 over (a new endpoint and :class:`~loader.vllm.EngineSync` make another).
         """
         self.attempt += 1
-        started = time.perf_counter()
         get_json(self.store, f"push/{self.attempt}", self.timeout if wait is None else wait, "waiting for a push")
+        started = time.perf_counter()
         answers = sorted(self.llm.collective_rpc("regiontrace_sync_receive", args=(self.id, self.attempt)), key=_rank)
         peers = [a["peer"] for a in answers if a["peer"]]
         if peers:
@@ -107,7 +107,7 @@ class SyncEndpoint:
             version=self.version,
             bytes_sent=tuple(a["bytes"] for a in answers),
             shard_bytes=tuple(a["shard_bytes"] for a in answers),
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - started,  # from the trainers' start of the push
             worker_seconds=tuple(a["seconds"] for a in answers),
             digests=tuple(a["digests"] for a in answers) if self.digests else None,
             changed_bytes=tuple(a["changed"] for a in answers),
