@@ -42,6 +42,8 @@ FULL, DIFF = 1, 2
 #: integer views of each element width (bits compared, never values)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+#: at most this many values (evenly strided) choose a Rice stream's parameters
+SAMPLE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -205,24 +207,33 @@ def _rice(v: torch.Tensor, limit: int | None = None) -> torch.Tensor | None:
 
 def _rice_cost(v: torch.Tensor) -> tuple[int, int, int, int]:
     """``(k, cap, width, bits)``: the Rice parameter and the escape (a high part of ``cap`` or more ones is sent as
-    ``cap`` ones and ``width`` bits; 0: none) that cost fewest ``bits``, from a histogram of the high parts."""
+    ``cap`` ones and ``width`` bits; 0: none) that cost fewest bits on an evenly strided sample of at most
+    :data:`SAMPLE` values (from a histogram of the high parts per ``k``), and what they cost on all ``v``."""
     n = v.numel()
-    top = int(v.max()).bit_length() if n else 0
-    middle = int(v.kthvalue((n + 1) // 2).values).bit_length() if n else 0
-    best = (0, 0, 0, float("inf"))
-    for k in range(max(0, middle - 4), min(62, max(middle + 6, 0)) + 1):
-        high = v >> k
-        width = max(1, top - k)
-        counts = torch.bincount(high.clamp(max=64), minlength=65).double()
-        head = torch.cumsum(counts * (torch.arange(65) + 1), 0) - counts * (torch.arange(65) + 1)  # below each q
-        above = n - (torch.cumsum(counts, 0) - counts)  # at or above each q
-        escaped = head + above * (torch.arange(65) + 1 + width)
-        cap = int(escaped[1:].argmin()) + 1
-        options = [(cap, float(escaped[cap])), (0, float(high.double().sum()) + n)]
-        for c, bits in options:
-            if bits + n * k < best[3]:
-                best = (k, c, width, bits + n * k)
-    return best[0], best[1], best[2], int(best[3])
+    if not n:
+        return 0, 0, 1, 0
+    top = int(v.max()).bit_length()
+    sample = v[:: max(1, n // SAMPLE)]
+    middle = int(sample.kthvalue((sample.numel() + 1) // 2).values).bit_length()
+    q = torch.arange(65, dtype=torch.float64)
+    best = (float("inf"), 0, 0)
+    for k in range(max(0, middle - 4), min(62, middle + 6) + 1):
+        counts = torch.bincount((sample >> k).clamp(max=64), minlength=65).double()
+        head = torch.cumsum(counts * (q + 1), 0) - counts * (q + 1)  # the ones and zeros of the high parts below q
+        above = sample.numel() - (torch.cumsum(counts, 0) - counts)  # high parts at or above q
+        escaped = (head + above * (q + 1 + max(1, top - k)))[1:]
+        cap = int(escaped.argmin()) + 1
+        plain = float((sample >> k).double().sum()) + sample.numel()
+        for c, bits in ((cap, float(escaped[cap - 1])), (0, plain)):
+            best = min(best, (bits + sample.numel() * k, k, c))
+    _, k, cap = best
+    width = max(1, top - k)
+    high = v >> k
+    if cap:
+        bits = int(high.clamp(max=cap).sum()) + n + int((high >= cap).sum()) * width
+    else:
+        bits = int(high.double().sum()) + n
+    return k, cap, width, bits + n * k
 
 
 def _bits(v: torch.Tensor, width: int) -> torch.Tensor:
