@@ -2,9 +2,10 @@
 
 Each start (:mod:`vllm_sync`) serves a checkpoint, Llama or Qwen3-MoE (whose transformers trainer holds its
 experts fused, ``mlp.experts.gate_up_proj``, where the checkpoint has them one by one); a float32 trainer loaded
-from it takes three steps, each pushed: every worker's rebuilt parameters are bit for bit what vLLM's own
-``load_weights`` writes from the trainer's saved weights, the greedy tokens change, each worker is sent its
-shard's bytes (the vocabulary's padding rows are zeros, not sent), and a trainer of another shape is refused
+from it takes three steps, each pushed (the second and third as deltas, where the sync has them): every worker's
+rebuilt parameters are bit for bit what vLLM's own ``load_weights`` writes from the trainer's saved weights, the
+greedy tokens change, each worker is sent its shard's bytes on a full push (the vocabulary's padding rows are
+zeros, not sent) and under half of them on a delta push, and a trainer of another shape is refused
 naming its tensor while the engine serves on. For Llama, vLLM's own ``reload_weights`` of the last step's saved
 trainer then generates the synced engine's tokens (vLLM's reload of CPU experts fails). For both, a fresh model
 vLLM's default loader loads from the trainer's saved bf16 checkpoint, swapped into the same engine
@@ -81,11 +82,27 @@ def test_every_push_changes_the_tokens(synced):
 
 def test_each_worker_is_sent_its_shard(synced):
     for s in synced["steps"]:
+        if s.get("delta"):
+            continue  # a delta push: below
         assert len(s["bytes_sent"]) == len(s["shard_bytes"]) == 2
         # the vocabulary (1000 rows) padded to 1024: rank 1's last 24 rows of embed_tokens and lm_head are zeros
         padding = [0, 2 * 24 * 64 * 2]
         for sent, shard, ratio, pad in zip(s["bytes_sent"], s["shard_bytes"], s["ratios"], padding):
             assert shard > 0 and sent == shard - pad and ratio == sent / shard
+
+
+def test_the_later_pushes_send_deltas_smaller_than_a_full_push(synced):
+    """Steps after the first change a tenth of each tensor's elements and push deltas (where the sync has
+    ``push(delta=True)``): each worker gets under half the bytes the full first push sent it, its changed bytes
+    about a tenth of them, and the digests above hold for these pushes too."""
+    if not synced["delta"]:
+        pytest.skip("this EngineSync has no push(delta=True)")
+    full = synced["steps"][0]
+    assert not full["delta"]
+    for s in synced["steps"][1:]:
+        assert s["delta"], s
+        for sent, changed, whole in zip(s["bytes_sent"], s["changed_bytes"], full["bytes_sent"]):
+            assert 0 < changed < whole / 5 and 0 < sent < whole / 2, (sent, changed, whole)
 
 
 def test_a_trainer_of_another_shape_is_refused_and_the_engine_serves_on(synced):

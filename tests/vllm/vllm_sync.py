@@ -2,9 +2,11 @@
 
 The context names the model folder (``model``), ``tp``, the prompts (token ids), ``steps`` and a scratch folder
 (``work``). A float32 trainer is loaded from the folder; the engine (``worker_extension_cls=
-"loader.vllm.SyncWorker"``) generates greedily; then each step changes every trainer weight, pushes, saves the
-trainer to ``work/step-N`` and records the report, every worker's digests of what the push wrote and of what
-vLLM's own ``load_weights`` writes from the saved folder, and the tokens generated. Then a trainer of the config
+"loader.vllm.SyncWorker"``) generates greedily; then each step changes the trainer's weights (the first every
+element; the later ones, where the sync has ``push(delta=True)`` (``delta``), a tenth of each tensor's elements,
+pushed as deltas), pushes, saves the trainer to ``work/step-N`` and records the report, every worker's digests of
+what the push wrote and of what vLLM's own ``load_weights`` writes from the saved folder, and the tokens
+generated. Then a trainer of the config
 changes ``bad`` is refused (``error``), a push of a trainer whose ``model.norm.weight`` grew is refused
 (``push_error``), and the engine generates again (``tokens_after_error``). With ``reload``,
 vLLM's own ``reload_weights`` then loads the last step's saved trainer (``tokens_reloaded``). Last, the trainer
@@ -15,6 +17,7 @@ loader loads from that folder (:func:`vllm_swap.swap_in_default`, in the same en
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -24,6 +27,9 @@ from pathlib import Path
 
 from vllm_engine import SETTINGS, generate
 from vllm_swap import swap_in_default
+
+#: the fraction of each tensor's elements a step after the first changes (those steps push deltas)
+DELTA_FRACTION = 0.1
 
 
 def trainer_from(folder: str, **changes):
@@ -37,14 +43,19 @@ def trainer_from(folder: str, **changes):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def step(trainer, seed: int) -> None:
-    """Change every weight of ``trainer`` a little (a training step's size)."""
+def step(trainer, seed: int, fraction: float = 1.0) -> None:
+    """Change the weights of ``trainer`` (a training step's size): every element a little, or a random
+    ``fraction`` of each tensor's elements by as much in all (the rest keep their bits: what a delta push leaves
+    off the wire)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in trainer.parameters():
-            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.05)
+            change = torch.randn(p.shape, generator=generator, dtype=p.dtype) * (0.05 / fraction)
+            if fraction < 1.0:
+                change *= torch.rand(p.shape, generator=generator) < fraction
+            p.add_(change)
 
 
 def main(ctx: dict) -> None:
@@ -64,9 +75,11 @@ def main(ctx: dict) -> None:
     began = time.perf_counter()
     sync = EngineSync(llm, trainer, digests=True)
     out["prepare_seconds"] = time.perf_counter() - began
+    out["delta"] = "delta" in inspect.signature(sync.push).parameters  # a sync that sends what changed
     for n in range(1, ctx["steps"] + 1):
-        step(trainer, n)
-        report = sync.push()
+        delta = out["delta"] and n > 1
+        step(trainer, n, DELTA_FRACTION if delta else 1.0)
+        report = sync.push(delta=True) if delta else sync.push()
         folder = work / f"step-{n}"
         trainer.save_pretrained(folder)
         oracle = sync.verify(str(folder))
