@@ -4,8 +4,9 @@ vLLM's Llama with ``tie_word_embeddings`` holds one parameter as ``model.embed_t
 ``lm_head.weight`` and its ``load_weights`` loads the first only; the trainer's ``state_dict`` has both keys. The
 sync sends the embedding once (not ``lm_head.weight``), and a push's rebuilt lm_head takes the new embedding (the
 tie holds, its kernel processed over it): after each push the embedding, the lm_head and the logits it computes
-are bit for bit those of a model vLLM's own ``load_weights`` loads from the trainer's whole ``state_dict``. A
-trainer writing the tie only under ``lm_head.weight`` is refused naming it.
+are bit for bit those of a model vLLM's own ``load_weights`` loads from the trainer's whole ``state_dict``; a
+push failing after the embedding's rebuild leaves the old embedding and tie. A trainer writing the tie only under
+``lm_head.weight`` is refused naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def test_after_each_push_the_lm_head_follows_the_embedding_as_vllms_own_load(tie
         assert push["oracle_tied"] and push["tied"], push
         assert push["embed_equal"] and push["head_equal"] and push["logits_equal"], push
         assert push["logits_changed"], push
+
+
+def test_a_push_failing_after_the_embedding_puts_back_the_old_tie(tied):
+    back = tied["put_back"]
+    assert back["last"] != "model.embed_tokens" and tied["failed"] == f"a write into {back['last']} failed"
+    assert back["tied"] and back["embed_same"] and back["logits_same"], back
 
 
 def test_a_trainer_writing_the_tie_only_under_its_second_name_is_refused(tied):

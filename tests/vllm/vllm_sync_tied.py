@@ -7,7 +7,8 @@ processed. The sync is planned for the trainer's tensors; two trainer steps are 
 (packed, unpacked, every planned layer rebuilt). After each push the model is compared with the oracle: a fresh
 model of the same config into which vLLM's own ``load_weights`` loads the trainer's whole ``state_dict``, then
 processed. Reported: the plan (wants, layers), whether the tie holds, the embedding's and lm_head's bytes and the
-logits the lm_head computes against the oracle's, and the refusal of a trainer writing the tie only under
+logits the lm_head computes against the oracle's, a failed push's put-back (the tie and the old embedding
+again), and the refusal of a trainer writing the tie only under
 ``lm_head.weight``.
 """
 
@@ -44,10 +45,11 @@ def processed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def push(model: torch.nn.Module, plan, state: dict) -> None:
+def push(model: torch.nn.Module, plan, state: dict, failing: str | None = None) -> None:
     """One push as a worker does it: each want's box of the trainer's tensors in its wire dtype (what a worker
-    receives), every planned layer rebuilt from them."""
-    from loader.vllm.sync_layers import rebuild
+    receives), every planned layer rebuilt from them; with ``failing``, writing that layer raises, and every layer
+    rebuilt is put back (as a worker does when a push fails), then the error is raised."""
+    from loader.vllm.sync_layers import put_back, rebuild, snapshot
     from regiontrace.executor import constant_value, execute_blocks, is_constant
 
     sources = {}
@@ -58,13 +60,23 @@ def push(model: torch.nn.Module, plan, state: dict) -> None:
         sources[str(i)] = box.to(want.dtype).contiguous()
     constants = {b.source for bs in plan.blocks.values() for b in bs if is_constant(b.source)}
     sources.update({c: constant_value(c) for c in constants})
-    with torch.no_grad():
-        for owner, attrs in plan.layers.items():
+    kept = []
+    try:
+        with torch.no_grad():
+            for owner, attrs in plan.layers.items():
 
-            def write(attr: str, tensor: torch.Tensor, owner: str = owner) -> None:
-                execute_blocks(plan.blocks[f"{owner}.{attr}"], sources, tensor.data)
+                def write(attr: str, tensor: torch.Tensor, owner: str = owner) -> None:
+                    if owner == failing:
+                        raise RuntimeError(f"a write into {owner} failed")
+                    execute_blocks(plan.blocks[f"{owner}.{attr}"], sources, tensor.data)
 
-            rebuild(model.get_submodule(owner), attrs, write, model.vllm_config)
+                module = model.get_submodule(owner)
+                kept.append((module, snapshot(module)))
+                rebuild(module, attrs, write, model.vllm_config)
+    except RuntimeError:
+        for module, old in reversed(kept):
+            put_back(module, old)
+        raise
 
 
 def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,6 +137,20 @@ def main(ctx: dict) -> None:
             with set_current_vllm_config(oracle.vllm_config), torch.no_grad():
                 oracle.load_weights(iter(trainer.state_dict().items()))  # vLLM's own, the whole state dict
             out["pushes"].append(compare(model, processed(oracle), hidden, before))
+        # a push failing after the embedding was rebuilt: every layer put back, the tie the old one
+        step(trainer, 3)
+        before, weight = logits(model, hidden), model.model.embed_tokens.weight
+        last = [o for o in plan.layers if o != "lm_head"][-1]
+        try:
+            push(model, plan, trainer.state_dict(), failing=last)
+        except RuntimeError as e:
+            out["failed"] = str(e)
+        out["put_back"] = {
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "embed_same": model.model.embed_tokens.weight is weight,
+            "logits_same": torch.equal(bits(logits(model, hidden)), bits(before)),
+            "last": last,
+        }
         lone = {k: v for k, v in shapes.items() if k != "model.embed_tokens.weight"}
         try:
             plan_sync(model, lone, 1)
