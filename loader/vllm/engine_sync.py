@@ -78,8 +78,12 @@ class EngineSync:
         state = self.trainer.state_dict()
         self.shapes = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
         keys = [(k, list(shape), str(dtype).removeprefix("torch.")) for k, (shape, dtype) in self.shapes.items()]
-        parts, _ = local_parts(state)
-        put_json(self.store, f"prepare/{self.rank}", {"keys": keys, "parts": parts, "trainers": self.trainers})
+        prepare: dict = {"keys": keys, "trainers": self.trainers}
+        try:
+            prepare["parts"] = local_parts(state)[0]
+        except ValueError as e:  # a placement with no boxes (Partial): every rank hears it from the endpoint
+            prepare.update(parts={}, error=f"trainer rank {self.rank}: {e}")
+        put_json(self.store, f"prepare/{self.rank}", prepare)
         plan = get_json(self.store, "plan", self.timeout, "waiting for the engine's plan")
         if "error" in plan:
             raise ValueError(plan["error"])

@@ -63,6 +63,8 @@ class SyncEndpoint:
 
     def _plan(self, keys: list, prepares: list[dict]) -> None:
         for r, p in enumerate(prepares):
+            if "error" in p:
+                raise ValueError(p["error"])
             if p["keys"] != keys or p["trainers"] != self.trainers:
                 raise ValueError(f"trainer rank {r} prepared other tensors (or world) than trainer rank 0")
         answers = sorted(self.llm.collective_rpc("regiontrace_sync_prepare", args=(self.id, keys, self.digests)),
@@ -93,9 +95,9 @@ class SyncEndpoint:
         get_json(self.store, f"push/{self.attempt}", self.timeout if wait is None else wait, "waiting for a push")
         started = time.perf_counter()
         answers = sorted(self.llm.collective_rpc("regiontrace_sync_receive", args=(self.id, self.attempt)), key=_rank)
-        peers = [a["peer"] for a in answers if a["peer"]]
+        peers = [a for a in answers if a["peer"]]
         if peers:
-            raise PeerFailure(peers[0], stage="sync", reason="timeout" if "timeout" in peers[0].lower() else "died")
+            raise PeerFailure(f"worker {peers[0]['rank']}: {peers[0]['peer']}", stage="sync", reason=peers[0]["reason"])
         if any(a["refused"] for a in answers):
             raise ValueError(refusals(self.store, self.attempt, self.trainers))
         errors = [a["error"] for a in answers if a["error"]]

@@ -100,7 +100,7 @@ class SyncWorker:
             for module, old in reversed(kept):
                 put_back(module, old)
             log.error("weight sync: worker %d: %s", self.rank, e)
-            out["peer"], out["version"] = str(e), state["version"]
+            out["peer"], out["reason"], out["version"] = str(e), e.reason, state["version"]
         return out
 
     def _regiontrace_push(self, state: dict, out: dict, kept: list) -> None:

@@ -115,6 +115,8 @@ def test_a_hung_trainer_rank_is_a_peer_failure_and_the_engine_serves_the_last_go
     engine = synced["engine"]
     assert engine["failure"]["type"] == "PeerFailure", engine["failure"]
     assert synced["trainer0"]["failure"]["type"] == "PeerFailure", synced["trainer0"]
+    assert engine["failure"]["reason"] == synced["trainer0"]["failure"]["reason"] == "timeout"
+    assert "while agreeing on a push" in synced["trainer0"]["failure"]["message"]  # its packets had gone
     assert synced["trainer1"].get("hung")
     assert engine["versions"] == [STEPS, STEPS]
     assert engine["tokens_after_failure"] == engine["steps"][-1]["tokens"]

@@ -46,7 +46,8 @@ def main(ctx: dict) -> None:
     try:
         endpoint.receive()
     except PeerFailure as e:
-        out["failure"] = {"type": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - began}
+        out["failure"] = {"type": type(e).__name__, "message": str(e), "reason": e.reason}
+        out["failure"]["seconds"] = time.perf_counter() - began
     out["tokens_after_failure"] = docs["generate"](llm)
     out["versions"] = endpoint.versions()
     Path(ctx["out"]).write_text(json.dumps(out))

@@ -85,7 +85,8 @@ def main(ctx: dict) -> None:
     try:
         sync.push()
     except PeerFailure as e:
-        out["failure"] = {"type": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - began}
+        out["failure"] = {"type": type(e).__name__, "message": str(e), "reason": e.reason}
+        out["failure"]["seconds"] = time.perf_counter() - began
     except SystemExit:
         out["hung"] = True
     (work / f"trainer{rank}.json").write_text(json.dumps(out))
