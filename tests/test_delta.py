@@ -181,3 +181,19 @@ def test_forged_streams_are_refused():
     assert diff.diff
     with pytest.raises(ValueError, match="differences|stream"):
         apply_delta(base.clone(), Delta(False, diff.runs, diff.index, diff.values[:-1], diff.changed, True))
+
+
+def test_a_few_sign_changes_among_ulp_steps_are_escaped_not_sent_in_unary():
+    """1 % of the changes flip the sign (an integer difference of ~2^15): each costs its bits, not 2^15 ones."""
+    n = 1 << 16
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(n, generator=g).to(torch.bfloat16)
+    mask = torch.rand(n, generator=g) < 0.05
+    new = _nudged(base, mask, torch.ones(n, dtype=torch.int64))
+    flips = mask & (torch.rand(n, generator=g) < 0.01)
+    new[flips] = -new[flips]
+    delta = encode_delta(base, new)
+    assert delta.diff and delta.nbytes / (2 * delta.changed) <= 0.8
+    target = base.clone()
+    apply_delta(target, delta)
+    assert _bits(target) == _bits(new)
