@@ -23,12 +23,16 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+from ..errors import CheckpointError
 from ..storage import Store
 from ..storage.untrusted import err, short
 
 #: bytes read from a file's end first: the end record with the longest comment, the zip64 locator, and the central
 #: directory of most checkpoints
 TAIL_BYTES = (64 << 10) + 22 + 20 + 56
+#: bytes a remote archive's end is read first: the end records and a few records' directory (``torch.save``'s, a
+#: DCP chunk's); an archive whose end records are not all in them is read again with :data:`TAIL_BYTES`
+REMOTE_TAIL_BYTES = (4 << 10) + 22 + 20 + 56
 #: a central directory larger than this is refused before it is read (a million records is ~80 MiB)
 MAX_DIRECTORY_BYTES = 128 << 20
 #: bytes of a local header read beyond its fixed part and name: ``torch.save`` pads its extra field to 64 bytes
@@ -85,10 +89,23 @@ class _Entry(NamedTuple):
     header: int
 
 
-def _tail(path: str, store: Store, size: int, identity: object) -> tuple[bytes, int]:
-    """The file's last bytes and the offset they start at."""
-    start = max(0, size - TAIL_BYTES)
+def _tail(path: str, store: Store, size: int, identity: object, nbytes: int = TAIL_BYTES) -> tuple[bytes, int]:
+    """The file's last ``nbytes`` bytes and the offset they start at."""
+    start = max(0, size - nbytes)
     return store.read_range(path, start, size, identity), start
+
+
+def _end(path: str, store: Store, size: int, identity: object) -> tuple[bytes, int, tuple[int, int, int, int]]:
+    """``(tail, its offset, the directory's span)``; a remote archive's tail is read small first (its end records
+    and directory are a few hundred bytes in a checkpoint), then as a local one's where they are not all in it."""
+    if store.remote and size > REMOTE_TAIL_BYTES:
+        tail, base = _tail(path, store, size, identity, REMOTE_TAIL_BYTES)
+        try:
+            return tail, base, _directory_span(path, tail, base, size)
+        except CheckpointError:
+            pass  # a long comment, or a zip64 end record farther back: read as much as a local archive
+    tail, base = _tail(path, store, size, identity)
+    return tail, base, _directory_span(path, tail, base, size)
 
 
 def _end_record(path: str, tail: bytes, base: int, size: int) -> int:
@@ -270,8 +287,7 @@ def read_records(path: str, store: Store, size: int, identity: object) -> dict[s
     """
     if size < _EOCD.size:
         raise err(path, f"not a zip archive: {size} bytes, shorter than an end-of-central-directory record")
-    tail, base = _tail(path, store, size, identity)
-    count, cd_offset, cd_size, _ = _directory_span(path, tail, base, size)
+    tail, base, (count, cd_offset, cd_size, _) = _end(path, store, size, identity)
     if cd_offset >= base:
         directory = tail[cd_offset - base : cd_offset - base + cd_size]
     else:
