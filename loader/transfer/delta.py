@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["Delta", "apply_delta", "encode_delta", "changed_elements"]
@@ -276,14 +277,12 @@ def _read_rice(data: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
 
 def _pack(bits: torch.Tensor) -> torch.Tensor:
     """Bools as bytes, 8 a byte, the first in the low bit (the last byte padded with zeros)."""
-    padded = torch.zeros((bits.numel() + 7) // 8 * 8, dtype=torch.uint8)
-    padded[: bits.numel()] = bits
-    return (padded.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+    return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
 
 
 def _unpack(data: torch.Tensor) -> torch.Tensor:
     """:func:`_pack`'s bools (the padding included)."""
-    return ((data.reshape(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1).bool()
+    return torch.from_numpy(np.unpackbits(data.contiguous().numpy(), bitorder="little")).bool()
 
 
 def _varint_end(data: torch.Tensor, count: int) -> int:
