@@ -26,7 +26,7 @@ from regiontrace import Box
 
 from ..placements import slot_for
 from ..transfer.cells import tensor_cells
-from ..transfer.delta import Delta, apply_delta, changed_elements, encode_delta
+from ..transfer.delta import Delta, apply_delta, encode_delta
 from .sync_plan import Want
 
 __all__ = [
@@ -138,13 +138,28 @@ def _narrow(t: torch.Tensor, box: Box) -> torch.Tensor:
     return t
 
 
-def gather(local: Mapping[str, torch.Tensor], pieces: Sequence[Piece], wants: Sequence[Want]) -> list[torch.Tensor]:
-    """A trainer rank's packet for one worker: per segment, its pieces' values cast once to the wire dtype."""
-    out = []
-    for dtype, group in segments(pieces, wants):
-        parts = [_narrow(local[wants[p.want].key].detach(), p.local).to(dtype).reshape(-1) for p in group]
-        out.append(torch.cat(parts))
-    return out
+def gather(
+    local: Mapping[str, torch.Tensor], pieces: Sequence[Piece], wants: Sequence[Want]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A trainer rank's packet for one worker: its bytes, and per segment its pieces' values cast once to the wire
+    dtype (views of the bytes where a segment starts aligned; a segment that does not is copied in after)."""
+    layout = segments(pieces, wants)
+    total = sum(sum(p.numel for p in group) * dtype.itemsize for dtype, group in layout)
+    packet, out, at = torch.empty(total, dtype=torch.uint8), [], 0
+    for dtype, group in layout:
+        n = sum(p.numel for p in group)
+        aligned = at % dtype.itemsize == 0
+        flat = packet[at : at + n * dtype.itemsize].view(dtype) if aligned else torch.empty(n, dtype=dtype)
+        k = 0
+        for p in group:
+            box = _narrow(local[wants[p.want].key].detach(), p.local)
+            flat[k : k + p.numel].view(box.shape).copy_(box)  # the cast, written in place
+            k += p.numel
+        if not aligned:
+            packet[at : at + n * dtype.itemsize].copy_(flat.view(torch.uint8))
+        out.append(flat)
+        at += n * dtype.itemsize
+    return packet, out
 
 
 def assemble(buffers: Sequence[torch.Tensor], pieces: Sequence[Piece], wants: Sequence[Want], segs=None) -> list:
@@ -172,13 +187,6 @@ def encode_segments(base: Sequence[torch.Tensor] | None, new: Sequence[torch.Ten
         return [], sum(t.numel() * t.element_size() for t in new)
     deltas = [encode_delta(b, n) for b, n in zip(base, new)]
     return deltas, sum(d.changed * n.element_size() for d, n in zip(deltas, new))
-
-
-def changed_bytes(base: Sequence[torch.Tensor] | None, new: Sequence[torch.Tensor]) -> int:
-    """The bytes of the elements of ``new`` whose bits differ from ``base`` (all of them without a base)."""
-    if base is None:
-        return sum(t.numel() * t.element_size() for t in new)
-    return sum(changed_elements(b, n) * n.element_size() for b, n in zip(base, new))
 
 
 def apply_segments(base: Sequence[torch.Tensor], payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:

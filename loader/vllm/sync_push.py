@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .sync_pieces import Piece, apply_segments, assemble, changed_bytes, encode_segments, gather, segments
+from .sync_pieces import Piece, apply_segments, assemble, encode_segments, gather, segments
 from .sync_plan import Want
 from .sync_wire import Wire
 
@@ -52,11 +52,6 @@ def stats(wire: Wire, sent: Sequence[int], changed: Sequence[int]) -> tuple[tupl
     return tuple(total[:n]), tuple(total[n:])
 
 
-def _as_bytes(segs: Sequence[torch.Tensor]) -> torch.Tensor:
-    parts = [s.reshape(-1).view(torch.uint8) for s in segs]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
 def prepare_outgoing(
     local: Mapping[str, torch.Tensor],
     mine: Sequence[Sequence[Piece]],
@@ -64,13 +59,16 @@ def prepare_outgoing(
     base: Sequence[list[torch.Tensor] | None],
     delta: bool,
 ) -> Outgoing:
-    """This rank's packets for every worker, packed (and encoded against ``base`` when ``delta``) before any send."""
+    """This rank's packets for every worker, packed (and encoded against ``base`` when ``delta``) before any send.
+
+    A full packet is one byte buffer its segments are views of (each piece cast into it once, no second copy);
+    its changed bytes are all its bytes (a full push compares nothing)."""
     out = Outgoing([], [], [], [])
     with torch.no_grad():
         for w, pieces in enumerate(mine):
-            new = gather(local, pieces, wants[w])
+            packet, new = gather(local, pieces, wants[w])
             out.segments.append(new)
-            out.full.append(_as_bytes(new))
+            out.full.append(packet)
             if delta and base[w] is not None:
                 deltas, changed = encode_segments(base[w], new)
                 sizes = [d.to_bytes() for d in deltas]
@@ -78,7 +76,7 @@ def prepare_outgoing(
                 out.delta.append((lengths, torch.cat(sizes) if sizes else torch.empty(0, dtype=torch.uint8)))
             else:
                 out.delta.append(None)
-                changed = changed_bytes(base[w], new)
+                changed = packet.numel()
             out.changed.append(changed)
     return out
 

@@ -19,8 +19,8 @@ class SyncReport:
         worker_seconds: per worker, its rebuild's time (unpack, write, post-load processing); empty where the
             trainer does not hear it (a trainer rank of another process).
         digests: per worker, each rebuilt parameter's digest before processing (when the sync records them).
-        changed_bytes: per worker, the bytes of its wants whose bits changed since the last push (all of them
-            on the first).
+        changed_bytes: per worker, the bytes of its wants whose bits changed since the last push (a delta
+            push); a full push compares nothing and counts all of them.
         delta: whether the push sent deltas (else every wanted byte).
     """
 
