@@ -56,7 +56,7 @@ def test_the_adapters_permutation_moves_rows_and_inverts(tmp_path):
     _, model = build("llama", seed=4, dtype=BF16, **SIZE)
     state = model.state_dict()
     titan, converted = titan_checkpoint(tmp_path)
-    assert set(titan) == {tt.FROM_HF[tt._abstract(k)[0]].format(tt._abstract(k)[1]) for k in state}
+    assert set(titan) == {tt.FROM_HF[tt.abstract_key(k)[0]].format(tt.abstract_key(k)[1]) for k in state}
     assert "layers.1.feed_forward.w2.weight" in titan and "output.weight" in titan
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(titan["layers.0.attention.wq.weight"], state[q])

@@ -44,7 +44,8 @@ def reverse_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _abstract(key: str) -> tuple[str, str | None]:
+def abstract_key(key: str) -> tuple[str, str | None]:
+    """``(key with its first number as "{}", that number)``."""
     found = re.search(r"\d+", key)
     return (re.sub(r"\d+", "{}", key, count=1), found.group(0)) if found else (key, None)
 
@@ -53,7 +54,7 @@ def from_hf(state: dict[str, torch.Tensor], heads: int, kv_heads: int) -> dict[s
     """A transformers Llama state dict in torchtitan's names and layout."""
     out = {}
     for key, value in state.items():
-        abstract, layer = _abstract(key)
+        abstract, layer = abstract_key(key)
         if abstract.endswith("q_proj.weight"):
             value = reverse_permute(value, heads)
         elif abstract.endswith("k_proj.weight"):
@@ -67,7 +68,7 @@ def to_hf(state: dict[str, torch.Tensor], heads: int, kv_heads: int) -> dict[str
     back = {v: k for k, v in FROM_HF.items()}
     out = {}
     for key, value in state.items():
-        abstract, layer = _abstract(key)
+        abstract, layer = abstract_key(key)
         if abstract == "layers.{}.attention.wq.weight":
             value = permute(value, heads)
         elif abstract == "layers.{}.attention.wk.weight":
