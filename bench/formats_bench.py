@@ -319,8 +319,11 @@ def run_dcp(rounds: int) -> list[list]:
             walls = [max(rank[layout][method]["wall"] for rank in ranks) for ranks in runs]
             ratio = [p[method]["physical"] / p["shard"] for p in per]
             asked = mdtable.spread([p[method]["asked"] / p["shard"] for p in per], "{:.3f}", "")
+            planned = (
+                mdtable.spread([p["logical"] / p["shard"] for p in per], "{:.3f}", "") if method == "ours" else "–"
+            )
             mib = mdtable.median([p["shard"] for p in per]) / MIB
-            rows.append([title, method, f"{mib:.1f} MiB", asked, mdtable.spread(ratio, "{:.3f}", ""), bound,
+            rows.append([title, method, f"{mib:.1f} MiB", planned, asked, mdtable.spread(ratio, "{:.3f}", ""), bound,
                          mdtable.spread(walls)])  # fmt: skip
     return rows
 
@@ -358,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         watch = mdtable.LoadWatch()
         rows = run_dcp(args.rounds)
-        headers = ["resharding", "method", "shard / rank", "bytes asked (rchar) ÷ shard"]
+        headers = ["resharding", "method", "shard / rank", "planned ÷ shard", "bytes asked (rchar) ÷ shard"]
         headers += ["bytes read from disk ÷ shard", "page bound ÷ shard", "wall (slowest rank)"]
         mdtable.emit(args.markdown, watch.stop(), headers, rows, width=18)
     return 0
