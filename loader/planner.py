@@ -38,6 +38,7 @@ from .report import LoadReport, load_report
 from .rules import KeyPlan, plan_keys
 from .rules.fp8 import dequantized_keyplan
 from .rules.int4 import unpacked_keyplan
+from .rules.mxfp4 import mxfp4_keyplan
 
 __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from_metadata", "plan_model_keys"]
 
@@ -48,7 +49,7 @@ UNKEYED_HOOKS = ("default_weights_mapping", "map_checkpoint_key", "select_conver
 
 def plan_model_keys(model: torch.nn.Module, checkpoint: Checkpoint, rules: Rules, hooks: PlanHooks) -> KeyPlan:
     """Which keys of ``checkpoint`` load which tensors of ``model`` (:func:`~loader.rules.plan_keys` with
-    ``rules`` and ``hooks``; FP8 and packed int checkpoints dequantized)."""
+    ``rules`` and ``hooks``; FP8, MXFP4 and packed int checkpoints dequantized)."""
     mapping = rules.weights_mapping if rules.weights_mapping is not None else hooks.default_weights_mapping(model)
 
     def plan(shapes: Mapping[str, Any], dtypes: Mapping[str, Any]) -> KeyPlan:
@@ -63,7 +64,8 @@ def plan_model_keys(model: torch.nn.Module, checkpoint: Checkpoint, rules: Rules
             select_converter=hooks.select_converter if hooks.overridden("select_converter") else None,
         )
 
-    return dequantized_keyplan(unpacked_keyplan(checkpoint, model, plan), checkpoint, model)
+    decoded = mxfp4_keyplan(checkpoint, model, plan) or unpacked_keyplan(checkpoint, model, plan)
+    return dequantized_keyplan(decoded, checkpoint, model)
 
 
 @runtime_checkable
