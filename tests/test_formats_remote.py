@@ -35,7 +35,7 @@ BUCKET = "formats"
 FORMATS = ["bin", "dcp", "int4"]
 SCHEMES = ["http", "s3", "hf"]
 #: where a format's checkpoint is opened from, under its folder's URL (a remote DCP folder is named by its metadata)
-ENTRY = {"bin": "", "dcp": "/.metadata", "int4": ""}
+ENTRY = {"bin": "", "dcp": "/.metadata", "int4": "", "nothing": ""}
 #: a llama of about 2.7 MB in bf16: big enough that a file's opening requests (64 KiB each) are a small part of it
 SIZE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
@@ -282,3 +282,23 @@ def test_four_ranks_over_nginx_send_no_whole_file(world):
     found = [r for r in data if r.status != 404]
     assert found and all(r.range and r.status == 206 for r in found), found
     assert {r.path for r in data if r.status == 404} <= {"/bin/model.safetensors"}, data
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_dcp_folder_url_opens_as_its_metadata(scheme, folders, remote):
+    """A remote DCP folder named by its folder URL (not its ``.metadata``): found after the safetensors and
+    ``.bin`` probes, loaded as from ``.../.metadata``."""
+    url, storage = remote(scheme, "dcp")
+    local, model = target("dcp"), target("dcp")
+    load_hf_checkpoint(local, str(folders["dcp"]), options=QUIET)
+    report = load_hf_checkpoint(model, url.removesuffix("/.metadata") + "/", options=QUIET, storage=storage)
+    assert_bit_equal(model.state_dict(), local.state_dict())
+    assert report.planned_bytes <= report.bytes_read <= file_bytes(folders["dcp"], "dcp")
+
+
+def test_a_url_with_no_checkpoint_names_the_safetensors_probe(remote):
+    from loader.errors import CheckpointNotFoundError
+
+    url, storage = remote("http", "nothing")
+    with pytest.raises(CheckpointNotFoundError, match="safetensors"):
+        load_hf_checkpoint(target("bin"), url, options=QUIET, storage=storage)

@@ -146,7 +146,8 @@ def open_checkpoint(
     """Open the checkpoint at ``path`` in the format its files are in: a ``.bin`` file or index as a
     :class:`BinCheckpoint`; a folder holding a DCP ``.metadata`` (or that file) as a
     :class:`~.dcp.DcpCheckpoint`; anything else as a :class:`~.folder.SafetensorsCheckpoint`, and, where no safetensors
-    checkpoint is found there, as a :class:`BinCheckpoint` (a folder of ``pytorch_model*.bin`` files).
+    checkpoint is found there, as a :class:`BinCheckpoint` (a folder of ``pytorch_model*.bin`` files), and at a URL
+    where neither is, as the DCP folder whose ``.metadata`` is there.
 
     Raises:
         CheckpointNotFoundError: neither format is there (the safetensors error, naming what was tried).
@@ -162,4 +163,15 @@ def open_checkpoint(
         try:
             return BinCheckpoint.open(path, storage=storage, identities=identities)
         except CheckpointNotFoundError:
+            if not is_url(os.fspath(path)):
+                raise missing from None
+        try:  # a DCP folder at a URL (no listing to find its .metadata by): that file, asked for
+            return DcpCheckpoint.open(_metadata_url(os.fspath(path)), storage=storage, identities=identities)
+        except CheckpointNotFoundError:
             raise missing from None
+
+
+def _metadata_url(url: str) -> str:
+    """The DCP ``.metadata`` of the folder at ``url`` (its query kept)."""
+    base, mark, query = url.partition("?")
+    return f"{base.rstrip('/')}/.metadata{mark}{query}"
