@@ -55,20 +55,31 @@ def run_values(
             buf = buffers[key] = torch.empty(numel, dtype=value_input.dtype, device=device)
         return buf[:numel].view(value_input.shape)
 
-    def fill(blocks: tuple, tensor: torch.Tensor) -> None:
-        slot = TargetSlot("#input", tuple(tensor.shape), tensor.dtype, tensor, ())
-        box = full_box(tuple(tensor.shape))
-        reads = [BlockRead("#input", box, b) for b in blocks]
-        run_fills((r for r in reads if is_fill(r)), {"#input": slot})  # constant inputs (a shift amount): no byte
+    def fill_all(pending: list[tuple[tuple, torch.Tensor]]) -> None:
+        """Fill every input of one program in one run of reads: an operand the program uses several times (the
+        fields of packed codes) is one byte range, read once."""
+        slots, reads = {}, []
+        for n, (blocks, tensor) in enumerate(pending):
+            name = f"#input{n}"
+            slots[name] = TargetSlot(name, tuple(tensor.shape), tensor.dtype, tensor, ())
+            reads += [BlockRead(name, full_box(tuple(tensor.shape)), b) for b in blocks]
+        run_fills((r for r in reads if is_fill(r)), slots)  # constant inputs (a shift amount): no byte
         # copies to a device stay queued: the program's ops run after them on the same stream
-        BlockExecutor(checkpoint, {"#input": slot}, reader, progress=progress, staging=staging).run(
+        BlockExecutor(checkpoint, slots, reader, progress=progress, staging=staging).run(
             (r for r in reads if not is_fill(r)), finish=False
         )
 
     try:
         for v in values:
             dest = box_view(slots[v.target].local, v.local_box)
-            inputs = fill_inputs(v.program, fill, dest.device, lambda i, vi, d=dest.device: empty(i, vi, d))
+            pending: list[tuple[tuple, torch.Tensor]] = []
+            inputs = fill_inputs(
+                v.program,
+                lambda b, t, p=pending: p.append((b, t)),
+                dest.device,
+                lambda i, vi, d=dest.device: empty(i, vi, d),
+            )
+            fill_all(pending)
             with torch.no_grad():
                 evaluate_into(v.program, inputs, dest)
     finally:
