@@ -110,3 +110,40 @@ def test_layouts_not_decoded_are_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match="'weight_blocks'.*only gpt-oss expert layouts"):
         load_hf_checkpoint(model, str(tmp_path), options=QUIET)
     assert not model.weight.detach().any()
+
+
+@pytest.mark.dist
+def test_four_gloo_ranks_load_mxfp4_shards(tmp_path):
+    """A 4-rank gloo world: expert weights cut along the output (on blocks) and along K (16 inputs a rank: through
+    32-code blocks and their exponents) equal transformers' dequantization on every rank, each rank reading the
+    bytes and exponents its shard touches."""
+    import packed_mxfp4_worker
+    from gloo_world import WORLD, ok, run_world
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(3)
+    stored, ref = {}, {}
+    for name, dense in (("gate_up_proj", (4, 64, 128)), ("down_proj", (4, 48, 64))):  # stored [E, out, K]
+        blocks, scales = random_mxfp4(dense, g)
+        stored[name + "_blocks"], stored[name + "_scales"] = blocks, scales
+        ref[name] = convert_moe_packed_tensors(blocks, scales, dtype=BF16)
+    folder = tmp_path / "mxfp4"
+    os.makedirs(folder)
+    save_file(stored, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"quantization_config": {"quant_method": "mxfp4"}}, f)
+    torch.save(ref, tmp_path / "ref.pt")
+    ctx = {
+        "store": str(tmp_path / "store"),
+        "out": str(tmp_path),
+        "folder": str(folder),
+        "ref": str(tmp_path / "ref.pt"),
+    }
+    results = run_world(packed_mxfp4_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
+    # gate_up: a quarter of its bytes and exponents; down_proj: K 16 a rank inside one 32-code block of 16 bytes,
+    # so its 8 bytes of each block row and the block's exponent
+    gate_up = (stored["gate_up_proj_blocks"].numel() + stored["gate_up_proj_scales"].numel()) // 4
+    down = 4 * 48 * 8 + 4 * 48 * 1
+    for r, res in enumerate(ok(results, "mxfp4_shards")):
+        assert res["bad"] == [] and res["deferred"] == (), f"rank {r}: {res}"
+        assert res["bytes_read"] == gate_up + down, (r, res["bytes_read"], gate_up, down)
