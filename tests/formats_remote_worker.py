@@ -46,7 +46,12 @@ def scenario(ctx: dict, fmt: str, scheme: str) -> dict:
     quiet = LoadOptions(progress=False, timeout=60)
     local = _model(ctx)
     local_report = load_hf_checkpoint(local, ctx["local"][fmt], options=quiet)
+    import torch.distributed as dist
+
+    agent = f"regiontrace-{fmt}-rank{dist.get_rank()}"  # this rank's requests in nginx's log
     storage = StorageOptions(backend=ctx["s3_backend"]) if scheme == "s3" else None
+    if scheme == "http":
+        storage = StorageOptions(backend={"headers": {"User-Agent": agent}})
     model = _model(ctx)
     report = load_hf_checkpoint(model, ctx[scheme][fmt], options=quiet, storage=storage)
     want, got = _shards(local), _shards(model)
@@ -58,6 +63,7 @@ def scenario(ctx: dict, fmt: str, scheme: str) -> dict:
         "bytes_exchanged": report.bytes_exchanged,
         "local_planned": local_report.planned_bytes,
         "total_bytes": ctx["total"][fmt],
+        "agent": agent,
     }
 
 

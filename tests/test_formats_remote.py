@@ -259,10 +259,12 @@ def world(folders, web, s3, hub, tmp_path_factory):
 @pytest.mark.dist
 @pytest.mark.parametrize("scheme", ["local", *SCHEMES])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_four_ranks_load_each_format_like_the_local_load(world, fmt, scheme):
+def test_four_ranks_load_each_format_like_the_local_load(world, fmt, scheme, folders):
+    """Per rank: its shards equal its local load, its planned bytes the local load's (well under the files), what
+    it fetched within 1.05x of them; over nginx, the bytes nginx sent it (by its User-Agent) too."""
     from gloo_world import ok
 
-    results, _ = world
+    results, logged = world
     for rank, res in enumerate(ok(results, f"{fmt}_{scheme}")):
         assert res["unequal"] == [] and res["bad"] == [], (rank, res)
         assert res["planned_bytes"] == res["local_planned"], (rank, res)
@@ -272,6 +274,11 @@ def test_four_ranks_load_each_format_like_the_local_load(world, fmt, scheme):
         else:  # exchanged reads: what a rank did not fetch, a peer fetched and sent it
             assert res["planned_bytes"] <= res["bytes_read"] + res["bytes_exchanged"], (rank, res)
             assert res["bytes_read"] <= 1.05 * res["planned_bytes"] + 4096, (rank, res)
+        if scheme == "http":
+            sent = [r for r in logged if r.agent == res["agent"] and r.method == "GET"]
+            wire = sum(asked(r) for r in sent)
+            assert sent and res["bytes_read"] <= wire, (rank, res, sent)
+            assert wire <= 1.05 * res["planned_bytes"] + meta_bytes(folders[fmt], fmt), (rank, wire, res, sent)
 
 
 @pytest.mark.dist
