@@ -36,11 +36,16 @@ from .plan.rank import VALUE_BYTES
 from .plan.slots import TargetSlot, model_slots
 from .report import LoadReport, load_report
 from .rules import KeyPlan, plan_keys
+from .rules.awq import awq_scheme
 from .rules.fp8 import dequantized_keyplan
+from .rules.gptq import gptq_scheme, qlinear_keyplan
 from .rules.int4 import unpacked_keyplan
 from .rules.mxfp4 import mxfp4_keyplan
 
 __all__ = ["HFLoadPlanner", "LoadReport", "PlanHooks", "Rules", "checkpoint_from_metadata", "plan_model_keys"]
+
+#: the packed-linear formats a dense model dequantizes on load, by ``quant_method``
+LINEAR_SCHEMES = {"gptq": gptq_scheme, "awq": awq_scheme}
 
 #: the hooks whose answers no plan key sees (``target_slot``'s are keyed: the slots are): a planner overriding one
 #: plans every load anew
@@ -49,7 +54,7 @@ UNKEYED_HOOKS = ("default_weights_mapping", "map_checkpoint_key", "select_conver
 
 def plan_model_keys(model: torch.nn.Module, checkpoint: Checkpoint, rules: Rules, hooks: PlanHooks) -> KeyPlan:
     """Which keys of ``checkpoint`` load which tensors of ``model`` (:func:`~loader.rules.plan_keys` with
-    ``rules`` and ``hooks``; FP8, MXFP4 and packed int checkpoints dequantized)."""
+    ``rules`` and ``hooks``; FP8, MXFP4, GPTQ, AWQ and packed int checkpoints dequantized)."""
     mapping = rules.weights_mapping if rules.weights_mapping is not None else hooks.default_weights_mapping(model)
 
     def plan(shapes: Mapping[str, Any], dtypes: Mapping[str, Any]) -> KeyPlan:
@@ -64,7 +69,11 @@ def plan_model_keys(model: torch.nn.Module, checkpoint: Checkpoint, rules: Rules
             select_converter=hooks.select_converter if hooks.overridden("select_converter") else None,
         )
 
-    decoded = mxfp4_keyplan(checkpoint, model, plan) or unpacked_keyplan(checkpoint, model, plan)
+    decoded = (
+        mxfp4_keyplan(checkpoint, model, plan)
+        or qlinear_keyplan(checkpoint, model, plan, LINEAR_SCHEMES)
+        or unpacked_keyplan(checkpoint, model, plan)
+    )
     return dequantized_keyplan(decoded, checkpoint, model)
 
 

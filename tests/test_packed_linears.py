@@ -1,0 +1,119 @@
+"""GPTQ and AWQ checkpoints dequantize on load into dense models, bit for bit as GPTQModel's ``dequantize_weight``
+and AutoAWQ's ``dequantize_gemm`` (ported in :mod:`packed_linears`: neither package installs here), each rank
+reading the words, zero points and scale groups its box touches."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from loader import CheckpointError, HFLoadPlanner, load_hf_checkpoint
+from loader.checkpoint import FileReader, SafetensorsCheckpoint
+from loader.execute import execute_plan
+from loader.options import LoadOptions
+from loader.placements import shard_boxes
+from loader.plan import TargetSlot
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from packed_linears import dequantized, quant_config, random_linear, write_linears
+
+BF16, F16 = torch.bfloat16, torch.float16
+QUIET = LoadOptions(progress=False)
+
+
+class Proj(nn.Module):
+    def __init__(self, out: int, cols: int, dtype=F16):
+        super().__init__()
+        self.proj = nn.Linear(cols, out, bias=False, dtype=dtype)
+        nn.init.zeros_(self.proj.weight)
+
+
+def read_bytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if not k.endswith("g_idx"))
+
+
+CASES = [("gptq", 4, 32), ("gptq", 8, 16), ("gptq", 2, 32), ("awq", 4, 32), ("awq", 4, 16)]
+
+
+@pytest.mark.parametrize(("method", "bits", "group_size"), CASES)
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_linears_dequantize_like_the_reference(tmp_path, method, bits, group_size, dtype):
+    t = random_linear(method, 48, 128, bits, group_size, torch.Generator().manual_seed(1))
+    write_linears(tmp_path, {"proj": t}, quant_config(method, bits, group_size))
+    model = Proj(48, 128, dtype)
+    report = load_hf_checkpoint(model, str(tmp_path), options=QUIET)
+    want = dequantized(method, t, bits, group_size).to(dtype)
+    assert torch.equal(model.proj.weight.data.view(torch.int16), want.contiguous().view(torch.int16))
+    assert report.traced == ("proj.weight",) and report.deferred == ()
+    assert report.bytes_read == read_bytes(t)  # words, zero points and scales once; g_idx is not read
+
+
+def _touched(lo: int, hi: int, per: int) -> int:
+    return math.ceil(hi / per) - lo // per
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_tp_shards_read_the_words_and_groups_they_touch(tmp_path, method, dim):
+    """``[out 64, in 256]`` four ways: output shards (16 rows) and input shards (64 inputs, 2 groups of 32)."""
+    out, cols, gs = 64, 256, 32
+    t = random_linear(method, out, cols, 4, gs, torch.Generator().manual_seed(2))
+    write_linears(tmp_path, {"proj": t}, quant_config(method, 4, gs))
+    want = dequantized(method, t, 4, gs)
+    checkpoint, shape = SafetensorsCheckpoint.open(str(tmp_path)), (out, cols)
+    planner = HFLoadPlanner(Proj(out, cols))
+    for rank in range(4):
+        boxes = shard_boxes(shape, (4,), (rank,), [Shard(dim)])
+        ((g, _),) = boxes
+        local = torch.zeros(tuple(b - a for a, b in g), dtype=F16)
+        plan = planner.build_plan(checkpoint, {"proj.weight": TargetSlot("proj.weight", shape, F16, local, boxes)})
+        assert plan.deferred == () and plan.reads == ()
+        with FileReader() as reader:
+            execute_plan(plan, reader, QUIET)
+        (r0, r1), (c0, c1) = g
+        assert torch.equal(local, want[r0:r1, c0:c1]), rank
+        groups = _touched(c0, c1, gs)
+        if method == "gptq":  # words along the input, zero points along the output
+            words = _touched(c0, c1, 8) * (r1 - r0)
+            zeros = groups * _touched(r0, r1, 8)
+        else:  # both along the output
+            words = (c1 - c0) * _touched(r0, r1, 8)
+            zeros = groups * _touched(r0, r1, 8)
+        expected = 4 * words + 4 * zeros + 2 * groups * (r1 - r0)
+        assert reader.bytes_read == plan.planned_bytes() == expected, rank
+        numel = (r1 - r0) * (c1 - c0)  # every cut here is on words and groups: a quarter of each tensor
+        assert expected == numel // 2 + numel // gs * 2 + numel // gs // 2, rank
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        ({"desc_act": True}, "desc_act true"),
+        ({"bits": 3}, "bits 3"),
+        ({"checkpoint_format": "marlin"}, "'marlin'"),
+        ({"group_size": 64}, "not one per 64"),
+    ],
+)
+def test_gptq_layouts_not_decoded_are_refused_by_name(tmp_path, edit, says):
+    t = random_linear("gptq", 16, 96, 4, 32, torch.Generator().manual_seed(3))
+    write_linears(tmp_path, {"proj": t}, {**quant_config("gptq", 4, 32), **edit})
+    model = Proj(16, 96)
+    with pytest.raises(CheckpointError) as e:
+        load_hf_checkpoint(model, str(tmp_path), options=QUIET)
+    assert says in str(e.value) and ("config.json" in str(e.value) or "proj.qweight" in str(e.value))
+    assert not model.proj.weight.detach().any()
+
+
+@pytest.mark.parametrize(("edit", "says"), [({"version": "gemv"}, "'gemv'"), ({"zero_point": False}, "zero_point")])
+def test_awq_layouts_not_decoded_are_refused_by_name(tmp_path, edit, says):
+    t = random_linear("awq", 16, 96, 4, 32, torch.Generator().manual_seed(4))
+    write_linears(tmp_path, {"proj": t}, {**quant_config("awq", 4, 32), **edit})
+    with pytest.raises(CheckpointError, match=says):
+        load_hf_checkpoint(Proj(16, 96), str(tmp_path), options=QUIET)
