@@ -117,3 +117,26 @@ def test_awq_layouts_not_decoded_are_refused_by_name(tmp_path, edit, says):
     write_linears(tmp_path, {"proj": t}, {**quant_config("awq", 4, 32), **edit})
     with pytest.raises(CheckpointError, match=says):
         load_hf_checkpoint(Proj(16, 96), str(tmp_path), options=QUIET)
+
+
+@pytest.mark.dist
+def test_four_gloo_ranks_load_gptq_and_awq_shards(tmp_path):
+    """A 4-rank gloo world: a row-sharded and a column-sharded linear of each format equal the reference on every
+    rank, each rank reading a quarter of every word, zero point and scale (the cuts fall on words and groups)."""
+    import packed_linears_worker
+    from gloo_world import WORLD, ok, run_world
+
+    g = torch.Generator().manual_seed(5)
+    totals = {}
+    for method in ("gptq", "awq"):
+        linears = {"rows": random_linear(method, 64, 128, 4, 32, g), "cols": random_linear(method, 32, 256, 4, 32, g)}
+        write_linears(tmp_path / method, linears, quant_config(method, 4, 32))
+        ref = {f"{k}.weight": dequantized(method, t, 4, 32) for k, t in linears.items()}
+        torch.save(ref, tmp_path / f"{method}.pt")
+        totals[method] = sum(read_bytes(t) for t in linears.values())
+    ctx = {"store": str(tmp_path / "store"), "out": str(tmp_path)}
+    results = run_world(packed_linears_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
+    for r, res in enumerate(ok(results, "linear_shards")):
+        for method, got in ((m, res[m]) for m in ("gptq", "awq")):
+            assert got["bad"] == [] and got["deferred"] == (), f"rank {r} {method}: {got}"
+            assert got["bytes"] == totals[method] // 4, (r, method, got["bytes"], totals[method])
