@@ -169,3 +169,13 @@ def test_conversion_rules_apply_to_a_dcp_source(tmp_path):
     report = load_hf_checkpoint(model, str(tmp_path), rules=rules, options=QUIET)
     assert torch.equal(model.weight.detach(), source[:4] * 2)
     assert report.bytes_read == report.planned_bytes == 4 * 6 * 4  # the rows the model needs
+
+
+def test_a_save_holding_non_tensor_items_loads_its_tensors(tmp_path):
+    """A training checkpoint's extra state (a step, a dict) is keyed without chunk offsets: its tensors load."""
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    dcp.save({"weight": w, "step": 5, "extra": {"lr": 0.1}}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert list(open_checkpoint(str(tmp_path)).keys()) == ["weight"]
+    model = torch.nn.Linear(6, 4, bias=False)
+    load_hf_checkpoint(model, str(tmp_path), options=LoadOptions(progress=False))
+    assert torch.equal(model.weight.data, w)

@@ -151,9 +151,9 @@ def _tensor(path: str, key: str, state: object) -> DcpTensor:
 
 
 def _storage(path: str, index: object, info: object) -> tuple[tuple[str, _Offsets], DcpStorage]:
-    fqn, offset = _fields(
-        path, _record(path, index, "MetadataIndex", "a storage_data key"), ("fqn", "offset"), "MetadataIndex"
-    )
+    key_state = _record(path, index, "MetadataIndex", "a storage_data key")
+    (fqn,) = _fields(path, key_state, ("fqn",), "MetadataIndex")
+    offset = key_state.get("offset")  # a non-tensor item's key (a step, a dict) is pickled without one
     if not isinstance(fqn, str):
         raise err(path, f"storage_data key fqn {short.repr(fqn)} is not a str")
     offsets = () if offset is None else _ints(path, offset, "storage_data offsets", fqn)
