@@ -12,7 +12,7 @@ from .report import LoadReport
 from .rules import Convert, Rename
 from .save import SaveReport, save_hf_checkpoint
 from .simulate import RankFigures, simulate_load
-from .transfer import TransferReport, transfer_weights
+from .transfer import PreparedTransfer, TransferReport, prepare_transfer, transfer_weights
 
 __all__ = [
     "Checkpoint",
@@ -22,6 +22,7 @@ __all__ = [
     "LoadOptions",
     "LoadReport",
     "PeerFailure",
+    "PreparedTransfer",
     "PlanHooks",
     "RankFigures",
     "RemoteOptions",
@@ -37,6 +38,7 @@ __all__ = [
     "TransferReport",
     "load_engine_weights",
     "load_hf_checkpoint",
+    "prepare_transfer",
     "save_hf_checkpoint",
     "simulate_load",
     "transfer_weights",
