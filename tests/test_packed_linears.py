@@ -22,6 +22,7 @@ from loader.plan import TargetSlot
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from hf_models import build, read_checkpoint, save
 from packed_linears import dequantized, quant_config, random_linear, write_linears
 
 BF16, F16 = torch.bfloat16, torch.float16
@@ -140,3 +141,32 @@ def test_four_gloo_ranks_load_gptq_and_awq_shards(tmp_path):
         for method, got in ((m, res[m]) for m in ("gptq", "awq")):
             assert got["bad"] == [] and got["deferred"] == (), f"rank {r} {method}: {got}"
             assert got["bytes"] == totals[method] // 4, (r, method, got["bytes"], totals[method])
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_llama_loads_every_projection_dequantized(tmp_path, method):
+    """A transformers Llama whose every ``*_proj`` is packed (the rest stored plain): each projection equals the
+    reference dequantization, every other tensor the stored one, every tensor traced and each byte read once."""
+    auto, model = build("llama", seed=6)
+    save(model, tmp_path, dtype=F16)
+    plain = read_checkpoint(tmp_path)
+    os.remove(os.path.join(tmp_path, "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    linears, extra = {}, {}
+    for k, t in plain.items():
+        if k.endswith("proj.weight") and t.shape[1] % 32 == 0 and t.shape[0] % 8 == 0:
+            linears[k[: -len(".weight")]] = random_linear(method, t.shape[0], t.shape[1], 4, 32, g)
+        else:
+            extra[k] = t
+    assert linears
+    stored = write_linears(tmp_path, linears, quant_config(method, 4, 32), extra)
+    with torch.device("meta"):
+        target = auto.from_config(model.config, dtype=F16)
+    report = load_hf_checkpoint(target, str(tmp_path), device="cpu", options=QUIET)
+    assert report.deferred == () and report.missing_keys == () and report.unexpected_keys == ()
+    ours = target.state_dict()
+    for stem, t in linears.items():
+        assert torch.equal(ours[stem + ".weight"], dequantized(method, t, 4, 32)), stem
+    for k, t in extra.items():
+        assert torch.equal(ours[k], t), k
+    assert report.bytes_read == read_bytes(stored)
