@@ -96,7 +96,6 @@ def test_tp_shards_read_the_words_and_groups_they_touch(tmp_path, method, dim):
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
-        ({"desc_act": True}, "desc_act true"),
         ({"bits": 3}, "bits 3"),
         ({"checkpoint_format": "marlin"}, "'marlin'"),
         ({"group_size": 64}, "not one per 64"),
@@ -170,3 +169,27 @@ def test_a_llama_loads_every_projection_dequantized(tmp_path, method):
     for k, t in extra.items():
         assert torch.equal(ours[k], t), k
     assert report.bytes_read == read_bytes(stored)
+
+
+def test_gptq_activation_order_gathers_by_g_idx_deferred_and_exact(tmp_path):
+    """``desc_act: true``: each input's group is ``g_idx[i]`` (here a shuffle of the groups). The gather does not
+    trace: the conversion is deferred, named in the report, its tensors read whole, and its values exact."""
+    g = torch.Generator().manual_seed(8)
+    t = random_linear("gptq", 48, 128, 4, 32, g)
+    t["g_idx"] = t["g_idx"][torch.randperm(128, generator=g)].contiguous()
+    write_linears(tmp_path, {"proj": t}, {**quant_config("gptq", 4, 32), "desc_act": True})
+    model = Proj(48, 128)
+    report = load_hf_checkpoint(model, str(tmp_path), options=QUIET)
+    want = dequantized("gptq", t, 4, 32)
+    assert not torch.equal(want, dequantized("gptq", {**t, "g_idx": torch.arange(128) // 32}, 4, 32))
+    assert torch.equal(model.proj.weight.data, want)
+    assert report.deferred == ("proj.weight",) and report.traced == ()
+    assert report.bytes_read == read_bytes(t) + t["g_idx"].numel() * 4  # g_idx read too
+
+
+def test_gptq_activation_order_without_g_idx_is_refused_by_name(tmp_path):
+    t = random_linear("gptq", 16, 96, 4, 32, torch.Generator().manual_seed(9))
+    del t["g_idx"]
+    write_linears(tmp_path, {"proj": t}, {**quant_config("gptq", 4, 32), "desc_act": True})
+    with pytest.raises(CheckpointError, match="'proj.qweight'.*'proj.g_idx': missing"):
+        load_hf_checkpoint(Proj(16, 96), str(tmp_path), options=QUIET)

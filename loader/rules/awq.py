@@ -43,7 +43,9 @@ def awq_scheme(config: Mapping[str, Any], where: str) -> LinearScheme:
     return LinearScheme("awq", 4, None if group_size == -1 else group_size, 0, decode_awq, where)
 
 
-def decode_awq(qweight: Any, qzeros: Any, scales: Any, linear: QuantLinear, scheme: LinearScheme) -> Any:
+def decode_awq(
+    qweight: Any, qzeros: Any, scales: Any, linear: QuantLinear, scheme: LinearScheme, g_idx: Any = None
+) -> Any:
     """An AWQ linear's dense ``[out, in]`` in the scales' dtype (see the module)."""
     out, cols = linear.shape
     groups = scales.shape[0]

@@ -14,9 +14,10 @@ Vocabulary:
 
 :func:`qlinear_keyplan` plans each quantized linear as a plain ``<x>.weight`` of its dense shape, then rewrites the
 conversions that read one to read its words, zero points and scales and decode them (shifts, masks and products:
-traced, so a rank reads the words and groups its box touches). ``g_idx`` is not read: with ``desc_act: false`` it
-is ``i // group_size`` by construction; activation order (``desc_act: true``, a gather by ``g_idx``) is refused
-by name, as are code widths that straddle words.
+traced, so a rank reads the words and groups its box touches). ``g_idx`` is not read with ``desc_act: false``: it
+is ``i // group_size`` by construction. Activation order (``desc_act: true``) gathers each input's scale and zero
+point by ``g_idx``: a gather by values does not trace, so that conversion is deferred (its tensors read whole,
+logged by name) and exact. Code widths that straddle words are refused by name.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ class LinearScheme:
         bits: bits per code.
         group_size: inputs per scale (``-1`` in a config: all of them; stored here as None).
         zero_offset: added to each stored zero point (1 for GPTQ's v1 format).
-        decode: ``decode(qweight, qzeros, scales, linear, scheme)``: the dense ``[out, in]`` in the scales' dtype.
+        decode: ``decode(qweight, qzeros, scales, linear, scheme, g_idx)``: the dense ``[out, in]`` in the scales'
+            dtype.
         where: the config it was read from, for messages.
+        act_order: groups are ordered by activation (GPTQ ``desc_act``): each input's group is read from ``g_idx``.
     """
 
     method: str
@@ -57,6 +60,7 @@ class LinearScheme:
     zero_offset: int
     decode: Callable[..., Any]
     where: str
+    act_order: bool = False
 
     @property
     def per_word(self) -> int:
@@ -74,6 +78,7 @@ class QuantLinear:
     shape: tuple[int, int]
     group_size: int
     dtype: torch.dtype
+    g_idx: str | None = None
 
 
 def filled(like: Any, value: int) -> Any:
@@ -107,23 +112,29 @@ def gptq_scheme(config: Mapping[str, Any], where: str) -> LinearScheme:
     bits, group_size = config.get("bits"), config.get("group_size", 128)
     if bits not in BITS:
         raise refuse_config(where, f"has bits {bits!r}")
-    if config.get("desc_act"):
-        raise refuse_config(where, "has desc_act true (activation order: a gather of scales by g_idx)")
     if not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
         raise refuse_config(where, f"has group_size {group_size!r}")
     fmt = config.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise refuse_config(where, f"has checkpoint_format {fmt!r}")
     offset = 1 if fmt == "gptq" else 0
-    return LinearScheme("gptq", bits, None if group_size == -1 else group_size, offset, decode_gptq, where)
+    group = None if group_size == -1 else group_size
+    return LinearScheme("gptq", bits, group, offset, decode_gptq, where, bool(config.get("desc_act")))
 
 
-def decode_gptq(qweight: Any, qzeros: Any, scales: Any, linear: QuantLinear, scheme: LinearScheme) -> Any:
-    """A GPTQ linear's dense ``[out, in]`` in the scales' dtype (see the module)."""
+def decode_gptq(
+    qweight: Any, qzeros: Any, scales: Any, linear: QuantLinear, scheme: LinearScheme, g_idx: Any = None
+) -> Any:
+    """A GPTQ linear's dense ``[out, in]`` in the scales' dtype (see the module); with ``g_idx`` (activation
+    order) each input's scale and zero point are gathered by its group, which does not trace: the conversion is
+    deferred (read whole)."""
     out, cols = linear.shape
     groups = scales.shape[0]
     q = unpack_last(qweight.transpose(0, 1), scheme.bits).transpose(0, 1)  # [in, out]
     z = unpack_last(qzeros, scheme.bits) + scheme.zero_offset  # [groups, out]
+    if g_idx is not None:
+        index = g_idx.long()
+        return (scales[index] * (q - z[index]).to(scales.dtype)).transpose(0, 1)
     ints = q.reshape(groups, linear.group_size, out) - z[:, None, :]
     return (scales[:, None, :] * ints.to(scales.dtype)).reshape(cols, out).transpose(0, 1)
 
@@ -168,7 +179,16 @@ def _quant_linear(checkpoint: Checkpoint, stem: str, scheme: LinearScheme) -> Qu
         raise refuse(f"scales {scales.dtype} {tuple(scales.shape)} are not one per {group_size} of {cols} inputs")
     if qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, out // p) or out % p:
         raise refuse(f"packed zero points {qzeros.dtype} {tuple(qzeros.shape)} do not fit scales", stem + QZEROS)
-    return QuantLinear(stem + QWEIGHT, stem + QZEROS, stem + SCALES, (out, cols), group_size, scales.dtype)
+    g_idx = None
+    if scheme.act_order:
+        g_idx = stem + G_IDX
+        if g_idx not in checkpoint:
+            raise refuse(f"desc_act true orders groups by {g_idx!r}: missing")
+        if checkpoint[g_idx].dtype != torch.int32 or tuple(checkpoint[g_idx].shape) != (cols,):
+            raise refuse(
+                f"g_idx {checkpoint[g_idx].dtype} {tuple(checkpoint[g_idx].shape)} is not one per input", g_idx
+            )
+    return QuantLinear(stem + QWEIGHT, stem + QZEROS, stem + SCALES, (out, cols), group_size, scales.dtype, g_idx)
 
 
 def qlinear_keyplan(
@@ -220,16 +240,19 @@ def _decoding(
         return conv
     dtype = model_dtypes.get(conv.targets[0], next(iter(packed.values())).dtype)
     others = tuple(k for k in conv.sources if k not in packed)
-    stored = tuple(n for q in packed.values() for n in (q.qweight, q.qzeros, q.scales))
+    stored = tuple(n for q in packed.values() for n in (q.qweight, q.qzeros, q.scales, q.g_idx) if n is not None)
 
     def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
         given = {k: tensors[k] for k in others}
         for k, q in packed.items():
-            dense = scheme.decode(tensors[q.qweight], tensors[q.qzeros], tensors[q.scales], q, scheme)
+            g_idx = tensors[q.g_idx] if q.g_idx is not None else None
+            dense = scheme.decode(tensors[q.qweight], tensors[q.qzeros], tensors[q.scales], q, scheme, g_idx)
             given[k] = dense.to(dtype)
         return conv.run(cast_like_transformers(conv.rule, given, dtype))
 
-    layout = tuple((conv.sources.index(k), q.shape, q.group_size, q.dtype) for k, q in packed.items())
+    layout = tuple(
+        (conv.sources.index(k), q.shape, q.group_size, q.dtype, q.g_idx is not None) for k, q in packed.items()
+    )
     key = (scheme.method, scheme.bits, scheme.zero_offset)
     signature = None if conv.signature is None else ("qlinear", conv.signature, layout, key, dtype)
     return replace(
