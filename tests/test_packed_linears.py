@@ -193,3 +193,17 @@ def test_gptq_activation_order_without_g_idx_is_refused_by_name(tmp_path):
     write_linears(tmp_path, {"proj": t}, {**quant_config("gptq", 4, 32), "desc_act": True})
     with pytest.raises(CheckpointError, match="'proj.qweight'.*'proj.g_idx': missing"):
         load_hf_checkpoint(Proj(16, 96), str(tmp_path), options=QUIET)
+
+
+def test_gptq_v2_zero_points_are_stored_as_they_are(tmp_path):
+    """``checkpoint_format: gptq_v2`` stores each zero point itself (v1: minus one): the same words decode one
+    zero point apart, each as GPTQModel dequantizes it."""
+    from packed_linears import gptq_dequantize
+
+    t = random_linear("gptq", 16, 64, 4, 32, torch.Generator().manual_seed(10))
+    write_linears(tmp_path, {"proj": t}, {**quant_config("gptq", 4, 32), "checkpoint_format": "gptq_v2"})
+    model = Proj(16, 64)
+    load_hf_checkpoint(model, str(tmp_path), options=QUIET)
+    want = gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, v1=False)
+    assert torch.equal(model.proj.weight.data, want)
+    assert not torch.equal(want, dequantized("gptq", t, 4, 32))
