@@ -5,6 +5,7 @@ conversion run once on meta tensors, shared by every conversion of the same :fun
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -264,6 +265,38 @@ def cast_like_transformers(rule: Any, tensors: Mapping[str, Any], dtype: torch.d
     if to is None:
         return dict(tensors)
     return {k: t.to(to) if t.is_floating_point() else t for k, t in tensors.items()}
+
+
+def decoding(
+    conv: Conversion,
+    decoders: Mapping[str, Callable[[Mapping[str, Any]], Any]],
+    stored: tuple[str, ...],
+    dtype: torch.dtype,
+    *,
+    rule: Any,
+    description: str,
+    key: Hashable,
+) -> Conversion:
+    """``conv`` reading the ``stored`` tensors in place of its sources named in ``decoders`` (each decoded from
+    them to ``dtype`` first, then cast as transformers casts), its rule wrapped as ``rule``, its description
+    suffixed, its signature (when it has one) extended by ``key``."""
+    others = tuple(k for k in conv.sources if k not in decoders)
+
+    def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
+        given = {k: tensors[k] for k in others}
+        given.update((k, decode(tensors)) for k, decode in decoders.items())
+        return conv.run(cast_like_transformers(conv.rule, given, dtype))
+
+    return dataclasses.replace(
+        conv,
+        sources=others + stored,
+        description=f"{conv.description} ({description})",
+        is_rename=False,
+        rule=rule,
+        meta=None,
+        signature=None if conv.signature is None else (conv.signature, key),
+        runner=run,
+    )
 
 
 def run_on_meta(conv: Conversion, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...]) -> MetaRun:

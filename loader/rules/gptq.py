@@ -30,7 +30,7 @@ import torch
 
 from ..checkpoint import Checkpoint, config_location, quantization_config
 from ..errors import CheckpointError
-from .conversion import Conversion, cast_like_transformers
+from .conversion import Conversion, decoding
 from .keyplan import KeyPlan
 
 #: the suffixes of a quantized linear's tensors (``<x>.weight`` is stored as these)
@@ -239,31 +239,26 @@ def _decoding(
     if not packed:
         return conv
     dtype = model_dtypes.get(conv.targets[0], next(iter(packed.values())).dtype)
-    others = tuple(k for k in conv.sources if k not in packed)
     stored = tuple(n for q in packed.values() for n in (q.qweight, q.qzeros, q.scales, q.g_idx) if n is not None)
 
-    def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
-        given = {k: tensors[k] for k in others}
-        for k, q in packed.items():
+    def decoder(q: QuantLinear) -> Callable[[Mapping[str, Any]], Any]:
+        def decode(tensors: Mapping[str, Any]) -> Any:
             g_idx = tensors[q.g_idx] if q.g_idx is not None else None
-            dense = scheme.decode(tensors[q.qweight], tensors[q.qzeros], tensors[q.scales], q, scheme, g_idx)
-            given[k] = dense.to(dtype)
-        return conv.run(cast_like_transformers(conv.rule, given, dtype))
+            return scheme.decode(tensors[q.qweight], tensors[q.qzeros], tensors[q.scales], q, scheme, g_idx).to(dtype)
+
+        return decode
 
     layout = tuple(
         (conv.sources.index(k), q.shape, q.group_size, q.dtype, q.g_idx is not None) for k, q in packed.items()
     )
-    key = (scheme.method, scheme.bits, scheme.zero_offset)
-    signature = None if conv.signature is None else ("qlinear", conv.signature, layout, key, dtype)
-    return replace(
+    return decoding(
         conv,
-        sources=others + stored,
-        description=f"{conv.description} ({scheme.bits}-bit {scheme.method} dequantization)",
-        is_rename=False,
+        {k: decoder(q) for k, q in packed.items()},
+        stored,
+        dtype,
         rule=QuantLinearDequantization(conv.rule),
-        meta=None,
-        signature=signature,
-        runner=run,
+        description=f"{scheme.bits}-bit {scheme.method} dequantization",
+        key=("qlinear", layout, (scheme.method, scheme.bits, scheme.zero_offset), dtype),
     )
 
 

@@ -32,7 +32,7 @@ import torch
 
 from ..checkpoint import Checkpoint, config_location, quantization_config
 from ..errors import CheckpointError
-from .conversion import Conversion, cast_like_transformers
+from .conversion import Conversion, decoding
 from .keyplan import KeyPlan
 
 #: the suffixes of a packed weight's tensors (``<x>.weight`` is stored as ``<x>.weight_packed`` and these)
@@ -255,29 +255,26 @@ def _decoding(
     if not packed:
         return conv
     dtype = model_dtypes.get(conv.targets[0], next(iter(packed.values())).dtype)
-    others = tuple(k for k in conv.sources if k not in packed)
     stored = tuple(n for w in packed.values() for n in (w.packed, w.scale, w.zero_point) if n is not None)
 
-    def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
-        given = {k: tensors[k] for k in others}
-        for k, w in packed.items():
+    def decoder(w: PackedWeight) -> Callable[[Mapping[str, Any]], Any]:
+        def decode(tensors: Mapping[str, Any]) -> Any:
             z = tensors[w.zero_point] if w.zero_point is not None else None
-            given[k] = dequantize_packed(tensors[w.packed], tensors[w.scale], z, w, scheme.num_bits, dtype)
-        return conv.run(cast_like_transformers(conv.rule, given, dtype))
+            return dequantize_packed(tensors[w.packed], tensors[w.scale], z, w, scheme.num_bits, dtype)
+
+        return decode
 
     layout = tuple(
         (conv.sources.index(k), w.shape, w.group_size, w.dtype, w.zero_point is not None) for k, w in packed.items()
     )
-    signature = None if conv.signature is None else ("packed", conv.signature, layout, scheme.num_bits, dtype)
-    return replace(
+    return decoding(
         conv,
-        sources=others + stored,
-        description=f"{conv.description} ({scheme.num_bits}-bit pack-quantized dequantization)",
-        is_rename=False,
+        {k: decoder(w) for k, w in packed.items()},
+        stored,
+        dtype,
         rule=PackedDequantization(conv.rule),
-        meta=None,
-        signature=signature,
-        runner=run,
+        description=f"{scheme.num_bits}-bit pack-quantized dequantization",
+        key=("packed", layout, scheme.num_bits, dtype),
     )
 
 

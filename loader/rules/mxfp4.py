@@ -27,7 +27,7 @@ import torch
 
 from ..checkpoint import Checkpoint, config_location, quantization_config
 from ..errors import CheckpointError
-from .conversion import Conversion, cast_like_transformers
+from .conversion import Conversion, decoding
 from .keyplan import KeyPlan
 
 #: the suffixes of an MXFP4 weight's tensors (``<x>`` is stored as these two)
@@ -167,26 +167,20 @@ def _decoding(
     if not packed:
         return conv
     dtype = model_dtypes.get(conv.targets[0], torch.bfloat16)
-    others = tuple(k for k in conv.sources if k not in packed)
     stored = tuple(n for w in packed.values() for n in (w.blocks, w.scales))
 
-    def run(tensors: Mapping[str, Any]) -> dict[str, Any]:
-        given = {k: tensors[k] for k in others}
-        for k, w in packed.items():
-            given[k] = dequantize_mxfp4(tensors[w.blocks], tensors[w.scales], dtype)
-        return conv.run(cast_like_transformers(conv.rule, given, dtype))
+    def decoder(w: Mxfp4Weight) -> Callable[[Mapping[str, Any]], Any]:
+        return lambda tensors: dequantize_mxfp4(tensors[w.blocks], tensors[w.scales], dtype)
 
     layout = tuple((conv.sources.index(k), w.shape) for k, w in packed.items())
-    signature = None if conv.signature is None else ("mxfp4", conv.signature, layout, dtype)
-    return replace(
+    return decoding(
         conv,
-        sources=others + stored,
-        description=f"{conv.description} (MXFP4 dequantization)",
-        is_rename=False,
+        {k: decoder(w) for k, w in packed.items()},
+        stored,
+        dtype,
         rule=Mxfp4Dequantization(conv.rule),
-        meta=None,
-        signature=signature,
-        runner=run,
+        description="MXFP4 dequantization",
+        key=("mxfp4", layout, dtype),
     )
 
 
