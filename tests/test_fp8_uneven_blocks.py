@@ -70,7 +70,7 @@ def test_tp8_cuts_of_192_read_their_codes_and_the_scale_blocks_they_touch(tmp_pa
 @pytest.mark.dist
 def test_four_gloo_ranks_load_192_a_rank(tmp_path):
     """A 4-rank gloo world: a 768 x 256 weight row-sharded and a 256 x 768 one column-sharded, 192 a rank."""
-    import fp8_uneven_worker
+    import pair_worker
     from gloo_world import WORLD, ok, run_world
 
     g = torch.Generator().manual_seed(8)
@@ -81,11 +81,10 @@ def test_four_gloo_ranks_load_192_a_rank(tmp_path):
     ctx = {
         "store": str(tmp_path / "store"),
         "out": str(tmp_path),
-        "folder": str(folder),
-        "ref": str(tmp_path / "ref.pt"),
+        "loads": [{"folder": str(folder), "ref": str(tmp_path / "ref.pt"), "dtype": "bfloat16"}],
     }
-    results = run_world(fp8_uneven_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
+    results = run_world(pair_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
     codes = 192 * 256  # a rank's codes of each weight
-    for r, res in enumerate(ok(results, "uneven_blocks")):
+    for r, (res,) in enumerate(a["loads"] for a in ok(results, "pair_shards")):
         assert res["bad"] == [] and res["deferred"] == (), f"rank {r}: {res}"
         assert res["bytes_read"] == 2 * (codes + 4 * 2 * 2), r  # each weight: its codes and 2 x 2 scale blocks

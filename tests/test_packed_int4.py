@@ -194,7 +194,7 @@ def test_activation_order_indices_are_refused_by_name(tmp_path):
 def test_four_gloo_ranks_load_packed_shards(tmp_path):
     """A 4-rank gloo world: a row-sharded and a column-sharded int4 weight (asymmetric groups) equal compressed-
     tensors' decompression on every rank, each rank reading its words, zero points and scale groups."""
-    import packed_int4_worker
+    import pair_worker
     from gloo_world import WORLD, ok, run_world
 
     scheme = scheme_of(4, 16, False)
@@ -210,11 +210,10 @@ def test_four_gloo_ranks_load_packed_shards(tmp_path):
     ctx = {
         "store": str(tmp_path / "store"),
         "out": str(tmp_path),
-        "folder": str(folder),
-        "ref": str(tmp_path / "ref.pt"),
+        "loads": [{"folder": str(folder), "ref": str(tmp_path / "ref.pt"), "dtype": "bfloat16"}],
     }
-    results = run_world(packed_int4_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
+    results = run_world(pair_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
     total = stored_bytes(stored)
-    for r, res in enumerate(ok(results, "packed_shards")):
+    for r, (res,) in enumerate(a["loads"] for a in ok(results, "pair_shards")):
         assert res["bad"] == [] and res["deferred"] == (), f"rank {r}: {res}"
         assert 0 < res["bytes_read"] < total / 2, r  # its quarter of each weight, and the groups it cuts through

@@ -123,7 +123,7 @@ def test_awq_layouts_not_decoded_are_refused_by_name(tmp_path, edit, says):
 def test_four_gloo_ranks_load_gptq_and_awq_shards(tmp_path):
     """A 4-rank gloo world: a row-sharded and a column-sharded linear of each format equal the reference on every
     rank, each rank reading a quarter of every word, zero point and scale (the cuts fall on words and groups)."""
-    import packed_linears_worker
+    import pair_worker
     from gloo_world import WORLD, ok, run_world
 
     g = torch.Generator().manual_seed(5)
@@ -134,12 +134,14 @@ def test_four_gloo_ranks_load_gptq_and_awq_shards(tmp_path):
         ref = {f"{k}.weight": dequantized(method, t, 4, 32) for k, t in linears.items()}
         torch.save(ref, tmp_path / f"{method}.pt")
         totals[method] = sum(read_bytes(t) for t in linears.values())
-    ctx = {"store": str(tmp_path / "store"), "out": str(tmp_path)}
-    results = run_world(packed_linears_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
-    for r, res in enumerate(ok(results, "linear_shards")):
-        for method, got in ((m, res[m]) for m in ("gptq", "awq")):
+    methods = ("gptq", "awq")
+    loads = [{"folder": str(tmp_path / m), "ref": str(tmp_path / f"{m}.pt"), "dtype": "float16"} for m in methods]
+    ctx = {"store": str(tmp_path / "store"), "out": str(tmp_path), "loads": loads}
+    results = run_world(pair_worker.__file__, tmp_path, str(tmp_path), ctx, expected_codes=[0] * WORLD)
+    for r, res in enumerate(ok(results, "pair_shards")):
+        for method, got in zip(methods, res["loads"]):
             assert got["bad"] == [] and got["deferred"] == (), f"rank {r} {method}: {got}"
-            assert got["bytes"] == totals[method] // 4, (r, method, got["bytes"], totals[method])
+            assert got["bytes_read"] == totals[method] // 4, (r, method, got["bytes_read"], totals[method])
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
