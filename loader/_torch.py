@@ -27,6 +27,7 @@ __all__ = [
     "default_store",
     "gloo_backend",
     "local_shape",
+    "nccl_backend",
     "local_tensor",
     "root_mesh",
     "schema_arguments",
@@ -58,6 +59,21 @@ def gloo_backend(store: dist.Store, rank: int, world: int, seconds: float) -> An
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     return ProcessGroupGloo(store, rank, world, timedelta(seconds=seconds))
+
+
+def nccl_backend(store: dist.Store, rank: int, world: int, seconds: float) -> Any:
+    """An NCCL backend of ``world`` ranks over ``store``, outside the default group, as :func:`gloo_backend`
+    (``torch.distributed.ProcessGroupNCCL``, its ``Options._timeout``); the caller's current CUDA device is its.
+
+    Public: as :func:`gloo_backend`, none yet (torch 2.14); absent from CPU builds of torch.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timedelta(seconds=seconds)
+    return ProcessGroupNCCL(store, rank, world, options)
 
 
 def root_mesh(mesh: Any) -> Any:

@@ -49,6 +49,26 @@ def pick_device(group: Any = None, tensors: Iterable[torch.Tensor | None] = ()) 
     return found or torch.device("cuda", torch.cuda.current_device())
 
 
+def transport_backend(devices: Iterable[str]) -> str:
+    """The backend of a group formed outside ``torch.distributed``'s (a weight sync's, :mod:`loader.vllm.sync_wire`)
+    for its members' device types (``"cuda"``, ``"cpu"``, ...): NCCL when every one is ``"cuda"``, gloo otherwise."""
+    kinds = set(devices)
+    return "nccl" if kinds == {"cuda"} else "gloo"
+
+
+def backend_device(backend: str) -> torch.device:
+    """Where such a group's buffers live: the current CUDA device under NCCL, the CPU under gloo.
+
+    Raises:
+        ValueError: another backend.
+    """
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo":
+        return torch.device("cpu")
+    raise ValueError(f"a group of its own is formed over gloo or nccl, not {backend!r}")
+
+
 def _wait(work: Any, timeout: float | None) -> None:
     if timeout is None:
         work.wait()

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
+from ..errors import PeerFailure
 from ..placements import rank_and_world
 from .sync_endpoint import SyncEndpoint, refusals
 from .sync_pieces import local_parts, plan_pieces
 from .sync_plan import Want
 from .sync_push import header, prepare_outgoing, send_packets, stats
 from .sync_report import SyncReport
-from .sync_wire import Wire, get_json, join_store, put_json
+from .sync_wire import Wire, device_type, get_json, join_group, put_json
 
 __all__ = ["EngineSync", "SyncReport"]
 
@@ -74,19 +75,22 @@ class EngineSync:
             self._prepare(engine)
 
     def _prepare(self, address: str) -> None:
-        self.store = join_store(address, self.timeout)
+        self.store = join_group(address, self.rank, self.timeout)  # this rank's trainer group's keys
         state = self.trainer.state_dict()
         self.shapes = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
         keys = [(k, list(shape), str(dtype).removeprefix("torch.")) for k, (shape, dtype) in self.shapes.items()]
-        prepare: dict = {"keys": keys, "trainers": self.trainers}
+        prepare: dict = {"keys": keys, "trainers": self.trainers, "device": device_type(state.values())}
         try:
             prepare["parts"] = local_parts(state)[0]
         except ValueError as e:  # a placement with no boxes (Partial): every rank hears it from the endpoint
             prepare.update(parts={}, error=f"trainer rank {self.rank}: {e}")
         put_json(self.store, f"prepare/{self.rank}", prepare)
         plan = get_json(self.store, "plan", self.timeout, "waiting for the engine's plan")
+        if "peer" in plan:  # another trainer rank of this group did not arrive
+            raise PeerFailure(plan["peer"], stage="sync", ranks=tuple(plan["ranks"]), reason="timeout")
         if "error" in plan:
             raise ValueError(plan["error"])
+        self.version = plan.get("version", 0)  # the version the engine serves: this group's pushes follow it
         everyone = [get_json(self.store, f"prepare/{r}", self.timeout, "reading the trainer ranks' boxes")["parts"]
                     for r in range(self.trainers)]  # fmt: skip
         self.wants = [[Want(k, tuple(o), tuple(n), getattr(torch, d)) for k, o, n, d in w] for w in plan["wants"]]

@@ -60,9 +60,20 @@ class Piece:
 
 
 def local_parts(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, list], dict[str, torch.Tensor]]:
-    """This trainer rank's :data:`Parts` of ``state`` (JSON-able lists) and its local tensors, by key."""
+    """This trainer rank's :data:`Parts` of ``state`` (JSON-able lists) and its local tensors, by key.
+
+    Raises:
+        ValueError: a DTensor with a ``Partial`` placement (a pending reduction: no rank holds its values),
+            naming it.
+    """
     parts, local = {}, {}
     for key, tensor in state.items():
+        partial = [p for p in getattr(tensor, "placements", ()) if p.is_partial()]
+        if partial:
+            raise ValueError(
+                f"trainer tensor {key!r} has a Partial placement ({partial[0]}): a pending reduction no rank holds "
+                "the values of; reduce it first (redistribute it to Replicate or Shard)"
+            )
         slot = slot_for(key, tensor)
         parts[key] = [[list(map(list, g)), list(map(list, lb))] for g, lb in slot.boxes]
         local[key] = slot.local
