@@ -8,7 +8,9 @@ writes), :mod:`.agreement` (the values shared through the store under the transf
 of each tensor compared) ← :mod:`.prepared`
 (``prepare_transfer``, ``PreparedTransfer``: planned once, replayed every step) ← :mod:`.api` (``transfer_weights``,
 ``TransferReport`` of :mod:`.report`); :mod:`.simulate` (the plan
-for any two meshes on meta models: ``simulate_transfer``).
+for any two meshes on meta models: ``simulate_transfer``); :mod:`.destination` (``TensorDestination``: a trainer's
+weight-sync pushes into plain local tensors of other processes; imported when first used, as it builds on
+:mod:`loader.vllm`'s wire, which imports this package's cells).
 """
 
 from .api import BUCKET_BYTES, TransferReport, TransferRun, transfer_weights
@@ -59,4 +61,13 @@ __all__ = [
     "TransferMeshes",
     "mesh_parts",
     "simulate_transfer",
+    "TensorDestination",
 ]
+
+
+def __getattr__(name: str):
+    if name == "TensorDestination":  # lazily: loader.vllm.sync_pieces imports this package's cells
+        from .destination import TensorDestination
+
+        return TensorDestination
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
