@@ -2,10 +2,13 @@
 ``CTX.out``.
 
 Runs docs/vllm.md's engine script (``CTX.engine``, its functions): starts the engine and its endpoint (digests
-recorded), generates, serves ``pushes`` pushes; after each it waits for the trainers' full state dict of that
-version (``work/step-V``) and records the report, the tokens and every worker's digests of what vLLM's own
-``load_weights`` writes from it. Then one more push, which a hung trainer rank breaks: the failure
-(``failure``), the tokens generated after it and the versions the workers serve.
+recorded), generates, and serves two trainer groups at the same address, one after the other. The first (FSDP2)
+pushes ``pushes`` times; after each push the engine waits for the trainers' full state dict of that version
+(``work/step-V``) and records the report, the tokens and every worker's digests of what vLLM's own
+``load_weights`` writes from it (``steps``). Then one more push, which a hung trainer rank breaks: the failure
+(``failure``), the tokens generated after it and the versions the workers serve. The second group (tensor-parallel
+DTensors) is then taken by the same endpoint and pushes ``pushes`` times, recorded likewise (``tp.steps``; then
+``tp.versions``).
 """
 
 from __future__ import annotations
@@ -32,16 +35,19 @@ def main(ctx: dict) -> None:
     work = Path(ctx["work"])
     docs = runpy.run_path(ctx["engine"], run_name="docs_sync_engine")
     llm, endpoint = docs["start"](ctx["model"], ctx["address"], digests=True, timeout=ctx["timeout"])
-    out: dict = {"tokens": docs["generate"](llm), "steps": []}
+    out: dict = {"tokens": docs["generate"](llm), "steps": [], "tp": {"steps": []}}
 
-    def after(version: int, tokens: list) -> None:
-        folder = work / f"step-{version}"
-        wait_for(folder / "done", ctx["timeout"])
-        report = endpoint.report
-        oracle = list(endpoint.verify(str(folder)))
-        out["steps"].append({**asdict(report), "ratios": report.ratios, "tokens": tokens, "oracle": oracle})
+    def recorder(steps: list):
+        def after(version: int, tokens: list) -> None:
+            folder = work / f"step-{version}"
+            wait_for(folder / "done", ctx["timeout"])
+            report = endpoint.report
+            oracle = list(endpoint.verify(str(folder)))
+            steps.append({**asdict(report), "ratios": report.ratios, "tokens": tokens, "oracle": oracle})
 
-    docs["serve"](llm, endpoint, ctx["pushes"], after)
+        return after
+
+    docs["serve"](llm, endpoint, ctx["pushes"], recorder(out["steps"]))
     began = time.perf_counter()
     try:
         endpoint.receive()
@@ -50,6 +56,8 @@ def main(ctx: dict) -> None:
         out["failure"]["seconds"] = time.perf_counter() - began
     out["tokens_after_failure"] = docs["generate"](llm)
     out["versions"] = endpoint.versions()
+    docs["serve"](llm, endpoint, ctx["pushes"], recorder(out["tp"]["steps"]))  # the next group, same address
+    out["tp"]["versions"] = endpoint.versions()
     Path(ctx["out"]).write_text(json.dumps(out))
 
 
