@@ -7,12 +7,8 @@ Vocabulary:
 - **changed element**: one whose bits differ between base and new (compared as integers of the element's width,
   so ``-0.0`` against ``0.0`` and NaN payloads count as changes, and equal bits never do).
 - **run**: a maximal stretch of consecutive changed elements.
-- **Rice code** (parameter ``k``): a non-negative integer ``v`` as the ``k`` low bits of ``v`` and ``v >> k`` in
-  unary, or, at ``cap`` or more, ``cap`` ones and ``v >> k`` in a fixed width (an **escape**: a long tail, such as
-  a sign change among small steps, costs its bits, not its size in ones); a stream of them is three bit streams
-  (all the low bits, all the unary codes, all the escapes), so that each is written and read with a handful of
-  tensor ops. ``k`` and ``cap`` are chosen per stream as the ones that cost fewest bits: within a few hundredths
-  of a bit of the entropy of geometric values (the gaps of scattered changes).
+- **Rice stream**: non-negative integers as Rice codes with escapes, their parameters chosen per stream as the
+  ones that cost fewest bits (:mod:`loader.transfer.delta_codes`).
 - **index**: the runs' positions: the gap before each run (minus one after the first) and its length minus one,
   two Rice streams.
 - **values**: the changed elements, either ``raw`` (their bytes), or ``diff``: each as the zigzag of its integer
@@ -23,8 +19,9 @@ Vocabulary:
 
 Random changes at random places cannot be sent in fewer bits than their entropy: a change at density ``p`` costs
 about ``H(p) / p`` bits of position (11.4 at 0.1 %, 8.1 at 1 %, 4.7 at 10 %) besides its value; this encoding
-comes within ~0.1 bit of that. Encoding and decoding are vectorized (a handful of tensor ops per buffer, no
-Python loop over elements), and :func:`apply_delta` on the base gives ``new`` bit for bit.
+comes within ~0.1 bit of that. Encoding is one comparison pass over the buffer (8 bytes at a time: an unchanged
+buffer costs that alone) and a handful of numpy passes over the changes; applying, a handful of passes over the
+changes; :func:`apply_delta` on the base gives ``new`` bit for bit.
 """
 
 from __future__ import annotations
@@ -34,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .delta_codes import read_rice, read_varints, rice, varints
+
 __all__ = ["Delta", "apply_delta", "encode_delta", "changed_elements"]
 
 #: :meth:`Delta.to_bytes`' header: flags (1: full, 2: diff values), runs, index bytes, values bytes, changed
@@ -42,9 +41,9 @@ HEADER = ("flags", "runs", "index_bytes", "values_bytes", "changed")
 FULL, DIFF = 1, 2
 #: integer views of each element width (bits compared, never values)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: signed numpy views of each element width (differences wrap at the element's width)
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-#: at most this many values (evenly strided) choose a Rice stream's parameters
-SAMPLE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -63,16 +62,17 @@ class Delta:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire: :meth:`to_bytes`' size (its header's varints, the index and the values)."""
-        return int(_varints(self._header()).numel() + self.index.numel() + self.values.numel())
+        return len(self._header()) + int(self.index.numel() + self.values.numel())
 
-    def _header(self) -> torch.Tensor:
+    def _header(self) -> bytes:
         flags = FULL * int(self.full) + DIFF * int(self.diff)
-        return torch.tensor([flags, self.runs, int(self.index.numel()), int(self.values.numel()), self.changed])
+        return varints([flags, self.runs, int(self.index.numel()), int(self.values.numel()), self.changed])
 
     def to_bytes(self) -> torch.Tensor:
         """The delta as one byte buffer (:data:`HEADER` as LEB128 varints, then the index, then the values): what
         a sender puts on the wire, :meth:`from_bytes` reads it back. Its size is :attr:`nbytes`."""
-        return torch.cat([_varints(self._header()), self.index.reshape(-1), self.values.reshape(-1)])
+        head = torch.frombuffer(bytearray(self._header()), dtype=torch.uint8)
+        return torch.cat([head, self.index.reshape(-1), self.values.reshape(-1)])
 
     @staticmethod
     def from_bytes(data: torch.Tensor) -> Delta:
@@ -82,10 +82,9 @@ class Delta:
             ValueError: ``data`` is shorter or longer than its header says.
         """
         try:
-            start = _varint_end(data, len(HEADER))
+            (flags, runs, n_index, n_values, changed), start = read_varints(_np(data), len(HEADER))
         except ValueError:
             raise ValueError(f"a delta of {data.numel()} bytes has no header") from None
-        flags, runs, n_index, n_values, changed = (int(v) for v in _read_varints(data[:start]))
         if start + n_index + n_values != data.numel():
             raise ValueError(f"a delta of {data.numel()} bytes whose header says {start} + {n_index} + {n_values}")
         if flags & ~(FULL | DIFF):
@@ -97,6 +96,11 @@ class Delta:
 
 def _ints(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(_INT[t.element_size()])
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view (shared memory); a copy of any other."""
+    return t.detach().cpu().numpy()
 
 
 def changed_elements(base: torch.Tensor, new: torch.Tensor) -> int:
@@ -116,24 +120,44 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor) -> Delta:
                          f"{tuple(new.shape)} {new.dtype}")  # fmt: skip
     size = new.element_size()
     a, b = _ints(base), _ints(new)
-    where = torch.nonzero(a != b).reshape(-1)
-    whole = b.view(torch.uint8)
-    if where.numel() == 0:
+    an, bn = _np(a).view(_SIGNED[size]), _np(b).view(_SIGNED[size])
+    where = _changed(an, bn)
+    if not where.size:
         return Delta(False, 0, _EMPTY, _EMPTY, 0)
-    breaks = torch.nonzero(where[1:] - where[:-1] > 1).reshape(-1)  # a new run after these changed elements
-    starts = torch.cat([where[:1], where[breaks + 1]])
-    ends = torch.cat([where[breaks], where[-1:]]) + 1
-    previous_end = torch.cat([torch.full((1,), -1, dtype=ends.dtype), ends[:-1]])
-    index = torch.cat([_rice(starts - previous_end - 1), _rice(ends - starts - 1)])
-    values, diff = b[where].view(torch.uint8), False
-    z = _zigzag(b[where].to(torch.int64) - a[where].to(torch.int64), 8 * size)
+    whole = b.view(torch.uint8)
+    breaks = np.flatnonzero(np.diff(where) != 1)  # a new run after these changed elements
+    starts = np.concatenate([where[:1], where[breaks + 1]])
+    ends = np.concatenate([where[breaks], where[-1:]]) + 1
+    gaps = starts - np.concatenate([[-1], ends[:-1]]) - 1
+    index = np.concatenate([rice(gaps), rice(ends - starts - 1)])
+    moved = bn[where]
+    values, diff = moved.view(np.uint8), False
+    d = (moved - an[where]).astype(np.int64)  # wraps at the element's width, then sign-extends
+    z = (d << 1) ^ (d >> 63)  # zigzag: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ...
     if bool((z > 0).all()):  # every difference fits a non-negative int64 (8-byte ones may not)
-        coded = _rice(z - 1, limit=values.numel())
-        if coded is not None and coded.numel() < values.numel():
+        coded = rice(z - 1, limit=values.size)
+        if coded is not None and coded.size < values.size:
             values, diff = coded, True
-    if index.numel() + values.numel() >= whole.numel():
-        return Delta(True, 0, _EMPTY, whole.clone(), int(where.numel()))
-    return Delta(False, int(starts.numel()), index, values.clone(), int(where.numel()), diff)
+    if index.size + values.size >= whole.numel():
+        return Delta(True, 0, _EMPTY, whole.clone(), int(where.size))
+    return Delta(False, int(starts.size), torch.from_numpy(index), torch.from_numpy(values.copy()), int(where.size),
+                 diff)  # fmt: skip
+
+
+def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The indices of the elements whose bits differ: compared 8 bytes at a time first (half the work of the
+    elements' own width for bf16), then within the changed words where few changed, elementwise where many did."""
+    per = 8 // a.itemsize
+    whole = a.size - a.size % per
+    if per == 1 or not whole or a.ctypes.data % 8 or b.ctypes.data % 8:
+        return np.flatnonzero(a != b)
+    wa, wb = a[:whole].view(np.int64), b[:whole].view(np.int64)
+    words = np.flatnonzero(wa != wb)
+    if words.size * 8 > wa.size:  # dense: one elementwise pass costs less than refining every changed word
+        return np.flatnonzero(a != b)
+    inside = np.flatnonzero((wa[words] ^ wb[words]).view(a.dtype) != 0)
+    tail = np.flatnonzero(a[whole:] != b[whole:]) + whole
+    return np.concatenate([words[inside // per] * per + inside % per, tail])
 
 
 def apply_delta(target: torch.Tensor, delta: Delta) -> None:
@@ -142,11 +166,10 @@ def apply_delta(target: torch.Tensor, delta: Delta) -> None:
     Raises:
         ValueError: the delta does not fit ``target`` (runs past its end, a size that does not match).
     """
-    flat = target.reshape(-1)  # a view of a contiguous target (written through)
     if not target.is_contiguous():
         raise ValueError("a delta is applied to a contiguous tensor")
     size = target.element_size()
-    ints = flat.view(_INT[size])
+    ints = target.reshape(-1).view(_INT[size])  # a view of a contiguous target (written through)
     if delta.full:
         if delta.values.numel() != ints.numel() * size:
             raise ValueError(f"a whole buffer of {delta.values.numel()} bytes for {ints.numel()} elements")
@@ -154,179 +177,45 @@ def apply_delta(target: torch.Tensor, delta: Delta) -> None:
         return
     if delta.runs == 0:
         return
-    gaps, used = _read_rice(delta.index, delta.runs)
-    lengths, more = _read_rice(delta.index[used:], delta.runs)
-    if used + more != delta.index.numel():
-        raise ValueError(f"a delta's index holds {delta.index.numel()} bytes, not {delta.runs} runs' worth")
-    lengths = lengths + 1
-    starts = torch.cumsum(gaps + 1 + torch.cat([torch.full((1,), -1, dtype=gaps.dtype), lengths[:-1]]), 0)
-    elements = int(lengths.sum())
-    if int(starts[-1] + lengths[-1]) > ints.numel():
-        raise ValueError(f"a delta of {delta.runs} runs ({elements} elements) does not fit {ints.numel()} elements")
-    where = _ranges(starts, lengths, elements)
+    where = _positions(_np(delta.index), delta.runs, ints.numel())
+    host = ints if ints.device.type == "cpu" else ints.cpu()
+    flat = host.numpy().view(_SIGNED[size])
+    data = _np(delta.values)
     if not delta.diff:
-        if elements * size != delta.values.numel():
-            raise ValueError(f"a delta of {elements} elements with {delta.values.numel()} bytes of values")
-        ints[where] = delta.values.view(ints.dtype)
-        return
-    z, used = _read_rice(delta.values, elements)
-    if used != delta.values.numel():
-        raise ValueError(f"a delta of {elements} elements with {delta.values.numel()} bytes of differences")
-    d = ((z + 1) >> 1) ^ -((z + 1) & 1)
-    ints[where] = (ints[where].to(torch.int64) + d).to(ints.dtype)  # wraps at the element's width
-
-
-def _zigzag(d: torch.Tensor, bits: int) -> torch.Tensor:
-    """Differences wrapped to signed ``bits``-bit integers, zigzagged (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...)."""
-    if bits < 64:
-        half = 1 << (bits - 1)
-        d = (d + half) % (2 * half) - half
-    return (d << 1) ^ (d >> 63)
-
-
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
-    """The element indices of the runs, concatenated (``arange`` per run, vectorized)."""
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(total)
-
-
-def _rice(v: torch.Tensor, limit: int | None = None) -> torch.Tensor | None:
-    """Non-negative int64 ``v`` as a Rice stream with escapes (:func:`_rice_cost` picks ``k`` and ``cap``): varints
-    ``k``, ``cap``, the escapes' width and the unary bytes, then the ``k``-bit low parts, the unary high parts (bits
-    little-endian in each byte), the escaped high parts. None when it would not be smaller than ``limit`` bytes."""
-    k, cap, width, bits = _rice_cost(v)
-    if limit is not None and bits / 8 >= limit:
-        return None
-    high = v >> k
-    escaped = high >= cap if cap else torch.zeros_like(high, dtype=torch.bool)
-    ones = torch.where(escaped, cap, high)
-    unary = torch.ones(v.numel() + int(ones.sum()), dtype=torch.bool)
-    unary[torch.cumsum(ones + 1, 0) - 1] = False  # each value's ones end with a zero
-    streams = [_pack(_bits(v, k)), _pack(unary), _pack(_bits(high[escaped], width))]
-    return torch.cat([_varints(torch.tensor([k, cap, width, streams[1].numel()])), *streams])
-
-
-def _rice_cost(v: torch.Tensor) -> tuple[int, int, int, int]:
-    """``(k, cap, width, bits)``: the Rice parameter and the escape (a high part of ``cap`` or more ones is sent as
-    ``cap`` ones and ``width`` bits; 0: none) that cost fewest bits on an evenly strided sample of at most
-    :data:`SAMPLE` values (from a histogram of the high parts per ``k``), and what they cost on all ``v``."""
-    n = v.numel()
-    if not n:
-        return 0, 0, 1, 0
-    top = int(v.max()).bit_length()
-    sample = v[:: max(1, n // SAMPLE)]
-    middle = int(sample.kthvalue((sample.numel() + 1) // 2).values).bit_length()
-    q = torch.arange(65, dtype=torch.float64)
-    best = (float("inf"), 0, 0)
-    for k in range(max(0, middle - 4), min(62, middle + 6) + 1):
-        counts = torch.bincount((sample >> k).clamp(max=64), minlength=65).double()
-        head = torch.cumsum(counts * (q + 1), 0) - counts * (q + 1)  # the ones and zeros of the high parts below q
-        above = sample.numel() - (torch.cumsum(counts, 0) - counts)  # high parts at or above q
-        escaped = (head + above * (q + 1 + max(1, top - k)))[1:]
-        cap = int(escaped.argmin()) + 1
-        plain = float((sample >> k).double().sum()) + sample.numel()
-        for c, bits in ((cap, float(escaped[cap - 1])), (0, plain)):
-            best = min(best, (bits + sample.numel() * k, k, c))
-    _, k, cap = best
-    width = max(1, top - k)
-    high = v >> k
-    if cap:
-        bits = int(high.clamp(max=cap).sum()) + n + int((high >= cap).sum()) * width
+        if where.size * size != data.size:
+            raise ValueError(f"a delta of {where.size} elements with {data.size} bytes of values")
+        flat[where] = data.view(flat.dtype)
     else:
-        bits = int(high.double().sum()) + n
-    return k, cap, width, bits + n * k
+        z, used = read_rice(data, where.size)
+        if used != data.size:
+            raise ValueError(f"a delta of {where.size} elements with {data.size} bytes of differences")
+        z += 1
+        d = (z >> 1) ^ -(z & 1)
+        flat[where] += d.astype(flat.dtype)  # wraps at the element's width
+    if host is not ints:
+        ints.copy_(host)
 
 
-def _bits(v: torch.Tensor, width: int) -> torch.Tensor:
-    """The ``width`` low bits of each of ``v``, low first, as bools."""
-    if not width:
-        return torch.empty(0, dtype=torch.bool)
-    return ((v[:, None] >> torch.arange(width)) & 1).reshape(-1).bool()
-
-
-def _read_rice(data: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """The ``n`` values of the Rice stream at the start of ``data``, and its bytes.
-
-    Raises:
-        ValueError: ``data`` is shorter than the stream, or the stream holds fewer than ``n`` values.
-    """
-    start = _varint_end(data, 4)
-    k, cap, width, n_unary = (int(x) for x in _read_varints(data[:start]))
-    n_low = (n * k + 7) // 8
-    if k > 62 or width > 63 or start + n_low + n_unary > data.numel():
-        raise ValueError(f"a delta's stream of {n} values needs more than its {data.numel()} bytes")
-    low = _unpack(data[start : start + n_low])[: n * k].view(n, k).to(torch.int64)
-    start += n_low
-    zeros = torch.nonzero(~_unpack(data[start : start + n_unary])).reshape(-1)
-    start += n_unary
-    if zeros.numel() < n:
-        raise ValueError(f"a delta's stream holds {zeros.numel()} values, not {n}")
-    zeros = zeros[:n]
-    high = zeros - torch.cat([torch.full((1,), -1, dtype=zeros.dtype), zeros[:-1]]) - 1
-    if cap:
-        escaped = high == cap
-        count = int(escaped.sum())
-        end = start + (count * width + 7) // 8
-        if end > data.numel():
-            raise ValueError(f"a delta's stream of {n} values needs {end} bytes, it has {data.numel()}")
-        bits = _unpack(data[start:end])[: count * width].view(count, width).to(torch.int64)
-        high[escaped] = (bits << torch.arange(width)).sum(1)
-        start = end
-    return (high << k) | (low << torch.arange(k)).sum(1), start
-
-
-def _pack(bits: torch.Tensor) -> torch.Tensor:
-    """Bools as bytes, 8 a byte, the first in the low bit (the last byte padded with zeros)."""
-    return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
-
-
-def _unpack(data: torch.Tensor) -> torch.Tensor:
-    """:func:`_pack`'s bools (the padding included)."""
-    return torch.from_numpy(np.unpackbits(data.contiguous().numpy(), bitorder="little")).bool()
-
-
-def _varint_end(data: torch.Tensor, count: int) -> int:
-    """Where the first ``count`` varints of ``data`` end (a few header bytes: read one by one)."""
-    seen = 0
-    for i, byte in enumerate(data[: 10 * count].tolist()):
-        seen += byte < 0x80
-        if seen == count:
-            return i + 1
-    raise ValueError(f"a delta's stream does not start with {count} varints")
-
-
-def _varints(values: torch.Tensor) -> torch.Tensor:
-    """Non-negative int64 values as LEB128 bytes (7 bits a byte, the high bit set on all but each value's last)."""
-    counts = torch.ones_like(values)
-    rest = values >> 7
-    while bool((rest > 0).any()):
-        counts += (rest > 0).to(counts.dtype)
-        rest = rest >> 7
-    total = int(counts.sum())
-    owner = torch.repeat_interleave(torch.arange(values.numel()), counts, output_size=total)
-    first = torch.cumsum(counts, 0) - counts
-    position = torch.arange(total) - first[owner]
-    digits = (values[owner] >> (7 * position)) & 0x7F
-    more = position < (counts[owner] - 1)
-    return (digits | (more.to(digits.dtype) << 7)).to(torch.uint8)
-
-
-def _read_varints(data: torch.Tensor) -> torch.Tensor:
-    """The LEB128 values in ``data``.
+def _positions(index: np.ndarray, runs: int, numel: int) -> np.ndarray:
+    """The changed elements' indices the runs of ``index`` (two Rice streams) cover, checked against ``numel``.
 
     Raises:
-        ValueError: ``data`` ends inside a value, or a value has more than 9 bytes.
+        ValueError: the streams do not hold ``runs`` runs, or the runs do not fit ``numel`` elements.
     """
-    data = data.to(torch.int64)
-    last = (data & 0x80) == 0
-    if data.numel() and not bool(last[-1]):
-        raise ValueError("a delta's index ends inside a value")
-    count = int(last.sum())
-    owner = torch.cumsum(last.to(torch.int64), 0) - last.to(torch.int64)
-    first = torch.zeros(count, dtype=torch.int64).scatter_reduce(
-        0, owner, torch.arange(data.numel()), "amin", include_self=False
-    )
-    position = torch.arange(data.numel()) - first[owner]
-    if data.numel() and int(position.max()) > 8:
-        raise ValueError("a delta's index holds a value of more than 9 bytes")
-    return torch.zeros(count, dtype=torch.int64).index_add_(0, owner, (data & 0x7F) << (7 * position))
+    if runs > numel:
+        raise ValueError(f"a delta of {runs} runs does not fit {numel} elements")
+    gaps, used = read_rice(index, runs)
+    lengths, more = read_rice(index[used:], runs)
+    if used + more != index.size:
+        raise ValueError(f"a delta's index holds {index.size} bytes, not {runs} runs' worth")
+    if min(int(gaps.min()), int(lengths.min())) < 0 or max(int(gaps.max()), int(lengths.max())) >= numel:
+        raise ValueError(f"a delta of {runs} runs with a gap or a length that does not fit {numel} elements")
+    lengths += 1  # below numel each: the sums below cannot overflow
+    starts = np.cumsum(gaps + 1 + np.concatenate([[-1], lengths[:-1]]))
+    elements = int(lengths.sum())
+    if int(starts[-1] + lengths[-1]) > numel:
+        raise ValueError(f"a delta of {runs} runs ({elements} elements) does not fit {numel} elements")
+    if elements == runs:  # every run one element (scattered changes)
+        return starts
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(elements)
