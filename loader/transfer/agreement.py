@@ -1,11 +1,16 @@
-"""What the ranks of a transfer share before anything is sent, every wait bounded by the transfer's timeout.
+"""What the ranks of a transfer share, every wait bounded by the transfer's timeout.
 
-Each step's values go through the process group's store, not a collective (:class:`Sharing`): every rank posts
+Planning's values go through the process group's store, not a collective (:class:`Sharing`): every rank posts
 its value and meets the others at an agreement point of the transfer's :class:`~loader.distributed.Session`,
 so that a rank that never calls ``transfer_weights``, hangs or dies fails every other rank after ``timeout``
 seconds, naming it (a collective would wait for the process group's own timeout, 30 minutes by default), and a
 failure on one rank is raised on every rank. The ranks holding one model must hold each of its tensors alike
 (:func:`check_views`, with the save's :func:`~loader.save.agreement.tensor_view`).
+
+A replay, whose ranks already met at the planning, shares only one small integer per rank before its rounds
+and one after (:class:`Flags`: one ``all_to_all_single`` of a few int64 over the transfer's group, waiting at
+most ``timeout``); only when one of them says a rank failed, or fails itself, do the ranks meet through the
+store (:func:`fail_together`) to raise the same error on every rank, naming a rank that never arrived.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import Session, peer_errors
+from ..distributed.collectives import all_to_all_tensor
 from ..plan.slots import iter_model_tensors
 from ..save.agreement import tensor_view
 
@@ -104,6 +111,47 @@ class Sharing:
             except Exception:  # a store without deletion: the value stays, nothing else is affected
                 log.debug("could not delete %s from the store", key, exc_info=True)
         self._posted.clear()
+
+
+class Flags:
+    """One integer per rank, every rank's on every rank, over the transfer's group ``group``: one
+    ``all_to_all_single`` of int64 (each rank sends its value to every peer directly: a peer that died is a
+    connection error on every rank, not only on its neighbours), waiting at most ``timeout`` seconds (None: no
+    limit). Its buffers are made once (on ``device``: the group's) and reused."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float | None, device: torch.device) -> None:
+        world = dist.get_world_size(group)
+        self.group, self.timeout = group, timeout
+        self._send = torch.zeros(world, dtype=torch.int64, device=device)
+        self._recv = torch.zeros(world, dtype=torch.int64, device=device)
+        self._sizes = [1] * world
+
+    def exchange(self, value: int, doing: str) -> list[int]:
+        """Every rank's ``value`` (index = rank). Collective over the group.
+
+        Raises:
+            PeerFailure: the collective failed or timed out (``reason="connection"``).
+        """
+        self._send.fill_(value)
+        with peer_errors(STAGE, doing):
+            all_to_all_tensor(self._recv, self._send, self._sizes, self._sizes, group=self.group, timeout=self.timeout)
+            return self._recv.tolist()
+
+
+def fail_together(error: BaseException | None, timeout: float | None, group: dist.ProcessGroup | None) -> None:
+    """The ranks of a replay that failed meet in a session of their own through the store: ``error`` (this
+    rank's, None when another rank's flag said it failed) or another rank's raised on every rank; a rank that
+    never arrives within ``timeout`` named in a :class:`~loader.errors.PeerFailure`. Called by every rank that saw
+    the failure (a :class:`Flags` value, or a failed collective: every rank waiting on a peer sees it).
+
+    Raises:
+        Exception: always (the agreed error).
+    """
+    with Session(timeout, group) as session:
+        session.agree(error, STAGE)
+    if error is not None:
+        raise error
+    raise RuntimeError("a rank flagged a failed transfer but none was agreed through the store")
 
 
 def model_views(model: torch.nn.Module | None) -> dict[str, str]:

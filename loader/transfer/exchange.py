@@ -91,11 +91,15 @@ class Exchange:
         rounds: the compiled rounds, every rank the same number.
         counts: what one run moves (the same every run).
         buffer_bytes: bytes of the pools it holds (staging, send, receive).
+        device: where its buffers live (:func:`~loader.distributed.pick_device` of the group and tensors).
     """
 
-    def __init__(self, rounds: list[Round], counts: Counts, buffer_bytes: int, group, timeout: float | None) -> None:
+    def __init__(
+        self, rounds: list[Round], counts: Counts, buffer_bytes: int, group, timeout: float | None,
+        device: torch.device,
+    ) -> None:  # fmt: skip
         self.rounds, self.counts, self.buffer_bytes = rounds, counts, buffer_bytes
-        self.group, self.timeout = group, timeout
+        self.group, self.timeout, self.device = group, timeout, device
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> Counts:
         """Every round in order (each rank runs the same number: the collectives match): copies and collectives
@@ -170,7 +174,7 @@ def compile_rounds(
                 at += size
             r.sizes = ([n for _, n in recv_layouts], [n for _, n in send_layouts])
         rounds.append(r)
-    return Exchange(rounds, counts, sum(sizes), group, timeout)
+    return Exchange(rounds, counts, sum(sizes), group, timeout, device)
 
 
 def _layout(plan: TransferPlan, rank: int, moves: list[Move], sources, every_round: bool):

@@ -5,10 +5,15 @@ Preparing runs steps 1-3 of :func:`~loader.transfer.transfer_weights` (describe,
 and compiles this rank's rounds into copies of fixed views (:func:`~loader.transfer.exchange.compile_rounds`).
 Each :meth:`PreparedTransfer.run` then only checks that both models are still the ones planned
 (:func:`fingerprint`: names, global shapes, dtypes, placements and mesh, and each local tensor's device, shape,
-strides and memory address) and replays. The ranks agree on the check in one value shared through the store
-(every rank's "unchanged" flag, within the timeout): when any rank's models changed, every rank plans again
-from the models it is given (``TransferReport.planned``), and a change that cannot be transferred (a shape no
-key gives, ranks holding a tensor differently) is raised on every rank as ``transfer_weights`` raises it.
+strides and memory address) and replays. The ranks agree on the check in one small collective over the
+transfer's group (:class:`~loader.transfer.agreement.Flags`: every rank's "changed" flag, within the timeout),
+before any byte is sent: when any rank's models changed, every rank plans again from the models it is given, in
+a session through the store as :func:`prepare_transfer` does (``TransferReport.planned``), and a change that
+cannot be transferred (a shape no key gives, ranks holding a tensor differently) is raised on every rank as
+``transfer_weights`` raises it. After the rounds a second such collective carries every rank's "failed" flag; a
+rank that failed, or a collective that failed or timed out (a peer died or hung), sends the ranks that saw it to
+an agreement through the store (:func:`~loader.transfer.agreement.fail_together`): the same error on every
+rank, a rank that never arrives named in a :class:`~loader.errors.PeerFailure`.
 
 Vocabulary:
 
@@ -30,12 +35,13 @@ import torch.distributed as dist
 
 from .._torch import local_tensor
 from ..distributed import Session, peer_errors
+from ..errors import PeerFailure
 from ..execute import Rollback
 from ..options import Rules, TransferOptions, timeout_seconds
 from ..plan import TraceCache
 from ..plan.slots import box_view, iter_model_tensors
 from ..rules.conversion import cast_like_transformers
-from .agreement import STAGE, Sharing, check_views, digest, model_views
+from .agreement import STAGE, Flags, Sharing, check_views, digest, fail_together, model_views
 from .exchange import Exchange, compile_rounds, log_progress
 from .memory import check_memory
 from .plan import TransferPlan, plan_transfer
@@ -53,7 +59,8 @@ Mapping_ = Rules | Sequence[Any] | None
 @dataclass(frozen=True)
 class _Planned:
     """What one planning left on this rank: the plan, the key plan (fallbacks), the destination's slots, the
-    fallbacks' key buffers, the tensors it writes, the compiled replay and the fingerprint it holds for."""
+    fallbacks' key buffers, the tensors it writes, the compiled replay, the fingerprint it holds for, and the
+    destination tensors it receives region by region and computes from keys (the reports' names)."""
 
     plan: TransferPlan
     keyplan: Any
@@ -62,6 +69,8 @@ class _Planned:
     written: dict[str, torch.Tensor]
     replay: Exchange
     fingerprint: tuple
+    transferred: tuple[str, ...]
+    fallback: tuple[str, ...]
 
 
 def fingerprint(model: torch.nn.Module | None) -> tuple:
@@ -104,6 +113,7 @@ class PreparedTransfer:
         self.version = 0
         self.plans = 0
         self._planned: _Planned | None = None
+        self._flags: Flags | None = None  # a replay's check and outcome (:meth:`_replay`), made by the first plan
 
     @property
     def plan(self) -> TransferPlan:
@@ -138,11 +148,54 @@ class PreparedTransfer:
         """
         t0 = time.perf_counter()
         self.version += 1
+        current = self._planned is not None and fingerprint_pair(src, dst) == self._planned.fingerprint
+        if self._flags is None:  # one process
+            return self._run_planning(src, dst, t0, None if current else [self.rank])
+        try:
+            flags = self._flags.exchange(int(not current), "checking that the models are the ones planned")
+        except PeerFailure as e:
+            fail_together(e, self.timeout, self.group)
+        changed = [r for r, flag in enumerate(flags) if flag]
+        if changed:
+            return self._run_planning(src, dst, t0, changed)
+        return self._replay(self._planned, t0)
+
+    def _replay(self, p: _Planned, t0: float) -> TransferReport:
+        """The compiled rounds, between two :class:`~.agreement.Flags` (nothing changed on any rank): a failure on
+        a rank, or of a collective, is agreed through the store (:func:`~.agreement.fail_together`)."""
+        t1 = time.perf_counter()
+        progress = self.options.progress
+        report = log_progress(self.rank) if progress is True else (progress or None)
+        error, exchanged, failed = None, False, False
+        with Rollback(self.options.rollback) as undo:
+            undo.keep_tensors(p.written)  # put back if the transfer fails on any rank
+            t2 = time.perf_counter()
+            try:
+                with peer_errors(STAGE, "exchanging the weights"):
+                    counts = p.replay.run(report)
+                exchanged = True  # every collective of the rounds done: the closing one matches every rank's
+                _run_fallbacks(p.plan, self.rank, p.keyplan, p.buffers, p.dst_parts, p.written)
+            except Exception as e:
+                error = e
+            t3 = time.perf_counter()
+            if exchanged:
+                try:
+                    failed = any(self._flags.exchange(int(error is not None), "agreeing on the outcome"))
+                except PeerFailure as e:
+                    error, failed = error or e, True
+            if error is not None or failed:
+                fail_together(error, self.timeout, self.group)
+        run = TransferRun(time.perf_counter() - t0, False, self.version, 0.0, t1 - t0, t3 - t2)
+        return _report(p, counts, run)
+
+    def _run_planning(
+        self, src: torch.nn.Module | None, dst: torch.nn.Module | None, t0: float, changed: list[int] | None
+    ) -> TransferReport:
+        """A run in a session of its own (through the store): planning again when ``changed`` names ranks whose
+        models changed (one process: the check is this rank's alone)."""
         session = Session(self.timeout, self.group) if self.distributed else None
         sharing = Sharing(session)
         with session or contextlib.nullcontext(), Rollback(self.options.rollback) as undo:
-            current = self._planned is not None and fingerprint_pair(src, dst) == self._planned.fingerprint
-            changed = [r for r, same in enumerate(sharing.share("check", current)) if not same]
             t1 = time.perf_counter()
             if changed:
                 log.info("rank %d: transfer version %d: models changed on rank(s) %s: planning again",
@@ -162,19 +215,9 @@ class PreparedTransfer:
                 _run_fallbacks(p.plan, self.rank, p.keyplan, p.buffers, p.dst_parts, p.written)
                 t4 = time.perf_counter()
             sharing.close()
-        mine = [m for m in p.plan.moves if m.dst == self.rank and not m.key]
-        return TransferReport(
-            bytes_sent=counts.sent,
-            bytes_received=counts.received,
-            bytes_local=counts.local,
-            transferred=tuple(dict.fromkeys(m.target for m in mine)),
-            fallback=tuple(t for f in p.plan.fallback if self.rank in f.ranks for t in f.targets),
-            messages=counts.messages,
-            rounds=len(p.replay.rounds),
-            run=TransferRun(
-                time.perf_counter() - t0, bool(changed), self.version, (t2 - t1) * bool(changed), t1 - t0, t4 - t3
-            ),
-        )
+        planned = bool(changed)
+        run = TransferRun(time.perf_counter() - t0, planned, self.version, (t2 - t1) * planned, t1 - t0, t4 - t3)
+        return _report(p, counts, run)
 
     # -- planning ---------------------------------------------------------------------------------
 
@@ -199,8 +242,20 @@ class PreparedTransfer:
             every_round=total > 0,
         )  # fmt: skip
         self.plans += 1
+        transferred = tuple(dict.fromkeys(m.target for m in plan.moves if m.dst == rank and not m.key))
+        fallback = tuple(t for f in plan.fallback if rank in f.ranks for t in f.targets)
         self._planned = _Planned(plan, keyplan, dst_parts, buffers, {t: dst_local[t] for t in written}, replay,
-                                 fingerprint_pair(src, dst))  # fmt: skip
+                                 fingerprint_pair(src, dst), transferred, fallback)  # fmt: skip
+        if self.distributed and self._flags is None:
+            self._flags = Flags(self.group, self.timeout, replay.device)
+
+
+def _report(p: _Planned, counts: Any, run: TransferRun) -> TransferReport:
+    return TransferReport(
+        bytes_sent=counts.sent, bytes_received=counts.received, bytes_local=counts.local,
+        transferred=p.transferred, fallback=p.fallback, messages=counts.messages, rounds=len(p.replay.rounds),
+        run=run,
+    )  # fmt: skip
 
 
 def fingerprint_pair(src: torch.nn.Module | None, dst: torch.nn.Module | None) -> tuple:
