@@ -8,18 +8,25 @@ relative to the blob), its pickle by :mod:`.torchzip`'s allow-list, and the chun
 sources, so each rank reads only the sub-boxes of chunks it needs. Chunks that do not tile their key, a blob
 outside its file, a tensor blob of another dtype or shape than the metadata says, a non-contiguous view, a chunk
 written through transforms: a :class:`~loader.errors.CheckpointError` naming the file and the key.
+
+Opening reads a few hundred bytes at each blob's two ends (its end records, directory, local headers and pickle),
+in every file, also for the chunks a rank will not read. In a local folder they are read as a remote archive's (the
+end records in a small tail first) through one descriptor per file, without readahead, a page at a time and each
+page once (:class:`_Pages`): the open reads from disk only the pages at the blobs' boundaries, not the stretch of
+tensor data that readahead after them would bring in (the pages another rank's chunks fill).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Mapping
 
 from ..errors import CheckpointNotFoundError, redact_url
 from ..options import StorageOptions
-from ..storage import LocalStore, Store, is_url, open_store
-from ..storage.untrusted import err, short
+from ..storage import PAGE, FileIdentity, LocalStore, Store, is_url, open_store
+from ..storage.untrusted import err, open_regular_file, pread_exact, short
 from .chunks import Chunk, TensorInfo
 from .dcp_metadata import DcpMetadata, DcpStorage, DcpTensor, dcp_storage, read_dcp_metadata
 from .pickles import read_pickle
@@ -34,16 +41,57 @@ MAX_METADATA_BYTES = 256 << 20
 _FILE_NAME = re.compile(r"[^/\\\0]+")
 
 
-class _Blob:
-    """The bytes ``[base, base + size)`` of one file of a store, read as a file of their own (a chunk's blob)."""
+class _Pages:
+    """The pages of one local file read for its blobs' records: one descriptor, readahead off, each page read
+    once (a run of pages missing at once in one call), checked to be the file of ``identity``."""
 
-    def __init__(self, store: Store, location: str, base: int, size: int) -> None:
-        self.store, self.location, self.base, self.size = store, location, base, size
-        self.remote = store.remote
+    def __init__(self, location: str, size: int, identity: object) -> None:
+        self.location, self.size = location, size
+        self.fd, st = open_regular_file(location)
+        self.pages: dict[int, bytes] = {}
+        self.lock = threading.Lock()  # the headers of a blob read as a remote archive's may be read at once
+        if identity is not None and FileIdentity.of(st) != identity:
+            os.close(self.fd)
+            raise err(location, "file changed underneath since its size was read")
+        if hasattr(os, "posix_fadvise"):  # the bytes after a record are another chunk's: not read ahead
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def read(self, start: int, end: int) -> bytes:
+        with self.lock:
+            return self._read(start, end)
+
+    def _read(self, start: int, end: int) -> bytes:
+        first, last = start // PAGE, -(-end // PAGE)
+        missing = [p for p in range(first, last) if p not in self.pages]
+        while missing:
+            run = 1
+            while run < len(missing) and missing[run] == missing[0] + run:
+                run += 1
+            a, b = missing[0] * PAGE, min(self.size, (missing[0] + run) * PAGE)
+            data = pread_exact(self.fd, self.location, b - a, a)
+            for i in range(run):
+                self.pages[missing[i]] = data[i * PAGE : (i + 1) * PAGE]
+            missing = missing[run:]
+        data = b"".join(self.pages[p] for p in range(first, last))
+        return data[start - first * PAGE : end - first * PAGE]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Blob:
+    """The bytes ``[base, base + size)`` of one file of a store, read as a file of their own (a chunk's blob):
+    through the file's :class:`_Pages` where it is local, read as a remote archive's (small reads first)."""
+
+    def __init__(self, store: Store, location: str, base: int, size: int, pages: _Pages | None) -> None:
+        self.store, self.location, self.base, self.size, self.pages = store, location, base, size, pages
+        self.remote = store.remote or pages is not None
 
     def read_range(self, location: str, start: int, end: int, identity: object) -> bytes:
         if not 0 <= start <= end <= self.size:
             raise err(location, f"read [{start}, {end}) outside the {self.size}-byte torch.save blob at {self.base}")
+        if self.pages is not None:
+            return self.pages.read(self.base + start, self.base + end)
         return self.store.read_range(self.location, self.base + start, self.base + end, identity)
 
 
@@ -86,15 +134,15 @@ def _byteorder(location: str, blob: _Blob, records: dict[str, Record], prefix: s
 
 
 def _chunk_place(
-    store: Store, location: str, key: str, place: DcpStorage, head: tuple[int, object], expect: tuple
+    store: Store, location: str, key: str, place: DcpStorage, head: tuple[int, object, _Pages | None], expect: tuple
 ) -> int:
     """The absolute byte offset of the chunk's elements in ``location``: its blob's one tensor, checked to be of
     ``expect`` ``(dtype, sizes)``, contiguous, inside its storage record, inside the blob, inside the file."""
-    size, identity = head
+    size, identity, pages = head
     where = f"chunk blob [{place.offset}, {place.offset + place.length})"
     if place.offset + place.length > size:
         raise err(location, f"{where} lies outside the file ({size} bytes)", key)
-    blob = _Blob(store, location, place.offset, place.length)
+    blob = _Blob(store, location, place.offset, place.length, pages)
     records = read_records(location, blob, place.length, identity)  # type: ignore[arg-type]
     found = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(found) != 1:
@@ -123,7 +171,8 @@ def _tensor_info(store: Store, meta: DcpMetadata, meta_path: str, tensor: DcpTen
             if not store.remote and not store.exists(location):
                 raise err(meta_path, f"names missing file {location}", tensor.key)
             found = store.head(location, 0)
-            heads[location] = (found.size, found.identity)
+            pages = None if store.remote else _Pages(location, found.size, found.identity)
+            heads[location] = (found.size, found.identity, pages)
         offset = _chunk_place(store, location, tensor.key, place, heads[location], (tensor.dtype, c.sizes))
         box = tuple((a, a + n) for a, n in zip(c.offsets, c.sizes))
         chunks.append(Chunk(box, location, offset))
@@ -161,9 +210,14 @@ class DcpCheckpoint(TableCheckpoint):
         if not store.remote and not store.exists(meta_path):
             raise CheckpointNotFoundError(f"{store.root}: no {METADATA_NAME} (not a DCP checkpoint)", path=store.root)
         meta = read_dcp_metadata(meta_path, store.read_small(meta_path, MAX_METADATA_BYTES, "DCP metadata"))
-        heads: dict[str, tuple[int, object]] = {}
-        tensors = {k: _tensor_info(store, meta, meta_path, t, heads) for k, t in meta.tensors.items()}
-        checkpoint = cls(tensors, None, None, {f: identity for f, (_, identity) in heads.items()}, store)
+        heads: dict[str, tuple[int, object, _Pages | None]] = {}
+        try:
+            tensors = {k: _tensor_info(store, meta, meta_path, t, heads) for k, t in meta.tensors.items()}
+        finally:
+            for _, _, pages in heads.values():
+                if pages is not None:
+                    pages.close()
+        checkpoint = cls(tensors, None, None, {f: identity for f, (_, identity, _) in heads.items()}, store)
         checkpoint.byte_items = meta.byte_items
         return checkpoint
 
