@@ -184,19 +184,20 @@ class TensorDestination:
             raise ValueError(word["error"])
         prepares = [get_json(store, f"prepare/{r}", self.timeout, "reading a prepare") for r in range(self.trainers)]
         try:
-            wants, self.lands = destination_wants(self.tensors, prepares[0]["keys"])
-            mine = {"wants": _encoded(wants), "device": device_type(t for t, _ in self.lands) if wants else "cpu"}
+            wants, lands = destination_wants(self.tensors, prepares[0]["keys"])
+            mine = {"wants": _encoded(wants), "device": device_type(t for t, _ in lands) if wants else "cpu"}
         except ValueError as e:
-            wants, mine = [], {"error": f"destination rank {self.rank}: {e}"}
+            wants, lands, mine = [], [], {"error": f"destination rank {self.rank}: {e}"}
         put_json(store, f"destination/{self.rank}", mine)
         if self.rank == 0:
             _publish(store, prepares, self.world, self.version, self.timeout)
-        plan = get_json(store, "plan", self.timeout, "waiting for destination rank 0's plan")
+        waits = 1 if self.rank == 0 else self.world + 1  # rank 0's wait may take a timeout per destination rank
+        plan = get_json(store, "plan", waits * self.timeout, "waiting for destination rank 0's plan")
         if "peer" in plan:
             raise PeerFailure(plan["peer"], stage="sync", ranks=tuple(plan["ranks"]), reason="timeout")
         if "error" in plan:
             raise ValueError(plan["error"])
-        self.wants, self.shard_bytes = wants, tuple(plan["shard_bytes"])
+        self.wants, self.lands, self.shard_bytes = wants, lands, tuple(plan["shard_bytes"])
         self.pieces = plan_pieces(wants, [p["parts"] for p in prepares])
         self.wire = Wire(store, self.trainers + self.rank, self.trainers + self.world, self.timeout)
         self.store, self.attempt, self.base, self.over = store, 0, None, False
