@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,16 @@ def docs_scripts(tmp: Path) -> dict[str, Path]:
     return paths
 
 
+def wait_all(procs: list, seconds: float) -> list:
+    """Each process's exit code once all exited, or as soon as one failed (None: still running, killed after)."""
+    deadline = time.monotonic() + seconds
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break  # the others would only wait for it
+        time.sleep(0.5)
+    return [p.poll() for p in procs]
+
+
 @pytest.fixture(scope="module")
 def synced(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("ranks")
@@ -79,7 +90,7 @@ def synced(tmp_path_factory) -> dict:
     procs = [subprocess.Popen(argv, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
              for argv, log in zip([engine, trainers, tp_trainers], logs)]  # fmt: skip
     try:
-        codes = [p.wait(timeout=LIMIT) for p in procs]
+        codes = wait_all(procs, LIMIT)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -54,6 +54,7 @@ def main(ctx: dict) -> None:
     except PeerFailure as e:
         out["failure"] = {"type": type(e).__name__, "message": str(e), "reason": e.reason}
         out["failure"]["seconds"] = time.perf_counter() - began
+        (work / "engine-failure.json").write_text(json.dumps(out["failure"]))  # the hung rank may leave now
     out["tokens_after_failure"] = docs["generate"](llm)
     out["versions"] = endpoint.versions()
     docs["serve"](llm, endpoint, ctx["pushes"], recorder(out["tp"]["steps"]))  # the next group, same address

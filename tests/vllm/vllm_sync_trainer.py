@@ -5,7 +5,7 @@ Runs docs/vllm.md's trainer script (``CTX.trainer``, its functions): builds the 
 the address the engine wrote (``CTX.address``), trains and pushes ``steps`` steps; after each push rank 0 saves the
 model's full state dict to ``work/step-V`` (the engine's oracle). Then every weight changes and one more (full)
 push starts, in which rank 1 sends worker 0 its packet and hangs before worker 1's: rank 0 records the
-failure, rank 1 resumes once rank 0 has written its result.
+failure, rank 1 resumes once rank 0 and the engine have written theirs (each timed out on it, not on its leaving).
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ def save_full(model, folder: Path, rank: int) -> None:
         (folder / "done").write_text("1")
 
 
-def hang_mid_push(sync, release: Path, seconds: float) -> None:
-    """Rank 1's next exchange sends its first packet (worker 0's), then waits for ``release``."""
+def hang_mid_push(sync, release: list[Path], seconds: float) -> None:
+    """Rank 1's next exchange sends its first packet (worker 0's), then waits for every file of ``release``."""
     real = sync.wire.exchange
 
     def exchange(sends, recvs):
         real(sends[:1], recvs)
-        read_when_there(release, seconds)
+        for path in release:
+            read_when_there(path, seconds)
         raise SystemExit(0)
 
     sync.wire.exchange = exchange
@@ -78,7 +79,7 @@ def main(ctx: dict) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1.0)  # weights that would change the tokens, had the push landed
-    released = work / "trainer0.json"
+    released = [work / "trainer0.json", work / "engine-failure.json"]  # both timed out: then it leaves
     if rank == 1:
         hang_mid_push(sync, released, 4 * ctx["timeout"])
     began = time.perf_counter()
