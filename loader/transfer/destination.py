@@ -13,8 +13,9 @@ Vocabulary (as in :mod:`loader.vllm.sync_pieces`, plus):
   this rank's boxes, :func:`loader.placements.slot_for`), a plain tensor (held whole: replicated), or a
   ``(local tensor, global shape, offsets)`` triple (one box described by hand).
 - **wants**: this rank's boxes of every destination tensor, in its dtype (the trainer casts to it once, before
-  sending); a push receives them into fresh buffers and copies them into the destination tensors only once every
-  member of the group agreed: the tensors hold the old values or the new, never a mix.
+  sending); a push receives them into buffers of the destination's own (its last wants are a delta's base) and
+  copies them into the destination tensors only once every member of the group agreed: the tensors hold the old
+  values or the new, never a mix.
 - **destination keys**: the rendezvous keys of the destination ranks' own messages, under ``destination/`` of the
   group's keys (the trainers never read them).
 """
@@ -232,7 +233,7 @@ class TensorDestination:
         refused, full, version = header(wire, False, self.base is None, 0)
         if refused:
             raise ValueError(refusals(self.store, self.attempt, self.trainers))
-        error = None
+        error, new = None, None
         try:
             new, _ = receive_wants(wire, self.trainers, self.pieces, self.wants, self.base, full)
         except PeerFailure:
@@ -240,12 +241,18 @@ class TensorDestination:
         except Exception as e:  # this rank says no: every rank keeps its old values
             error = f"destination rank {self.rank}: {type(e).__name__}: {e}"
             self.store.set(f"failed/{version}/{self.rank}", error)
-        ok = wire.agree(error is None)
+        try:
+            ok = wire.agree(error is None)
+        except PeerFailure:
+            _forget(new, self.base)
+            raise
         if ok:
             with torch.no_grad():
                 for (local, box), value in zip(self.lands, new):
                     _narrow(local, box).copy_(value)
             self.version, self.base = version, new
+        else:
+            _forget(new, self.base)
         sent, changed = stats(wire, [0] * self.world, [0] * self.world)
         if not ok:
             raise RuntimeError("the push failed, the destination keeps its old values: " + self._failures(version))
@@ -261,6 +268,13 @@ class TensorDestination:
         """Leave the current group (the destination tensors keep the last values pushed; a later :meth:`accept`
         takes the next group)."""
         self.wire, self.base, self.over = None, None, True
+
+
+def _forget(received: Any, base: Any) -> None:
+    """A push that is not kept: where the wire applied its deltas in place to ``base`` (the wants last received),
+    they are put back (``undo``); a wire that received into new buffers left ``base`` as it was."""
+    if received is not None and received is base and hasattr(received, "undo"):
+        received.undo()
 
 
 def _broadcast_address(address: str, timeout: float) -> str:
