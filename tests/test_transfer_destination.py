@@ -8,7 +8,8 @@ after one element of each trainer shard changed: each destination rank holds its
 tensors cast to its dtypes, bit for bit, the versions agree, and a full push puts exactly its shard's bytes on
 the wire to it. A trainer group whose tensor does not fit is a ``ValueError`` naming the tensor on every member,
 nothing written; a trainer rank killed mid-push is a ``PeerFailure`` on every destination rank, the values of the
-last good push kept. And, in this process, the destination's wants and their refusals by name.
+last good push kept. And, in this process, the destination's wants and their refusals by name, and a push the
+trainer refuses: nothing written, the next push lands.
 """
 
 from __future__ import annotations
@@ -136,3 +137,35 @@ def test_the_wants_are_the_destination_boxes_in_its_dtypes():
 def test_a_destination_that_does_not_fit_is_refused_naming_the_tensor(tensors, says):
     with pytest.raises(ValueError, match=says.replace("[", r"\[")):
         destination_wants(tensors, KEYS)
+
+
+def test_a_refused_push_is_a_value_error_on_the_destination_and_the_next_push_lands():
+    """One trainer rank and one destination rank in this process (a thread each side): a push the trainer
+    refuses (a tensor replaced by one of another shape) writes nothing; the next push lands, bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loader.transfer import TensorDestination
+    from loader.vllm import EngineSync
+
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(6, 4)
+    held = {"weight": torch.zeros(4, 6, dtype=torch.bfloat16), "bias": (torch.zeros(2), (4,), (2,))}
+    dest = TensorDestination(held, trainers=1, rank=0, world=1, timeout=60.0)
+    with ThreadPoolExecutor(1) as side:
+        accepted = side.submit(dest.accept)
+        sync = EngineSync(dest.address, policy, rank=0, trainers=1, timeout=60.0)
+        accepted.result()
+        weight = policy.weight
+        policy.weight = torch.nn.Parameter(torch.zeros(5, 6))
+        received = side.submit(dest.receive)
+        with pytest.raises(ValueError, match="'weight'"):
+            sync.push()
+        with pytest.raises(ValueError, match="'weight'"):
+            received.result()
+        assert not held["weight"].any() and dest.version == 0
+        policy.weight = weight
+        received = side.submit(dest.receive)
+        sync.push()
+        assert received.result() == 1
+    assert same_bits(held["weight"], policy.weight.detach().to(torch.bfloat16))
+    assert same_bits(held["bias"][0], policy.bias.detach()[2:])
