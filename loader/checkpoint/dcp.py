@@ -183,9 +183,11 @@ class DcpCheckpoint(TableCheckpoint):
     """A DCP checkpoint folder (``.metadata`` and ``*.distcp``): the :class:`~.protocol.Checkpoint` whose keys are
     stored as the chunks ``dcp.save`` wrote (plain encoding). Attributes as
     :class:`~.folder.SafetensorsCheckpoint`'s (``metadata`` ``{}`` per file; ``identities`` each ``.distcp``
-    file's as its chunks' records were read); :attr:`byte_items` the fqns of non-tensor items (not loaded)."""
+    file's as its chunks' records were read); :attr:`byte_items` the fqns of non-tensor items (not loaded);
+    :attr:`opened_pages` the pages (``offset // PAGE``) of each local file that opening it read (none remotely)."""
 
     byte_items: tuple[str, ...] = ()
+    opened_pages: Mapping[str, frozenset[int]] = {}
 
     @classmethod
     def open(
@@ -219,6 +221,7 @@ class DcpCheckpoint(TableCheckpoint):
                     pages.close()
         checkpoint = cls(tensors, None, None, {f: identity for f, (_, identity, _) in heads.items()}, store)
         checkpoint.byte_items = meta.byte_items
+        checkpoint.opened_pages = {f: frozenset(p.pages) for f, (_, _, p) in heads.items() if p is not None}
         return checkpoint
 
     def __repr__(self) -> str:
