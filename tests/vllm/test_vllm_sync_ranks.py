@@ -177,6 +177,7 @@ def test_each_tp_trainer_rank_sends_only_what_its_local_shards_hold_and_together
         together = [wire[0][push][w] + wire[1][push][w] for w in (0, 1)]
         assert together == got["bytes_sent"]  # what the workers received is what the two ranks sent
         assert ranks[0]["reports"][push]["bytes_sent"] == ranks[1]["reports"][push]["bytes_sent"] == together
+        assert ranks[0]["reports"][push]["changed_bytes"] == got["changed_bytes"]
     full = engine[0]
     assert not full["delta"] and all(e["delta"] for e in engine[1:])
     for sent, shard, pad in zip(full["bytes_sent"], full["shard_bytes"], PADDING):

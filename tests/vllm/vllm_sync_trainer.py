@@ -5,7 +5,8 @@ Runs docs/vllm.md's trainer script (``CTX.trainer``, its functions): builds the 
 the address the engine wrote (``CTX.address``), trains and pushes ``steps`` steps; after each push rank 0 saves the
 model's full state dict to ``work/step-V`` (the engine's oracle). Then every weight changes and one more (full)
 push starts, in which rank 1 sends worker 0 its packet and hangs before worker 1's: rank 0 records the
-failure, rank 1 resumes once rank 0 and the engine have written theirs (each timed out on it, not on its leaving).
+failure; rank 0 exits and rank 1 resumes once the engine has written its failure too (every member timed out on
+the hung rank, none on another's leaving).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def main(ctx: dict) -> None:
     except SystemExit:
         out["hung"] = True
     (work / f"trainer{rank}.json").write_text(json.dumps(out))
+    if rank == 0:  # its end of the broken group stays open until the engine has timed out on the hung rank too
+        read_when_there(work / "engine-failure.json", 4 * ctx["timeout"])
     sys.stdout.flush()
     os._exit(0)  # the sync's group is broken: no destructor waits on it
 
