@@ -2,7 +2,7 @@
 broadcast-then-cut, a prepared transfer replayed, and the plan time of simulated DeepSeek-V3 and Kimi-K2 pairs.
 
     python bench/transfer_bench.py [--repeat 3] [--bucket-mib 64,16] [--replays 4] [--ds-layers 4,5]
-        [--kimi-layers 4] [--markdown]
+        [--kimi-layers 4] [--replay-only] [--markdown]
 
 The source is transformers' Qwen3-MoE of bench/common.py (``QWEN3_MOE``: hidden 1024, 4 layers, 32 experts of
 512, bf16, ~440 MiB), every tensor FSDP-style ``Shard(0)`` over the 4 ranks (each rank's shard filled with its
@@ -249,7 +249,7 @@ def rank_main(rank: int, spec: dict) -> None:
     locals_ = {n: slot_for(n, t).local for n, t in dst.state_dict(keep_vars=True).items()}
     reference = None
     out = []
-    for method, bucket in [("transfer_weights", b) for b in spec["buckets"]] + [(m, 0) for m in OTHERS]:
+    for method, bucket in [("transfer_weights", b) for b in spec["buckets"]] + [(m, 0) for m in spec["others"]]:
         for rep in range(spec["repeat"]):
             with torch.no_grad():
                 for t in locals_.values():
@@ -538,18 +538,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ds-layers", default="4,5", help="DeepSeek-V3 layer counts to simulate (comma-separated)")
     ap.add_argument("--replays", type=int, default=4, help="runs of one prepared transfer per bucket (2 or more)")
     ap.add_argument("--kimi-layers", default="", help="Kimi-K2 layer counts to simulate (comma-separated)")
+    ap.add_argument(
+        "--replay-only", action="store_true",
+        help="only the prepared transfer's table (transfer_weights, then the replays; no other method, no simulation)",
+    )  # fmt: skip
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     watch = mdtable.LoadWatch()
-    sim = simulate_bench_pair()
+    sim = None if args.replay_only else simulate_bench_pair()
     with tempfile.TemporaryDirectory() as out:
         buckets = [int(b) * MIB for b in args.bucket_mib.split(",") if b]
-        spec = dict(out=out, repeat=args.repeat, buckets=buckets, replays=max(2, args.replays))
+        others = () if args.replay_only else OTHERS
+        spec = dict(out=out, repeat=args.repeat, buckets=buckets, replays=max(2, args.replays), others=others)
         results = run_world(spec)
-    ds = [simulate_deepseek(int(n)) for n in args.ds_layers.split(",") if n]
-    kimi = [simulate_kimi(int(n)) for n in args.kimi_layers.split(",") if n]
-    load = watch.stop()
-    text = tables(results, sim, ds, buckets, kimi)
+    if args.replay_only:
+        load = watch.stop()
+        text = replay_table(results, buckets)
+    else:
+        ds = [simulate_deepseek(int(n)) for n in args.ds_layers.split(",") if n]
+        kimi = [simulate_kimi(int(n)) for n in args.kimi_layers.split(",") if n]
+        load = watch.stop()
+        text = tables(results, sim, ds, buckets, kimi)
     if args.markdown:
         print(mdtable.run_line(load))
         print()

@@ -72,8 +72,8 @@ Copy = tuple[torch.Tensor, torch.Tensor, tuple[torch.dtype, ...]]
 
 @dataclass
 class Round:
-    """One round's work on this rank: ``staging`` (contiguous buffer, cell view) copied first, then ``copies``
-    (within the rank) and ``packs``, the collective (``sizes``: receive and send split sizes; None: no collective),
+    """One round's work on this rank: ``staging`` (contiguous buffer, cell view) copied first, then ``packs`` and
+    ``copies`` (within the rank), the collective (``sizes``: receive and send split sizes; None: no collective),
     then ``unpacks``."""
 
     staging: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -100,25 +100,48 @@ class Exchange:
     ) -> None:  # fmt: skip
         self.rounds, self.counts, self.buffer_bytes = rounds, counts, buffer_bytes
         self.group, self.timeout, self.device = group, timeout, device
+        self._packed: Round | None = None  # the round packed ahead (:meth:`pack_first`), until it runs
+
+    @property
+    def copies(self) -> int:
+        """Strided copies one run makes (staging, within the rank, packing, unpacking)."""
+        return sum(len(r.staging) + len(r.copies) + len(r.packs) + len(r.unpacks) for r in self.rounds)
+
+    def pack_first(self) -> None:
+        """The first round's staging and packing ahead of :meth:`run` (which then skips them): they read the source
+        and write this rank's own buffers only, so they may run before the ranks know that every model is the one
+        planned (nothing is sent or written to a model)."""
+        if self.rounds:
+            with torch.no_grad():
+                self._pack(self.rounds[0])
+            self._packed = self.rounds[0]
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> Counts:
         """Every round in order (each rank runs the same number: the collectives match): copies and collectives
         only."""
         n = len(self.rounds)
-        with torch.no_grad():
-            for i, r in enumerate(self.rounds):
-                self._round(r)
-                if progress is not None:
-                    progress(i + 1, n)
+        try:
+            with torch.no_grad():
+                for i, r in enumerate(self.rounds):
+                    self._round(r)
+                    if progress is not None:
+                        progress(i + 1, n)
+        finally:
+            self._packed = None
         return self.counts
 
-    def _round(self, r: Round) -> None:
+    def _pack(self, r: Round) -> None:
         for buffer, cell in r.staging:
             buffer.copy_(cell)
-        for dst, src, casts in r.copies:
-            copy_cast(dst, src, casts)
         for dst, src, _ in r.packs:
             dst.copy_(src)
+
+    def _round(self, r: Round) -> None:
+        if r is not self._packed:
+            self._pack(r)
+        self._packed = None
+        for dst, src, casts in r.copies:
+            copy_cast(dst, src, casts)
         if r.sizes is not None:
             recv, send = r.buffers
             all_to_all_tensor(recv, send, *r.sizes, group=self.group, timeout=self.timeout)

@@ -130,9 +130,7 @@ class PreparedTransfer:
     @property
     def copies(self) -> int:
         """Strided copies one run makes on this rank (staging, within the rank, packing, unpacking)."""
-        p = self._planned
-        rounds = () if p is None else p.replay.rounds
-        return sum(len(r.staging) + len(r.copies) + len(r.packs) + len(r.unpacks) for r in rounds)
+        return 0 if self._planned is None else self._planned.replay.copies
 
     def run(self, src: torch.nn.Module | None, dst: torch.nn.Module | None) -> TransferReport:
         """Copy ``src``'s current values into ``dst`` by the prepared plan. Collective: every rank of the world calls
@@ -151,20 +149,24 @@ class PreparedTransfer:
         current = self._planned is not None and fingerprint_pair(src, dst) == self._planned.fingerprint
         if self._flags is None:  # one process
             return self._run_planning(src, dst, t0, None if current else [self.rank])
-        try:
-            flags = self._flags.exchange(int(not current), "checking that the models are the ones planned")
+        t1 = time.perf_counter()
+        error = _pack_first(self._planned.replay) if current else None  # before the wait for the slowest rank
+        t2 = time.perf_counter()
+        try:  # every rank's flag: 0 unchanged, 1 changed, 2 failed
+            flags = self._flags.exchange(2 if error else int(not current), "checking the models")
         except PeerFailure as e:
-            fail_together(e, self.timeout, self.group)
+            flags, error = [2], error or e
+        if 2 in flags:
+            fail_together(error, self.timeout, self.group)
         changed = [r for r, flag in enumerate(flags) if flag]
         if changed:
             return self._run_planning(src, dst, t0, changed)
-        return self._replay(self._planned, t0)
+        return self._replay(self._planned, t0, t2 - t1)
 
-    def _replay(self, p: _Planned, t0: float) -> TransferReport:
-        """The compiled rounds, between two :class:`~.agreement.Flags` (nothing changed on any rank): a failure on
-        a rank, or of a collective, is agreed through the store (:func:`~.agreement.fail_together`)."""
-        t1 = time.perf_counter()
-        progress = self.options.progress
+    def _replay(self, p: _Planned, t0: float, ahead: float) -> TransferReport:
+        """The rounds (the first packed ``ahead`` seconds already), then every rank's "failed" flag: a failure (or a
+        failed collective) agreed through the store (:func:`~.agreement.fail_together`)."""
+        t1, progress = time.perf_counter(), self.options.progress
         report = log_progress(self.rank) if progress is True else (progress or None)
         error, exchanged, failed = None, False, False
         with Rollback(self.options.rollback) as undo:
@@ -185,7 +187,7 @@ class PreparedTransfer:
                     error, failed = error or e, True
             if error is not None or failed:
                 fail_together(error, self.timeout, self.group)
-        run = TransferRun(time.perf_counter() - t0, False, self.version, 0.0, t1 - t0, t3 - t2)
+        run = TransferRun(time.perf_counter() - t0, False, self.version, 0.0, t1 - t0 - ahead, t3 - t2 + ahead)
         return _report(p, counts, run)
 
     def _run_planning(
@@ -216,8 +218,8 @@ class PreparedTransfer:
                 t4 = time.perf_counter()
             sharing.close()
         planned = bool(changed)
-        run = TransferRun(time.perf_counter() - t0, planned, self.version, (t2 - t1) * planned, t1 - t0, t4 - t3)
-        return _report(p, counts, run)
+        return _report(p, counts, TransferRun(time.perf_counter() - t0, planned, self.version, (t2 - t1) * planned,
+                                              t1 - t0, t4 - t3))  # fmt: skip
 
     # -- planning ---------------------------------------------------------------------------------
 
@@ -248,6 +250,16 @@ class PreparedTransfer:
                                  fingerprint_pair(src, dst), transferred, fallback)  # fmt: skip
         if self.distributed and self._flags is None:
             self._flags = Flags(self.group, self.timeout, replay.device)
+
+
+def _pack_first(replay: Exchange) -> Exception | None:
+    """The first round's packing ahead (:meth:`~.exchange.Exchange.pack_first`: no byte sent, no model written);
+    its failure, if any."""
+    try:
+        replay.pack_first()
+    except Exception as e:
+        return e
+    return None
 
 
 def _report(p: _Planned, counts: Any, run: TransferRun) -> TransferReport:
