@@ -11,7 +11,9 @@ Vocabulary:
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 
 import torch
 
@@ -63,8 +65,9 @@ def learning_rates(trainer, decay: float = 0.01, eps: float = 1e-8) -> list[floa
     return out
 
 
-def delta_rows(llm, trainer, checker, steps: int = 2) -> list[dict]:
-    """The delta rows (see the module); ``checker``: a sync recording digests (full pushes)."""
+def delta_rows(llm, trainer, checker, steps: int = 2, profile=None) -> list[dict]:
+    """The delta rows (see the module); ``checker``: a sync recording digests (full pushes); ``profile``: a
+    ``cProfile.Profile`` enabled around each delta push, if any."""
     from loader.vllm import EngineSync
 
     sync = EngineSync(llm, trainer, digests=True)
@@ -72,13 +75,19 @@ def delta_rows(llm, trainer, checker, steps: int = 2) -> list[dict]:
     rows = []
     for target, lr in zip(TARGETS, learning_rates(trainer)):
         optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr, weight_decay=0.01)
-        walls, full, wire, changed, shard, same = [], [], 0, 0, 0, True
+        walls, full, workers, full_workers, wire, changed, shard, same = [], [], [], [], 0, 0, 0, True
         for s in range(steps):
             gradients(trainer, 10 + s)
             optimizer.step()
+            if profile is not None:
+                profile.enable()
             report = sync.push(delta=True)
+            if profile is not None:
+                profile.disable()
             check = checker.push()
             walls.append(report.seconds)
+            workers.append(max(report.worker_seconds, default=0.0))
+            full_workers.append(max(check.worker_seconds, default=0.0))
             full.append(check.seconds)
             wire, changed, shard = (
                 wire + sum(report.bytes_sent),
@@ -89,8 +98,52 @@ def delta_rows(llm, trainer, checker, steps: int = 2) -> list[dict]:
         trainer.zero_grad(set_to_none=True)
         rows.append(
             {"target": target, "lr": lr, "changed": changed / shard, "walls": walls, "full_walls": full,
+             "worker_walls": workers, "full_worker_walls": full_workers,
              "wire_over_changed": wire / changed if changed else math.inf, "same": same,
              "count": sum(len(d) for d in check.digests)}
         )  # fmt: skip
     sync.close()
     return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the delta rows of bench/sync_bench.py alone")
+    parser.add_argument("folder", help="a model folder bench/sync_bench.py wrote")
+    parser.add_argument("--steps", type=int, default=2, help="AdamW steps (delta pushes) per target")
+    parser.add_argument("--profile", action="store_true", help="cProfile the trainer's side of the delta pushes")
+    args = parser.parse_args()
+    import cProfile
+    import io
+    import pstats
+
+    import transformers
+    from vllm import LLM
+    from vllm_engine import SETTINGS
+
+    from loader.vllm import EngineSync
+
+    torch.set_num_threads(1)
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+    llm = LLM(model=args.folder, tensor_parallel_size=2, worker_extension_cls="loader.vllm.SyncWorker", **SETTINGS)
+    checker = EngineSync(llm, trainer, digests=True)
+    checker.push()
+    profile = cProfile.Profile() if args.profile else None
+    for row in delta_rows(llm, trainer, checker, args.steps, profile):
+        walls = " ".join(f"{w:.3f}" for w in row["walls"])
+        full = " ".join(f"{w:.3f}" for w in row["full_walls"])
+        workers = " ".join(f"{w:.3f}" for w in row["worker_walls"])
+        full_workers = " ".join(f"{w:.3f}" for w in row["full_worker_walls"])
+        print(f"changed {100 * row['changed']:.2f} %: delta {walls} s (slowest worker {workers} s), full {full} s "
+              f"(slowest worker {full_workers} s), "
+              f"wire/changed "
+              f"{row['wire_over_changed']:.3f}, same {row['same']}", flush=True)  # fmt: skip
+    if profile is not None:
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(40)
+        print(out.getvalue())
+    checker.close()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

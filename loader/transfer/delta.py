@@ -26,6 +26,8 @@ changes; :func:`apply_delta` on the base gives ``new`` bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +35,7 @@ import torch
 
 from .delta_codes import read_rice, read_varints, rice, varints
 
-__all__ = ["Delta", "apply_delta", "encode_delta", "changed_elements"]
+__all__ = ["Delta", "Written", "apply_delta", "encode_delta", "changed_elements"]
 
 #: :meth:`Delta.to_bytes`' header: flags (1: full, 2: diff values), runs, index bytes, values bytes, changed
 #: elements (LEB128 varints: 5 bytes for a small buffer)
@@ -125,23 +127,23 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor) -> Delta:
     if not where.size:
         return Delta(False, 0, _EMPTY, _EMPTY, 0)
     whole = b.view(torch.uint8)
-    breaks = np.flatnonzero(np.diff(where) != 1)  # a new run after these changed elements
-    starts = np.concatenate([where[:1], where[breaks + 1]])
-    ends = np.concatenate([where[breaks], where[-1:]]) + 1
-    gaps = starts - np.concatenate([[-1], ends[:-1]]) - 1
-    index = np.concatenate([rice(gaps), rice(ends - starts - 1)])
+    step = np.diff(where)
+    breaks = np.flatnonzero(step != 1)  # the last changed element of each run but the last
+    gaps = np.concatenate([where[:1], step[breaks] - 2])
+    lengths = np.diff(np.concatenate([[-1], breaks, [where.size - 1]])) - 1
+    index = np.concatenate([rice(gaps), rice(lengths)])
     moved = bn[where]
     values, diff = moved.view(np.uint8), False
-    d = (moved - an[where]).astype(np.int64)  # wraps at the element's width, then sign-extends
-    z = (d << 1) ^ (d >> 63)  # zigzag: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ...
-    if bool((z > 0).all()):  # every difference fits a non-negative int64 (8-byte ones may not)
-        coded = rice(z - 1, limit=values.size)
+    d = (moved - an[where]).astype(np.int32 if size <= 2 else np.int64)  # wraps at the element's width
+    z = (d << 1) ^ (d >> (8 * d.itemsize - 1))  # zigzag: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ...
+    if size < 8 or bool((z > 0).all()):  # every difference fits a non-negative integer (8-byte ones may not)
+        z -= 1
+        coded = rice(z, limit=values.size)
         if coded is not None and coded.size < values.size:
             values, diff = coded, True
     if index.size + values.size >= whole.numel():
         return Delta(True, 0, _EMPTY, whole.clone(), int(where.size))
-    return Delta(False, int(starts.size), torch.from_numpy(index), torch.from_numpy(values.copy()), int(where.size),
-                 diff)  # fmt: skip
+    return Delta(False, int(breaks.size) + 1, torch.from_numpy(index), torch.from_numpy(values), int(where.size), diff)
 
 
 def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -160,38 +162,73 @@ def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.concatenate([words[inside // per] * per + inside % per, tail])
 
 
-def apply_delta(target: torch.Tensor, delta: Delta) -> None:
-    """Write ``delta`` into ``target`` (holding the base) in place: afterwards it holds ``new`` bit for bit.
+@dataclass(frozen=True)
+class Written:
+    """The elements :func:`apply_delta` wrote: ``where`` (their indices, ascending; None: every element) and, when
+    asked for, ``old``: their bits before (the target's integer view), which :meth:`undo` writes back."""
+
+    where: np.ndarray | None
+    old: np.ndarray | None = None
+
+    def undo(self, target: torch.Tensor) -> None:
+        """Put the elements written back in ``target`` (the tensor written): it holds the base again.
+
+        Raises:
+            ValueError: nothing was kept (``apply_delta(..., keep=False)``).
+        """
+        if self.old is None:
+            raise ValueError("a delta applied without keep=True cannot be undone")
+        with _elements(target) as flat:
+            if self.where is None:
+                flat[...] = self.old
+            else:
+                flat[self.where] = self.old
+
+
+def apply_delta(target: torch.Tensor, delta: Delta, keep: bool = False) -> Written:
+    """Write ``delta`` into ``target`` (holding the base) in place: afterwards it holds ``new`` bit for bit. Returns
+    what it wrote (with ``keep``, the old bits too: :meth:`Written.undo`).
 
     Raises:
         ValueError: the delta does not fit ``target`` (runs past its end, a size that does not match).
     """
     if not target.is_contiguous():
         raise ValueError("a delta is applied to a contiguous tensor")
-    size = target.element_size()
-    ints = target.reshape(-1).view(_INT[size])  # a view of a contiguous target (written through)
-    if delta.full:
-        if delta.values.numel() != ints.numel() * size:
-            raise ValueError(f"a whole buffer of {delta.values.numel()} bytes for {ints.numel()} elements")
-        ints.copy_(delta.values.view(ints.dtype))
-        return
-    if delta.runs == 0:
-        return
-    where = _positions(_np(delta.index), delta.runs, ints.numel())
-    host = ints if ints.device.type == "cpu" else ints.cpu()
-    flat = host.numpy().view(_SIGNED[size])
+    size, numel = target.element_size(), target.numel()
     data = _np(delta.values)
-    if not delta.diff:
-        if where.size * size != data.size:
-            raise ValueError(f"a delta of {where.size} elements with {data.size} bytes of values")
-        flat[where] = data.view(flat.dtype)
-    else:
+    if delta.full:
+        if data.size != numel * size:
+            raise ValueError(f"a whole buffer of {data.size} bytes for {numel} elements")
+        with _elements(target) as flat:
+            old = flat.copy() if keep else None
+            flat[...] = data.view(flat.dtype)
+        return Written(None, old)
+    if delta.runs == 0:
+        return Written(np.empty(0, dtype=np.int64), np.empty(0, dtype=_SIGNED[size]) if keep else None)
+    where = _positions(_np(delta.index), delta.runs, numel)
+    with _elements(target) as flat:
+        if not delta.diff:
+            if where.size * size != data.size:
+                raise ValueError(f"a delta of {where.size} elements with {data.size} bytes of values")
+            old = flat[where] if keep else None
+            flat[where] = data.view(flat.dtype)
+            return Written(where, old)
         z, used = read_rice(data, where.size)
         if used != data.size:
             raise ValueError(f"a delta of {where.size} elements with {data.size} bytes of differences")
         z += 1
-        d = (z >> 1) ^ -(z & 1)
-        flat[where] += d.astype(flat.dtype)  # wraps at the element's width
+        old = flat[where]
+        flat[where] = old + ((z >> 1) ^ -(z & 1)).astype(flat.dtype)  # wraps at the element's width
+    return Written(where, old if keep else None)
+
+
+@contextlib.contextmanager
+def _elements(target: torch.Tensor) -> Iterator[np.ndarray]:
+    """A contiguous ``target``'s elements as signed integers of their width, written through (a CPU tensor's own
+    memory; another device's through a host copy, copied back on exit)."""
+    ints = target.detach().reshape(-1).view(_INT[target.element_size()])
+    host = ints if ints.device.type == "cpu" else ints.cpu()
+    yield host.numpy().view(_SIGNED[target.element_size()])
     if host is not ints:
         ints.copy_(host)
 

@@ -66,8 +66,8 @@ def read_varints(data: np.ndarray, count: int) -> tuple[list[int], int]:
 def rice_cost(v: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
     """``(k, cap, width, bits, high)``: the Rice parameter and the escape (a high part of ``cap`` or more ones is
     sent as ``cap`` ones and ``width`` bits; 0: none) that cost fewest bits on an evenly strided sample of at most
-    :data:`SAMPLE` of the non-negative int64 ``v`` (from a histogram of the high parts per ``k``), what they cost
-    on all ``v``, and the high parts ``v >> k``."""
+    :data:`SAMPLE` of the non-negative integers ``v`` (from a histogram of the high parts per ``k``, every ``k``
+    at once), what they cost on all ``v``, and the high parts ``v >> k``."""
     n = v.size
     if not n:
         return 0, 0, 1, 0, v
@@ -75,16 +75,20 @@ def rice_cost(v: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
     sample = v[:: max(1, n // SAMPLE)]
     m = sample.size
     middle = int(np.partition(sample, (m - 1) // 2)[(m - 1) // 2]).bit_length()
+    ks = np.arange(max(0, middle - 4), min(62, middle + 6, top) + 1)  # past top every high part is 0: costlier
+    shifted = sample[None, :] >> ks[:, None]
+    plain = shifted.sum(axis=1, dtype=np.float64) + m
+    rows = 65 * np.arange(ks.size)[:, None]
+    counts = np.bincount((np.minimum(shifted, 64) + rows).ravel(), minlength=65 * ks.size)
+    counts = counts.reshape(ks.size, 65).astype(np.float64)
+    cost = counts * (_Q + 1)
+    head = np.cumsum(cost, axis=1) - cost  # per k, the ones and zeros of the high parts below q
+    above = m - (np.cumsum(counts, axis=1) - counts)  # per k, the high parts at or above q
+    escaped = (head + above * (_Q + 1 + np.maximum(1, top - ks)[:, None]))[:, 1:]
+    caps = escaped.argmin(axis=1) + 1
     best = (float("inf"), 0, 0)
-    for k in range(max(0, middle - 4), min(62, middle + 6) + 1):
-        counts = np.bincount(np.minimum(sample >> k, 64), minlength=65).astype(np.float64)
-        cost = counts * (_Q + 1)
-        head = np.cumsum(cost) - cost  # the ones and zeros of the high parts below q
-        above = m - (np.cumsum(counts) - counts)  # high parts at or above q
-        escaped = (head + above * (_Q + 1 + max(1, top - k)))[1:]
-        cap = int(escaped.argmin()) + 1
-        plain = float((sample >> k).sum(dtype=np.float64)) + m
-        for c, bits in ((cap, float(escaped[cap - 1])), (0, plain)):
+    for i, k in enumerate(ks.tolist()):
+        for c, bits in ((int(caps[i]), float(escaped[i, caps[i] - 1])), (0, float(plain[i]))):
             best = min(best, (bits + m * k, k, c))
     _, k, cap = best
     width = max(1, top - k)
@@ -98,8 +102,8 @@ def rice_cost(v: np.ndarray) -> tuple[int, int, int, int, np.ndarray]:
 
 
 def rice(v: np.ndarray, limit: int | None = None) -> np.ndarray | None:
-    """Non-negative int64 ``v`` as a stream (see the module); None when it would not be smaller than ``limit``
-    bytes."""
+    """Non-negative integers ``v`` (int32 or int64) as a stream (see the module); None when it would not be smaller
+    than ``limit`` bytes."""
     k, cap, width, bits, high = rice_cost(v)
     if limit is not None and bits / 8 >= limit:
         return None
@@ -152,8 +156,8 @@ def _planes(v: np.ndarray, width: int) -> np.ndarray:
     """The ``width`` low bits of ``v`` as bit planes (bit 0 of every value, then bit 1, ...), packed."""
     if not width or not v.size:
         return _EMPTY
-    small = _small(width)
-    low = v.astype(small) if small is not None else v.view(np.uint64)  # wraps: the low bits kept
+    small = _small(width) or np.uint64
+    low = v.astype(small)  # wraps: the low bits kept
     out = np.empty((width, v.size), dtype=np.bool_)
     for j in range(width):
         np.not_equal(low & low.dtype.type(1 << j), 0, out=out[j])

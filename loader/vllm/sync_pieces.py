@@ -11,22 +11,25 @@ Vocabulary (as in :mod:`loader.vllm.sync_plan`, plus):
 - **packet**: what one trainer rank sends one worker: its pieces for that worker grouped into **segments**, one
   per wire dtype (in order of first appearance), each piece C-contiguous in the want's dtype. A full push sends
   the segments' bytes one after another; a delta push each segment's :class:`~loader.transfer.delta.Delta`
-  against the segment last sent (both sides hold that base: the sender a copy of it, the worker its wants).
+  against the segment last sent (both sides hold that base: the sender a copy of it, the worker the segments it
+  received, which its wants are views of where a want is one piece: :func:`place`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from regiontrace import Box
 
 from ..placements import slot_for
 from ..transfer.cells import tensor_cells
-from ..transfer.delta import Delta, apply_delta, encode_delta
+from ..transfer.delta import Delta, Written, apply_delta, encode_delta
 from .sync_plan import Want
 
 __all__ = [
@@ -37,8 +40,10 @@ __all__ = [
     "encode_segments",
     "gather",
     "local_parts",
+    "place",
     "plan_pieces",
     "segments",
+    "touched",
 ]
 
 #: one trainer rank's boxes: tensor -> its ``(global box, local box)`` pairs
@@ -173,21 +178,61 @@ def gather(
     return packet, out
 
 
-def assemble(buffers: Sequence[torch.Tensor], pieces: Sequence[Piece], wants: Sequence[Want], segs=None) -> list:
-    """Write a packet's segments ``segs`` into the worker's want ``buffers`` (each shaped as its want); with
-    ``segs`` None, read the packet's segments back out of ``buffers`` instead (the base of a delta)."""
+def assemble(
+    buffers: Sequence[torch.Tensor], pieces: Sequence[Piece], wants: Sequence[Want], segs=None, only=None
+) -> list:
+    """Write a packet's segments ``segs`` into the worker's want ``buffers`` (each shaped as its want; with
+    ``only``, just the pieces of those wants); with ``segs`` None, read the packet's segments back out of
+    ``buffers`` instead."""
     out = []
     for k, (dtype, group) in enumerate(segments(pieces, wants)):
         flat = segs[k] if segs is not None else torch.empty(sum(p.numel for p in group), dtype=dtype)
         at = 0
         for p in group:
-            want = wants[p.want]
-            rel = tuple((a - o, b - o) for (a, b), o in zip(p.box, want.offsets))
-            view = _narrow(buffers[p.want], rel)
-            chunk = flat[at : at + p.numel].view(view.shape)
-            view.copy_(chunk) if segs is not None else chunk.copy_(view)
+            if only is None or p.want in only:
+                want = wants[p.want]
+                rel = tuple((a - o, b - o) for (a, b), o in zip(p.box, want.offsets))
+                view = _narrow(buffers[p.want], rel)
+                chunk = flat[at : at + p.numel].view(view.shape)
+                view.copy_(chunk) if segs is not None else chunk.copy_(view)
             at += p.numel
         out.append(flat)
+    return out
+
+
+def place(
+    segs: Sequence[Sequence[torch.Tensor]], pieces: Sequence[Sequence[Piece]], wants: Sequence[Want]
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """A worker's wants from every trainer rank's segments ``segs`` (``pieces``: each rank's): a want that is one
+    piece is a view of its segment (no copy); any other is assembled from its pieces. Also, per want, whether it is
+    a view (a change to its segment is a change to it)."""
+    count = Counter(p.want for group in pieces for p in group)
+    tensors: list[torch.Tensor | None] = [None] * len(wants)
+    for rank, group in enumerate(pieces):
+        for k, (_, layout) in enumerate(segments(group, wants)):
+            at = 0
+            for p in layout:
+                if count[p.want] == 1 and p.numel == math.prod(wants[p.want].lengths):
+                    tensors[p.want] = segs[rank][k][at : at + p.numel].view(wants[p.want].lengths)
+                at += p.numel
+    views = [t is not None for t in tensors]
+    out = [t if t is not None else torch.empty(w.lengths, dtype=w.dtype) for t, w in zip(tensors, wants)]
+    rest = {i for i, v in enumerate(views) if not v}
+    for rank, group in enumerate(pieces):
+        if group and rest:
+            assemble(out, group, wants, segs[rank], only=rest)
+    return out, views
+
+
+def touched(written: Sequence[Written], pieces: Sequence[Piece], wants: Sequence[Want]) -> set[int]:
+    """The wants whose elements a packet's applied deltas (``written``, one per segment) changed."""
+    out: set[int] = set()
+    for (_, group), w in zip(segments(pieces, wants), written):
+        if w.where is None:
+            out.update(p.want for p in group)
+        elif w.where.size:
+            ends = np.searchsorted(w.where, np.cumsum([p.numel for p in group]))  # changes before each piece's end
+            out.update(group[i].want for i in np.flatnonzero(np.diff(ends, prepend=0)).tolist())
     return out
 
 
@@ -200,14 +245,24 @@ def encode_segments(base: Sequence[torch.Tensor] | None, new: Sequence[torch.Ten
     return deltas, sum(d.changed * n.element_size() for d, n in zip(deltas, new))
 
 
-def apply_segments(base: Sequence[torch.Tensor], payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
-    """The new segments: each of ``base`` (copied) with its delta from ``payload`` (``sizes`` bytes each) applied."""
-    out, at = [], 0
-    for seg, n in zip(base, sizes):
-        new = seg.clone()
-        apply_delta(new, Delta.from_bytes(payload[at : at + n]))
-        out.append(new)
-        at += n
-    if at != payload.numel():
-        raise ValueError(f"a delta packet of {payload.numel()} bytes, where its sizes say {at}")
+def apply_segments(segs: Sequence[torch.Tensor], payload: torch.Tensor, sizes: Sequence[int]) -> list[Written]:
+    """Each segment's delta from ``payload`` (``sizes`` bytes each) applied to it in place, the old bits kept
+    (:meth:`~loader.transfer.delta.Written.undo`); on an error, the ones applied are undone before it is raised.
+
+    Raises:
+        ValueError: ``payload`` does not hold the segments' deltas (the segments are as they were).
+    """
+    out: list[Written] = []
+    try:
+        if len(sizes) != len(segs) or sum(sizes) != payload.numel():
+            raise ValueError(f"a delta packet of {payload.numel()} bytes, where its sizes say {sum(sizes)} for "
+                             f"{len(sizes)} of {len(segs)} segments")  # fmt: skip
+        at = 0
+        for seg, n in zip(segs, sizes):
+            out.append(apply_delta(seg, Delta.from_bytes(payload[at : at + n]), keep=True))
+            at += n
+    except Exception:
+        for seg, w in zip(segs, out):
+            w.undo(seg)
+        raise
     return out

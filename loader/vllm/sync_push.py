@@ -16,17 +16,20 @@ Order of a push: header, packets (a full packet's bytes; a delta packet: its seg
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .sync_pieces import Piece, apply_segments, assemble, encode_segments, gather, segments
+from ..transfer.delta import Written
+from .sync_pieces import Piece, apply_segments, assemble, encode_segments, gather, place, segments, touched
 from .sync_plan import Want
 from .sync_wire import Wire
 
-__all__ = ["Outgoing", "header", "prepare_outgoing", "receive_wants", "send_packets", "stats"]
+__all__ = ["Outgoing", "Received", "header", "prepare_outgoing", "receive_wants", "send_packets", "stats"]
 
 
 @dataclass
@@ -59,25 +62,34 @@ def prepare_outgoing(
     base: Sequence[list[torch.Tensor] | None],
     delta: bool,
 ) -> Outgoing:
-    """This rank's packets for every worker, packed (and encoded against ``base`` when ``delta``) before any send.
+    """This rank's packets for every worker, packed (and encoded against ``base`` when ``delta``) before any send;
+    a delta push packs and encodes the workers' packets in threads (the encoding's numpy passes release the GIL).
 
     A full packet is one byte buffer its segments are views of (each piece cast into it once, no second copy);
     its changed bytes are all its bytes (a full push compares nothing)."""
+
+    def one(w: int) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, int]:
+        with torch.no_grad():
+            packet, new = gather(local, mine[w], wants[w])
+            if not delta or base[w] is None:
+                return packet, new, None, packet.numel()
+            deltas, changed = encode_segments(base[w], new)
+            sizes = [d.to_bytes() for d in deltas]
+            lengths = torch.tensor([s.numel() for s in sizes], dtype=torch.int64)
+            return packet, new, (lengths, torch.cat(sizes) if sizes else torch.empty(0, dtype=torch.uint8)), changed
+
+    threads = min(len(mine), os.cpu_count() or 1) if delta else 1
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            packets = list(pool.map(one, range(len(mine))))
+    else:
+        packets = [one(w) for w in range(len(mine))]
     out = Outgoing([], [], [], [])
-    with torch.no_grad():
-        for w, pieces in enumerate(mine):
-            packet, new = gather(local, pieces, wants[w])
-            out.segments.append(new)
-            out.full.append(packet)
-            if delta and base[w] is not None:
-                deltas, changed = encode_segments(base[w], new)
-                sizes = [d.to_bytes() for d in deltas]
-                lengths = torch.tensor([s.numel() for s in sizes], dtype=torch.int64)
-                out.delta.append((lengths, torch.cat(sizes) if sizes else torch.empty(0, dtype=torch.uint8)))
-            else:
-                out.delta.append(None)
-                changed = packet.numel()
-            out.changed.append(changed)
+    for packet, new, encoded, changed in packets:
+        out.segments.append(new)
+        out.full.append(packet)
+        out.delta.append(encoded)
+        out.changed.append(changed)
     return out
 
 
@@ -99,37 +111,85 @@ def send_packets(wire: Wire, trainers: int, out: Outgoing, full: bool) -> list[i
     return sent
 
 
+class Received(Sequence[torch.Tensor]):
+    """A worker's wants as last received (one tensor per want, in order: a delta's base), with what a delta push
+    applies in place: every trainer rank's segments as last received (a want that is one piece is a view of its
+    segment, :func:`~loader.vllm.sync_pieces.place`; any other a copy assembled from the segments)."""
+
+    def __init__(self, segs: list[list[torch.Tensor]], pieces: list[list[Piece]], wants: Sequence[Want]) -> None:
+        self.segments, self.pieces, self.wants = segs, pieces, wants
+        self.tensors, self.views = place(segs, pieces, wants)
+        #: the wants the last push changed (None: every want, a full push)
+        self.changed: set[int] | None = None
+        self._written: list[list[Written]] = []
+
+    def __getitem__(self, i):
+        return self.tensors[i]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def apply(self, payloads: Sequence[torch.Tensor], lengths: Sequence[torch.Tensor]) -> None:
+        """Every trainer rank's deltas applied in place (:meth:`undo` puts the wants back).
+
+        Raises:
+            ValueError: a packet does not hold its segments' deltas (the wants are as they were).
+        """
+        self._written, self.changed = [], set()
+        try:
+            for rank, group in enumerate(self.pieces):
+                segs = self.segments[rank]
+                self._written.append(apply_segments(segs, payloads[rank], lengths[rank].tolist()) if group else [])
+        except Exception:
+            self.undo()  # the ranks applied before (the failing one undid its own)
+            raise
+        self.changed = set()
+        for written, group in zip(self._written, self.pieces):
+            self.changed |= touched(written, group, self.wants)
+        self._assemble(self.changed)
+
+    def undo(self) -> None:
+        """Put back the wants the last :meth:`apply` changed (a push that was not kept)."""
+        for segs, written in zip(self.segments, self._written):
+            for seg, w in zip(segs, written):
+                w.undo(seg)
+        self._written = []
+        self._assemble(self.changed if self.changed is not None else set(range(len(self.wants))))
+
+    def _assemble(self, wants: set[int]) -> None:
+        rest = {i for i in wants if not self.views[i]}
+        for rank, group in enumerate(self.pieces):
+            if group and rest:
+                assemble(self.tensors, group, self.wants, self.segments[rank], only=rest)
+
+
 def receive_wants(
     wire: Wire,
     trainers: int,
     pieces: Sequence[Piece],
     wants: Sequence[Want],
-    old: list[torch.Tensor] | None,
+    old: Received | None,
     full: bool,
-) -> tuple[list[torch.Tensor], int]:
-    """A worker's new wants (one tensor per want), from every trainer rank's packet: full, or deltas applied to
-    ``old`` (its wants last received, left as they are); and the bytes received."""
+) -> tuple[Received, int]:
+    """A worker's new wants, from every trainer rank's packet: full (new buffers), or deltas applied in place to
+    ``old`` (its wants last received; :meth:`Received.undo` puts them back); and the bytes received."""
     by_sender = [[p for p in pieces if p.sender == t] for t in range(trainers)]
     layouts = [segments(group, wants) for group in by_sender]
     if full:
         sizes = [sum(sum(p.numel for p in g) * d.itemsize for d, g in layout) for layout in layouts]
         payloads = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         wire.exchange([], [(p, t) for t, p in enumerate(payloads)])
-        new = [torch.empty(w.lengths, dtype=w.dtype) for w in wants]
-        for t, (layout, payload) in enumerate(zip(layouts, payloads)):
-            assemble(new, by_sender[t], wants, _split(payload, layout))
-        return new, sum(sizes)
+        segs = [_split(payload, layout) for layout, payload in zip(layouts, payloads)]
+        return Received(segs, by_sender, wants), sum(sizes)
+    if old is None:
+        raise ValueError("a delta push to a worker without the wants last received")
     lengths = [torch.zeros(len(layout), dtype=torch.int64) for layout in layouts]
     wire.exchange([], [(n, t) for t, n in enumerate(lengths)])
     payloads = [torch.empty(int(n.sum()), dtype=torch.uint8) for n in lengths]
     wire.exchange([], [(p, t) for t, p in enumerate(payloads)])
-    new = [t.clone() for t in old]
-    for t, group in enumerate(by_sender):
-        if group:
-            base = assemble(old, group, wants)
-            assemble(new, group, wants, apply_segments(base, payloads[t], lengths[t].tolist()))
+    old.apply(payloads, lengths)
     received = sum(n.numel() * 8 + p.numel() for n, p in zip(lengths, payloads) if n.numel())
-    return new, received
+    return old, received
 
 
 def _split(payload: torch.Tensor, layout: Sequence[tuple[torch.dtype, list[Piece]]]) -> list[torch.Tensor]:

@@ -4,9 +4,10 @@ trainer's weights into a running engine (the worker side of :class:`~loader.vllm
 vLLM mixes this class into each worker's class; :class:`~loader.vllm.SyncEndpoint` calls its
 ``regiontrace_sync_*`` methods through ``LLM.collective_rpc`` (between engine steps: the model serves no request
 meanwhile). A push receives this worker's packets from the trainer ranks (:mod:`loader.vllm.sync_push`), rebuilds
-every layer its plan touches (:func:`~loader.vllm.sync_layers.rebuild`), and keeps the new layers only when
-every worker built its own (the wire's agreement); otherwise every worker puts its old layers back: the engine
-serves the old weights or the new, never a mix.
+every layer its plan touches (:func:`~loader.vllm.sync_layers.rebuild`; a delta push only the layers whose wants
+changed, and those following their ties: any other is the layer its unchanged bits built), and keeps the new
+layers only when every worker built its own (the wire's agreement); otherwise every worker puts its old layers
+back (and a delta's in-place writes are undone): the engine serves the old weights or the new, never a mix.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from regiontrace.executor import constant_value, execute_blocks, is_constant
 
 from ..errors import PeerFailure
-from .sync_layers import load_time_view, put_back, rebuild, snapshot
+from .sync_layers import FOLLOWS, load_time_view, put_back, rebuild, snapshot
 from .sync_pieces import plan_pieces
 from .sync_plan import WorkerPlan, plan_sync, wire_dtype
 from .sync_push import header, receive_wants, stats
@@ -69,7 +70,9 @@ class SyncWorker:
             "digests": digests,
             "version": 0,
             "wire": None,
-            "wants": None,  # the wants last received (a delta's base)
+            "wants": None,  # the wants last received (a delta's base: sync_push.Received)
+            "reads": _reads(plan),
+            "digested": {},  # the digests of the parameters as last built (a layer a delta leaves alone keeps them)
         }
         wants = [(w.key, w.offsets, w.lengths, str(w.dtype).removeprefix("torch.")) for w in plan.wants]
         return {"rank": self.rank, "wants": wants, "shard_bytes": plan.shard_bytes}
@@ -112,28 +115,40 @@ class SyncWorker:
             out["refused"] = True
             return
         started = time.perf_counter()
-        model, error, digests = self.get_model(), None, {}
+        model, error, digests, new = self.get_model(), None, {}, None
         try:
-            new, _ = receive_wants(wire, trainers, state["pieces"], plan.wants, state["wants"], full)
-            sources = {**{str(i): t for i, t in enumerate(new)}, **state["constants"]}
-            with torch.no_grad():
-                for owner, attrs in plan.layers.items():
-                    module = model.get_submodule(owner)
-                    kept.append((module, snapshot(module)))
-                    rebuild(module, attrs, _writer(state, owner, sources, digests), self.vllm_config)
-        except PeerFailure:
+            try:
+                new, _ = receive_wants(wire, trainers, state["pieces"], plan.wants, state["wants"], full)
+                sources = {**{str(i): t for i, t in enumerate(new)}, **state["constants"]}
+                rebuilt: set[int] = set()
+                with torch.no_grad():
+                    for owner, attrs in plan.layers.items():
+                        module = model.get_submodule(owner)
+                        if not _touched(module, state["reads"][owner], new.changed, rebuilt):
+                            continue  # its wants are the bits it was built from: the same layer
+                        kept.append((module, snapshot(module)))
+                        rebuild(module, attrs, _writer(state, owner, sources, digests), self.vllm_config)
+                        rebuilt.add(id(module))
+            except PeerFailure:
+                raise
+            except Exception as e:  # any failure: this rank says no, every rank puts its old layers back
+                log.exception("weight sync: worker %d failed to build version %d", self.rank, version)
+                error = f"worker {self.rank}: {type(e).__name__}: {e}"
+                state["store"].set(f"failed/{version}/{self.rank}", error)
+            agreed = wire.agree(error is None)
+        except BaseException:
+            if new is not None and not full:
+                new.undo()  # the deltas applied in place: the wants last kept again
             raise
-        except Exception as e:  # any failure: this rank says no, every rank puts its old layers back
-            log.exception("weight sync: worker %d failed to build version %d", self.rank, version)
-            error = f"worker {self.rank}: {type(e).__name__}: {e}"
-            state["store"].set(f"failed/{version}/{self.rank}", error)
-        agreed = wire.agree(error is None)
+        digests = {**state["digested"], **digests}  # a layer not rebuilt: its parameters' digests as last built
         if not agreed:
             for module, old in reversed(kept):
                 put_back(module, old)
+            if new is not None and not full:
+                new.undo()
             error = error or f"worker {self.rank}: another rank failed; the old weights are kept"
         else:
-            state["version"], state["wants"] = version, new
+            state["version"], state["wants"], state["digested"] = version, new, digests
         kept.clear()
         sent, changed = stats(wire, [0] * self.parallel_config.world_size, [0] * self.parallel_config.world_size)
         out.update(version=state["version"], bytes=sent[self.rank], changed=changed[self.rank], error=error)
@@ -176,6 +191,23 @@ def _writer(state: dict, owner: str, sources: dict, digests: dict):
             digests[f"{owner}.{attr}"] = digest(tensor)
 
     return write
+
+
+def _reads(plan: WorkerPlan) -> dict[str, frozenset[int]]:
+    """Per layer, the wants its written parameters' blocks read (constants read none)."""
+    out = {}
+    for owner, attrs in plan.layers.items():
+        blocks = [b for a in attrs for b in plan.blocks.get(f"{owner}.{a}", ())]
+        out[owner] = frozenset(int(b.source) for b in blocks if not is_constant(b.source))
+    return out
+
+
+def _touched(module: torch.nn.Module, reads: frozenset[int], changed: set[int] | None, rebuilt: set[int]) -> bool:
+    """Whether a push changes ``module``: every layer in a full push (``changed`` None); in a delta push, a layer
+    reading a changed want, or following a tie of a layer rebuilt before it."""
+    if changed is None or not reads.isdisjoint(changed):
+        return True
+    return any(id(source) in rebuilt for source, _ in FOLLOWS.get(module, {}).values())
 
 
 def _zeros_like(meta: torch.Tensor) -> Any:
