@@ -339,3 +339,12 @@ def test_a_wire_reads_its_groups_transport_from_the_store():
     wire = Wire(store, 0, 1, 5.0)
     assert wire.backend == "gloo" and wire.device == torch.device("cpu")
     assert wire.allreduce([3, 4], torch.distributed.ReduceOp.SUM, "a test") == [3, 4]
+
+
+def test_an_endpoint_advertises_the_host_it_is_given_and_trainers_reach_it_there():
+    endpoint = SyncEndpoint(StandIn(), trainers=1, timeout=30.0, host="localhost")
+    host, _, port = endpoint.address.rpartition(":")
+    assert host == "localhost" and int(port) == endpoint.root.port
+    store = join_group(endpoint.address, 0, 30.0)  # a trainer's arrival by that name: group 1's keys
+    store.set("hello", "1")
+    assert group_store(endpoint.root, 1).get("hello") == b"1"

@@ -131,7 +131,9 @@ class TensorDestination:
         address: the rendezvous (``"host:port"``). Rank 0 hosts it (at this port; without one at ``port``, 0: a
             free one) and its :attr:`address` is what the trainers connect to; the other ranks join it. Without
             one on every rank of a world of several, rank 0's address is broadcast over ``torch.distributed``'s
-            default group (collective; its rank 0 is destination rank 0).
+            default group (collective; its rank 0 is destination rank 0). Its host is the name the trainers
+            reach rank 0's machine by (the rendezvous listens on every interface); without an address,
+            ``127.0.0.1``.
         timeout: seconds a rendezvous, a collective or a wait for a peer may take.
     """
 
@@ -156,7 +158,7 @@ class TensorDestination:
         if self.rank == 0:
             self.root = host_store(int(address.rpartition(":")[2]) if address else port, timeout)
             open_tickets(self.root, trainers)
-            self.address = f"{HOST}:{self.root.port}"
+            self.address = address or f"{HOST}:{self.root.port}"  # as given: the host the trainers reach
         if address is None and self.world > 1:
             address = _broadcast_address(self.address if self.rank == 0 else "", timeout)
         if self.rank != 0:

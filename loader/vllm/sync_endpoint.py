@@ -45,17 +45,28 @@ class SyncEndpoint:
         llm: a running ``vllm.LLM`` started with ``worker_extension_cls="loader.vllm.SyncWorker"``.
         trainers: how many trainer ranks push (each calls :class:`~loader.vllm.EngineSync` on :attr:`address`).
         port: the rendezvous' port (0: a free one).
+        host: the name or address the trainer ranks reach this machine by, the host of :attr:`address`
+            (default ``127.0.0.1``: trainers on this host; the rendezvous listens on every interface).
         timeout: seconds a rendezvous, a collective or a wait for a peer may take.
         digests: record each rebuilt parameter's digest in the reports (a check; costs a pass over the bytes).
     """
 
-    def __init__(self, llm: Any, *, trainers: int = 1, port: int = 0, timeout: float = 300.0, digests: bool = False):
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        trainers: int = 1,
+        port: int = 0,
+        timeout: float = 300.0,
+        digests: bool = False,
+        host: str = HOST,
+    ):
         self.llm, self.trainers, self.timeout, self.digests = llm, trainers, timeout, digests
         self.id: str | None = None  # the sync the workers serve (the last group's that connected)
         self.group, self.attempt, self.version, self.over = 0, 0, 0, True
         self.root = host_store(port, timeout)
         open_tickets(self.root, trainers)
-        self.address = f"{HOST}:{self.root.port}"
+        self.address = f"{host}:{self.root.port}"
         self.store: Any = None  # the current group's keys
         self.report: SyncReport | None = None
         self.wants: list[list[Want]] = []
