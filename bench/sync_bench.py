@@ -200,7 +200,8 @@ DELTA_HEADERS = [
 def delta_row(name: str, d: dict) -> list[str]:
     """One row of the delta table (bench/sync_delta.py)."""
     same = f"yes ({d['count']} parameters)" if d["same"] else "NO"
-    return [name, f"{d['lr']:.2e}", f"{100 * d['changed']:.2f} %", mdtable.spread(d["walls"]),
+    lr = f"{d['lr']:.2e}" if d.get("what", "every parameter") == "every parameter" else f"{d['lr']:.2e}, {d['what']}"
+    return [name, lr, f"{100 * d['changed']:.2f} %", mdtable.spread(d["walls"]),
             mdtable.spread(d["full_walls"]), f"{d['wire_over_changed']:.3f}", same]  # fmt: skip
 
 

@@ -72,38 +72,45 @@ def delta_rows(llm, trainer, checker, steps: int = 2, profile=None) -> list[dict
 
     sync = EngineSync(llm, trainer, digests=True)
     sync.push()  # the first push is full: the base of the deltas
-    rows = []
-    for target, lr in zip(TARGETS, learning_rates(trainer)):
-        optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr, weight_decay=0.01)
-        walls, full, workers, full_workers, wire, changed, shard, same = [], [], [], [], 0, 0, 0, True
-        for s in range(steps):
-            gradients(trainer, 10 + s)
-            optimizer.step()
-            if profile is not None:
-                profile.enable()
-            report = sync.push(delta=True)
-            if profile is not None:
-                profile.disable()
-            check = checker.push()
-            walls.append(report.seconds)
-            workers.append(max(report.worker_seconds, default=0.0))
-            full_workers.append(max(check.worker_seconds, default=0.0))
-            full.append(check.seconds)
-            wire, changed, shard = (
-                wire + sum(report.bytes_sent),
-                changed + sum(report.changed_bytes),
-                shard + sum(report.shard_bytes),
-            )
-            same &= report.delta and all(d == c for d, c in zip(report.digests, check.digests))
-        trainer.zero_grad(set_to_none=True)
-        rows.append(
-            {"target": target, "lr": lr, "changed": changed / shard, "walls": walls, "full_walls": full,
-             "worker_walls": workers, "full_worker_walls": full_workers,
-             "wire_over_changed": wire / changed if changed else math.inf, "same": same,
-             "count": sum(len(d) for d in check.digests)}
-        )  # fmt: skip
+    rates = learning_rates(trainer)
+    rows = [_row(sync, checker, trainer, list(trainer.parameters()), lr, steps, profile) for lr in rates]
+    for row, target in zip(rows, TARGETS):
+        row.update(target=target, what="every parameter")
+    mlp = [p for n, p in trainer.named_parameters() if ".layers.0.mlp." in n]  # the rest frozen
+    if mlp:
+        rows.append({**_row(sync, checker, trainer, mlp, rates[1], steps, profile), "what": "layer 0's MLP only"})
     sync.close()
     return rows
+
+
+def _row(sync, checker, trainer, params: list, lr: float, steps: int, profile) -> dict:
+    """``steps`` AdamW steps of ``params`` at ``lr``, each pushed as a delta and checked against a full push."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    walls, full, workers, full_workers, wire, changed, shard, same = [], [], [], [], 0, 0, 0, True
+    for s in range(steps):
+        gradients(trainer, 10 + s)
+        optimizer.step()
+        if profile is not None:
+            profile.enable()
+        report = sync.push(delta=True)
+        if profile is not None:
+            profile.disable()
+        check = checker.push()
+        walls.append(report.seconds)
+        workers.append(max(report.worker_seconds, default=0.0))
+        full_workers.append(max(check.worker_seconds, default=0.0))
+        full.append(check.seconds)
+        wire, changed, shard = (
+            wire + sum(report.bytes_sent),
+            changed + sum(report.changed_bytes),
+            shard + sum(report.shard_bytes),
+        )
+        same &= report.delta and all(d == c for d, c in zip(report.digests, check.digests))
+    trainer.zero_grad(set_to_none=True)
+    return {"lr": lr, "changed": changed / shard, "walls": walls, "full_walls": full,
+            "worker_walls": workers, "full_worker_walls": full_workers,
+            "wire_over_changed": wire / changed if changed else math.inf, "same": same,
+            "count": sum(len(d) for d in check.digests)}  # fmt: skip
 
 
 def main() -> None:
@@ -133,7 +140,8 @@ def main() -> None:
         full = " ".join(f"{w:.3f}" for w in row["full_walls"])
         workers = " ".join(f"{w:.3f}" for w in row["worker_walls"])
         full_workers = " ".join(f"{w:.3f}" for w in row["full_worker_walls"])
-        print(f"changed {100 * row['changed']:.2f} %: delta {walls} s (slowest worker {workers} s), full {full} s "
+        print(f"{row['what']}, changed {100 * row['changed']:.2f} %: delta {walls} s (slowest worker {workers} s), "
+              f"full {full} s "
               f"(slowest worker {full_workers} s), "
               f"wire/changed "
               f"{row['wire_over_changed']:.3f}, same {row['same']}", flush=True)  # fmt: skip

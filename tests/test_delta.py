@@ -197,3 +197,41 @@ def test_a_few_sign_changes_among_ulp_steps_are_escaped_not_sent_in_unary():
     target = base.clone()
     apply_delta(target, delta)
     assert _bits(target) == _bits(new)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4099, 1 << 16])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_changes_are_found_in_any_buffer_length_and_alignment(n, offset):
+    """The comparison goes 8 bytes at a time where it can (a tail and an unaligned view elementwise): every changed
+    element found, sparse or dense."""
+    for density in (0.001, 0.5):
+        base = _random(n + offset, torch.bfloat16, n)[offset:]
+        mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < density
+        mask[-1] = True  # the tail
+        new = _nudged(base, mask, torch.ones(n, dtype=torch.int64))
+        delta = encode_delta(base, new)
+        assert delta.changed == int(mask.sum()) == changed_elements(base, new)
+        target = base.clone()
+        apply_delta(target, delta)
+        assert _bits(target) == _bits(new)
+
+
+@pytest.mark.parametrize("kind", ["diff", "raw", "full", "none"])
+def test_a_delta_applied_with_keep_undoes_to_the_base_bit_for_bit(kind):
+    base = _random(4096, torch.bfloat16, 9)
+    mask = torch.zeros(4096, dtype=torch.bool)
+    mask[:: {"diff": 50, "raw": 50, "full": 1, "none": 4096}[kind]] = kind != "none"
+    new = _nudged(base, mask, torch.ones(4096, dtype=torch.int64))
+    if kind in ("raw", "full"):
+        new.view(torch.int16)[mask] = _random(int(mask.sum()), torch.bfloat16, 10).view(torch.int16)
+    delta = encode_delta(base, new)
+    assert (delta.full, delta.diff) == {"diff": (False, True), "raw": (False, False), "full": (True, False),
+                                        "none": (False, False)}[kind]  # fmt: skip
+    target = base.clone()
+    written = apply_delta(target, delta, keep=True)
+    assert _bits(target) == _bits(new)
+    assert (written.where is None) == delta.full and (delta.full or written.where.size == delta.changed)
+    written.undo(target)
+    assert _bits(target) == _bits(base)
+    with pytest.raises(ValueError, match="keep=True"):
+        apply_delta(target.clone(), delta).undo(target)

@@ -154,8 +154,11 @@ def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if per == 1 or not whole or a.ctypes.data % 8 or b.ctypes.data % 8:
         return np.flatnonzero(a != b)
     wa, wb = a[:whole].view(np.int64), b[:whole].view(np.int64)
+    stride = max(1, wa.size >> 12)
+    if np.count_nonzero(wa[::stride] != wb[::stride]) * 8 > wa[::stride].size:
+        return np.flatnonzero(a != b)  # dense (as a sample of words says): one elementwise pass
     words = np.flatnonzero(wa != wb)
-    if words.size * 8 > wa.size:  # dense: one elementwise pass costs less than refining every changed word
+    if words.size * 8 > wa.size:  # dense after all: refining every changed word would cost more
         return np.flatnonzero(a != b)
     inside = np.flatnonzero((wa[words] ^ wb[words]).view(a.dtype) != 0)
     tail = np.flatnonzero(a[whole:] != b[whole:]) + whole
