@@ -26,7 +26,7 @@ import numpy as np
 __all__ = ["SAMPLE", "read_rice", "read_varints", "rice", "rice_cost", "varints"]
 
 #: at most this many values (evenly strided) choose a stream's parameters
-SAMPLE = 1 << 14
+SAMPLE = 1 << 16
 _EMPTY = np.empty(0, dtype=np.uint8)
 _Q = np.arange(65, dtype=np.float64)
 
