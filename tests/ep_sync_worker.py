@@ -29,7 +29,7 @@ TIMEOUT = 180.0  # arrival and collectives (long: a start on a busy machine)
 EXPERTS = ("gate_up_proj", "down_proj")
 
 
-def qwen3_moe(device: str = "cpu") -> nn.Module:
+def qwen3_moe() -> nn.Module:
     """The tiny Qwen3-MoE both sides describe: hidden 64, 2 layers, 4 experts (each a ``[4, ...]`` slice), vocab 128."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -39,8 +39,23 @@ def qwen3_moe(device: str = "cpu") -> nn.Module:
         max_position_embeddings=64, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    with torch.device(device):
-        return Qwen3MoeForCausalLM(config)
+    return Qwen3MoeForCausalLM(config)
+
+
+def shapes() -> dict[str, tuple[int, ...]]:
+    """:func:`qwen3_moe`'s state-dict shapes, by key (the destination's, without importing transformers)."""
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (128, 64)}
+    for i in range(2):
+        at = f"model.layers.{i}."
+        out |= {
+            at + "self_attn.q_proj.weight": (64, 64), at + "self_attn.k_proj.weight": (32, 64),
+            at + "self_attn.v_proj.weight": (32, 64), at + "self_attn.o_proj.weight": (64, 64),
+            at + "self_attn.q_norm.weight": (16,), at + "self_attn.k_norm.weight": (16,),
+            at + "mlp.experts.gate_up_proj": (4, 64, 64), at + "mlp.experts.down_proj": (4, 64, 32),
+            at + "mlp.gate.weight": (4, 64), at + "input_layernorm.weight": (64,),
+            at + "post_attention_layernorm.weight": (64,),
+        }  # fmt: skip
+    return out | {"model.norm.weight": (64,), "lm_head.weight": (128, 64)}
 
 
 def full_state(model: nn.Module) -> dict:
@@ -54,6 +69,7 @@ def trainer(rank: int, address: str, out: dict) -> None:
 
     mesh = init_device_mesh("cpu", (2,))
     model = qwen3_moe()
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes()  # what the destination holds
     for layer in model.model.layers:
         experts = layer.mlp.experts
         for name in EXPERTS:
@@ -79,8 +95,8 @@ def dest(rank: int, port: int, out: dict) -> None:
 
     mesh = init_device_mesh("cpu", (2,))
     tensors, locals_ = {}, {}
-    for key, t in qwen3_moe("meta").state_dict().items():
-        zeros = torch.zeros(t.shape, dtype=torch.bfloat16)
+    for key, shape in shapes().items():
+        zeros = torch.zeros(shape, dtype=torch.bfloat16)
         if key.endswith(".gate_up_proj"):
             tensors[key] = distribute_tensor(zeros, mesh, [Shard(1)])
         elif key.endswith(".down_proj"):
