@@ -74,6 +74,8 @@ def trainer(rank: int, address: str, out: dict) -> None:
         experts = layer.mlp.experts
         for name in EXPERTS:
             setattr(experts, name, nn.Parameter(distribute_tensor(getattr(experts, name).data, mesh, [Shard(0)])))
+    dtensors = {k: v for k, v in model.state_dict().items() if hasattr(v, "placements")}
+    out["held"] = {k: (repr(v.placements), tuple(v.to_local().shape)) for k, v in dtensors.items()}
     sync = EngineSync(address, model, timeout=TIMEOUT, rank=rank, trainers=2)
     out["pieces"] = [[(sync.wants[w][p.want].key, p.box, p.sender) for p in mine] for w, mine in enumerate(sync.mine)]
     out["reports"] = [sync.push()]

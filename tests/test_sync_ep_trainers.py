@@ -81,10 +81,13 @@ def held_bytes(full: dict, dest: int, trainer: int) -> int:
     return total * 2
 
 
-def test_the_trainer_holds_its_experts_as_shard0_dtensors_and_the_step_changed_them(world):
+def test_the_trainer_ranks_hold_their_experts_as_shard0_dtensors_and_the_change_touched_three_tensors(world):
     full = world["trainer0"]["full"]
     assert full[0].keys() == full[1].keys() and sum(k.endswith(EXPERTS) for k in full[0]) == 4
-    assert full[0]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    for rank in (0, 1):
+        held = world[f"trainer{rank}"]["held"]  # the DTensors: the experts only, two of four on each rank
+        assert held.keys() == {k for k in full[0] if k.endswith(EXPERTS)}
+        assert all(p == "(Shard(dim=0),)" and s == (2, *full[0][k].shape[1:]) for k, (p, s) in held.items()), held
     for rank in (0, 1):
         assert all(torch.equal(world[f"trainer{rank}"]["full"][p][k], full[p][k]) for p in (0, 1) for k in full[0])
     changed = {k for k in full[0] if not torch.equal(full[0][k], full[1][k])}
