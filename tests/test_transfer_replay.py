@@ -138,10 +138,40 @@ def scenario_one_rank_differs(ctx: dict) -> dict:
     return {"first": first, "moved": moved, "mismatch": values, "replayed": replayed, "refused": refused}
 
 
+def scenario_a_failure_in_a_replay(ctx: dict) -> dict:
+    """Rank 1's progress callback raises after the last round of the second run: every rank raises rank 1's error
+    (agreed at the run's closing flags, not a timeout), puts its destination back, and the next run replays right."""
+    import torch.distributed as dist
+
+    from loader.transfer import prepare_transfer, transfer_weights
+
+    rank, (make_src, make_dst, rules) = dist.get_rank(), _pairs()["fsdp_to_ep_tp"]
+    src, dst, calls = make_src(), make_dst(), []
+
+    def progress(done: int, total: int) -> None:
+        calls.append(done)
+        if rank == 1 and len(calls) > total and done == total and len(calls) <= 2 * total:
+            raise ValueError(f"progress failed on rank {rank} after round {done}")
+
+    options = TransferOptions(**OPTIONS, rollback=True, progress=progress)
+    prepared = prepare_transfer(src, dst, dst_mapping=rules, options=options)
+    prepared.run(src, dst)
+    before = _locals(dst)
+    _step(src, 1)
+    failed = _outcome(lambda: prepared.run(src, dst))
+    restored = _same(before, _locals(dst))
+    after = _fields(prepared.run(src, dst))
+    fresh = make_dst()
+    transfer_weights(src, fresh, dst_mapping=rules, options=TransferOptions(**OPTIONS))
+    return {"failed": failed, "restored": restored, "after": after, "mismatch": _same(_locals(dst), _locals(fresh)),
+            "plans": prepared.plans}  # fmt: skip
+
+
 SCENARIOS = [
     ("replay_after_steps", scenario_replay_after_steps),
     ("changed_on_every_rank", scenario_changed_on_every_rank),
     ("one_rank_differs", scenario_one_rank_differs),
+    ("failure_in_a_replay", scenario_a_failure_in_a_replay),
 ]
 
 
@@ -184,6 +214,15 @@ def test_one_rank_that_differs_is_seen_by_every_rank(results):
         assert res["mismatch"] == []
         assert res["replayed"]["planned"] is False and res["replayed"]["version"] == 3
         assert res["refused"]["type"] == "ValueError" and "differently" in res["refused"]["message"]
+
+
+def test_a_failure_during_a_replay_is_raised_on_every_rank_and_rolled_back(results):
+    for r, res in enumerate(ok(results, "failure_in_a_replay")):
+        assert res["failed"]["type"] == "ValueError", (r, res["failed"])
+        assert "progress failed on rank 1 after round" in res["failed"]["message"], (r, res["failed"])
+        assert res["restored"] == [], (r, res["restored"])
+        assert res["after"]["planned"] is False and res["after"]["version"] == 3 and res["plans"] == 1
+        assert res["mismatch"] == [], (r, res["mismatch"])
 
 
 def test_one_process_replay_and_fingerprint():

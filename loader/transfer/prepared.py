@@ -168,19 +168,18 @@ class PreparedTransfer:
         failed collective) agreed through the store (:func:`~.agreement.fail_together`)."""
         t1, progress = time.perf_counter(), self.options.progress
         report = log_progress(self.rank) if progress is True else (progress or None)
-        error, exchanged, failed = None, False, False
+        error, failed = None, False
         with Rollback(self.options.rollback) as undo:
             undo.keep_tensors(p.written)  # put back if the transfer fails on any rank
             t2 = time.perf_counter()
             try:
                 with peer_errors(STAGE, "exchanging the weights"):
                     counts = p.replay.run(report)
-                exchanged = True  # every collective of the rounds done: the closing one matches every rank's
                 _run_fallbacks(p.plan, self.rank, p.keyplan, p.buffers, p.dst_parts, p.written)
             except Exception as e:
                 error = e
             t3 = time.perf_counter()
-            if exchanged:
+            if p.replay.exchanged:  # every collective of the rounds done: the closing one matches every rank's
                 try:
                     failed = any(self._flags.exchange(int(error is not None), "agreeing on the outcome"))
                 except PeerFailure as e:
