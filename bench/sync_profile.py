@@ -7,6 +7,7 @@ VLLM_CPU_OMP_THREADS_BIND="0|1" VLLM_WORKER_MULTIPROC_METHOD=spawn``, ``PYTHONPA
 bench/ and tests/vllm/), on a folder bench/sync_bench.py wrote (``/tmp/sync-bench/qwen3_moe``). One engine start
 (tensor parallel 2), a float32 trainer from the folder, a first push, then ``PUSHES`` profiled pushes, each after a
 step; prints each push's wall and its workers' rebuilds, then the profile's top functions by cumulative time.
+Delta pushes after real AdamW steps: ``bench/sync_delta.py FOLDER --profile``.
 """
 
 from __future__ import annotations
