@@ -7,10 +7,12 @@ seconds, naming it (a collective would wait for the process group's own timeout,
 failure on one rank is raised on every rank. The ranks holding one model must hold each of its tensors alike
 (:func:`check_views`, with the save's :func:`~loader.save.agreement.tensor_view`).
 
-A replay, whose ranks already met at the planning, shares only one small integer per rank before its rounds
-and one after (:class:`Flags`: one ``all_to_all_single`` of a few int64 over the transfer's group, waiting at
-most ``timeout``); only when one of them says a rank failed, or fails itself, do the ranks meet through the
-store (:func:`fail_together`) to raise the same error on every rank, naming a rank that never arrived.
+A replay, whose ranks already met at the planning, checks its models with one small integer per rank before its
+rounds (:class:`Flags`: one ``all_to_all_single`` of a few int64 over the transfer's group, waiting at most
+``timeout``); only when one says a rank failed, or the collective fails itself, do the ranks meet through the
+store (:func:`fail_together`) to raise the same error on every rank, naming a rank that never arrived. Its
+outcome after the rounds is agreed through the store (one verdict: a collective cut short by a dying rank would
+reach only some ranks).
 """
 
 from __future__ import annotations

@@ -101,14 +101,6 @@ class Exchange:
         self.rounds, self.counts, self.buffer_bytes = rounds, counts, buffer_bytes
         self.group, self.timeout, self.device = group, timeout, device
         self._packed: Round | None = None  # the round packed ahead (:meth:`pack_first`), until it runs
-        self._collectives = sum(r.sizes is not None for r in rounds)
-        self._done = 0  # collectives of the current run done
-
-    @property
-    def exchanged(self) -> bool:
-        """Whether the last :meth:`run` did every collective of its rounds (a failure after them, e.g. in the
-        last unpacking, leaves the ranks' collectives matched)."""
-        return self._done == self._collectives
 
     @property
     def copies(self) -> int:
@@ -127,7 +119,7 @@ class Exchange:
     def run(self, progress: Callable[[int, int], None] | None = None) -> Counts:
         """Every round in order (each rank runs the same number: the collectives match): copies and collectives
         only."""
-        n, self._done = len(self.rounds), 0
+        n = len(self.rounds)
         try:
             with torch.no_grad():
                 for i, r in enumerate(self.rounds):
@@ -153,7 +145,6 @@ class Exchange:
         if r.sizes is not None:
             recv, send = r.buffers
             all_to_all_tensor(recv, send, *r.sizes, group=self.group, timeout=self.timeout)
-            self._done += 1
         for dst, src, casts in r.unpacks:
             copy_cast(dst, src, casts)
 

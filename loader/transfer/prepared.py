@@ -10,10 +10,11 @@ transfer's group (:class:`~loader.transfer.agreement.Flags`: every rank's "chang
 before any byte is sent: when any rank's models changed, every rank plans again from the models it is given, in
 a session through the store as :func:`prepare_transfer` does (``TransferReport.planned``), and a change that
 cannot be transferred (a shape no key gives, ranks holding a tensor differently) is raised on every rank as
-``transfer_weights`` raises it. After the rounds a second such collective carries every rank's "failed" flag; a
-rank that failed, or a collective that failed or timed out (a peer died or hung), sends the ranks that saw it to
-an agreement through the store (:func:`~loader.transfer.agreement.fail_together`): the same error on every
-rank, a rank that never arrives named in a :class:`~loader.errors.PeerFailure`.
+``transfer_weights`` raises it; a rank whose check failed, or a failed check collective, sends the ranks to an
+agreement through the store (:func:`~loader.transfer.agreement.fail_together`). After the rounds the outcome is
+agreed through the store (one verdict, as in ``transfer_weights``): the same error on every rank, a rank that
+never arrives named in a :class:`~loader.errors.PeerFailure`, and no rank keeping the new values while another
+puts the old back.
 
 Vocabulary:
 
@@ -164,11 +165,11 @@ class PreparedTransfer:
         return self._replay(self._planned, t0, t2 - t1)
 
     def _replay(self, p: _Planned, t0: float, ahead: float) -> TransferReport:
-        """The rounds (the first packed ``ahead`` seconds already), then every rank's "failed" flag: a failure (or a
-        failed collective) agreed through the store (:func:`~.agreement.fail_together`)."""
+        """The rounds (the first packed ``ahead`` seconds already), then the outcome agreed through the store: a
+        failure on any rank (or a failed collective) raised on every rank, every rank's writes put back."""
         t1, progress = time.perf_counter(), self.options.progress
         report = log_progress(self.rank) if progress is True else (progress or None)
-        error, failed = None, False
+        error = None
         with Rollback(self.options.rollback) as undo:
             undo.keep_tensors(p.written)  # put back if the transfer fails on any rank
             t2 = time.perf_counter()
@@ -179,13 +180,10 @@ class PreparedTransfer:
             except Exception as e:
                 error = e
             t3 = time.perf_counter()
-            if p.replay.exchanged:  # every collective of the rounds done: the closing one matches every rank's
-                try:
-                    failed = any(self._flags.exchange(int(error is not None), "agreeing on the outcome"))
-                except PeerFailure as e:
-                    error, failed = error or e, True
-            if error is not None or failed:
-                fail_together(error, self.timeout, self.group)
+            # the closing point: one verdict through the store, so that the ranks never part with some keeping the
+            # new values and others putting the old back (a collective cut short by a dying rank reaches only some)
+            with Session(self.timeout, self.group) as session:
+                session.agree(error, STAGE)
         run = TransferRun(time.perf_counter() - t0, False, self.version, 0.0, t1 - t0 - ahead, t3 - t2 + ahead)
         return _report(p, counts, run)
 
