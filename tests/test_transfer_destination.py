@@ -14,45 +14,24 @@ trainer refuses: nothing written, the next push lands.
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from ranks import run_ranks
+from sync_world import run_sync_world
 
 from loader.transfer.destination import destination_wants
 
-REPO = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "destination_worker.py")
 ROWS = {0: (0, 1), 1: (1, 4)}  # the destination's hand-described rows of "1.weight" (as in the worker)
 LIMIT = 400  # seconds for the whole world (a normal run: a few; a hung rank is killed and named)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     """Every rank's saved phases, by ``"dest0"``, ``"dest1"``, ``"trainer0"``, ``"trainer1"``."""
     folder = tmp_path_factory.mktemp("destination")
-    port, trainer_init, dest_init = free_port(), free_port(), free_port()
-    roles = [("dest", 0), ("dest", 1), ("trainer", 0), ("trainer", 1)]
-    argv = []
-    for role, rank in roles:
-        init = f"tcp://127.0.0.1:{trainer_init if role == 'trainer' else dest_init}"
-        argv.append([sys.executable, WORKER, role, str(rank), str(port), init, str(folder)])
-    logs = [folder / f"{role}{rank}.log" for role, rank in roles]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    codes = run_ranks(argv, logs, cwd=REPO, env=env, limit=LIMIT)
-    said = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    assert codes == [0, 0, 0, 1], f"exit codes {codes} (trainer rank 1 dies by design)\n{said}"
-    return {f"{role}{rank}": torch.load(folder / f"{role}{rank}.pt", weights_only=False) for role, rank in roles}
+    return run_sync_world(WORKER, folder, limit=LIMIT, codes=[0, 0, 0, 1], why=" (trainer rank 1 dies by design)")
 
 
 def expected(full: dict, rank: int) -> dict:
