@@ -33,7 +33,6 @@ import torch.distributed as dist
 from ..distributed.collectives import broadcast_tensor, pick_device
 from ..errors import PeerFailure
 from ..placements import slot_for
-from ..vllm.sync_endpoint import refusals
 from ..vllm.sync_pieces import plan_pieces
 from ..vllm.sync_plan import Want
 from ..vllm.sync_push import header, receive_wants, stats
@@ -48,8 +47,10 @@ from ..vllm.sync_wire import (
     join_store,
     open_tickets,
     put_json,
+    refusals,
     skip_ticket,
     transport_backend,
+    wait_push,
 )
 
 __all__ = ["DestinationTensor", "TensorDestination", "destination_wants"]
@@ -219,12 +220,7 @@ class TensorDestination:
         """
         if self.over or self.wire is None:
             raise RuntimeError("no trainer group is connected to this destination: accept() takes the next one")
-        self.attempt += 1
-        try:
-            get_json(self.store, f"push/{self.attempt}", self.timeout if wait is None else wait, "waiting for a push")
-        except PeerFailure:
-            self.attempt -= 1  # no push started: a later receive() waits for it again
-            raise
+        self.attempt = wait_push(self.store, self.attempt, self.timeout if wait is None else wait)
         try:
             return self._push(self.wire, time.perf_counter())
         except PeerFailure:
@@ -275,7 +271,7 @@ class TensorDestination:
 def _forget(received: Any, base: Any) -> None:
     """A push that is not kept: where the wire applied its deltas in place to ``base`` (the wants last received),
     they are put back (``undo``); a wire that received into new buffers left ``base`` as it was."""
-    if received is not None and received is base and hasattr(received, "undo"):
+    if received is not None and received is base:
         received.undo()
 
 

@@ -23,12 +23,12 @@ import torch
 
 from ..errors import PeerFailure
 from ..placements import rank_and_world
-from .sync_endpoint import SyncEndpoint, refusals
+from .sync_endpoint import SyncEndpoint
 from .sync_pieces import local_parts, plan_pieces
 from .sync_plan import Want
 from .sync_push import header, prepare_outgoing, send_packets, stats
 from .sync_report import SyncReport
-from .sync_wire import Wire, device_type, get_json, join_group, put_json
+from .sync_wire import Wire, device_type, get_json, join_group, put_json, refusals
 
 __all__ = ["EngineSync", "SyncReport"]
 

@@ -31,8 +31,10 @@ from .sync_wire import (
     host_store,
     open_tickets,
     put_json,
+    refusals,
     skip_ticket,
     transport_backend,
+    wait_push,
 )
 
 __all__ = ["SyncEndpoint"]
@@ -147,12 +149,7 @@ class SyncEndpoint:
         """
         if self.over:
             raise RuntimeError("no trainer group is connected to this endpoint: accept() takes the next one")
-        self.attempt += 1
-        try:
-            get_json(self.store, f"push/{self.attempt}", self.timeout if wait is None else wait, "waiting for a push")
-        except PeerFailure:
-            self.attempt -= 1  # no push started: a later receive() waits for it again
-            raise
+        self.attempt = wait_push(self.store, self.attempt, self.timeout if wait is None else wait)
         started = time.perf_counter()
         answers = sorted(self.llm.collective_rpc("regiontrace_sync_receive", args=(self.id, self.attempt)), key=_rank)
         peers = [a for a in answers if a["peer"]]
@@ -211,13 +208,6 @@ def engine_device(llm: Any) -> str:
     """The device type the engine's workers hold their weights on (``"cuda"``, ``"cpu"``, ...)."""
     config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     return str(getattr(getattr(config, "device_config", None), "device_type", "cpu") or "cpu")
-
-
-def refusals(store: Any, attempt: int, trainers: int) -> str:
-    """The messages of the trainer ranks that refused push ``attempt``."""
-    keys = [f"refused/{attempt}/{r}" for r in range(trainers)]
-    said = [store.get(k).decode() for k in keys if store.check([k])]
-    return "; ".join(said) or f"a trainer rank refused push {attempt}"
 
 
 def _dtype(name: str) -> Any:

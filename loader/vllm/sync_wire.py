@@ -134,6 +134,24 @@ def get_json(store: dist.Store, key: str, seconds: float, doing: str) -> Any:
         return json.loads(store.get(key))
 
 
+def wait_push(store: dist.Store, attempt: int, seconds: float) -> int:
+    """Wait up to ``seconds`` for the trainers to announce push ``attempt + 1``; its number (a push that never
+    started leaves the count at ``attempt``: a later wait is for the same push).
+
+    Raises:
+        PeerFailure: no push announced within ``seconds``.
+    """
+    get_json(store, f"push/{attempt + 1}", seconds, "waiting for a push")
+    return attempt + 1
+
+
+def refusals(store: dist.Store, attempt: int, trainers: int) -> str:
+    """The messages of the trainer ranks that refused push ``attempt``."""
+    keys = [f"refused/{attempt}/{r}" for r in range(trainers)]
+    said = [store.get(k).decode() for k in keys if store.check([k])]
+    return "; ".join(said) or f"a trainer rank refused push {attempt}"
+
+
 class Wire:
     """One member of the sync's group (see the module); every operation raises :class:`~loader.errors.PeerFailure`
     when a peer is gone.
