@@ -1,4 +1,5 @@
-"""The `regiontrace` command line, run for real as subprocesses.
+"""The `regiontrace` command line, run for real as subprocesses (usage errors: most through its `main` in this
+process, see :func:`in_process`).
 
 `python -m loader` runs what the `regiontrace` console script runs (`loader.cli.main`: demo, trace, check,
 plan); `python -m regiontrace` is the algebra's own command line (trace and check, without the loader).
@@ -73,6 +74,36 @@ def regiontrace(*args: str, cwd: str | None = None, timeout: float = 120) -> sub
 def algebra(*args: str, cwd: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """The algebra's own command line (`python -m regiontrace`: trace and check)."""
     return _run([sys.executable, "-m", "regiontrace", *args], cwd, timeout)
+
+
+def in_process(*args: str, cwd: pathlib.Path, algebra: bool = False) -> tuple[int, str]:
+    """``loader.cli.main(args)`` (what the console script runs; ``algebra``: ``regiontrace.cli.main``, ``python -m
+    regiontrace``'s) in this process from ``cwd``: its exit status (argparse's ``SystemExit`` too) and its stderr;
+    ``sys.path``, the cwd and the user modules it imported are put back after. An exception escaping ``main`` fails
+    the test (a subprocess would print a traceback)."""
+    import contextlib
+    import io
+
+    import loader.cli
+    import regiontrace.cli
+
+    main = regiontrace.cli.main if algebra else loader.cli.main
+    path, where, modules = list(sys.path), os.getcwd(), set(sys.modules)
+    err = io.StringIO()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                status = main(list(args))
+            except SystemExit as e:
+                status = e.code
+    finally:
+        os.chdir(where)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            if name.startswith("_regiontrace_user_"):
+                del sys.modules[name]
+    return status, err.getvalue()
 
 
 @pytest.fixture()
@@ -190,8 +221,8 @@ def test_arg_passes_plain_values_to_trace_and_check(converters):
         (("-a", "w=4"), "'w' is given both as --input (a tensor) and as --arg (a value)"),
         (("-a", "heads=4", "-a", "nope=1"), "do not match conv.py:split_heads's parameters"),
     ]:
-        r = algebra("trace", "conv.py:split_heads", "-i", "w=8x3", *bad, cwd=str(converters))
-        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+        status, stderr = in_process("trace", "conv.py:split_heads", "-i", "w=8x3", *bad, cwd=converters, algebra=True)
+        assert status == 2 and message in stderr and "Traceback" not in stderr, (bad, stderr)
 
 
 def test_check_passes_a_correct_converter(converters):
@@ -211,7 +242,8 @@ def test_errors_are_one_line_and_verbose_shows_the_traceback(tmp_path):
 
 
 def test_usage_errors_exit_2_on_every_command(converters, tmp_path):
-    """Exit status 1 is "the answer is no"; a wrong command line (argparse's own errors and ours) is 2."""
+    """Exit status 1 is "the answer is no"; a wrong command line (argparse's own errors and ours) is 2: each case
+    through ``loader.cli.main`` in this process, one of argparse's and one of ours through ``python -m loader``."""
     cases = [
         ("demo", "--world-size", "0"),
         ("demo", "--timeout", "0"),
@@ -227,12 +259,17 @@ def test_usage_errors_exit_2_on_every_command(converters, tmp_path):
         ("nosuchcommand",),
     ]
     for args in cases:
-        r = regiontrace(*args, cwd=str(converters))
-        assert r.returncode == 2, (args, r.returncode, r.stderr)
-        assert "error" in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        status, stderr = in_process(*args, cwd=converters)
+        assert status == 2, (args, status, stderr)
+        assert "error" in stderr and "Traceback" not in stderr, (args, stderr)
     (converters / "broken.py").write_text("def f(w:\n")  # an error that is no answer either
+    status, stderr = in_process("check", "broken.py:f", "--input", "w=4x4", cwd=converters)
+    assert status == 2 and "SyntaxError" in stderr, stderr
+    # the real entry point: argparse's error and one of ours, each a line on stderr and status 2
+    r = regiontrace("nosuchcommand", cwd=str(converters))
+    assert r.returncode == 2 and "invalid choice: 'nosuchcommand'" in r.stderr and "Traceback" not in r.stderr
     r = regiontrace("check", "broken.py:f", "--input", "w=4x4", cwd=str(converters))
-    assert r.returncode == 2 and "SyntaxError" in r.stderr, r.stderr
+    assert r.returncode == 2 and "SyntaxError" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_help_shows_defaults():
