@@ -1,8 +1,8 @@
 """One rank of the 4-rank gloo world of tests/test_dcp_open_pages.py: ``dcp.save`` of a llama state dict as DTensors
 ``Shard(0)`` (:func:`dcp_worker.scenario_save`), then ``load_hf_checkpoint`` of that folder into a 2x2 mesh's
 ``Shard(0)`` of its first dim (half the rows: two of the four chunks of each projection, as resharding to 2 ranks;
-norms and ``lm_head`` replicated), checked against the reference; returns the pages the rank's shard lies in and
-the pages opening the folder read."""
+norms and ``lm_head`` replicated), checked against the reference; returns the pages the rank's shard lies in, the
+pages opening the folder read (none) and the pages finding the places of the chunks it reads read."""
 
 from __future__ import annotations
 
@@ -32,16 +32,47 @@ def rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
-def idle_blobs(checkpoint, ctx: dict, rank: int) -> dict[str, int]:
-    """Per file, the chunk blobs none of whose elements this rank's shard needs."""
-    idle: dict[str, int] = {}
+def _needed(lo: int, hi: int, chunk) -> bool:
+    return max(lo, chunk.box[0][0]) < min(hi, chunk.box[0][1])
+
+
+def blob_pages(checkpoint, ctx: dict, rank: int) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+    """Per file, the pages of the chunk blobs this rank's shard needs something of, and of those it needs nothing
+    of (a page two blobs share: in both)."""
+    needed: dict[str, set[int]] = {}
+    idle: dict[str, set[int]] = {}
     for key in checkpoint:
-        info = checkpoint[key]
+        info = checkpoint.tensors[key]
         lo, hi = _rows(ctx, rank, key, info.shape[0])
         for chunk in info.chunks:
-            name = os.path.basename(chunk.location)
-            idle[name] = idle.get(name, 0) + (max(lo, chunk.box[0][0]) >= min(hi, chunk.box[0][1]))
-    return idle
+            blob = chunk.spec.blob
+            side = needed if _needed(lo, hi, chunk) else idle
+            pages = range(blob.offset // PAGE, -(-(blob.offset + blob.length) // PAGE))
+            side.setdefault(chunk.location, set()).update(pages)
+    return needed, idle
+
+
+def needed_blobs(checkpoint, ctx: dict, rank: int) -> dict[str, int]:
+    """Per file, the chunk blobs this rank's shard needs something of."""
+    count: dict[str, int] = {}
+    for key in checkpoint:
+        info = checkpoint.tensors[key]
+        lo, hi = _rows(ctx, rank, key, info.shape[0])
+        for chunk in info.chunks:
+            if _needed(lo, hi, chunk):
+                name = os.path.basename(chunk.location)
+                count[name] = count.get(name, 0) + 1
+    return count
+
+
+def idle_found(checkpoint, ctx: dict, rank: int) -> list[str]:
+    """The chunks this rank's shard needs nothing of whose place was found (their blob read)."""
+    out = []
+    for key in checkpoint:
+        info = checkpoint.tensors[key]
+        lo, hi = _rows(ctx, rank, key, info.shape[0])
+        out += [f"{key} {c.box}" for c in info.chunks if not _needed(lo, hi, c) and c.found]
+    return out
 
 
 def shard_pages(checkpoint, ctx: dict, rank: int) -> dict[str, set[int]]:
@@ -74,25 +105,32 @@ def scenario_load_x2(ctx: dict) -> dict:
     patterns = {"*_proj.weight": [Shard(0), Replicate()], "*embed_tokens.weight": [Shard(0), Replicate()]}
     patterns["*lm_head.weight"] = [Replicate(), Replicate()]
     model = shard_module(model, mesh, placements_matching(model, patterns))
-    report = load_hf_checkpoint(model, ctx["path"], options=LoadOptions(progress=False))
-    bad = check_full(model, torch.load(ctx["ref"]))
+    open_checkpoint(ctx["path"])  # its modules imported: only the open's own reads counted below
     asked = rchar()
-    checkpoint = open_checkpoint(ctx["path"])  # opened again, its modules imported: only its reads counted
+    checkpoint = open_checkpoint(ctx["path"])
     asked = rchar() - asked
+    opened = {f: set(p) for f, p in checkpoint.opened_pages.items()}
+    report = load_hf_checkpoint(model, checkpoint, options=LoadOptions(progress=False))
+    bad = check_full(model, torch.load(ctx["ref"]))
     bound = shard_pages(checkpoint, ctx, dist.get_rank())
-    opened = checkpoint.opened_pages
+    found = checkpoint.opened_pages  # the pages read to find the places of the chunks the load read
+    needed, idle = blob_pages(checkpoint, ctx, dist.get_rank())
     return {
         "bad": bad,
         "bytes_read": report.bytes_read,
         "planned_bytes": report.planned_bytes,
         "shard_bytes": sum(getattr(t, "_local_tensor", t).nbytes for t in model.state_dict().values()),
-        "bound_pages": sum(len(p) for p in bound.values()),
-        "outside_pages": {
-            os.path.basename(f): len(set(opened.get(f, ())) - bound.get(f, set())) for f in checkpoint.files
-        },
-        "opened_pages": sum(len(p) for p in opened.values()),
+        "opened_at_open": sum(len(p) for p in opened.values()),
         "open_asked": asked,
-        "idle_blobs": idle_blobs(checkpoint, ctx, dist.get_rank()),
+        "found_pages": sum(len(p) for p in found.values()),
+        "outside_pages": {os.path.basename(f): len(set(found.get(f, ())) - bound.get(f, set())) for f in needed},
+        "needed_blobs": needed_blobs(checkpoint, ctx, dist.get_rank()),
+        "idle_read": {
+            os.path.basename(f): sorted(set(found.get(f, ())) & (idle[f] - needed.get(f, set()))) for f in idle
+        },
+        "stray": {os.path.basename(f): sorted(p - needed.get(f, set())) for f, p in found.items()},
+        "idle_blob_pages": sum(len(idle[f] - needed.get(f, set())) for f in idle),
+        "idle_found": idle_found(checkpoint, ctx, dist.get_rank()),
     }
 
 

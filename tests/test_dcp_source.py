@@ -147,15 +147,27 @@ def test_chunks_not_covering_the_tensor_are_refused(small):
     assert e.value.key == "w"
 
 
-def test_a_chunk_of_another_shape_than_its_blob_is_refused(small):
+def test_a_chunk_of_another_shape_than_its_blob_is_refused_before_a_byte_is_written(small):
+    """The blob is read when the chunk is first needed (the plan's lookup), not when the folder opens."""
     metadata = _metadata(small)
     chunk = metadata.state_dict_metadata["w"].chunks[0]
     chunk.sizes = torch.Size([2, 6])
     metadata.state_dict_metadata["w"].size = torch.Size([2, 6])
     _write_metadata(small, metadata)
+    checkpoint = DcpCheckpoint.open(small)
+    assert checkpoint.opened_pages == {}
     with pytest.raises(CheckpointError, match="metadata says") as e:
-        DcpCheckpoint.open(small)
-    assert e.value.key == "w"
+        checkpoint["w"]
+    assert e.value.key == "w" and e.value.path.endswith(".distcp")
+    from loader import Convert
+    from loader.options import Rules
+
+    model = torch.nn.Linear(6, 2, bias=False)
+    before = model.weight.detach().clone()
+    rules = Rules(weights_mapping=[Convert("w", "weight", lambda w: w * 1)])
+    with pytest.raises(CheckpointError, match="metadata says") as e:
+        load_hf_checkpoint(model, str(small), rules=rules, options=QUIET)
+    assert e.value.key == "w" and torch.equal(model.weight.detach(), before)
 
 
 def test_conversion_rules_apply_to_a_dcp_source(tmp_path):
