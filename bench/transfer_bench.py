@@ -30,8 +30,10 @@ threshold is fixed at 64 KiB so that freed buffers leave RSS), wall (the slowest
 Then, per bucket, ``prepare_transfer`` once and ``--replays`` runs of it, each after an in-place step of the
 source (``mul_(2)``; the last run halves it back, exactly, and is checked against ``transfer_weights``' result):
 the first run and the replayed ones (the slowest rank of each), the check and its agreement, the part of the wall
-outside the exchange (``TransferRun``: wall minus the rounds' copies and collectives), the strided copies and the
-buffers each rank holds. Then ``simulate_transfer`` plans DeepSeek-V3 (bench/plan_scale.py's meta model and
+outside the exchange (``TransferRun``: wall minus the rounds' copies and collectives; waiting for the slowest
+rank included), the part of it that is this rank's own work (``PreparedTransfer.cpu_outside_seconds``: the main
+thread's CPU time outside the rounds, the highest rank of each run), the strided copies and the buffers each rank
+holds. Then ``simulate_transfer`` plans DeepSeek-V3 (bench/plan_scale.py's meta model and
 EP x TP placements) from FSDP over 64 ranks into EP8 x TP8 on 64 more: the plan time of one rank
 (``plan_transfer(..., rank=r)``, what each rank of a transfer computes; a source rank and a destination rank,
 best of 3) and of the whole world (the simulation's figures); and Kimi-K2 (``--kimi-layers``: DeepSeek-V3's
@@ -312,7 +314,8 @@ def _replays(src, dst, locals_, reference, spec: dict) -> list[dict]:
             r = prepared.run(src, dst)
             same = i < runs - 1 or all(torch.equal(t, reference[n]) for n, t in locals_.items())
             out.append(dict(method=f"replay {bucket // MIB}", rep=i, wall=r.seconds, check=r.run.check_seconds,
-                            exchange=r.run.exchange_seconds, planned=r.planned, prepare=prepare,
+                            exchange=r.run.exchange_seconds, cpu=prepared.cpu_outside_seconds, planned=r.planned,
+                            prepare=prepare,
                             copies=prepared.copies, buffers=prepared.buffer_bytes, same=same))  # fmt: skip
     return out
 
@@ -494,6 +497,7 @@ def replay_table(results: list[list[dict]], buckets: list[int]) -> str:
         slowest = [max(rep, key=lambda x: x["wall"]) for rep in zip(*per)]  # per run, the slowest rank
         replays = slowest[1:]
         outside = [(x["wall"] - x["exchange"]) / x["wall"] for x in replays]
+        cpu = [max(x["cpu"] / x["wall"] for x in rep) for rep in list(zip(*per))[1:]]  # per run, the highest rank
         rows.append([
             f"{bucket // MIB} MiB",
             mdtable.spread([max(rep) for rep in zip(*[[x["wall"] for x in p] for p in one])]),
@@ -502,6 +506,7 @@ def replay_table(results: list[list[dict]], buckets: list[int]) -> str:
             mdtable.spread([x["wall"] for x in replays]),
             _range([x["check"] * 1000 for x in replays], "{:.1f}") + " ms",
             _range([100 * o for o in outside], "{:.1f}") + " %",
+            _range([100 * c for c in cpu], "{:.1f}") + " %",
             _range([p[0]["copies"] for p in per], "{}"),
             _range([p[0]["buffers"] / MIB for p in per], "{:.0f}") + " MiB",
             "yes" if all(x["same"] and not x["planned"] for p in per for x in p) else "**NO**",
@@ -512,7 +517,8 @@ def replay_table(results: list[list[dict]], buckets: list[int]) -> str:
     )
     return "\n".join([head, "", mdtable.table(
         ["bucket", "`transfer_weights` (plans)", "`prepare_transfer`", "first run", "replayed run",
-         "check + agreement", "outside the exchange ÷ wall", "strided copies per rank", "buffers held per rank",
+         "check + agreement", "outside the exchange ÷ wall", "Python outside the exchange ÷ wall",
+         "strided copies per rank", "buffers held per rank",
          "= transfer_weights, no re-plan"], rows,
     )])  # fmt: skip
 

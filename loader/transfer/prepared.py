@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .._torch import local_tensor
 from ..distributed import Session, peer_errors
+from ..distributed.ballot import Ballot
 from ..errors import PeerFailure
 from ..execute import Rollback
 from ..options import Rules, TransferOptions, timeout_seconds
@@ -102,6 +103,8 @@ class PreparedTransfer:
     Attributes:
         version: how many times :meth:`run` ran (successfully or not).
         plans: how many times it planned (preparing included).
+        cpu_outside_seconds: this thread's CPU time in the last replay outside its rounds: the check, the
+            agreements, the bookkeeping (its wall outside the rounds less this is waiting for other ranks).
     """
 
     def __init__(
@@ -114,7 +117,9 @@ class PreparedTransfer:
         self.version = 0
         self.plans = 0
         self._planned: _Planned | None = None
-        self._flags: Flags | None = None  # a replay's check and outcome (:meth:`_replay`), made by the first plan
+        self._flags: Flags | None = None  # a replay's check (:meth:`run`), made by the first plan
+        self._ballot: Ballot | None = None  # a replay's closing verdict (:func:`_close`), made with the flags
+        self.cpu_outside_seconds = 0.0
 
     @property
     def plan(self) -> TransferPlan:
@@ -145,14 +150,14 @@ class PreparedTransfer:
                 :func:`~loader.transfer.transfer_weights` does); nothing was sent.
             PeerFailure: on every rank, a rank failed, died, hung or never called (past ``options.timeout``).
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.version += 1
         current = self._planned is not None and fingerprint_pair(src, dst) == self._planned.fingerprint
         if self._flags is None:  # one process
             return self._run_planning(src, dst, t0, None if current else [self.rank])
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         error = _pack_first(self._planned.replay) if current else None  # before the wait for the slowest rank
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         try:  # every rank's flag: 0 unchanged, 1 changed, 2 failed
             flags = self._flags.exchange(2 if error else int(not current), "checking the models")
         except PeerFailure as e:
@@ -162,30 +167,30 @@ class PreparedTransfer:
         changed = [r for r, flag in enumerate(flags) if flag]
         if changed:
             return self._run_planning(src, dst, t0, changed)
-        return self._replay(self._planned, t0, t2 - t1)
+        return self._replay(self._planned, (t0, c0), (t2 - t1, c2 - c1))
 
-    def _replay(self, p: _Planned, t0: float, ahead: float) -> TransferReport:
-        """The rounds (the first packed ``ahead`` seconds already), then the outcome agreed through the store: a
-        failure on any rank (or a failed collective) raised on every rank, every rank's writes put back."""
-        t1, progress = time.perf_counter(), self.options.progress
+    def _replay(self, p: _Planned, start: tuple[float, float], ahead: tuple[float, float]) -> TransferReport:
+        """The rounds (the first packed already, in ``ahead``: seconds of wall and of this thread's CPU), then the
+        outcome agreed through the store (:func:`_close`): a failure on any rank (or a failed collective) raised on
+        every rank, every rank's writes put back."""
+        (t0, c0), t1, progress = start, time.perf_counter(), self.options.progress
         report = log_progress(self.rank) if progress is True else (progress or None)
         error = None
         with Rollback(self.options.rollback) as undo:
             undo.keep_tensors(p.written)  # put back if the transfer fails on any rank
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
             try:
                 with peer_errors(STAGE, "exchanging the weights"):
                     counts = p.replay.run(report)
                 _run_fallbacks(p.plan, self.rank, p.keyplan, p.buffers, p.dst_parts, p.written)
             except Exception as e:
                 error = e
-            t3 = time.perf_counter()
-            # the closing point: one verdict through the store, so that the ranks never part with some keeping the
-            # new values and others putting the old back (a collective cut short by a dying rank reaches only some)
-            with Session(self.timeout, self.group) as session:
-                session.agree(error, STAGE)
-        run = TransferRun(time.perf_counter() - t0, False, self.version, 0.0, t1 - t0 - ahead, t3 - t2 + ahead)
-        return _report(p, counts, run)
+            t3, c3 = time.perf_counter(), time.thread_time()
+            _close(self._ballot, error, self.timeout, self.group)
+        t4, c4 = time.perf_counter(), time.thread_time()
+        self.cpu_outside_seconds = c4 - c0 - (c3 - c2) - ahead[1]
+        return _report(p, counts, TransferRun(t4 - t0, False, self.version, 0.0, t1 - t0 - ahead[0],
+                                              t3 - t2 + ahead[0]))  # fmt: skip
 
     def _run_planning(
         self, src: torch.nn.Module | None, dst: torch.nn.Module | None, t0: float, changed: list[int] | None
@@ -247,6 +252,19 @@ class PreparedTransfer:
                                  fingerprint_pair(src, dst), transferred, fallback)  # fmt: skip
         if self.distributed and self._flags is None:
             self._flags = Flags(self.group, self.timeout, replay.device)
+            self._ballot = None if self.timeout is None else Ballot(self.timeout, self.group)
+
+
+def _close(ballot: Ballot | None, error: BaseException | None, timeout: float | None, group) -> None:
+    """A replay's closing point: one verdict through the store, so that the ranks never part with some keeping the
+    new values and others putting the old back (a collective cut short by a dying rank reaches only some): a
+    :class:`~loader.distributed.ballot.Ballot` (no session, no heartbeat thread: the timeout bounds its wait), or
+    without a timeout a session (its heartbeat finds a rank that dies while the others wait)."""
+    if ballot is not None:
+        ballot.agree(error, STAGE)
+        return
+    with Session(timeout, group) as session:
+        session.agree(error, STAGE)
 
 
 def _pack_first(replay: Exchange) -> Exception | None:
