@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError
 from ..storage import PAGE, FileIdentity, Store
 from ..storage.untrusted import err, open_regular_file, pread_exact, short
 from .chunks import Chunk, TensorInfo
@@ -170,11 +171,17 @@ class ChunkPlaces:
     def _find(self, spec: ChunkSpec) -> int:
         size, identity = self.heads[spec.location]
         pages = None
-        if not self.store.remote:
-            pages = _Pages(spec.location, size, identity, self._cache)
         try:
+            if not self.store.remote:
+                pages = _Pages(spec.location, size, identity, self._cache)
             blob = _Blob(self.store, spec.location, spec.blob.offset, spec.blob.length, pages)
             return _place(blob, spec.key, identity, spec.expect)
+        except CheckpointError as e:  # the archive's own errors (its records, its pickle): named by the key too
+            if e.key is not None:
+                raise
+            message = str(e).removeprefix(f"{e.path}: ")
+            where = f"chunk blob [{spec.blob.offset}, {spec.blob.offset + spec.blob.length}): "
+            raise err(spec.location, where + message, spec.key) from e
         finally:
             if pages is not None:
                 pages.close()
