@@ -12,7 +12,8 @@ rounds (:class:`Flags`: one ``all_to_all_single`` of a few int64 over the transf
 ``timeout``); only when one says a rank failed, or the collective fails itself, do the ranks meet through the
 store (:func:`fail_together`) to raise the same error on every rank, naming a rank that never arrived. Its
 outcome after the rounds is agreed through the store (one verdict: a collective cut short by a dying rank would
-reach only some ranks).
+reach only some ranks), by a :class:`~loader.distributed.ballot.Ballot` (no session: no heartbeat thread to start
+and join on every step).
 """
 
 from __future__ import annotations
