@@ -13,9 +13,9 @@ cannot be transferred (a shape no key gives, ranks holding a tensor differently)
 ``transfer_weights`` raises it; a rank whose check failed, or a failed check collective, sends the ranks to an
 agreement through the store (:func:`~loader.transfer.agreement.fail_together`). After the rounds the outcome is
 agreed through the store (one verdict, as in ``transfer_weights``, by a :class:`~loader.distributed.ballot.Ballot`:
-no session thread, four round trips; without a timeout, a session): the same error on every rank, a rank that never arrives named in a
-:class:`~loader.errors.PeerFailure` within the timeout, and no rank keeping the new values while another puts the
-old back.
+no session thread, four round trips; without a timeout, a session): the same error on every rank, a rank that
+never arrives named in a :class:`~loader.errors.PeerFailure` within the timeout, and no rank keeping the new
+values while another puts the old back.
 
 Vocabulary:
 
