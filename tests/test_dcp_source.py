@@ -147,8 +147,9 @@ def test_chunks_not_covering_the_tensor_are_refused(small):
     assert e.value.key == "w"
 
 
-def test_a_chunk_of_another_shape_than_its_blob_is_refused_before_a_byte_is_written(small):
-    """The blob is read when the chunk is first needed (the plan's lookup), not when the folder opens."""
+def test_a_chunk_of_another_shape_than_its_blob_is_refused(small):
+    """The blob is read when the chunk is first needed (by the load's plan), not when the folder opens; the load
+    is refused before a byte is written."""
     metadata = _metadata(small)
     chunk = metadata.state_dict_metadata["w"].chunks[0]
     chunk.sizes = torch.Size([2, 6])

@@ -3,13 +3,14 @@
 
 Each chunk of a key is one ``torch.save`` blob (a zip archive) at ``[offset, offset + length)`` of its file, as
 ``FileSystemWriter`` writes tensors, and becomes a :class:`~.chunks.Chunk` at the absolute place of its storage
-bytes: a key of several chunks is a cat of chunk sources, so each rank reads only the sub-boxes of chunks it
-needs. Opening reads the metadata and each file's size and identity, and checks what they tell: chunks that do not
-tile their key, a blob outside its file. A chunk's place is found when it is first needed (:mod:`.dcp_places`): its
-blob's records are read by range inside that span (:mod:`.ziparchive`, offsets relative to the blob), its pickle
-by :mod:`.torchzip`'s allow-list, and a tensor blob of another dtype or shape than the metadata says, a
-non-contiguous view, a chunk written through transforms is refused then, before a byte of it is used: a
-:class:`~loader.errors.CheckpointError` naming the file and the key. A rank opens no blob it needs nothing of.
+bytes: a key of several chunks is a cat of chunk sources, so each rank reads only the sub-boxes of chunks it needs.
+Opening reads the metadata and each file's size and identity, and refuses what they tell: a chunk written through
+transforms, chunks that do not tile their key, a blob outside its file. A chunk's place is found when it is first
+needed (:mod:`.dcp_places`): its blob's records are read by range inside its span (:mod:`.ziparchive`, offsets
+relative to the blob), its pickle by :mod:`.torchzip`'s allow-list, and a blob that is not such an archive, a
+tensor of another dtype or shape than the metadata says, a non-contiguous view is refused then, before a byte of
+it is read. Each refusal is a :class:`~loader.errors.CheckpointError` naming the file and the key. A rank opens no
+blob it needs nothing of.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class DcpCheckpoint(TableCheckpoint):
     of non-tensor items (not loaded).
 
     A chunk's place is found when it is first looked up (``checkpoint[source]``, its ``offset``, a one-chunk key's
-    ``data_start``) or :meth:`resolve` d, its blob's records and pickle read and checked then (:mod:`.dcp_places`):
-    a rank reads nothing of a blob it needs nothing of."""
+    ``data_start``) or asked for (:meth:`resolve`), its blob's records and pickle read and checked then
+    (:mod:`.dcp_places`): a rank reads nothing of a blob it needs nothing of."""
 
     byte_items: tuple[str, ...] = ()
     places: ChunkPlaces
