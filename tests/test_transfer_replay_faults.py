@@ -83,7 +83,7 @@ def scenario_ballot_keys(ctx: dict) -> dict:
     outcomes = []
     for n in range(3):
         error = ValueError(f"ballot {n} failed on rank {rank}") if n == 1 and rank == 3 else None
-        outcomes.append(_outcome(lambda e=error: ballot.agree(e, "transferring")))
+        outcomes.append(_outcome(lambda e=error, n=n: ballot.agree(e, "transferring", n)))
         dist.barrier()
     present = {key: ballot.store.check([key]) for n in range(3) for key in [f"{n}/{r}" for r in range(world)]}
     verdicts = {f"{n}/verdict": ballot.store.check([f"{n}/verdict"]) for n in range(3)}

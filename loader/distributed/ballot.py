@@ -7,8 +7,8 @@ it when the last rank posts), and settles the verdict with one compare-and-set: 
 else ``"timeout:<the ranks that did not>"``, the first set obeyed by every rank, a late rank included. Four
 round trips per call (five with the key of the call before deleted), no thread.
 
-Vocabulary (with :mod:`.verdicts`'): a *ballot* is one call's agreement point; its number counts the ballots of
-this object (every rank numbers them alike: every rank calls :meth:`Ballot.agree` once per call).
+Vocabulary (with :mod:`.verdicts`'): a *ballot* is one call's agreement point; its *number* is the caller's count
+of its calls (a prepared transfer's version: the same on every rank, whichever ranks failed before a ballot).
 """
 
 from __future__ import annotations
@@ -47,32 +47,33 @@ class Ballot:
     prefix is numbered per group, in the order they are made).
 
     A rank that never posts within the timeout is named in a :class:`~loader.errors.PeerFailure` on every other
-    rank; a rank that dies is not told from a hung one (no heartbeat: the timeout bounds the wait). Keys of
-    ballot ``n - 1`` are deleted at ballot ``n`` (safe when every rank passed a collective of call ``n`` before
-    it: each had read them all), so the store holds at most one ballot's keys.
+    rank; a rank that dies is not told from a hung one (no heartbeat: the timeout bounds the wait). The keys of
+    this rank's previous ballot are deleted at its next (safe when every rank passed a collective of the call
+    before its ballot: each had read them all), so the store holds at most one ballot's keys.
     """
 
     def __init__(self, timeout: float, group: Any = None) -> None:
         self.rank, self.world = group_rank_and_world(group)
         self.timeout = timeout
         self.store = dist.PrefixStore(_prefix(group), default_store())
-        self._number = 0
+        self._last: int | None = None  # this rank's previous ballot
 
-    def agree(self, error: BaseException | None, stage: str) -> None:
-        """Post this rank's outcome of ``stage``, wait for every rank's, and raise on every rank if any failed.
+    def agree(self, error: BaseException | None, stage: str, number: int) -> None:
+        """Post this rank's outcome of ``stage`` in ballot ``number`` (the same on every rank, unique), wait for
+        every rank's, and raise on every rank if any failed.
 
         Raises:
             Exception: some rank failed: the lowest failed rank's error, as :meth:`.Session.agree` raises it.
             PeerFailure: some rank did not post within the timeout (naming it), this rank posted after the others
                 stopped waiting for it, or the store failed.
         """
-        n, s = self._number, self.store
-        self._number += 1
+        n, s = number, self.store
         keys = [f"{n}/{r}" for r in range(self.world)]
         with peer_errors(stage, "agreeing on the outcome through the store"):
             s.set(keys[self.rank], OK if error is None else encode_failure(error, self.rank))
-            if n:
-                self._forget(n - 1)
+            if self._last is not None:
+                self._forget(self._last)
+            self._last = n
             verdict = self._verdict(n, keys)
             if verdict == OK:
                 failed = [decode_failure(v) for v in s.multi_get(keys) if v != OK.encode()]

@@ -187,7 +187,7 @@ class PreparedTransfer:
             except Exception as e:
                 error = e
             t3, c3 = time.perf_counter(), time.thread_time()
-            _close(self._ballot, error, self.timeout, self.group)
+            _close(self._ballot, error, self.version, self.timeout, self.group)
         t4, c4 = time.perf_counter(), time.thread_time()
         self.cpu_outside_seconds = c4 - c0 - (c3 - c2) - ahead[1]
         return _report(p, counts, TransferRun(t4 - t0, False, self.version, 0.0, t1 - t0 - ahead[0],
@@ -256,13 +256,13 @@ class PreparedTransfer:
             self._ballot = None if self.timeout is None else Ballot(self.timeout, self.group)
 
 
-def _close(ballot: Ballot | None, error: BaseException | None, timeout: float | None, group) -> None:
+def _close(ballot: Ballot | None, error: BaseException | None, version: int, timeout: float | None, group) -> None:
     """A replay's closing point: one verdict through the store, so that the ranks never part with some keeping the
     new values and others putting the old back (a collective cut short by a dying rank reaches only some): a
     :class:`~loader.distributed.ballot.Ballot` (no session, no heartbeat thread: the timeout bounds its wait), or
     without a timeout a session (its heartbeat finds a rank that dies while the others wait)."""
     if ballot is not None:
-        ballot.agree(error, STAGE)
+        ballot.agree(error, STAGE, version)
         return
     with Session(timeout, group) as session:
         session.agree(error, STAGE)
