@@ -40,12 +40,27 @@ def _shards(model) -> dict[str, torch.Tensor]:
     return {n: getattr(t.data, "_local_tensor", t.data).clone() for n, t in model.state_dict(keep_vars=True).items()}
 
 
+#: ``{format: (this rank's shards of the local load, its report)}``: each format's local load, once per rank
+_LOCAL: dict[str, tuple[dict[str, torch.Tensor], object]] = {}
+
+
+def _local_load(ctx: dict, fmt: str, quiet: LoadOptions) -> tuple[dict[str, torch.Tensor], object]:
+    """This rank's shards of ``fmt``'s local load and its report: the reference of each of the format's schemes
+    (its ``local`` scenario, the first of them, loads it)."""
+    from loader import load_hf_checkpoint
+
+    if fmt not in _LOCAL:
+        local = _model(ctx)
+        report = load_hf_checkpoint(local, ctx["local"][fmt], options=quiet)
+        _LOCAL[fmt] = _shards(local), report
+    return _LOCAL[fmt]
+
+
 def scenario(ctx: dict, fmt: str, scheme: str) -> dict:
     from loader import load_hf_checkpoint
 
     quiet = LoadOptions(progress=False, timeout=60)
-    local = _model(ctx)
-    local_report = load_hf_checkpoint(local, ctx["local"][fmt], options=quiet)
+    want, local_report = _local_load(ctx, fmt, quiet)
     import torch.distributed as dist
 
     agent = f"regiontrace-{fmt}-rank{dist.get_rank()}"  # this rank's requests in nginx's log
@@ -54,7 +69,7 @@ def scenario(ctx: dict, fmt: str, scheme: str) -> dict:
         storage = StorageOptions(backend={"headers": {"User-Agent": agent}})
     model = _model(ctx)
     report = load_hf_checkpoint(model, ctx[scheme][fmt], options=quiet, storage=storage)
-    want, got = _shards(local), _shards(model)
+    got = _shards(model)
     return {
         "unequal": [n for n in want if not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))],
         "bad": check_full(model, torch.load(ctx["ref"][fmt])),
