@@ -134,7 +134,53 @@ def scenario_load_x2(ctx: dict) -> dict:
     }
 
 
-SCENARIOS = [("save", scenario_save), ("load_x2", scenario_load_x2)]
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+#: the key whose first chunk's blob :func:`scenario_spoilt` spoils: rows only the first mesh row (ranks 0, 1) need
+SPOILT = "model.layers.0.self_attn.q_proj.weight"
+
+
+def scenario_spoilt(ctx: dict) -> dict:
+    """The x2 load again, after rank 0 overwrote the end-of-central-directory record of :data:`SPOILT`'s first
+    chunk's blob: the error and whether the rank's model tensors are as they were before the load."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loader import load_hf_checkpoint
+    from loader.checkpoint import open_checkpoint
+
+    if dist.get_rank() == 0:
+        chunk = open_checkpoint(ctx["path"]).tensors[SPOILT].split[0]
+        with open(chunk.location, "r+b") as f:
+            f.seek(chunk.spec.blob.offset + chunk.spec.blob.length - 22)
+            f.write(b"\0" * 22)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2, 2))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ctx["config"]))
+    patterns = {"*_proj.weight": [Shard(0), Replicate()], "*embed_tokens.weight": [Shard(0), Replicate()]}
+    patterns["*lm_head.weight"] = [Replicate(), Replicate()]
+    model = shard_module(model, mesh, placements_matching(model, patterns))
+    before = {n: getattr(t, "_local_tensor", t).clone() for n, t in model.state_dict().items()}
+    checkpoint = open_checkpoint(ctx["path"])
+    try:
+        load_hf_checkpoint(model, checkpoint, options=LoadOptions(progress=False))
+        error = None
+    except Exception as e:
+        error = {"type": type(e).__name__, "key": getattr(e, "key", None), "message": str(e)}
+    after = {n: getattr(t, "_local_tensor", t) for n, t in model.state_dict().items()}
+    lo, hi = _rows(ctx, dist.get_rank(), SPOILT, checkpoint.tensors[SPOILT].shape[0])
+    return {
+        "error": error,
+        "needs_it": _needed(lo, hi, checkpoint.tensors[SPOILT].split[0]),
+        "changed": [n for n in before if not torch.equal(_bits(before[n]), _bits(after[n]))],
+    }
+
+
+SCENARIOS = [("save", scenario_save), ("load_x2", scenario_load_x2), ("spoilt", scenario_spoilt)]
 
 if __name__ == "__main__":
     worker_main(SCENARIOS, lost_a_rank=False)

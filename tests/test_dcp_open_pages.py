@@ -46,3 +46,16 @@ def test_a_rank_resharding_x4_to_x2_reads_within_its_page_bound(tmp_path):
         assert res["found_pages"] > 0 and all(p == [] for p in res["stray"].values()), (r, res)
         for name, outside in res["outside_pages"].items():
             assert outside <= 3 * res["needed_blobs"][name], (r, name, res)
+    _spoilt(results)
+
+
+def _spoilt(results: list[dict]) -> None:
+    """A blob only ranks 0 and 1 need is spoilt: its refusal is agreed in planning, so every rank raises the error
+    naming its key, and no rank's model was written."""
+    spoilt = ok(results, "spoilt")
+    assert [res["needs_it"] for res in spoilt] == [True, True, False, False], spoilt
+    for r, res in enumerate(spoilt):
+        assert res["error"] is not None and res["error"]["type"] == "CheckpointError", (r, res)
+        assert res["error"]["key"] == dcp_x2_worker.SPOILT, (r, res)
+        assert "end-of-central-directory" in res["error"]["message"], (r, res)
+        assert res["changed"] == [], (r, res)
