@@ -472,10 +472,10 @@ def test_algebra_command_line_stands_alone():
     """`python -m regiontrace` runs trace and check without importing the loader; plan and demo point to it."""
     r = algebra("--help")
     assert r.returncode == 0 and "    trace " in r.stdout and "    plan " not in r.stdout, r.stdout
-    for command in ("plan", "demo"):
-        r = algebra(command, "--help")
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert f"`python -m loader {command} ...`" in r.stderr and "console script" in r.stderr
+    for command in ("plan", "demo"):  # regiontrace.cli.main's pointer, in this process
+        status, stderr = in_process(command, "--help", cwd=pathlib.Path(ROOT), algebra=True)
+        assert status == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        assert f"`python -m loader {command} ...`" in stderr and "console script" in stderr
     script = textwrap.dedent("""
         import contextlib, io, sys
         from regiontrace.cli import main
@@ -651,8 +651,8 @@ def test_plan_transfer_prints_bytes_per_rank_pair(tmp_path):
     for rank in moved["ranks"]:
         assert rank["received"] == rank["dst_shard_bytes"] > 0 and rank["local"] > 0
         assert rank["sent"] == sum(p["bytes"] for p in moved["pairs"] if p["src"] == rank["rank"])
-    bad = regiontrace("plan", str(tmp_path / "ckpt"), "--mesh", "2x2", "--transfer", "0")
-    assert bad.returncode != 0 and "--transfer 0" in bad.stderr
+    status, stderr = in_process("plan", str(tmp_path / "ckpt"), "--mesh", "2x2", "--transfer", "0", cwd=tmp_path)
+    assert status == 2 and "--transfer 0" in stderr, stderr
     svg = tmp_path / "transfer.svg"
     r = regiontrace("plan", str(tmp_path / "ckpt"), "--mesh", "4", "--transfer", "2", "--transfer-svg", str(svg))
     assert r.returncode == 0 and f"wrote {svg}" in r.stdout, r.stderr
