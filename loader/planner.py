@@ -235,6 +235,7 @@ def _own_plan(planner: HFLoadPlanner, checkpoint: Checkpoint, make, settings: tu
         plan = make(model_slots(planner.model, hooks.target_slot))
     else:
         plan = planner.plan_cache.planned(planner.model, hooks.target_slot, checkpoint, planner.rules, settings, make)
+    plan.look_up_sources()  # a lazily placed source (a DCP chunk) refused here, in the planning stage
     if rank_and_world()[0] == 0:
         log_fallbacks(((d.conversion, d.reason) for d in plan.deferred), READ_WHOLE)
     return plan

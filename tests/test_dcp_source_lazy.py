@@ -105,3 +105,20 @@ def test_a_hostile_blob_is_refused_by_the_load_that_needs_it_before_a_byte_is_wr
     checkpoint = DcpCheckpoint.open(two_chunks)
     with pytest.raises(CheckpointError, match="end-of-central-directory"):
         checkpoint.resolve(["w"])
+
+
+def test_a_hostile_blob_is_refused_in_planning_without_the_plan_cache(two_chunks):
+    """Without a kept plan the plan's sources are looked up in planning too: the load refuses before reading."""
+    from loader import HFLoadPlanner
+
+    _spoil_second_blob(two_chunks)
+    model = torch.nn.Linear(COLS, ROWS, bias=False)
+    before = model.weight.detach().clone()
+    planner = HFLoadPlanner(model, rules=Rules(weights_mapping=[Convert("w", "weight", lambda w: w * 1)]))
+    planner.plan_cache = None
+    with pytest.raises(CheckpointError, match="end-of-central-directory") as e:
+        planner.build_plan(DcpCheckpoint.open(two_chunks))
+    assert e.value.key == "w"
+    with pytest.raises(CheckpointError, match="end-of-central-directory"):
+        load_hf_checkpoint(model, str(two_chunks), planner=planner, options=QUIET)
+    assert torch.equal(model.weight.detach(), before)

@@ -114,6 +114,18 @@ class RankPlan:
         keys = {k for d in self.deferred if d.boxes for k in d.conversion.sources}
         return total + sum(self.checkpoint[k].nbytes for k in keys)
 
+    def look_up_sources(self) -> None:
+        """Look up every checkpoint tensor this plan reads, now: a source placed when first asked for (a DCP
+        chunk: its blob's records read and checked then) is found, or refused, while planning, not mid-read.
+
+        Raises:
+            CheckpointError: a source the checkpoint refuses, naming the file and the tensor.
+        """
+        names = {r.block.source for r in self.reads} | {b.source for v in self.values for b in value_blocks(v)}
+        names |= {k for d in self.deferred if d.boxes for k in d.conversion.sources}
+        for name in sorted(names):
+            self.checkpoint[name]
+
     @property
     def block_count(self) -> int:
         """``len(block_reads())``, without listing them."""
