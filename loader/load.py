@@ -104,7 +104,8 @@ def read_on_every_rank(
             what = "file(s) read with readahead (this host's ranks read most of them)"
             log.info("rank %d: %d %s", session.rank, shared, what)
         if exchange:
-            reads, received = exchanged_reads(plan, reader, reads, alone, session.peers("reading"))
+            peers = session.peers("reading")
+            reads, values, received = exchanged_reads(plan, reader, reads, alone, peers, values=values)
         execute_plan(plan, reader, alone, reads=reads, deferred=deferred, values=values)
     broadcast_owned(plan.slots, owners, session)
     return received

@@ -274,6 +274,8 @@ def test_four_ranks_load_each_format_like_the_local_load(world, fmt, scheme, fol
         else:  # exchanged reads: what a rank did not fetch, a peer fetched and sent it
             assert res["planned_bytes"] <= res["bytes_read"] + res["bytes_exchanged"], (rank, res)
             assert res["bytes_read"] <= 1.05 * res["planned_bytes"] + 4096, (rank, res)
+            # packed int4 column shards are exchanged too: a few requests per file, not one per row (~2200)
+            assert fmt != "int4" or res["requests"] < 100, (rank, res)
         if scheme == "http":
             sent = [r for r in logged if r.agent == res["agent"] and r.method == "GET"]
             wire = sum(asked(r) for r in sent)

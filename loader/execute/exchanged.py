@@ -12,6 +12,10 @@ dead rank fails every rank), exchange the parcels (:func:`~.exchange.exchange`),
 of the tensors in the round's sections through a :class:`~loader.storage.held.HeldReader` serving its parcels from
 memory. Wanted ranges outside shared extents are left to the caller, read as always through the same reader.
 
+Value reads (:class:`~loader.plan.ValueRead`: a packed int4 or FP8 weight dequantized from its codes and scales)
+want their inputs' bytes as block reads do, and are executed in the round whose sections hold all their inputs: a
+packed column shard (a short run of every row of the codes and of the group scales) is exchanged like a bf16 one.
+
 Bytes fetched per rank are about its slot's bytes (each share as long as what its holder wants in the extent);
 requests are a few per share; bytes between ranks are each rank's slot minus what it fetched itself.
 
@@ -22,32 +26,38 @@ leaves the driver (at the next round's start, or after the last round): every ra
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 import numpy as np
 
-from regiontrace.executor import read_layout
+import regiontrace as rt
+from regiontrace.executor import is_constant, read_layout
 
 from ..checkpoint import Checkpoint
 from ..errors import PeerFailure
 from ..options import LoadOptions
-from ..plan import BlockRead, RankPlan
+from ..plan import BlockRead, RankPlan, ValueRead
 from ..storage import RangeReader
 from ..storage.held import HeldReader
 from .exchange import exchange
-from .exchange_plan import FilePlan, Ranges, as_ranges, plan_files, rounds
+from .exchange_plan import FilePlan, Ranges, Section, as_ranges, plan_files, rounds
 from .peers import Peers
 from .run import execute_plan
 
 
-def wanted_ranges(checkpoint: Checkpoint, reads: Sequence[BlockRead]) -> dict[str, Ranges]:
-    """``{file: the byte ranges reads want}``, each tensor's as :data:`~.exchange_plan.Ranges` (ranges of two
+def value_blocks(v: ValueRead) -> list[rt.RemapBlock]:
+    """The blocks of ``v``'s program's inputs that read the checkpoint (constant ones read no byte)."""
+    return [b for i in v.program.inputs for b in i.blocks if not is_constant(b.source)]
+
+
+def wanted_ranges(checkpoint: Checkpoint, blocks: Iterable[rt.RemapBlock]) -> dict[str, Ranges]:
+    """``{file: the byte ranges blocks want}``, each tensor's as :data:`~.exchange_plan.Ranges` (ranges of two
     tensors that touch are not merged: sharing is decided per tensor)."""
     by_tensor: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    for r in reads:
-        info = checkpoint[r.block.source]
-        grid = info.run_grid(read_layout(r.block))
+    for block in blocks:
+        info = checkpoint[block.source]
+        grid = info.run_grid(read_layout(block))
         by_tensor.setdefault((info.file, info.data_start), []).extend(grid.touching())
     by_file: dict[str, list[Ranges]] = {}
     for (f, _), ranges in sorted(by_tensor.items()):
@@ -122,13 +132,16 @@ def fetch_shares(
     return out
 
 
-def _publish(plan: RankPlan, reads: Sequence[BlockRead], peers: Peers) -> list[dict[str, Ranges]]:
-    """Every rank's wanted ranges of the files every rank knows by one identity (:func:`agreed_files`): computed,
-    agreed (a rank that could not fails every rank), then gathered."""
+def _publish(
+    plan: RankPlan, reads: Sequence[BlockRead], values: Sequence[ValueRead], peers: Peers
+) -> list[dict[str, Ranges]]:
+    """Every rank's wanted ranges (of its block reads and its value reads' inputs) of the files every rank knows by
+    one identity (:func:`agreed_files`): computed, agreed (a rank that could not fails every rank), then gathered."""
     mine: dict[str, Ranges] = {}
     error = None
     try:
-        mine = wanted_ranges(plan.checkpoint, reads)
+        blocks = [r.block for r in reads] + [b for v in values for b in value_blocks(v)]
+        mine = wanted_ranges(plan.checkpoint, blocks)
     except Exception as e:  # agreed next: every rank raises, none hangs in the gather
         error = e
     peers.agree(error, "wanted")
@@ -137,13 +150,39 @@ def _publish(plan: RankPlan, reads: Sequence[BlockRead], peers: Peers) -> list[d
     return agreed_files([decode_wanted(d) for d in peers.all_gather_bytes(data)])
 
 
+def _round_of_values(
+    checkpoint: Checkpoint, values: Sequence[ValueRead], plans: dict[str, FilePlan], groups: list[list[Section]]
+) -> dict[int, list[ValueRead]]:
+    """``{round: the value reads executed in it}``: a value read whose inputs lie in files with shares is executed in
+    the first round whose sections hold every such input's tensor (its inputs in other files are read through the
+    reader there); one whose inputs no round holds together (a file cut between them), or none of whose inputs has
+    shares, is left to the caller."""
+    where: dict[tuple[str, int], int] = {}  # (file, tensor start) -> its round, found per section
+
+    def round_of(file: str, start: int) -> int:
+        k = where.get((file, start))
+        if k is None:
+            found = (n for n, g in enumerate(groups) for sec in g if sec.file == file and sec.lo <= start < sec.hi)
+            k = where[(file, start)] = next(found, -1)
+        return k
+
+    out: dict[int, list[ValueRead]] = {}
+    for v in values:
+        infos = [checkpoint[b.source] for b in value_blocks(v)]
+        rounds_ = {round_of(i.file, i.data_start) for i in infos if i.file in plans}
+        if len(rounds_) == 1 and -1 not in rounds_:
+            out.setdefault(rounds_.pop(), []).append(v)
+    return out
+
+
 def exchanged_reads(
     plan: RankPlan,
     reader: RangeReader,
     reads: Sequence[BlockRead],
     options: LoadOptions,
     peers: Peers,
-) -> tuple[list[BlockRead], int]:
+    values: Sequence[ValueRead] = (),
+) -> tuple[list[BlockRead], list[ValueRead], int]:
     """Execute the reads of the files with shared extents, round by round (see the module). Collective.
 
     Args:
@@ -154,26 +193,31 @@ def exchanged_reads(
             most bytes a rank holds for one round (its shares and the parcels it receives), unless one tensor holds
             more (a round of its own).
         peers: the group.
+        values: this rank's value reads (of ``plan``): their inputs' bytes are wanted as a block read's are (a
+            packed int4 column shard: a short run of every row of its codes and scales), and each is executed in
+            the round holding its inputs.
 
     Returns:
-        The reads left (files without shared extents: the caller executes them), and the bytes received from
-        peers.
+        The block reads left (files without shared extents) and the value reads left (see
+        :func:`_round_of_values`): the caller executes them; and the bytes received from peers.
 
     Raises:
         Exception | PeerFailure: agreed (every rank raises the same): a rank could not say what it wants, a rank's
             fetch or round failed (agreed at the next round's start, or after the last), or a rank never reached
             an exchange (hung, died).
     """
-    wanted = _publish(plan, reads, peers)
+    wanted = _publish(plan, reads, values, peers)
     spans = tensor_spans(plan.checkpoint, {f for w in wanted for f in w})
     plans = plan_files(wanted, spans)
     by_file: dict[str, list[tuple[int, BlockRead]]] = {}  # each read with its tensor's start
     for r in reads:
         info = plan.checkpoint[r.block.source]
         by_file.setdefault(info.file, []).append((info.data_start, r))
+    groups = rounds(plans, peers.world, options.exchange_round_bytes, spans)
+    by_round = _round_of_values(plan.checkpoint, values, plans, groups)
     error: BaseException | None = None
     received = 0
-    for k, sections in enumerate(rounds(plans, peers.world, options.exchange_round_bytes, spans)):
+    for k, sections in enumerate(groups):
         round_plans = {s.file: plans[s.file].section(s.lo, s.hi) for s in sections}  # one section of a file a round
         files = list(round_plans)
         fetched: dict[str, np.ndarray] = {}
@@ -201,9 +245,11 @@ def exchanged_reads(
                 replace(options, rollback=False),
                 reads=round_reads,
                 deferred=(),
-                values=(),
+                values=by_round.get(k, ()),
             )
         except Exception as e:  # agreed at the next round's start, or after the last
             error = e
     peers.agree(error, "exchanged")
-    return [r for r in reads if plan.checkpoint[r.block.source].file not in plans], received
+    done = {id(v) for vs in by_round.values() for v in vs}
+    left = [r for r in reads if plan.checkpoint[r.block.source].file not in plans]
+    return left, [v for v in values if id(v) not in done], received
