@@ -14,7 +14,6 @@ of its calls (a prepared transfer's version: the same on every rank, whichever r
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from .._torch import default_store
 from .collectives import group_rank_and_world
 from .remote import decode_failure, encode_failure, remote_error
+from .session import numbered_prefix
 from .verdicts import STAGES, decide, peer_errors, peer_failure
 
 log = logging.getLogger("loader")
@@ -32,13 +32,6 @@ OK = "ok"
 _BALLOT_IDS: dict[tuple[int, ...], Any] = {}
 """A counter of ballots per group (its world ranks; ``()``: the default group): every rank of a group
 numbers them alike, so that each one's keys are its own in the shared store."""
-
-
-def _prefix(group: Any) -> str:
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
-    ranks = () if len(ranks) == dist.get_world_size() else ranks
-    number = next(_BALLOT_IDS.setdefault(ranks, itertools.count()))
-    return f"loader/ballot/{number}" if not ranks else f"loader/ballot/{','.join(map(str, ranks))}/{number}"
 
 
 class Ballot:
@@ -55,7 +48,7 @@ class Ballot:
     def __init__(self, timeout: float, group: Any = None) -> None:
         self.rank, self.world = group_rank_and_world(group)
         self.timeout = timeout
-        self.store = dist.PrefixStore(_prefix(group), default_store())
+        self.store = dist.PrefixStore(numbered_prefix(_BALLOT_IDS, "loader/ballot", group), default_store())
         self._last: int | None = None  # this rank's previous ballot
 
     def agree(self, error: BaseException | None, stage: str, number: int) -> None:

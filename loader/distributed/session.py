@@ -43,11 +43,17 @@ def fake_world() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
-def _prefix(group: Any) -> str:
+def numbered_prefix(counters: dict[tuple[int, ...], Any], base: str, group: Any) -> str:
+    """The store prefix of the next flow over ``group`` under ``base``: ``counters`` numbers them per group (its
+    world ranks; ``()``: the whole world), alike on every rank that makes them in the same order."""
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
     ranks = () if len(ranks) == dist.get_world_size() else ranks
-    number = next(_FLOW_IDS.setdefault(ranks, itertools.count()))
-    return f"loader/{number}" if not ranks else f"loader/{','.join(map(str, ranks))}/{number}"
+    number = next(counters.setdefault(ranks, itertools.count()))
+    return f"{base}/{number}" if not ranks else f"{base}/{','.join(map(str, ranks))}/{number}"
+
+
+def _prefix(group: Any) -> str:
+    return numbered_prefix(_FLOW_IDS, "loader", group)
 
 
 class Session:
