@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 if __name__ == "__main__":  # before huggingface_hub reads its constants: the Hub-like nginx, online
     os.environ.update(HF_ENDPOINT=json.loads(sys.argv[3])["hf_endpoint"], HF_HUB_OFFLINE="0")
@@ -69,14 +68,8 @@ def scenario(ctx: dict, fmt: str, scheme: str) -> dict:
     if scheme == "http":
         storage = StorageOptions(backend={"headers": {"User-Agent": agent}})
     model = _model(ctx)
-    started = time.perf_counter()
     report = load_hf_checkpoint(model, ctx[scheme][fmt], options=quiet, storage=storage)
-    took = time.perf_counter() - started
     got = _shards(model)
-    print(
-        f"{fmt}_{scheme}: requests={report.requests} read={report.bytes_read} exchanged={report.bytes_exchanged}"
-        f" load {took:.2f} s"
-    )
     return {
         "unequal": [n for n in want if not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))],
         "bad": check_full(model, torch.load(ctx["ref"][fmt])),
@@ -95,8 +88,6 @@ def _scenario(fmt: str, scheme: str):
 
 
 SCENARIOS = [(f"{fmt}_{scheme}", _scenario(fmt, scheme)) for fmt in FORMATS for scheme in SCHEMES]
-if os.environ.get("FORMATS_REMOTE_ONLY"):  # a measurement run of some scenarios (comma-separated names)
-    SCENARIOS = [s for s in SCENARIOS if s[0] in os.environ["FORMATS_REMOTE_ONLY"].split(",")]
 
 if __name__ == "__main__":  # run by tests/test_formats_remote.py
     worker_main(SCENARIOS, lost_a_rank=False)
