@@ -108,7 +108,7 @@ def _place(blob: _Blob, key: str, identity: object, expect: tuple) -> int:
     ``(dtype, sizes)``, contiguous, inside its storage record, inside the blob."""
     location = blob.location
     where = f"chunk blob [{blob.base}, {blob.base + blob.size})"
-    records = read_records(location, blob, blob.size, identity)  # type: ignore[arg-type]
+    records = read_records(location, blob, blob.size, identity, threads=blob.store.remote)  # type: ignore[arg-type]
     found = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(found) != 1:
         raise err(location, f"{where} is not a torch.save archive (its data.pkl records: {found[:3]})", key)
