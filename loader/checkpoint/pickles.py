@@ -63,6 +63,7 @@ def as_object(name: Global) -> Callable[..., PickledObject]:
 
 
 _MARK = object()  # the stack's mark (``MARK``): where a ``TUPLE``, ``LIST``, ``SETITEMS``, … takes its items from
+_STRUCTS: dict[str, struct.Struct] = {}  # each format argument compiled once
 _Stop = StopIteration
 
 
@@ -70,7 +71,8 @@ class _Machine:
     """The unpickling machine over one pickle's bytes; :func:`read_pickle` runs it."""
 
     def __init__(self, data: bytes, allowed: Mapping[Global, Any], persistent_load: Callable | None, name: str):
-        self.raw, self.data, self.pos, self.at = data, memoryview(data), 0, 0
+        self.raw, self.pos, self.at = bytes(data), 0, 0
+        self.size = len(self.raw)
         self.allowed, self.persistent_load, self.name = allowed, persistent_load, name or "<pickle>"
         self.callables = {id(v) for v in allowed.values()}
         self.stack: list[Any] = []
@@ -81,14 +83,20 @@ class _Machine:
         return err(self.name, f"pickle byte {self.at}: {message}")
 
     def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.data):
-            raise self.fail(f"truncated: wants {n} bytes, {len(self.data) - self.pos} left")
-        out = bytes(self.data[self.pos : self.pos + n])
-        self.pos += n
-        return out
+        pos = self.pos
+        end = pos + n
+        if n < 0 or end > self.size:
+            raise self.fail(f"truncated: wants {n} bytes, {self.size - pos} left")
+        self.pos = end
+        return self.raw[pos:end]
 
     def unpack(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+        form = _STRUCTS.get(fmt) or _STRUCTS.setdefault(fmt, struct.Struct(fmt))
+        pos = self.pos
+        if pos + form.size > self.size:
+            raise self.fail(f"truncated: wants {form.size} bytes, {self.size - pos} left")
+        self.pos = pos + form.size
+        return form.unpack_from(self.raw, pos)[0]
 
     def line(self, codec: str = "utf-8") -> str:
         end = self.raw.find(b"\n", self.pos)
@@ -184,10 +192,13 @@ class _Machine:
         self.push(self.persistent_load(pid))
 
     def run(self) -> Any:
-        ops = _OPS
+        ops, raw, size = _OPS, self.raw, self.size
         while True:
-            self.at = self.pos
-            op = self.take(1)
+            at = self.at = self.pos
+            if at >= size:
+                raise self.fail("truncated: no STOP")
+            self.pos = at + 1
+            op = raw[at : at + 1]
             handler = ops.get(op)
             if handler is None:
                 what = _REFUSED.get(op, f"unknown opcode {op!r}")
@@ -196,8 +207,8 @@ class _Machine:
                 handler(self)
             except _Stop:
                 break
-        if self.pos != len(self.data):
-            raise self.fail(f"{len(self.data) - self.pos} bytes after STOP")
+        if self.pos != self.size:
+            raise self.fail(f"{self.size - self.pos} bytes after STOP")
         if len(self.stack) != 1 or self.stack[0] is _MARK:
             raise self.fail(f"STOP with {len(self.stack)} items on the stack, not 1")
         return self.stack[0]
