@@ -39,6 +39,10 @@ EP x TP placements) from FSDP over 64 ranks into EP8 x TP8 on 64 more: the plan 
 best of 3) and of the whole world (the simulation's figures); and Kimi-K2 (``--kimi-layers``: DeepSeek-V3's
 architecture with 384 experts) from FSDP over 256 ranks into EP16 x TP8 on 128 more: one source rank's and one
 destination rank's plans (no world plan).
+
+Pushes into a running vLLM engine (``loader.vllm.EngineSync``: the first push and replayed ones, against the verl
+and checkpoint-engine ways, and delta pushes at 0.1, 1 and 10 % changed) need vLLM's environment: they are
+bench/sync_bench.py's tables.
 """
 
 from __future__ import annotations
