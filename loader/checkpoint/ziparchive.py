@@ -229,17 +229,21 @@ def _entries(path: str, data: bytes, count: int) -> list[_Entry]:
     return out
 
 
+def _where(name: str) -> str:
+    """How an error names a record (made only when one is raised: an archive holds thousands)."""
+    return f"record {short.repr(name)}"
+
+
 def _check_entry(path: str, name: str, flags: int, method: int, csize: int, usize: int, disk: int) -> None:
-    where = f"record {short.repr(name)}"
     if flags & _ENCRYPTED:
-        raise err(path, f"{where} is encrypted: not read")
+        raise err(path, f"{_where(name)} is encrypted: not read")
     if method != 0:
         what = _METHODS.get(method, f"method {method}")
-        raise err(path, f"{where} is compressed ({what}): only stored (uncompressed) records are read in place")
+        raise err(path, f"{_where(name)} is compressed ({what}): only stored (uncompressed) records are read in place")
     if csize != usize:
-        raise err(path, f"{where} is stored but its compressed size {csize} differs from its size {usize}")
+        raise err(path, f"{_where(name)} is stored but its compressed size {csize} differs from its size {usize}")
     if disk:
-        raise err(path, f"{where} starts on disk {disk}: a multi-disk archive is not read")
+        raise err(path, f"{_where(name)} starts on disk {disk}: a multi-disk archive is not read")
 
 
 def _window(entry: _Entry, end: int) -> tuple[int, int]:
@@ -250,31 +254,35 @@ def _window(entry: _Entry, end: int) -> tuple[int, int]:
 def _local(path: str, store: Store, entry: _Entry, end: int, identity: object, head: bytes) -> Record:
     """The record of ``entry`` from its local header, whose :func:`_window` is ``head`` (a long extra field: one
     more read)."""
-    where = f"record {short.repr(entry.name)}"
     if len(head) < _LOCAL.size:
-        raise err(path, f"{where}: local header at {entry.header} runs past the next record or the directory")
+        raise err(
+            path, f"{_where(entry.name)}: local header at {entry.header} runs past the next record or the directory"
+        )
     sig, _, flags, method, _, _, crc, csize, usize, nlen, xlen = _LOCAL.unpack_from(head)
     if sig != _SIG_LOCAL:
-        raise err(path, f"{where}: no local header at {entry.header} (bad signature)")
+        raise err(path, f"{_where(entry.name)}: no local header at {entry.header} (bad signature)")
     data_start = entry.header + _LOCAL.size + nlen + xlen
     if data_start + entry.size > end:
         raise err(
             path,
-            f"{where}: data [{data_start}, {data_start + entry.size}) overlaps the next record or the directory",
+            f"{_where(entry.name)}: data [{data_start}, {data_start + entry.size}) overlaps the next record or the "
+            "directory",
         )
     if len(head) < _LOCAL.size + nlen + xlen:
         head += store.read_range(path, entry.header + len(head), data_start, identity)
     raw = head[_LOCAL.size : _LOCAL.size + nlen]
     if raw != entry.raw_name or method != entry.method or (flags ^ entry.flags) & (_UTF8 | _ENCRYPTED):
         got = f"name {short.repr(raw)}, method {method}, flags {flags:#x}"
-        raise err(path, f"{where}: local header ({got}) disagrees with the central directory")
+        raise err(path, f"{_where(entry.name)}: local header ({got}) disagrees with the central directory")
     extra = head[_LOCAL.size + nlen : _LOCAL.size + nlen + xlen]
     usize, csize = _zip64(path, entry.name, extra, [usize, csize], (usize == _MAX32, csize == _MAX32))
     deferred = flags & _DESCRIPTOR and (crc, csize, usize) == (0, 0, 0)  # sizes in a data descriptor after the data
     if not deferred and (crc, csize, usize) != (entry.crc, entry.size, entry.size):
         got = f"crc {crc:#x}, sizes {csize}/{usize}"
         raise err(
-            path, f"{where}: local header ({got}) disagrees with the central directory's ({entry.crc:#x}, {entry.size})"
+            path,
+            f"{_where(entry.name)}: local header ({got}) disagrees with the central directory's "
+            f"({entry.crc:#x}, {entry.size})",
         )
     return Record(entry.name, entry.header, data_start, entry.size)
 
