@@ -63,7 +63,6 @@ def as_object(name: Global) -> Callable[..., PickledObject]:
 
 
 _MARK = object()  # the stack's mark (``MARK``): where a ``TUPLE``, ``LIST``, ``SETITEMS``, … takes its items from
-_STRUCTS: dict[str, struct.Struct] = {}  # each format argument compiled once
 _Stop = StopIteration
 
 
@@ -90,8 +89,7 @@ class _Machine:
         self.pos = end
         return self.raw[pos:end]
 
-    def unpack(self, fmt: str) -> Any:
-        form = _STRUCTS.get(fmt) or _STRUCTS.setdefault(fmt, struct.Struct(fmt))
+    def unpack(self, form: struct.Struct) -> Any:
         pos = self.pos
         if pos + form.size > self.size:
             raise self.fail(f"truncated: wants {form.size} bytes, {self.size - pos} left")
@@ -232,8 +230,8 @@ def _number_line(m: _Machine, parse: Callable[[str], Any]) -> None:
         raise m.fail(f"INT/LONG/FLOAT argument {short.repr(text)} is not a number") from None
 
 
-def _long(m: _Machine, size_fmt: str) -> None:
-    n = m.unpack(size_fmt)
+def _long(m: _Machine, size_form: struct.Struct) -> None:
+    n = m.unpack(size_form)
     m.push(int.from_bytes(m.take(n), "little", signed=True))
 
 
@@ -311,7 +309,8 @@ def _newobj_ex(m: _Machine) -> None:
     m.push(m.call(m.pop(), args, kwargs))
 
 
-_U8, _U32, _U64 = "<B", "<I", "<Q"
+_U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
+_I32, _U16, _F64 = struct.Struct("<i"), struct.Struct("<H"), struct.Struct(">d")
 _OPS: dict[bytes, Callable[[_Machine], None]] = {
     b"\x80": _proto,
     b"\x95": lambda m: m.take(8),  # FRAME: a buffering hint
@@ -326,12 +325,12 @@ _OPS: dict[bytes, Callable[[_Machine], None]] = {
     b"I": lambda m: _number_line(m, int),
     b"L": lambda m: _number_line(m, int),
     b"F": lambda m: _number_line(m, float),
-    b"J": lambda m: m.push(m.unpack("<i")),
+    b"J": lambda m: m.push(m.unpack(_I32)),
     b"K": lambda m: m.push(m.unpack(_U8)),
-    b"M": lambda m: m.push(m.unpack("<H")),
+    b"M": lambda m: m.push(m.unpack(_U16)),
     b"\x8a": lambda m: _long(m, _U8),
-    b"\x8b": lambda m: _long(m, "<i"),
-    b"G": lambda m: m.push(m.unpack(">d")),
+    b"\x8b": lambda m: _long(m, _I32),
+    b"G": lambda m: m.push(m.unpack(_F64)),
     b"V": lambda m: m.push(m.line("raw-unicode-escape")),
     b"X": lambda m: m.push(m.text(m.unpack(_U32))),
     b"\x8c": lambda m: m.push(m.text(m.unpack(_U8))),

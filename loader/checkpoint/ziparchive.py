@@ -287,12 +287,10 @@ def _local(path: str, store: Store, entry: _Entry, end: int, identity: object, h
     return Record(entry.name, entry.header, data_start, entry.size)
 
 
-def read_records(
-    path: str, store: Store, size: int, identity: object, *, threads: bool | None = None
-) -> dict[str, Record]:
+def read_records(path: str, store: Store, size: int, identity: object, *, threads: bool = True) -> dict[str, Record]:
     """Every record of the stored zip archive ``path`` (``size`` bytes, as ``identity``), by name, in file order.
-    ``threads``: whether runs of local headers are read in threads (default: where ``store`` is remote; a store
-    read in small pieces from memory or the page cache gains nothing from them).
+    ``threads``: whether a remote ``store``'s runs of local headers are read in threads (off for one whose small
+    reads come from memory or the page cache: they gain nothing from them).
 
     Raises:
         CheckpointError: not a zip archive, or one this reader refuses (see the module), naming the record.
@@ -322,7 +320,7 @@ def read_records(
         heads = [held[windows[i][0] - start : windows[i][1] - start] for i in group]
         return [_local(path, store, entries[i], ends[i], identity, h) for i, h in zip(group, heads)]
 
-    if (store.remote if threads is None else threads) and len(groups) > 1:
+    if threads and store.remote and len(groups) > 1:
         with ThreadPoolExecutor(min(REMOTE_HEADER_THREADS, len(groups))) as pool:
             records = [r for rs in pool.map(read, groups) for r in rs]
     else:
